@@ -1,0 +1,8 @@
+"""kvserve: an LLM inference and serving engine built around KV-cache memory management."""
+from kvserve.engine.args import EngineArgs
+from kvserve.llm import LLM
+from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "EngineArgs", "RequestOutput", "CompletionOutput", "__version__"]

@@ -1,0 +1,88 @@
+"""Block bookkeeping: ref-counts, the free list, and the prefix-cache index. Plain Python.
+
+A block with ref-count 0 is free, whether or not it still holds cached data. The free list is
+ordered for eviction (least recently freed first) and doubles as the prefix cache's LRU queue:
+a free block that still carries a hash can be revived by a cache hit (O(1) removal from the
+queue) until the pool needs it for new data, at which point its hash is dropped (an eviction).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+@dataclass(slots=True, eq=False)
+class Block:
+    block_id: int
+    ref_cnt: int = 0
+    # Chained hash of the full block's tokens, set once the block is full and published.
+    block_hash: bytes | None = None
+
+
+class OutOfBlocksError(RuntimeError):
+    pass
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int):
+        if num_blocks < 1:
+            raise ValueError("the KV pool needs at least one block")
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.cached: dict[bytes, Block] = {}
+        self.num_evictions = 0  # cached blocks whose contents were dropped to make room
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks in use (ref-count > 0), vLLM's kv_cache_usage_perc."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def allocate(self, count: int) -> list[Block]:
+        """Take `count` blocks from the head of the free queue, evicting their cached contents."""
+        if count > len(self.free_queue):
+            raise OutOfBlocksError(f"need {count} blocks, {len(self.free_queue)} free")
+        taken = []
+        for _ in range(count):
+            _, block = self.free_queue.popitem(last=False)
+            if block.block_hash is not None:
+                del self.cached[block.block_hash]
+                block.block_hash = None
+                self.num_evictions += 1
+            block.ref_cnt = 1
+            taken.append(block)
+        return taken
+
+    def lookup(self, block_hash: bytes) -> Block | None:
+        return self.cached.get(block_hash)
+
+    def share(self, blocks: list[Block]) -> None:
+        """Take one more reference on each block (prefix-cache hits); revive free ones."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self.free_queue[block.block_id]
+            block.ref_cnt += 1
+
+    def publish(self, block: Block, block_hash: bytes) -> None:
+        """Make a full block findable by its hash. If an identical block is already cached, the
+        first one stays the canonical copy and this one simply remains private."""
+        if block.block_hash is None and block_hash not in self.cached:
+            block.block_hash = block_hash
+            self.cached[block_hash] = block
+
+    def release(self, blocks: list[Block]) -> None:
+        """Drop one reference from each block, in the given order: blocks reaching zero join the
+        tail of the free queue, so the ones released first are evicted first."""
+        for block in blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt < 0:
+                raise AssertionError(f"block {block.block_id} released more often than taken")
+            if block.ref_cnt == 0:
+                self.free_queue[block.block_id] = block

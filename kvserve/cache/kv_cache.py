@@ -1,0 +1,101 @@
+"""The physical KV pool: one preallocated set of tensors per layer, addressed by block id.
+
+Layout of one layer's pool (full precision)::
+
+    key[kv_head, block, offset, head_dim]      value[kv_head, block, offset, head_dim]
+
+KV heads lead so that gathering a batch's blocks (`index_select` on dim 1) directly yields
+[kv_head, batch, tokens, head_dim], the operand shape of the grouped attention matmul, with no
+permute copy. A token's *slot* is `block * block_size + offset`; writes scatter by slot, reads
+gather through block tables (the PagedAttention contract, Kwon et al. 2023).
+
+How values are stored (full precision, fp8, int8, int4...) is a `KVFormat`; the pool only sizes
+and owns the tensors. Any per-block scales a format needs live in the same per-layer dict and
+are indexed by the same block ids, so they are allocated, shared and freed with their blocks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """Shape facts that determine the size of a block."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+
+
+class KVFormat:
+    """How K/V values are stored in the pool. Subclasses implement one storage dtype each."""
+
+    name: str = "abstract"
+
+    def bytes_per_block(self, spec: KVCacheSpec) -> int:
+        """Bytes one block takes in one layer, K and V and any scales included."""
+        raise NotImplementedError
+
+    def allocate(self, spec: KVCacheSpec, num_blocks: int, device: torch.device) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def write(self, pool: dict[str, torch.Tensor], key: torch.Tensor, value: torch.Tensor,
+              slot_mapping: torch.Tensor) -> None:
+        """Store key/value [tokens, kv_heads, head_dim] at the given slots."""
+        raise NotImplementedError
+
+    def gather(self, pool: dict[str, torch.Tensor], block_ids: torch.Tensor, batch: int,
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the flattened block tables `block_ids` [batch * blocks_per_seq], as
+        [kv_heads, batch, blocks_per_seq * block_size, head_dim] in the compute dtype."""
+        raise NotImplementedError
+
+
+class FullPrecisionFormat(KVFormat):
+    """K/V stored as-is in a float dtype (the "auto", float16, bfloat16, float32 cache dtypes)."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+        self.name = str(dtype).removeprefix("torch.")
+
+    def bytes_per_block(self, spec: KVCacheSpec) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * spec.num_kv_heads * spec.block_size * spec.head_dim * elem
+
+    def allocate(self, spec, num_blocks, device):
+        shape = (spec.num_kv_heads, num_blocks, spec.block_size, spec.head_dim)
+        return {"key": torch.zeros(shape, dtype=self.dtype, device=device),
+                "value": torch.zeros(shape, dtype=self.dtype, device=device)}
+
+    def write(self, pool, key, value, slot_mapping):
+        for name, new in (("key", key), ("value", value)):
+            cache = pool[name]
+            flat = cache.view(cache.shape[0], -1, cache.shape[-1])
+            flat.index_copy_(1, slot_mapping, new.transpose(0, 1).to(cache.dtype))
+
+    def gather(self, pool, block_ids, batch, dtype):
+        return tuple(_gather_blocks(pool[name], block_ids, batch).to(dtype) for name in ("key", "value"))
+
+
+def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, batch: int) -> torch.Tensor:
+    """[kv_heads, blocks, block_size, ...] -> [kv_heads, batch, tokens, ...] for flat block ids."""
+    picked = torch.index_select(cache, 1, block_ids)
+    return picked.view(cache.shape[0], batch, -1, *cache.shape[3:])
+
+
+class KVCache:
+    """All layers' pools, allocated once at start-up and never resized."""
+
+    def __init__(self, spec: KVCacheSpec, kv_format: KVFormat, num_blocks: int, device: torch.device):
+        self.spec = spec
+        self.format = kv_format
+        self.num_blocks = num_blocks
+        self.layers = [kv_format.allocate(spec, num_blocks, device) for _ in range(spec.num_layers)]
+
+    @property
+    def nbytes(self) -> int:
+        """Real bytes held by the pool tensors (scales included)."""
+        return sum(t.nbytes for layer in self.layers for t in layer.values())

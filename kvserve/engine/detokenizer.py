@@ -1,0 +1,57 @@
+"""Incremental detokenization with stop strings.
+
+Decoding only a sliding window of recent tokens keeps the cost per token constant; a window
+that ends in U+FFFD is an incomplete multi-byte character and waits for the next token. Text that
+could be the start of a stop string is held back until it is known not to be one, so a stream
+never shows text that the final answer drops.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+# Prompt tokens decoded as left context: SentencePiece-style tokenizers render a leading space
+# differently at the start of a string than after other tokens.
+_CONTEXT_TOKENS = 6
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], stop: list[str],
+                 include_stop_str_in_output: bool, skip_special_tokens: bool):
+        self.tokenizer = tokenizer
+        self.tokens = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.tokens)
+        self.stop = stop
+        self.include_stop = include_stop_str_in_output
+        self.skip_special = skip_special_tokens
+        self.hold_back = max((len(s) for s in stop), default=1) - 1
+        self.text = ""  # the output text so far (after any stop-string truncation)
+        self.stop_string: str | None = None
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
+
+    def add_token(self, token_id: int) -> None:
+        """Append one generated token; sets `stop_string` if a stop string completed."""
+        self.tokens.append(token_id)
+        before = self._decode(self.tokens[self.prefix_offset:self.read_offset])
+        after = self._decode(self.tokens[self.prefix_offset:])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return
+        new_text = after[len(before):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+        start = max(0, len(self.text) - self.hold_back)
+        self.text += new_text
+        for stop in self.stop:
+            index = self.text.find(stop, start)
+            if index != -1:
+                self.stop_string = stop
+                self.text = self.text[: index + len(stop) if self.include_stop else index]
+                return
+
+    def visible_text(self, finished: bool) -> str:
+        """The output text safe to show: while unfinished, a tail that may begin a stop string is
+        withheld. Grows monotonically, so a stream can send the difference."""
+        if finished or not self.stop:
+            return self.text
+        return self.text[: max(0, len(self.text) - self.hold_back)]

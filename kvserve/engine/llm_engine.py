@@ -1,0 +1,319 @@
+"""The engine: load the model, size the KV pool once, then step: schedule -> run -> sample -> detokenize.
+
+    add_request ──> Scheduler.waiting ──schedule()──> ModelRunner.execute ──> Scheduler.update
+                                                                            └─> detokenize, stop strings
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvserve.cache.kv_cache import FullPrecisionFormat, KVCache, KVCacheSpec, KVFormat
+from kvserve.cache.kv_cache_manager import KVCacheManager
+from kvserve.cache.sizing import (GiB, blocks_for_tokens, bytes_per_block, default_cpu_budget,
+                                  num_blocks_for_budget, parse_size)
+from kvserve.engine.args import EngineArgs
+from kvserve.engine.detokenizer import IncrementalDetokenizer
+from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.request import Request, RequestStatus
+from kvserve.engine.scheduler import Scheduler, SchedulerConfig
+from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.loader import load_model
+from kvserve.outputs import CompletionOutput, Logprob, RequestOutput
+from kvserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("kvserve")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class CapacityError(ValueError):
+    """The KV budget cannot hold even one sequence of max-model-len."""
+
+
+def select_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX: bf16 matmuls run ~2x faster than fp32 on such CPUs; elsewhere bf16
+    is emulated and slower than fp32."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def select_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if device.type == "cpu" and cpu_has_native_bf16() else torch.float32
+
+
+def make_kv_format(kv_cache_dtype: str, model_dtype: torch.dtype) -> KVFormat:
+    if kv_cache_dtype == "auto":
+        return FullPrecisionFormat(model_dtype)
+    if kv_cache_dtype in _DTYPES:
+        return FullPrecisionFormat(_DTYPES[kv_cache_dtype])
+    raise ValueError(f"unknown kv cache dtype {kv_cache_dtype!r}")
+
+
+@dataclass
+class _Child:
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    logprobs: list[Logprob] | None
+
+
+@dataclass
+class _Parent:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[_Child] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(c.request.status.finished for c in self.children)
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs):
+        self.args = args
+        torch.manual_seed(args.seed)
+        self.device = select_device(args.device)
+        self.dtype = select_dtype(args.dtype, self.device)
+        start = time.monotonic()
+        loaded = load_model(args.model)
+        self.model_config = loaded.config
+        self.model_path = loaded.path
+        self.tokenizer = loaded.tokenizer
+        self.max_model_len = self._resolve_max_model_len(args.max_model_len)
+        self.model = LlamaForCausalLM.from_hf_weights(
+            loaded.config, loaded.weights, self.max_model_len, self.dtype, self.device)
+        del loaded
+        logger.info("Loaded %s (%s, %s, %s) in %.1f s", self.model_path, self.model_config.architecture,
+                    str(self.dtype).removeprefix("torch."), self.device, time.monotonic() - start)
+        self.eos_token_ids = self._eos_token_ids()
+
+        self.kv_format = make_kv_format(args.kv_cache_dtype, self.dtype)
+        cfg = self.model_config
+        self.kv_spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, args.block_size)
+        num_blocks = self._size_kv_pool()
+        self.kv_cache = KVCache(self.kv_spec, self.kv_format, num_blocks, self.device)
+        self.kv_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching,
+                                         namespace=self.kv_format.name)
+        self.scheduler = Scheduler(
+            SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len), self.kv_manager)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device)
+        self._parents: dict[str, _Parent] = {}
+        self._children: dict[str, tuple[_Parent, _Child]] = {}
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------------ start-up
+    def _resolve_max_model_len(self, requested: int | None) -> int:
+        limit = self.model_config.max_position_embeddings
+        if requested is None:
+            return limit
+        if requested < 1:
+            raise ValueError(f"--max-model-len must be positive, got {requested}")
+        if requested > limit:
+            raise ValueError(f"--max-model-len {requested} exceeds the model's max_position_embeddings ({limit})")
+        return requested
+
+    def _eos_token_ids(self) -> tuple[int, ...]:
+        ids = set(self.model_config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return tuple(sorted(ids))
+
+    def _kv_budget(self) -> int:
+        if self.args.kv_cache_memory is not None:
+            return parse_size(self.args.kv_cache_memory)
+        if self.device.type == "cuda":
+            return self._profile_cuda_budget()
+        return default_cpu_budget()
+
+    def _profile_cuda_budget(self) -> int:
+        """vLLM's recipe: run one forward pass of the largest step with a throw-away pool, take
+        the peak memory it needed, and give the KV pool what is left of the utilisation target."""
+        block_size = self.args.block_size
+        tokens = min(self.args.max_num_batched_tokens, self.max_model_len)
+        scratch = KVCache(self.kv_spec, self.kv_format, blocks_for_tokens(tokens, block_size), self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        probe = Request("profile", [0] * tokens, SamplingParams(max_tokens=1))
+        from kvserve.engine.scheduler import ScheduledRequest
+
+        runner = ModelRunner(self.model, scratch, self.device)
+        runner.execute([ScheduledRequest(probe, tokens)], {"profile": list(range(scratch.num_blocks))})
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - scratch.nbytes
+        del scratch, runner
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        budget = int(total * self.args.gpu_memory_utilization) - peak
+        if budget <= 0:
+            raise CapacityError(f"no memory left for the KV cache: the model and activations peak at "
+                                f"{peak / GiB:.2f} GiB of a {self.args.gpu_memory_utilization:.0%} target of "
+                                f"{total / GiB:.2f} GiB; raise --gpu-memory-utilization or lower "
+                                f"--max-num-batched-tokens")
+        return budget
+
+    def _size_kv_pool(self) -> int:
+        budget = self._kv_budget()
+        per_block = bytes_per_block(self.kv_spec, self.kv_format)
+        num_blocks = num_blocks_for_budget(budget, self.kv_spec, self.kv_format)
+        bs = self.args.block_size
+        needed = blocks_for_tokens(self.max_model_len, bs)
+        if num_blocks < needed:
+            raise CapacityError(
+                f"the KV cache budget of {budget / GiB:.3f} GiB ({budget} bytes) holds {num_blocks * bs} tokens, "
+                f"but one sequence of max-model-len {self.max_model_len} needs {needed * per_block} bytes "
+                f"({needed * per_block / GiB:.3f} GiB). Raise --kv-cache-memory or use "
+                f"--max-model-len {num_blocks * bs} or less.")
+        per_token = per_block / bs
+        logger.info("Available KV cache memory: %.2f GiB (%s, %.0f bytes per token)",
+                    num_blocks * per_block / GiB, self.kv_format.name, per_token)
+        logger.info("KV cache size: %s tokens (%d blocks of %d)", f"{num_blocks * bs:,}", num_blocks, bs)
+        logger.info("Maximum concurrency for %s tokens per request: %.2fx", f"{self.max_model_len:,}",
+                    num_blocks * bs / self.max_model_len)
+        return num_blocks
+
+    # ------------------------------------------------------------------ requests
+    def new_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    def tokenize(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            prompt = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt["prompt"]
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        return None, list(prompt)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Render a conversation with the tokenizer's chat template, then tokenize it (the template
+        already holds the special tokens, so none are added)."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; use the completions API")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Check a request against the model; returns the resolved max_tokens."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("The prompt cannot be empty.")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"Token id {bad} is out of vocabulary (the model has {vocab} tokens).")
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
+        if n + max_tokens > self.max_model_len or max_tokens < 1:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{n + max(max_tokens, 1)} tokens ({n} in the messages, {max(max_tokens, 1)} in the completion). "
+                f"Please reduce the length of the messages or completion.")
+        return max_tokens
+
+    def add_request(self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str | None = None,
+                    cache_salt: str | None = None) -> str:
+        """Queue a prompt (text, token ids or {"prompt_token_ids": [...]}). Raises ValueError for bad input."""
+        request_id = request_id or self.new_request_id()
+        if request_id in self._parents:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        text, token_ids = self.tokenize(prompt)
+        max_tokens = self.validate(token_ids, params)
+        parent = _Parent(request_id, text, token_ids)
+        for index in range(params.n):
+            child_params = params.for_child(index)
+            child_params.max_tokens = max_tokens
+            child_id = request_id if params.n == 1 else f"{index}_{request_id}"
+            request = Request(child_id, token_ids, child_params, self.eos_token_ids, cache_salt)
+            detok = IncrementalDetokenizer(self.tokenizer, token_ids, child_params.stop,
+                                           child_params.include_stop_str_in_output, child_params.skip_special_tokens)
+            child = _Child(request, detok, [] if child_params.logprobs is not None else None)
+            parent.children.append(child)
+            self._children[child_id] = (parent, child)
+            self.scheduler.add(request)
+        self._parents[request_id] = parent
+        return request_id
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now; its blocks go back to the pool immediately."""
+        parent = self._parents.get(request_id)
+        if parent is None:
+            return None
+        for child in parent.children:
+            self.scheduler.finish(child.request, RequestStatus.FINISHED_ABORTED)
+        return self._output(parent)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------ the loop
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step; return the state of every request that advanced or finished."""
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return []
+        tables = {s.request.request_id: self.kv_manager.block_ids(s.request.request_id) for s in scheduled}
+        sampled_items, result = self.runner.execute(scheduled, tables)
+        sampled = {item.request.request_id: tok for item, tok in zip(sampled_items, result.token_ids)}
+        self.scheduler.update(scheduled, sampled)
+
+        touched: dict[str, _Parent] = {}
+        for item, token, logprob in zip(sampled_items, result.token_ids, result.logprobs):
+            parent, child = self._children[item.request.request_id]
+            request = child.request
+            child.detokenizer.add_token(token)
+            if child.logprobs is not None and logprob is not None:
+                child.logprobs.append(Logprob(token, logprob[0], logprob[1]))
+            if child.detokenizer.stop_string is not None and not request.status.finished:
+                request.stop_reason = child.detokenizer.stop_string
+                self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+            touched[parent.request_id] = parent
+        return [self._output(parent) for parent in touched.values()]
+
+    def _output(self, parent: _Parent) -> RequestOutput:
+        outputs = []
+        for index, child in enumerate(parent.children):
+            request = child.request
+            done = request.status.finished
+            if done:
+                self.runner.sampler.forget(request.request_id)
+            outputs.append(CompletionOutput(
+                index=index,
+                text=child.detokenizer.visible_text(done),
+                token_ids=list(request.output_token_ids),
+                finish_reason=request.status.value if done else None,
+                stop_reason=request.stop_reason,
+                logprobs=list(child.logprobs) if child.logprobs is not None else None,
+            ))
+        finished = parent.finished
+        if finished:
+            del self._parents[parent.request_id]
+            for child in parent.children:
+                self._children.pop(child.request.request_id, None)
+        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outputs, finished,
+                             num_cached_tokens=parent.children[0].request.num_cached_tokens)
+
+    # ------------------------------------------------------------------ introspection
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_cache.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.kv_manager.pool.num_free_blocks

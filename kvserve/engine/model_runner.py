@@ -1,0 +1,103 @@
+"""Turns the scheduler's plain-data decision into tensors, runs the model, samples.
+
+Input preparation is numpy over each request's token range; the forward pass itself sees one
+packed batch of all scheduled tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvserve.cache.kv_cache import KVCache
+from kvserve.engine.sampler import SampleResult, Sampler
+from kvserve.engine.scheduler import ScheduledRequest
+from kvserve.model.attention import AttentionGroup, AttentionMetadata
+from kvserve.model.llama import LlamaForCausalLM
+
+
+@dataclass
+class ModelInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_rows: torch.Tensor
+    sampled: list[ScheduledRequest]  # requests that get a token this step, in logits-row order
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = kv_cache.spec.block_size
+        self.device = device
+        self.sampler = Sampler(model.config.vocab_size, device)
+
+    def prepare(self, scheduled: list[ScheduledRequest], block_tables: dict[str, list[int]]) -> ModelInputs:
+        bs = self.block_size
+        token_chunks, position_chunks, slot_chunks = [], [], []
+        decode, prefill = [], []
+        logits_rows, sampled = [], []
+        offset = 0
+        for item in scheduled:
+            r, n = item.request, item.num_new_tokens
+            start = r.num_computed_tokens
+            positions = np.arange(start, start + n)
+            table = np.asarray(block_tables[r.request_id], dtype=np.int64)
+            token_chunks.append(r.token_ids[start:start + n])
+            position_chunks.append(positions)
+            slot_chunks.append(table[positions // bs] * bs + positions % bs)
+            (decode if n == 1 else prefill).append((offset, n, start + n, table))
+            if item.samples:
+                logits_rows.append(offset + n - 1)
+                sampled.append(item)
+            offset += n
+
+        def tensor(array, dtype=torch.long) -> torch.Tensor:
+            return torch.as_tensor(array, dtype=dtype).to(self.device, non_blocking=True)
+
+        meta = AttentionMetadata(
+            slot_mapping=tensor(np.concatenate(slot_chunks)),
+            decode=self._group(decode, tensor),
+            prefill=self._group(prefill, tensor),
+        )
+        return ModelInputs(
+            input_ids=tensor(np.fromiter((t for chunk in token_chunks for t in chunk), dtype=np.int64)),
+            positions=tensor(np.concatenate(position_chunks)),
+            meta=meta,
+            logits_rows=tensor(logits_rows),
+            sampled=sampled,
+        )
+
+    def _group(self, members: list[tuple[int, int, int, np.ndarray]], tensor) -> AttentionGroup | None:
+        """Pad a group's queries and block tables to common lengths."""
+        if not members:
+            return None
+        max_q = max(n for _, n, _, _ in members)
+        max_blocks = max(len(table) for *_, table in members)
+        rows = np.zeros((len(members), max_q), dtype=np.int64)
+        valid = np.zeros((len(members), max_q), dtype=bool)
+        q_pos = np.zeros((len(members), max_q), dtype=np.int64)
+        block_ids = np.zeros((len(members), max_blocks), dtype=np.int64)
+        seq_lens = np.empty(len(members), dtype=np.int64)
+        for i, (offset, n, seq_len, table) in enumerate(members):
+            rows[i, :n] = np.arange(offset, offset + n)
+            rows[i, n:] = offset
+            valid[i, :n] = True
+            q_pos[i, :n] = np.arange(seq_len - n, seq_len)
+            block_ids[i, : len(table)] = table
+            seq_lens[i] = seq_len
+        return AttentionGroup(
+            query_rows=tensor(rows), query_valid=tensor(valid, torch.bool), query_positions=tensor(q_pos),
+            block_ids=tensor(block_ids.reshape(-1)), seq_lens=tensor(seq_lens),
+            context_len=max_blocks * self.block_size,
+        )
+
+    def execute(self, scheduled: list[ScheduledRequest], block_tables: dict[str, list[int]]
+                ) -> tuple[list[ScheduledRequest], SampleResult]:
+        inputs = self.prepare(scheduled, block_tables)
+        logits = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta, inputs.logits_rows)
+        if not inputs.sampled:
+            return [], SampleResult([], [])
+        return inputs.sampled, self.sampler(logits, [item.request for item in inputs.sampled])

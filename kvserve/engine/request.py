@@ -1,0 +1,83 @@
+"""One sequence being generated, as the scheduler sees it: tokens, progress, status."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from kvserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"  # EOS, a stop token or a stop string
+    FINISHED_LENGTH = "length"  # max_tokens or the context limit
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+
+
+@dataclass(eq=False)
+class Request:
+    """A single sequence. `n > 1` fans out into one Request per sample sharing the prompt.
+
+    The one invariant the scheduler works with (vLLM v1's): `num_computed_tokens` catches up with
+    `num_tokens`. Prefill, chunked prefill, prefix-cache hits, recompute after preemption and
+    decode are all the same motion; a token is sampled whenever the two meet.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    cache_salt: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    num_preemptions: int = 0
+    # Tokens of this request found in the prefix cache when it was first scheduled.
+    num_cached_tokens: int = 0
+    stop_reason: int | str | None = None
+    error: str | None = None
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def max_tokens(self) -> int:
+        return self.params.max_tokens  # resolved to a number by the engine on arrival
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def check_stop(self, max_model_len: int) -> RequestStatus | None:
+        """After a token was appended: the finishing status, if generation must stop."""
+        n_out = self.num_output_tokens
+        last = self.token_ids[-1]
+        if n_out >= self.params.min_tokens:
+            if not self.params.ignore_eos and last in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if last in self.params.stop_token_ids:
+                self.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
+        if n_out >= self.max_tokens or self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -1,0 +1,141 @@
+"""Batched token sampling: penalties, temperature, top-k, top-p, min-p, greedy, seeds, logprobs.
+
+Every transformation is a tensor op over the whole batch; per-request values arrive as
+[batch] tensors. Only seeded requests draw their noise one by one (each owns a generator, so its
+output does not depend on what else is in the batch).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.engine.request import Request
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    # Per request, when logprobs were asked: (chosen token's logprob, [(token, logprob)] top-k).
+    logprobs: list[tuple[float, list[tuple[int, float]]] | None]
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, device: torch.device):
+        self.vocab_size = vocab_size
+        self.device = device
+        self._generators: dict[str, torch.Generator] = {}
+
+    def forget(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+
+    def _generator(self, request: Request) -> torch.Generator:
+        gen = self._generators.get(request.request_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(request.params.seed)
+            self._generators[request.request_id] = gen
+        return gen
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
+        """logits: float32 [batch, vocab] (vocab may exceed the tokenizer's; padded rows are real
+        logits of the checkpoint and stay eligible only if the model gives them mass)."""
+        params = [r.params for r in requests]
+        raw = logits
+        logits = self._apply_penalties(logits, requests)
+        logits = self._mask_min_tokens(logits, requests)
+
+        temperature = torch.tensor([p.temperature for p in params], device=logits.device)
+        greedy = temperature == 0
+        tokens = logits.argmax(dim=-1)
+        if not bool(greedy.all()):
+            scaled = logits / torch.where(greedy, 1.0, temperature).unsqueeze(1)
+            probs = self._truncate(scaled, params).softmax(dim=-1)
+            sampled = self._draw(probs, requests)
+            tokens = torch.where(greedy, tokens, sampled)
+
+        token_list = tokens.tolist()
+        return SampleResult(token_list, self._logprobs(raw, token_list, params))
+
+    # ------------------------------------------------------------------ transformations
+    def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        params = [r.params for r in requests]
+        if all(p.repetition_penalty == 1 and p.presence_penalty == 0 and p.frequency_penalty == 0
+               for p in params):
+            return logits
+        batch, vocab = logits.shape
+        dev = logits.device
+        out_counts = torch.zeros(batch, vocab, device=dev)
+        seen = torch.zeros(batch, vocab, dtype=torch.bool, device=dev)
+        for i, r in enumerate(requests):
+            out = torch.tensor(r.output_token_ids, dtype=torch.long, device=dev)
+            out_counts[i].index_add_(0, out, torch.ones(len(out), device=dev))
+            seen[i, torch.tensor(r.token_ids, dtype=torch.long, device=dev)] = True
+        rep = torch.tensor([p.repetition_penalty for p in params], device=dev).unsqueeze(1)
+        # Repetition penalty (Keskar et al. 2019, as in HF/vLLM) over prompt and output tokens.
+        penalised = torch.where(logits > 0, logits / rep, logits * rep)
+        logits = torch.where(seen, penalised, logits)
+        freq = torch.tensor([p.frequency_penalty for p in params], device=dev).unsqueeze(1)
+        pres = torch.tensor([p.presence_penalty for p in params], device=dev).unsqueeze(1)
+        # OpenAI's presence/frequency penalties count generated tokens only.
+        return logits - freq * out_counts - pres * (out_counts > 0).float()
+
+    def _mask_min_tokens(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        rows = [(i, r) for i, r in enumerate(requests) if r.num_output_tokens < r.params.min_tokens]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        for i, r in rows:
+            banned = set(r.params.stop_token_ids)
+            if not r.params.ignore_eos:
+                banned.update(r.eos_token_ids)
+            if banned:
+                logits[i, list(banned)] = float("-inf")
+        return logits
+
+    def _truncate(self, logits: torch.Tensor, params) -> torch.Tensor:
+        """Top-k, then top-p (nucleus, Holtzman et al. 2019), then min-p, as -inf masks."""
+        dev = logits.device
+        top_k = torch.tensor([p.top_k or self.vocab_size for p in params], device=dev)
+        top_p = torch.tensor([p.top_p for p in params], device=dev)
+        min_p = torch.tensor([p.min_p for p in params], device=dev)
+        if bool((top_k < logits.shape[1]).any()) or bool((top_p < 1).any()):
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            ranks = torch.arange(logits.shape[1], device=dev)
+            drop = ranks[None, :] >= top_k[:, None]
+            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+            probs = sorted_logits.softmax(dim=-1)
+            # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+            mass_before = probs.cumsum(dim=-1) - probs
+            sorted_logits = sorted_logits.masked_fill(mass_before >= top_p[:, None], float("-inf"))
+            logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+        if bool((min_p > 0).any()):
+            probs = logits.softmax(dim=-1)
+            threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+            logits = logits.masked_fill(probs < threshold, float("-inf"))
+        return logits
+
+    def _draw(self, probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """Sample via the exponential race: argmax(p / E) with E ~ Exp(1) picks i with prob p_i."""
+        noise = torch.empty_like(probs).exponential_()
+        for i, r in enumerate(requests):
+            if r.params.seed is not None:
+                noise[i].exponential_(generator=self._generator(r))
+        return (probs / noise).argmax(dim=-1)
+
+    def _logprobs(self, raw: torch.Tensor, tokens: list[int], params) -> list:
+        wanted = [p.logprobs for p in params]
+        if all(w is None for w in wanted):
+            return [None] * len(tokens)
+        logprobs = raw.log_softmax(dim=-1)
+        k = max(w or 0 for w in wanted)
+        top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
+        chosen = logprobs[torch.arange(len(tokens), device=raw.device), torch.tensor(tokens, device=raw.device)].tolist()
+        result = []
+        for i, w in enumerate(wanted):
+            if w is None:
+                result.append(None)
+                continue
+            top = list(zip(top_ids[i, :w].tolist(), top_vals[i, :w].tolist())) if w else []
+            result.append((chosen[i], top))
+        return result

@@ -1,0 +1,130 @@
+"""Continuous batching with one token budget per step. Plain Python: no tensors, no model.
+
+Each step the scheduler decides how many tokens every request advances (its output is plain
+data, `ScheduledRequest`s). Running requests go first in arrival order (FCFS): a decode takes one
+token of the budget, an unfinished prefill takes as much as is left (chunked prefill). Waiting
+requests then join while the budget, `max_num_seqs` and free blocks allow. When the pool runs
+dry, the most recently admitted running request is preempted by recompute: its blocks are freed
+and it goes back to the front of the waiting queue (vLLM's policy; never an OOM).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from kvserve.cache.kv_cache_manager import KVCacheManager
+from kvserve.engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True if this step reaches the end of the request's known tokens (a token is sampled)."""
+        r = self.request
+        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager):
+        self.config = config
+        self.kv = kv_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ queue management
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Remove a request wherever it is and return its blocks to the pool at once."""
+        if request.status.finished:
+            return
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv.free(request)
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # ------------------------------------------------------------------ one step
+    def schedule(self) -> list[ScheduledRequest]:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted = False
+
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request.status != RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv.allocate(request, num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            else:
+                scheduled.append(ScheduledRequest(request, num_new))
+                budget -= num_new
+
+        # New requests wait while anything was preempted this step: admitting them would only
+        # take blocks the preempted (older) requests need to resume.
+        while self.waiting and not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            cached = self.kv.find_cached_prefix(request)
+            num_cached = len(cached) * self.kv.block_size
+            num_new = min(request.num_tokens - num_cached, budget)
+            if not self.kv.allocate(request, num_new, cached):
+                break
+            self.waiting.popleft()
+            if request.num_preemptions == 0:  # recomputing its own blocks is not a cache hit
+                request.num_cached_tokens = num_cached
+                self.kv.record_lookup(request.num_tokens, num_cached)
+            request.num_computed_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+        return scheduled
+
+    def update(self, scheduled: list[ScheduledRequest], sampled: dict[str, int]) -> list[Request]:
+        """Advance requests after the forward pass; append sampled tokens; return the requests
+        that finished (their blocks are already back in the pool)."""
+        finished = []
+        for item in scheduled:
+            request = item.request
+            request.num_computed_tokens += item.num_new_tokens
+            token = sampled.get(request.request_id)
+            if token is None:
+                continue
+            request.append_token(token)
+            status = request.check_stop(self.config.max_model_len)
+            if status is not None:
+                self.finish(request, status)
+                finished.append(request)
+        return finished

@@ -1,0 +1,54 @@
+"""Offline batch inference, like vLLM's `LLM`: `LLM().generate(prompts, SamplingParams(...))`."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from tqdm import tqdm
+
+from kvserve.engine.args import EngineArgs
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import SamplingParams
+
+Prompt = str | list[int] | dict
+Message = dict[str, Any]
+
+
+class LLM:
+    """`LLM(model=None)` loads the bundled default model; keyword arguments are `EngineArgs`."""
+
+    def __init__(self, model: str | None = None, **engine_options: Any):
+        self.engine = LLMEngine(EngineArgs(model=model, **engine_options))
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt, batched by the scheduler; results in prompt order."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError("give one SamplingParams, or one per prompt")
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, sampling_params)]
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[Message] | list[list[Message]], sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to each conversation, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [{"prompt_token_ids": self.engine.apply_chat_template(c, add_generation_prompt)}
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished:
+                        results[output.request_id] = output
+                        bar.update(1)
+        return [results[i] for i in request_ids]

