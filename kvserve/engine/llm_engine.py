@@ -20,7 +20,7 @@ from kvserve.engine.args import EngineArgs
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.request import Request, RequestStatus
-from kvserve.engine.scheduler import Scheduler, SchedulerConfig
+from kvserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import load_model
 from kvserve.outputs import CompletionOutput, Logprob, RequestOutput
@@ -153,8 +153,6 @@ class LLMEngine:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         probe = Request("profile", [0] * tokens, SamplingParams(max_tokens=1))
-        from kvserve.engine.scheduler import ScheduledRequest
-
         runner = ModelRunner(self.model, scratch, self.device)
         runner.execute([ScheduledRequest(probe, tokens)], {"profile": list(range(scratch.num_blocks))})
         torch.cuda.synchronize(self.device)
@@ -308,6 +306,30 @@ class LLMEngine:
                 self._children.pop(child.request.request_id, None)
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outputs, finished,
                              num_cached_tokens=parent.children[0].request.num_cached_tokens)
+
+    # ------------------------------------------------------------------ scoring
+    def score(self, token_ids: list[int], chunk_size: int | None = None) -> torch.Tensor:
+        """Teacher-forced float32 logits [len(token_ids), vocab] computed through the paged KV cache:
+        the sequence is fed in chunks, so each chunk attends to the K/V the earlier chunks stored
+        (in whatever format the cache stores them). Needs no free sequence slot; uses free blocks."""
+        chunk_size = chunk_size or self.args.max_num_batched_tokens
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(f"cannot score {len(token_ids)} tokens with max-model-len {self.max_model_len}")
+        request = Request(f"score-{next(self._ids)}", token_ids, SamplingParams(max_tokens=1))
+        chunks = []
+        try:
+            while request.num_computed_tokens < request.num_tokens:
+                n = min(chunk_size, request.num_tokens - request.num_computed_tokens)
+                if not self.kv_manager.allocate(request, n):
+                    raise CapacityError("not enough free KV blocks to score this sequence")
+                item = ScheduledRequest(request, n)
+                inputs = self.runner.prepare([item], {request.request_id: self.kv_manager.block_ids(request.request_id)},
+                                             all_logits=True)
+                chunks.append(self.runner.forward(inputs))
+                request.num_computed_tokens += n
+        finally:
+            self.kv_manager.free(request)
+        return torch.cat(chunks)
 
     # ------------------------------------------------------------------ introspection
     @property

@@ -34,7 +34,9 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler(model.config.vocab_size, device)
 
-    def prepare(self, scheduled: list[ScheduledRequest], block_tables: dict[str, list[int]]) -> ModelInputs:
+    def prepare(self, scheduled: list[ScheduledRequest], block_tables: dict[str, list[int]],
+                all_logits: bool = False) -> ModelInputs:
+        """Pack the step's tokens. `all_logits` asks for logits at every position (scoring)."""
         bs = self.block_size
         token_chunks, position_chunks, slot_chunks = [], [], []
         decode, prefill = [], []
@@ -49,7 +51,9 @@ class ModelRunner:
             position_chunks.append(positions)
             slot_chunks.append(table[positions // bs] * bs + positions % bs)
             (decode if n == 1 else prefill).append((offset, n, start + n, table))
-            if item.samples:
+            if all_logits:
+                logits_rows.extend(range(offset, offset + n))
+            elif item.samples:
                 logits_rows.append(offset + n - 1)
                 sampled.append(item)
             offset += n
@@ -94,10 +98,13 @@ class ModelRunner:
             context_len=max_blocks * self.block_size,
         )
 
+    def forward(self, inputs: ModelInputs) -> torch.Tensor:
+        return self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta, inputs.logits_rows)
+
     def execute(self, scheduled: list[ScheduledRequest], block_tables: dict[str, list[int]]
                 ) -> tuple[list[ScheduledRequest], SampleResult]:
         inputs = self.prepare(scheduled, block_tables)
-        logits = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta, inputs.logits_rows)
+        logits = self.forward(inputs)
         if not inputs.sampled:
             return [], SampleResult([], [])
         return inputs.sampled, self.sampler(logits, [item.request for item in inputs.sampled])

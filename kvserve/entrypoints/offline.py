@@ -1,0 +1,78 @@
+"""`kvserve generate PROMPT` (raw continuation) and `kvserve chat [MESSAGE]` (chat template;
+interactive when no message is given). Answers go to stdout, logs to stderr."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kvserve.engine.args import EngineArgs
+from kvserve.sampling_params import SamplingParams
+
+
+def add_sampling_args(parser: argparse.ArgumentParser, default_max_tokens: int | None) -> None:
+    group = parser.add_argument_group("sampling options")
+    group.add_argument("--max-tokens", type=int, default=default_max_tokens,
+                       help="tokens to generate (default: %(default)s; None = up to the context limit)")
+    group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--top-k", type=int, default=0)
+    group.add_argument("--seed", dest="sampling_seed", type=int, default=None, help="per-request sampling seed")
+    group.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+
+
+def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, seed=args.sampling_seed, ignore_eos=args.ignore_eos)
+
+
+def register(subparsers) -> None:
+    gen = subparsers.add_parser("generate", help="continue a raw text prompt (no chat template)")
+    gen.add_argument("prompt", help="the text to continue")
+    EngineArgs.add_cli_args(gen, skip=("seed",))
+    add_sampling_args(gen, default_max_tokens=64)
+    gen.set_defaults(func=run_generate)
+
+    chat = subparsers.add_parser("chat", help="answer one message through the chat template, or chat interactively")
+    chat.add_argument("message", nargs="?", help="the user message; omit for an interactive session")
+    chat.add_argument("--system", default=None, help="system prompt")
+    EngineArgs.add_cli_args(chat, skip=("seed",))
+    add_sampling_args(chat, default_max_tokens=None)
+    chat.set_defaults(func=run_chat)
+
+
+def _make_llm(args: argparse.Namespace):
+    from kvserve.llm import LLM
+
+    engine_args = EngineArgs.from_cli_args(args)
+    return LLM(**vars(engine_args))
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    params = sampling_params_from_args(args)
+    llm = _make_llm(args)
+    output = llm.generate([args.prompt], params, use_tqdm=False)[0]
+    print(output.outputs[0].text)
+    return 0
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    params = sampling_params_from_args(args)
+    llm = _make_llm(args)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    if args.message is not None:
+        messages.append({"role": "user", "content": args.message})
+        print(llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text)
+        return 0
+    print("Interactive chat; an empty line or Ctrl-D ends it.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line})
+        answer = llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text
+        print(answer, flush=True)
+        messages.append({"role": "assistant", "content": answer})
+    return 0

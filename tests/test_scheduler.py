@@ -1,0 +1,175 @@
+"""Block pool, block manager and scheduler, with no model: tokens are made up, the 'model' is a
+loop that appends a fixed token for every request that samples."""
+import pytest
+
+from kvserve.cache.block_pool import BlockPool, OutOfBlocksError
+from kvserve.cache.kv_cache_manager import KVCacheManager
+from kvserve.engine.request import Request, RequestStatus
+from kvserve.engine.scheduler import Scheduler, SchedulerConfig
+from kvserve.sampling_params import SamplingParams
+
+BS = 4
+
+
+def make_request(rid: str, prompt_len: int, max_tokens: int, start_token: int = 0) -> Request:
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    return Request(rid, list(range(start_token, start_token + prompt_len)), params)
+
+
+def make_scheduler(num_blocks: int, max_num_seqs: int = 16, budget: int = 64, max_model_len: int = 256,
+                   prefix_caching: bool = False) -> Scheduler:
+    kv = KVCacheManager(num_blocks, BS, prefix_caching)
+    return Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len), kv)
+
+
+def run_to_completion(sched: Scheduler, max_steps: int = 10_000) -> list[list[tuple[str, int]]]:
+    """Drive the scheduler like the engine would; returns each step's (request id, tokens) list."""
+    steps = []
+    while sched.has_unfinished():
+        scheduled = sched.schedule()
+        assert scheduled, "scheduler made no progress"
+        steps.append([(s.request.request_id, s.num_new_tokens) for s in scheduled])
+        sampled = {s.request.request_id: 7 for s in scheduled if s.samples}
+        sched.update(scheduled, sampled)
+        assert len(steps) < max_steps
+    return steps
+
+
+# ---------------------------------------------------------------------------- block pool
+def test_pool_allocate_release_and_ref_counts():
+    pool = BlockPool(4)
+    a, b = pool.allocate(2)
+    assert pool.num_free_blocks == 2 and a.ref_cnt == b.ref_cnt == 1
+    pool.share([a])
+    assert a.ref_cnt == 2
+    pool.release([a, b])
+    assert a.ref_cnt == 1 and b.ref_cnt == 0 and pool.num_free_blocks == 3
+    pool.release([a])
+    assert pool.num_free_blocks == 4 and pool.usage == 0.0
+    with pytest.raises(OutOfBlocksError):
+        pool.allocate(5)
+    with pytest.raises(AssertionError):
+        pool.release([a])
+
+
+def test_pool_usage_is_fraction_of_referenced_blocks():
+    pool = BlockPool(8)
+    pool.allocate(2)
+    assert pool.usage == pytest.approx(0.25)
+
+
+# ---------------------------------------------------------------------------- scheduler
+def test_all_requests_finish_with_their_token_counts_and_no_leak():
+    sched = make_scheduler(num_blocks=64)
+    reqs = [make_request(f"r{i}", 5 + 3 * i, 4 + i) for i in range(6)]
+    for r in reqs:
+        sched.add(r)
+    run_to_completion(sched)
+    for i, r in enumerate(reqs):
+        assert r.status == RequestStatus.FINISHED_LENGTH
+        assert r.num_output_tokens == 4 + i
+    assert sched.kv.pool.num_free_blocks == 64
+    assert all(b.ref_cnt == 0 for b in sched.kv.pool.blocks)
+
+
+def test_token_budget_mixes_decodes_and_chunked_prefill():
+    sched = make_scheduler(num_blocks=64, budget=10)
+    sched.add(make_request("short", 3, 5))
+    first = sched.schedule()
+    assert [(s.request.request_id, s.num_new_tokens) for s in first] == [("short", 3)]
+    sched.update(first, {"short": 7})
+    sched.add(make_request("long", 25, 2))
+    second = sched.schedule()
+    # The running decode takes 1 token, the new prompt gets the remaining 9 (a chunk of 25).
+    assert [(s.request.request_id, s.num_new_tokens) for s in second] == [("short", 1), ("long", 9)]
+    assert second[0].samples and not second[1].samples
+
+
+def test_max_num_seqs_caps_the_batch():
+    sched = make_scheduler(num_blocks=64, max_num_seqs=2)
+    for i in range(4):
+        sched.add(make_request(f"r{i}", 4, 3))
+    scheduled = sched.schedule()
+    assert len(scheduled) == 2 and len(sched.waiting) == 2
+
+
+def test_fcfs_admission_order():
+    sched = make_scheduler(num_blocks=64, max_num_seqs=1)
+    for i in range(3):
+        sched.add(make_request(f"r{i}", 4, 2))
+    steps = run_to_completion(sched)
+    first_seen = []
+    for step in steps:
+        for rid, _ in step:
+            if rid not in first_seen:
+                first_seen.append(rid)
+    assert first_seen == ["r0", "r1", "r2"]
+
+
+def test_preemption_of_newest_running_request_when_pool_runs_dry():
+    # 6 blocks of 4 tokens; two requests each growing to 12 tokens (3 blocks) would fit exactly,
+    # three cannot: the newest is preempted (recompute) and still finishes.
+    sched = make_scheduler(num_blocks=6)
+    reqs = [make_request(f"r{i}", 4, 8) for i in range(3)]
+    for r in reqs:
+        sched.add(r)
+    run_to_completion(sched)
+    assert sched.num_preemptions > 0
+    assert reqs[2].num_preemptions > 0 and reqs[0].num_preemptions == 0
+    assert all(r.num_output_tokens == 8 for r in reqs)
+    assert sched.kv.pool.num_free_blocks == 6
+
+
+def test_preempted_request_goes_back_to_the_front_of_the_queue():
+    sched = make_scheduler(num_blocks=4, max_num_seqs=2)
+    a, b, c = make_request("a", 4, 12), make_request("b", 4, 12), make_request("c", 4, 1)
+    for r in (a, b):
+        sched.add(r)
+    sched.update(sched.schedule(), {"a": 7, "b": 7})
+    sched.add(c)
+    while b.num_preemptions == 0:
+        scheduled = sched.schedule()
+        sched.update(scheduled, {s.request.request_id: 7 for s in scheduled if s.samples})
+    assert list(sched.waiting)[:2] == [b, c]
+
+
+def test_finish_frees_blocks_immediately():
+    sched = make_scheduler(num_blocks=16)
+    r = make_request("r", 10, 5)
+    sched.add(r)
+    sched.schedule()
+    assert sched.kv.pool.num_free_blocks == 16 - 3
+    sched.finish(r, RequestStatus.FINISHED_ABORTED)
+    assert sched.kv.pool.num_free_blocks == 16 and r.status == RequestStatus.FINISHED_ABORTED
+    assert not sched.has_unfinished()
+
+
+def test_waiting_request_can_be_aborted():
+    sched = make_scheduler(num_blocks=16, max_num_seqs=1)
+    a, b = make_request("a", 4, 5), make_request("b", 4, 5)
+    sched.add(a)
+    sched.add(b)
+    sched.schedule()
+    sched.finish(b, RequestStatus.FINISHED_ABORTED)
+    assert list(sched.waiting) == []
+
+
+def test_stop_token_and_eos_finish_with_stop_status():
+    sched = make_scheduler(num_blocks=16)
+    r = Request("r", [1, 2, 3], SamplingParams(max_tokens=10), eos_token_ids=(9,))
+    s2 = Request("s", [1, 2, 3], SamplingParams(max_tokens=10, stop_token_ids=[8]))
+    sched.add(r)
+    sched.add(s2)
+    scheduled = sched.schedule()
+    sched.update(scheduled, {"r": 9, "s": 8})
+    assert r.status == s2.status == RequestStatus.FINISHED_STOPPED
+    assert s2.stop_reason == 8
+    assert sched.kv.pool.num_free_blocks == 16
+
+
+def test_max_model_len_ends_generation():
+    sched = make_scheduler(num_blocks=64, max_model_len=10)
+    r = make_request("r", 6, 100)
+    sched.add(r)
+    run_to_completion(sched)
+    assert r.num_tokens == 10 and r.status == RequestStatus.FINISHED_LENGTH
