@@ -9,7 +9,8 @@ KV heads lead so that gathering a batch's blocks (`index_select` on dim 1) direc
 permute copy. A token's *slot* is `block * block_size + offset`; writes scatter by slot, reads
 gather through block tables (the PagedAttention contract, Kwon et al. 2023).
 
-How values are stored (full precision, fp8, int8, int4...) is a `KVFormat`; the pool only sizes
+How values are stored (full precision, fp8, int8, int4...) is a `KVFormat` (one module each under
+`kvserve/cache/formats/`); the pool only sizes
 and owns the tensors. Any per-block scales a format needs live in the same per-layer dict and
 are indexed by the same block ids, so they are allocated, shared and freed with their blocks.
 """
@@ -54,33 +55,7 @@ class KVFormat:
         raise NotImplementedError
 
 
-class FullPrecisionFormat(KVFormat):
-    """K/V stored as-is in a float dtype (the "auto", float16, bfloat16, float32 cache dtypes)."""
-
-    def __init__(self, dtype: torch.dtype):
-        self.dtype = dtype
-        self.name = str(dtype).removeprefix("torch.")
-
-    def bytes_per_block(self, spec: KVCacheSpec) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * spec.num_kv_heads * spec.block_size * spec.head_dim * elem
-
-    def allocate(self, spec, num_blocks, device):
-        shape = (spec.num_kv_heads, num_blocks, spec.block_size, spec.head_dim)
-        return {"key": torch.zeros(shape, dtype=self.dtype, device=device),
-                "value": torch.zeros(shape, dtype=self.dtype, device=device)}
-
-    def write(self, pool, key, value, slot_mapping):
-        for name, new in (("key", key), ("value", value)):
-            cache = pool[name]
-            flat = cache.view(cache.shape[0], -1, cache.shape[-1])
-            flat.index_copy_(1, slot_mapping, new.transpose(0, 1).to(cache.dtype))
-
-    def gather(self, pool, block_ids, batch, dtype):
-        return tuple(_gather_blocks(pool[name], block_ids, batch).to(dtype) for name in ("key", "value"))
-
-
-def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, batch: int) -> torch.Tensor:
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, batch: int) -> torch.Tensor:
     """[kv_heads, blocks, block_size, ...] -> [kv_heads, batch, tokens, ...] for flat block ids."""
     picked = torch.index_select(cache, 1, block_ids)
     return picked.view(cache.shape[0], batch, -1, *cache.shape[3:])

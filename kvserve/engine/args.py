@@ -6,13 +6,14 @@ import argparse
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
+from kvserve.cache.formats import KV_CACHE_DTYPES
+
 
 def _opt(help: str, **argparse_kwargs: Any) -> Any:
     """Dataclass field metadata: the CLI help text and any extra argparse settings."""
     return {"help": help, **argparse_kwargs}
 
 
-KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "float32")
 
 
 @dataclass

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvserve.cache.kv_cache import FullPrecisionFormat, KVCache, KVCacheSpec, KVFormat
+from kvserve.cache.formats import make_kv_format
+from kvserve.cache.kv_cache import KVCache, KVCacheSpec
 from kvserve.cache.kv_cache_manager import KVCacheManager
 from kvserve.cache.sizing import (GiB, blocks_for_tokens, bytes_per_block, default_cpu_budget,
                                   num_blocks_for_budget, parse_size)
@@ -58,14 +59,6 @@ def select_dtype(name: str, device: torch.device) -> torch.dtype:
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return torch.bfloat16 if device.type == "cpu" and cpu_has_native_bf16() else torch.float32
-
-
-def make_kv_format(kv_cache_dtype: str, model_dtype: torch.dtype) -> KVFormat:
-    if kv_cache_dtype == "auto":
-        return FullPrecisionFormat(model_dtype)
-    if kv_cache_dtype in _DTYPES:
-        return FullPrecisionFormat(_DTYPES[kv_cache_dtype])
-    raise ValueError(f"unknown kv cache dtype {kv_cache_dtype!r}")
 
 
 @dataclass
