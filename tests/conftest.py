@@ -1,0 +1,49 @@
+"""Shared fixtures. The real default model is loaded from disk at most once per session: engines
+built in tests share its weights (read-only) through a cached loader."""
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import kvserve.engine.llm_engine as llm_engine_module  # noqa: E402
+from tiny_models import build_tiny_model, build_tokenizer  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _load_each_model_once():
+    """Engines in one test session reuse a checkpoint's tensors and tokenizer instead of reading
+    and dequantizing the file again (the default GGUF takes ~10 s to load)."""
+    original = llm_engine_module.load_model
+    llm_engine_module.load_model = functools.lru_cache(maxsize=4)(original)
+    yield
+    llm_engine_module.load_model = original
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory, tiny_tokenizer):
+    """tiny_model_factory(arch, **config_overrides) -> path of a random HF checkpoint (built once)."""
+    built: dict[tuple, Path] = {}
+
+    def factory(arch: str = "llama", **overrides) -> Path:
+        key = (arch, tuple(sorted(overrides.items())))
+        if key not in built:
+            path = tmp_path_factory.mktemp(f"tiny-{arch}")
+            built[key] = build_tiny_model(path, arch, tiny_tokenizer, **overrides)
+        return built[key]
+
+    return factory
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_model_factory) -> Path:
+    return tiny_model_factory("llama")
