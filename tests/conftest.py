@@ -32,10 +32,10 @@ def tiny_tokenizer():
 @pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory, tiny_tokenizer):
     """tiny_model_factory(arch, **config_overrides) -> path of a random HF checkpoint (built once)."""
-    built: dict[tuple, Path] = {}
+    built: dict[tuple[str, str], Path] = {}
 
     def factory(arch: str = "llama", **overrides) -> Path:
-        key = (arch, tuple(sorted(overrides.items())))
+        key = (arch, repr(sorted(overrides.items())))
         if key not in built:
             path = tmp_path_factory.mktemp(f"tiny-{arch}")
             built[key] = build_tiny_model(path, arch, tiny_tokenizer, **overrides)
