@@ -23,7 +23,7 @@ from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
 from kvserve.model.llama import LlamaForCausalLM
-from kvserve.model.loader import load_model
+from kvserve.model.loader import LoadedModel, load_model
 from kvserve.outputs import CompletionOutput, Logprob, RequestOutput
 from kvserve.sampling_params import SamplingParams
 
@@ -81,13 +81,16 @@ class _Parent:
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs):
+    def __init__(self, args: EngineArgs, loaded_model: LoadedModel | None = None):
+        """`loaded_model`: a checkpoint already read by `load_model(args.model)`, so that several
+        engines (e.g. one per KV-cache dtype in `kvserve eval`) share one load; its tensors are
+        only read."""
         self.args = args
         torch.manual_seed(args.seed)
         self.device = select_device(args.device)
         self.dtype = select_dtype(args.dtype, self.device)
         start = time.monotonic()
-        loaded = load_model(args.model)
+        loaded = loaded_model or load_model(args.model)
         self.model_config = loaded.config
         self.model_path = loaded.path
         self.tokenizer = loaded.tokenizer
