@@ -10,6 +10,7 @@ import sys
 SUBCOMMANDS = {
     "generate": "kvserve.entrypoints.offline",
     "chat": "kvserve.entrypoints.offline",
+    "serve": "kvserve.entrypoints.serve",
     "bench": "kvserve.bench.cli",
 }
 

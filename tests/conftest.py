@@ -47,3 +47,32 @@ def tiny_model_factory(tmp_path_factory, tiny_tokenizer):
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_model_factory) -> Path:
     return tiny_model_factory("llama")
+
+
+@pytest.fixture(scope="session")
+def server_factory(tmp_path_factory):
+    """server_factory(*serve_args, env=None) -> a running `kvserve serve` subprocess on 127.0.0.1
+    (tests/server_process.py). One process per distinct configuration, shared by the whole
+    session and stopped at its end."""
+    from server_process import ServerProcess
+
+    servers: dict[tuple, ServerProcess] = {}
+
+    def factory(*args: str, env: dict[str, str] | None = None) -> ServerProcess:
+        key = (args, tuple(sorted((env or {}).items())))
+        if key not in servers:
+            servers[key] = ServerProcess.start(list(args), tmp_path_factory.mktemp("server"), env)
+        return servers[key]
+
+    yield factory
+    for server in servers.values():
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_server(server_factory, tiny_llama):
+    """The tiny llama served in float32 (batch-independent greedy output), with two model names
+    and a 1 MiB body limit; shared by the server test modules."""
+    from server_process import TINY_SERVER_ARGS
+
+    return server_factory(str(tiny_llama), *TINY_SERVER_ARGS)

@@ -1,0 +1,77 @@
+"""`kvserve serve [MODEL]`: the OpenAI-compatible HTTP server, with vLLM's flag names.
+
+The port is bound before the model loads, so a busy port fails in a second with one line instead
+of after the load; the socket is then handed to uvicorn.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+from pathlib import Path
+
+from kvserve.cache.sizing import parse_size
+from kvserve.cli import UserError
+from kvserve.engine.args import EngineArgs
+
+API_KEY_ENV = "KVSERVE_API_KEY"
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="the model to serve (same as --model; default: the bundled SmolLM2-135M-Instruct)")
+    group = parser.add_argument_group("server options")
+    group.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s; "
+                                                           "0.0.0.0 for every interface)")
+    group.add_argument("--port", type=int, default=8000, help="default: %(default)s")
+    group.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                       help="model name(s) the API answers to; the first is reported (default: MODEL as given)")
+    group.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                       help=f"require `Authorization: Bearer KEY` on every path but /health, /metrics and "
+                            f"/version (default: ${API_KEY_ENV})")
+    group.add_argument("--max-request-body-bytes", default="32MiB",
+                       help="larger request bodies get a 413 (bytes or with a unit; default: %(default)s)")
+    EngineArgs.add_cli_args(parser)
+    parser.set_defaults(func=run_serve)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    if not 0 <= port <= 65535:
+        raise UserError(f"--port must be in 0..65535, got {port}")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise UserError(f"cannot resolve --host {host!r}: {exc.strerror}") from exc
+    family, _, _, _, address = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise UserError(f"cannot listen on {host}:{port}: {exc.strerror}") from exc
+    sock.listen(2048)
+    return sock
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.server.api import ServerConfig, build_app
+
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise UserError(f"two models named: {args.model_tag!r} and --model {args.model!r}")
+        args.model = args.model_tag
+    if args.api_key is not None and not args.api_key.strip():
+        raise UserError("--api-key must not be empty")
+    max_body = parse_size(args.max_request_body_bytes)
+    sock = _bind(args.host, args.port)
+    engine = LLMEngine(EngineArgs.from_cli_args(args))
+    names = args.served_model_name or [args.model or Path(engine.model_path).name.removesuffix(".gguf")]
+    app = build_app(engine, ServerConfig(names, args.api_key, max_body))
+    config = uvicorn.Config(app, log_level=args.log_level.lower(), timeout_keep_alive=5)
+    uvicorn.Server(config).run(sockets=[sock])
+    return 0

@@ -1,0 +1,117 @@
+"""The FastAPI application: routes, middleware and the engine thread's lifetime.
+
+    client ──> APIKeyMiddleware (if --api-key) ──> BodySizeLimitMiddleware ──> FastAPI routes
+                                                                                   │
+               /v1/completions, /v1/chat/completions ──> AsyncEngine (engine thread)
+"""
+from __future__ import annotations
+
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.server.auth import APIKeyMiddleware
+from kvserve.server.body_limit import BodySizeLimitMiddleware
+from kvserve.server.chat import ChatServing
+from kvserve.server.completions import CompletionServing
+from kvserve.server.engine_loop import AsyncEngine
+from kvserve.server.errors import APIError, error_body, install_error_handlers
+from kvserve.server.metrics import ServerMetrics
+from kvserve.server.prompts import Tokenization, conversation
+from kvserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
+                                     ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
+from kvserve.server.serving import ServingContext
+from kvserve.server.streaming import ClientDisconnected
+
+DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+
+
+@dataclass
+class ServerConfig:
+    served_model_names: list[str]
+    api_key: str | None = None
+    max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    log_interval_s: float = 5.0
+
+
+def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
+    """The app around a loaded engine; the engine thread starts and stops with the app's lifespan."""
+    from kvserve import __version__
+
+    metrics = ServerMetrics(config.served_model_names[0], config.log_interval_s)
+    async_engine = AsyncEngine(engine, metrics)
+    tokens = Tokenization(engine)
+    ctx = ServingContext(async_engine, tokens, list(config.served_model_names), engine.max_model_len)
+    completions, chat = CompletionServing(ctx), ChatServing(ctx)
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async_engine.start()
+        try:
+            yield
+        finally:
+            async_engine.shutdown()
+            tokens.shutdown()
+
+    app = FastAPI(title="kvserve", version=__version__, lifespan=lifespan)
+    app.state.engine = async_engine
+    install_error_handlers(app)
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(request: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=499)  # nginx's "client closed request": only the access log sees it
+
+    @app.get("/health")
+    async def health() -> Response:
+        if async_engine.healthy:
+            return Response(status_code=200)
+        return JSONResponse(error_body(503, "The engine has stopped."), status_code=503)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=name, created=created, root=str(engine.model_path),
+                                         max_model_len=engine.max_model_len) for name in config.served_model_names])
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, request: Request) -> Response:
+        return await completions.create(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+        return await chat.create(body, request)
+
+    @app.post("/tokenize", response_model=TokenizeResponse)
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        ctx.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "Give exactly one of `prompt` and `messages`.")
+        if body.messages is not None:
+            ids = await tokens.chat_prompt(conversation(body.messages), body.add_generation_prompt)
+        else:
+            ids = await tokens.encode(body.prompt, body.add_special_tokens)
+        strs = [tokens.token_text(t) for t in ids] if body.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids, token_strs=strs)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse)
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        ctx.check_model(body.model)
+        return DetokenizeResponse(prompt=await tokens.decode(body.tokens))
+
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_request_body_bytes)
+    if config.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)  # outermost: before the body is read
+    return app

@@ -1,0 +1,57 @@
+"""API-key check (`--api-key`), as pure ASGI middleware in front of routing.
+
+Deny by default: every path needs `Authorization: Bearer <key>` except a few open ones
+(/health, /metrics, /version). The decision uses the path the router will dispatch on
+(`scope["path"]`, already percent-decoded by the server), normalised for case, repeated and
+trailing slashes and any remaining percent-encoding, so that `/V1/completions`,
+`//v1/completions/`, `/v1%2Fcompletions` and `/%68ealth`-style tricks cannot reach a protected
+route without the key. The Host header and the rebuilt URL play no part. Keys are compared with
+`hmac.compare_digest` (constant time).
+"""
+from __future__ import annotations
+
+import hmac
+import re
+from urllib.parse import unquote
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from kvserve.server.errors import error_json
+
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+_MAX_DECODE_ROUNDS = 4
+
+
+def normalise_path(path: str) -> str:
+    """Lower-case, percent-decoded until stable, `//` collapsed, no trailing slash."""
+    for _ in range(_MAX_DECODE_ROUNDS):
+        decoded = unquote(path)
+        if decoded == path:
+            break
+        path = decoded
+    path = re.sub(r"/+", "/", path.lower())
+    return path.rstrip("/") or "/"
+
+
+class APIKeyMiddleware:
+    def __init__(self, app: ASGIApp, api_key: str):
+        if not api_key:
+            raise ValueError("the API key must not be empty")
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    def _authorised(self, scope: Scope) -> bool:
+        values = [v for k, v in scope.get("headers", ()) if k.lower() == b"authorization"]
+        # Exactly one header: with several, proxies and frameworks disagree on which one counts.
+        return len(values) == 1 and hmac.compare_digest(values[0].strip(), self._expected)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or normalise_path(scope["path"]) in OPEN_PATHS or self._authorised(scope):
+            await self.app(scope, receive, send)
+            return
+        body = error_json(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
+                          code="invalid_api_key")
+        await send({"type": "http.response.start", "status": 401, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+            (b"www-authenticate", b"Bearer")]})
+        await send({"type": "http.response.body", "body": body})

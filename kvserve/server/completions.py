@@ -1,0 +1,116 @@
+"""POST /v1/completions: one engine request per prompt, `n` samples each; JSON or SSE chunks in
+OpenAI's `text_completion` format with its legacy logprobs (parallel lists per token)."""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from kvserve.outputs import Logprob
+from kvserve.server.engine_loop import EngineError, PromptSpec, RequestStream
+from kvserve.server.errors import APIError
+from kvserve.server.prompts import Prompt, Tokenization
+from kvserve.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
+from kvserve.server.serving import ServingContext, StreamState, usage
+from kvserve.server.streaming import DONE, EventStreamResponse, sse, sse_error
+
+
+def completion_logprobs(tokens: Tokenization, entries: list[Logprob], text_offset: int) -> CompletionLogprobs:
+    """Legacy logprobs for `entries`, the first token starting at `text_offset` in the choice's text.
+    Each position's top_logprobs also holds the chosen token, as in vLLM; where two tokens decode
+    to the same text (the format keys by text), the chosen token's value is kept."""
+    result = CompletionLogprobs()
+    for entry in entries:
+        text = tokens.token_text(entry.token_id)
+        result.tokens.append(text)
+        result.token_logprobs.append(entry.logprob)
+        result.text_offset.append(text_offset)
+        top = {tokens.token_text(t): lp for t, lp in entry.top}
+        top[text] = entry.logprob
+        result.top_logprobs.append(top)
+        text_offset += len(text)
+    return result
+
+
+class CompletionServing:
+    def __init__(self, ctx: ServingContext):
+        self.ctx = ctx
+
+    async def create(self, body: CompletionRequest, request: Request) -> Response:
+        ctx = self.ctx
+        ctx.check_fields(body)
+        if body.echo and body.logprobs is not None:
+            raise APIError(400, "echo together with logprobs is not supported (kvserve does not compute "
+                                "prompt logprobs).", param="echo")
+        prompts = await ctx.tokens.completion_prompts(body.prompt)
+        params = ctx.sampling_params(body, body.max_tokens, body.logprobs, len(prompts))
+        if body.echo:
+            for prompt in prompts:
+                if prompt.text is None:
+                    prompt.text = await ctx.tokens.decode(prompt.token_ids)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        stream = await ctx.submit([PromptSpec(p.token_ids, params, body.cache_salt) for p in prompts], request_id)
+        created = int(time.time())
+        if body.stream:
+            return EventStreamResponse(self._events(body, prompts, stream, request_id, created), stream.close)
+        try:
+            outputs = await ctx.final_outputs(stream, request)
+        finally:
+            stream.close()
+        choices = []
+        for p, (prompt, out) in enumerate(zip(prompts, outputs)):
+            prefix = prompt.text if body.echo else ""
+            for c in out.outputs:
+                logprobs = (completion_logprobs(ctx.tokens, c.logprobs, 0) if c.logprobs is not None else None)
+                choices.append(CompletionChoice(index=p * body.n + c.index, text=prefix + c.text, logprobs=logprobs,
+                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        response = CompletionResponse(
+            id=request_id, created=created, model=ctx.model_name, choices=choices,
+            usage=usage([len(p.token_ids) for p in prompts], sum(len(c.token_ids) for o in outputs for c in o.outputs),
+                        sum(o.num_cached_tokens for o in outputs)))
+        return Response(response.model_dump_json(), media_type="application/json")
+
+    async def _events(self, body: CompletionRequest, prompts: list[Prompt], stream: RequestStream,
+                      request_id: str, created: int) -> AsyncIterator[str]:
+        ctx = self.ctx
+        state = StreamState(body.n)
+        prompt_lengths = [len(p.token_ids) for p in prompts]
+        offsets: dict[int, int] = {}  # choice index -> text offset of its next logprob token
+
+        def chunk(choices: list[CompletionChoice], with_usage: bool) -> str:
+            u = (usage(prompt_lengths, state.completion_tokens(), sum(state.cached_tokens.values()))
+                 if with_usage else None)
+            return sse(CompletionResponse(id=request_id, created=created, model=ctx.model_name, choices=choices,
+                                          usage=u))
+
+        try:
+            async for batch in stream:
+                for p, out in batch:
+                    state.record(p, out)
+                    for c in out.outputs:
+                        index, choice = state.choice(p, c.index)
+                        echo = body.echo and not choice.started
+                        delta = (prompts[p].text if echo else "") + c.text[choice.chars_sent:]
+                        choice.started = True
+                        new_logprobs = c.logprobs[choice.tokens_sent:] if c.logprobs is not None else None
+                        finishing = c.finish_reason is not None and not choice.finished
+                        choice.chars_sent, choice.num_tokens = len(c.text), len(c.token_ids)
+                        if not (delta or new_logprobs or finishing):
+                            continue
+                        logprobs = None
+                        if new_logprobs is not None:
+                            logprobs = completion_logprobs(ctx.tokens, new_logprobs, offsets.get(index, 0))
+                            offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs.tokens)
+                            choice.tokens_sent = len(c.logprobs)
+                        choice.finished = c.finish_reason is not None
+                        yield chunk([CompletionChoice(index=index, text=delta, logprobs=logprobs,
+                                                      finish_reason=c.finish_reason, stop_reason=c.stop_reason)],
+                                    body.include_usage and body.continuous_usage)
+            if body.include_usage:
+                yield chunk([], True)
+        except EngineError as exc:
+            yield sse_error(500, str(exc))
+        yield DONE

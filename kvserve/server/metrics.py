@@ -1,0 +1,161 @@
+"""Prometheus metrics with vLLM's names (prefix `kvserve:`, label `model_name`) and the periodic
+one-line log of throughput and KV usage. Everything here is fed by the engine thread; the
+prometheus-client objects are thread-safe, so /metrics reads them from the event loop."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from kvserve.outputs import RequestOutput
+
+logger = logging.getLogger("kvserve.server")
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0)
+ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+               20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0)
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine's counters after a step, read on the engine thread."""
+
+    num_running: int
+    num_waiting: int
+    num_blocks: int
+    num_free_blocks: int
+    prefix_queries: int  # prompt tokens looked up in the prefix cache, since start
+    prefix_hits: int  # of which found
+    num_preemptions: int
+
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+
+@dataclass
+class _RequestTimes:
+    arrival: float
+    first_token: float | None = None
+    last_token: float = 0.0
+    num_tokens: int = 0
+
+
+@dataclass
+class _Interval:
+    """What happened since the last log line."""
+
+    start: float
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    active: bool = False
+
+
+@dataclass
+class ServerMetrics:
+    model_name: str
+    log_interval_s: float = 5.0
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        labels, r = ["model_name"], self.registry
+
+        def gauge(name: str, doc: str):
+            return Gauge(f"kvserve:{name}", doc, labels, registry=r).labels(self.model_name)
+
+        def counter(name: str, doc: str):
+            return Counter(f"kvserve:{name}", doc, labels, registry=r).labels(self.model_name)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]):
+            return Histogram(f"kvserve:{name}", doc, labels, buckets=buckets, registry=r).labels(self.model_name)
+
+        self.running = gauge("num_requests_running", "Sequences in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Sequences waiting to be scheduled.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "KV-cache usage: fraction of blocks in use (1 = full).")
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.preemptions = counter("num_preemptions", "Sequences preempted (blocks freed, recomputed later).")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed (prefilled).")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self._success = Counter("kvserve:request_success", "Completions finished, by finish reason.",
+                                labels + ["finished_reason"], registry=r)
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first generated token.", TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between consecutive generated tokens.",
+                             ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", E2E_BUCKETS)
+        self._times: dict[str, _RequestTimes] = {}
+        self._last: EngineSnapshot | None = None
+        self._interval = _Interval(start=0.0)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    # ------------------------------------------------------------------ fed by the engine thread
+    def _mark_active(self, now: float) -> None:
+        """Work started: an interval that was idle restarts now, so idle time never dilutes a rate."""
+        if not self._interval.active:
+            self._interval = _Interval(start=now, active=True)
+
+    def on_arrival(self, request_id: str, arrival_time: float) -> None:
+        self._times[request_id] = _RequestTimes(arrival_time)
+        self._mark_active(arrival_time)
+
+    def on_outputs(self, outputs: list[RequestOutput], now: float) -> None:
+        for out in outputs:
+            times = self._times.get(out.request_id)
+            if times is None:
+                continue
+            num_tokens = sum(len(c.token_ids) for c in out.outputs)
+            new = num_tokens - times.num_tokens
+            if new > 0:
+                if times.first_token is None:
+                    times.first_token = now
+                    self.ttft.observe(now - times.arrival)
+                    self.prompt_tokens.inc(len(out.prompt_token_ids))
+                    self._interval.prompt_tokens += len(out.prompt_token_ids)
+                else:
+                    self.itl.observe(now - times.last_token)
+                self.generation_tokens.inc(new)
+                self._interval.generation_tokens += new
+                times.num_tokens, times.last_token = num_tokens, now
+            if out.finished:
+                self.e2e.observe(now - times.arrival)
+                for completion in out.outputs:
+                    self._success.labels(self.model_name, completion.finish_reason or "abort").inc()
+                del self._times[out.request_id]
+
+    def on_snapshot(self, snap: EngineSnapshot, now: float) -> None:
+        self.running.set(snap.num_running)
+        self.waiting.set(snap.num_waiting)
+        self.kv_usage.set(snap.kv_usage)
+        last = self._last
+        if last is not None:
+            self.prefix_queries.inc(snap.prefix_queries - last.prefix_queries)
+            self.prefix_hits.inc(snap.prefix_hits - last.prefix_hits)
+            self.preemptions.inc(snap.num_preemptions - last.num_preemptions)
+        self._last = snap
+        if snap.num_running or snap.num_waiting:
+            self._mark_active(now)
+        if self._interval.active and now - self._interval.start >= self.log_interval_s:
+            self._log(snap, now)
+
+    def seconds_until_log(self, now: float) -> float | None:
+        """How long an idle engine may sleep before the pending log line is due (None: none)."""
+        if not self._interval.active:
+            return None
+        return max(0.0, self._interval.start + self.log_interval_s - now)
+
+    def _log(self, snap: EngineSnapshot, now: float) -> None:
+        elapsed = max(now - self._interval.start, 1e-9)
+        queries = snap.prefix_queries  # the hit rate is cumulative since start, as the counters are
+        hit_rate = 100.0 * snap.prefix_hits / queries if queries else 0.0
+        logger.info("Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+                    "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
+                    self._interval.prompt_tokens / elapsed, self._interval.generation_tokens / elapsed,
+                    snap.num_running, snap.num_waiting, 100.0 * snap.kv_usage, hit_rate)
+        # Still busy: the next interval starts active; if idle, the next arrival restarts it.
+        self._interval = _Interval(start=now, active=bool(snap.num_running or snap.num_waiting))

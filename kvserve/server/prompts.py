@@ -1,0 +1,121 @@
+"""Turning request bodies into token ids (and token ids into text) on the HTTP side.
+
+Tokenizing runs in one worker thread so a long prompt never stalls the event loop, and the
+engine thread only ever receives token ids. `LLMEngine.tokenize` and `apply_chat_template` are
+used so prompts tokenize exactly as in the offline `LLM`; both only read the tokenizer, which is
+why calling them off the engine thread is safe.
+"""
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.server.errors import APIError
+from kvserve.server.protocol import ChatMessage
+
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+_UNSUPPORTED_MESSAGE_FIELDS = ("tool_calls", "tool_call_id", "function_call", "audio", "refusal")
+
+
+@dataclass
+class Prompt:
+    text: str | None  # None when the client sent token ids
+    token_ids: list[int]
+
+
+def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Chat messages as the template expects them; text content parts are joined by newlines."""
+    if not messages:
+        raise APIError(400, "messages must contain at least one message.", param="messages")
+    result = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if message.role not in CHAT_ROLES:
+            raise APIError(400, f"{where}.role {message.role!r} is not supported; use one of "
+                                f"{', '.join(CHAT_ROLES)} (kvserve does not implement tools).", param=f"{where}.role")
+        for name in _UNSUPPORTED_MESSAGE_FIELDS:
+            if (message.model_extra or {}).get(name) not in (None, [], ""):
+                raise APIError(400, f"{where}.{name} is not supported by kvserve.", param=f"{where}.{name}")
+        content = message.content
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if part.type != "text" or part.text is None:
+                    raise APIError(400, f"{where}.content[{j}]: only text content parts are supported, "
+                                        f"got type {part.type!r}.", param=f"{where}.content")
+                texts.append(part.text)
+            content = "\n".join(texts)
+        entry = {"role": message.role, "content": content or ""}
+        if message.name is not None:
+            entry["name"] = message.name
+        result.append(entry)
+    return result
+
+
+class Tokenization:
+    def __init__(self, engine: LLMEngine):
+        self._engine = engine
+        self.tokenizer = engine.tokenizer
+        self.vocab_size = engine.model_config.vocab_size
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvserve-tokenizer")
+        self._token_texts: dict[int, str] = {}
+
+    async def _run(self, fn: Callable, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def completion_prompts(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[Prompt]:
+        """`prompt` as OpenAI allows it: a string, strings, token ids, or lists of token ids."""
+        if isinstance(prompt, str):
+            items: list = [prompt]
+        elif not prompt:
+            raise APIError(400, "prompt must not be empty.", param="prompt")
+        elif isinstance(prompt[0], int):
+            items = [prompt]
+        else:
+            items = list(prompt)
+        return await self._run(self._tokenize_all, items)
+
+    def _tokenize_all(self, items: list[str | list[int]]) -> list[Prompt]:
+        prompts = []
+        for item in items:
+            if isinstance(item, str):
+                prompts.append(Prompt(item, self._engine.tokenize(item)[1]))
+            else:  # the engine checks the ids against the vocabulary
+                prompts.append(Prompt(None, list(item)))
+        return prompts
+
+    async def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
+        def render() -> list[int]:
+            try:
+                return self._engine.apply_chat_template(messages, add_generation_prompt)
+            except ValueError as exc:
+                raise APIError(400, str(exc), param="messages") from exc
+            except Exception as exc:  # a Jinja error raised by the template itself
+                raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from exc
+        return await self._run(render)
+
+    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return await self._run(lambda: self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    async def decode(self, token_ids: list[int]) -> str:
+        self.check_token_ids(token_ids, "tokens")
+        return await self._run(lambda: self.tokenizer.decode(token_ids))
+
+    def check_token_ids(self, token_ids: list[int], param: str) -> None:
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"Token id {bad} is out of vocabulary (the model has {self.vocab_size} tokens).",
+                           param=param)
+
+    def token_text(self, token_id: int) -> str:
+        """One token as text (for logprobs); cached, since the same ids recur."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text

@@ -1,0 +1,288 @@
+"""Request and response bodies of the OpenAI-compatible API (pydantic), with vLLM's field names
+and defaults. Range checks live in `SamplingParams`, so the API and the offline `LLM` refuse the
+same values with the same messages.
+
+Keys that no API defines are accepted and logged (as vLLM does). OpenAI fields that kvserve does
+not implement are refused with a 400 unless their value means "off", so a client never gets an
+answer that silently ignored what it asked for.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+from kvserve.sampling_params import SamplingParams
+
+# Prompts x n in one HTTP request: bounds the work one request can queue.
+MAX_CHOICES_PER_REQUEST = 128
+
+
+def _off(value: Any) -> bool:
+    return value is None or value is False or value == [] or value == {} or value == ""
+
+
+# field -> test that its value asks for nothing kvserve would have to ignore
+_UNSUPPORTED_COMMON: dict[str, Callable[[Any], bool]] = {
+    "logit_bias": _off,
+    "response_format": lambda v: _off(v) or v == {"type": "text"},
+    "guided_json": _off, "guided_regex": _off, "guided_choice": _off, "guided_grammar": _off,
+    "structured_outputs": _off,
+    "prompt_logprobs": _off,
+    "chat_template_kwargs": _off,
+    "lora_request": _off,
+}
+UNSUPPORTED_COMPLETION_FIELDS = {
+    **_UNSUPPORTED_COMMON,
+    "suffix": _off,
+    "best_of": lambda v: _off(v) or v == 1,
+}
+UNSUPPORTED_CHAT_FIELDS = {
+    **_UNSUPPORTED_COMMON,
+    "tools": _off,
+    "tool_choice": lambda v: _off(v) or v == "none",
+    "functions": _off,
+    "function_call": lambda v: _off(v) or v == "none",
+    "audio": _off,
+    "modalities": lambda v: _off(v) or v == ["text"],
+    "prediction": _off,
+    "web_search_options": _off,
+    "reasoning_effort": _off,
+    "store": _off,
+}
+
+
+class OpenAIModel(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    def unknown_fields(self) -> list[str]:
+        return sorted(self.model_extra or {})
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class SamplingFields(OpenAIModel):
+    """The sampling fields shared by completions and chat (vLLM's extras included)."""
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    cache_salt: str | None = Field(default=None, description="Prefix-cache namespace: only requests with "
+                                   "the same salt share cached blocks.")
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """Raises ValueError (a 400) for values out of range."""
+        given = {name: getattr(self, name) for name in (
+            "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+            "repetition_penalty") if getattr(self, name) is not None}
+        return SamplingParams(
+            n=self.n, max_tokens=max_tokens, stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
+            seed=self.seed, ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output, **given)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+
+    unsupported_fields: ClassVar[dict[str, Callable[[Any], bool]]] = UNSUPPORTED_COMPLETION_FIELDS
+
+
+class ContentPart(OpenAIModel):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(OpenAIModel):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+    unsupported_fields: ClassVar[dict[str, Callable[[Any], bool]]] = UNSUPPORTED_CHAT_FIELDS
+
+
+class TokenizeRequest(OpenAIModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+# ---------------------------------------------------------------------- responses
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: dict[str, int] | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy completions format: parallel lists, one entry per generated token."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler: Any) -> dict:
+        """OpenAI's deltas carry only what changed: no `"role": null`."""
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "kvserve"
+    root: str
+    parent: str | None = None
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo

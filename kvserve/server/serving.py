@@ -1,0 +1,120 @@
+"""What the completions and chat endpoints share: request checks, submission to the engine with
+errors mapped to HTTP statuses, waiting for the final outputs, usage and per-choice stream state."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from starlette.requests import Request
+
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import SamplingParams
+from kvserve.server.engine_loop import AsyncEngine, EngineDeadError, EngineError, PromptSpec, RequestStream
+from kvserve.server.errors import APIError
+from kvserve.server.prompts import Tokenization
+from kvserve.server.protocol import MAX_CHOICES_PER_REQUEST, SamplingFields, UsageInfo
+from kvserve.server.streaming import unless_disconnected
+
+logger = logging.getLogger("kvserve.server")
+
+CONTEXT_LENGTH_PREFIX = "This model's maximum context length is"
+
+
+@dataclass
+class ServingContext:
+    engine: AsyncEngine
+    tokens: Tokenization
+    model_names: list[str]
+    max_model_len: int
+
+    @property
+    def model_name(self) -> str:
+        return self.model_names[0]
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.model_names:
+            raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+
+    def check_fields(self, body: SamplingFields) -> None:
+        """Refuse OpenAI features kvserve lacks; log keys no API defines (vLLM's behaviour)."""
+        self.check_model(body.model)
+        extra = body.model_extra or {}
+        for name, harmless in body.unsupported_fields.items():
+            if name in extra and not harmless(extra[name]):
+                raise APIError(400, f"`{name}` is not supported by kvserve.", param=name, code="unsupported_parameter")
+        ignored = [k for k in body.unknown_fields() if k not in body.unsupported_fields]
+        if ignored:
+            logger.warning("The following fields were present in the request but ignored: %s", ignored)
+
+    @staticmethod
+    def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None,
+                        num_prompts: int) -> SamplingParams:
+        if num_prompts * body.n > MAX_CHOICES_PER_REQUEST:
+            raise APIError(400, f"At most {MAX_CHOICES_PER_REQUEST} completions per request (prompts x n), "
+                                f"got {num_prompts} x {body.n}.", param="n")
+        try:
+            return body.sampling_params(max_tokens, logprobs)
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from exc
+
+    async def submit(self, specs: list[PromptSpec], request_id: str) -> RequestStream:
+        ids = [request_id] if len(specs) == 1 else [f"{request_id}-{i}" for i in range(len(specs))]
+        try:
+            return await self.engine.submit(specs, ids)
+        except ValueError as exc:
+            message = str(exc)
+            code = "context_length_exceeded" if message.startswith(CONTEXT_LENGTH_PREFIX) else None
+            raise APIError(400, message, code=code) from exc
+        except EngineDeadError as exc:
+            raise APIError(503, f"The server cannot take requests: {exc}.") from exc
+
+    async def final_outputs(self, stream: RequestStream, request: Request) -> list[RequestOutput]:
+        """Wait for every prompt to finish (abandoned if the client disconnects: the caller's
+        `stream.close()` then aborts the requests)."""
+        async def drain() -> list[RequestOutput]:
+            latest: dict[int, RequestOutput] = {}
+            async for batch in stream:
+                latest.update(batch)
+            return [latest[i] for i in range(len(stream.request_ids))]
+
+        try:
+            return await unless_disconnected(drain(), request)
+        except EngineError as exc:
+            raise APIError(500, str(exc)) from exc
+
+
+def usage(prompt_lengths: list[int], completion_tokens: int, cached_tokens: int) -> UsageInfo:
+    prompt_tokens = sum(prompt_lengths)
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens,
+                     prompt_tokens_details={"cached_tokens": cached_tokens})
+
+
+@dataclass
+class ChoiceState:
+    """How much of one choice a stream has already sent."""
+
+    started: bool = False
+    chars_sent: int = 0
+    tokens_sent: int = 0
+    num_tokens: int = 0
+    finished: bool = False
+
+
+@dataclass
+class StreamState:
+    """Per-choice progress of a streamed response; choice index = prompt index * n + sample index."""
+
+    n: int
+    choices: dict[int, ChoiceState] = field(default_factory=dict)
+    cached_tokens: dict[int, int] = field(default_factory=dict)
+
+    def choice(self, prompt_index: int, sample_index: int) -> tuple[int, ChoiceState]:
+        index = prompt_index * self.n + sample_index
+        return index, self.choices.setdefault(index, ChoiceState())
+
+    def completion_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.choices.values())
+
+    def record(self, prompt_index: int, output: RequestOutput) -> None:
+        self.cached_tokens[prompt_index] = output.num_cached_tokens

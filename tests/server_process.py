@@ -1,0 +1,89 @@
+"""A real `kvserve serve` process on 127.0.0.1 for tests: started on a free port, waited on via
+/health, stopped with SIGTERM (then SIGKILL). Its log goes to a file that failures quote."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+START_TIMEOUT_S = 120
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    process: subprocess.Popen
+    port: int
+    log_path: Path
+    api_key: str | None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @classmethod
+    def start(cls, args: list[str], log_dir: Path, env: dict[str, str] | None = None) -> "ServerProcess":
+        port = free_port()
+        log_path = log_dir / "server.log"
+        command = [sys.executable, "-m", "kvserve.cli", "serve", *args, "--host", "127.0.0.1", "--port", str(port)]
+        full_env = {**os.environ, **(env or {})}
+        api_key = args[args.index("--api-key") + 1] if "--api-key" in args else full_env.get("KVSERVE_API_KEY")
+        with open(log_path, "wb") as log:
+            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=full_env)
+        server = cls(process, port, log_path, api_key)
+        server._wait_healthy()
+        return server
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"kvserve serve exited with {self.process.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.base_url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"kvserve serve did not become healthy in {START_TIMEOUT_S} s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-5000:]
+
+    def metrics(self) -> dict[str, float]:
+        """Every sample of /metrics as {"name{labels}": value} (labels without model_name)."""
+        text = httpx.get(self.base_url + "/metrics", timeout=10).text
+        samples = {}
+        for name, labels, value in re.findall(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{([^}]*)\})? (\S+)$", text, re.M):
+            labels = ",".join(x for x in labels.split(",") if x and not x.startswith("model_name="))
+            samples[f"{name}{{{labels}}}" if labels else name] = float(value)
+        return samples
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+# The configuration of the shared `tiny_server` fixture; offline comparisons use the same engine options.
+TINY_ENGINE_OPTIONS = {"dtype": "float32", "kv_cache_memory": "16MiB"}
+TINY_SERVER_ARGS = ("--dtype", "float32", "--kv-cache-memory", "16MiB", "--max-request-body-bytes", "1MiB",
+                    "--served-model-name", "tiny", "tiny-alias")

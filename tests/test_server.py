@@ -1,0 +1,277 @@
+"""The OpenAI-compatible server end to end: a real `kvserve serve` process (tiny random llama,
+float32) driven with the official `openai` client and raw HTTP, compared with the offline `LLM`."""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+
+import httpx
+import openai
+import pytest
+from server_process import TINY_ENGINE_OPTIONS
+
+import kvserve
+from kvserve import LLM, SamplingParams
+
+PROMPTS = ["It is a truth universally acknowledged", "Mr. Darcy", "The weather at Netherfield", "Elizabeth said"]
+GREEDY = {"temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def client(tiny_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{tiny_server.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_llama) -> LLM:
+    return LLM(str(tiny_llama), **TINY_ENGINE_OPTIONS)
+
+
+def offline_texts(offline: LLM, prompts: list, **params) -> list[str]:
+    outputs = offline.generate(prompts, SamplingParams(**params), use_tqdm=False)
+    return [o.outputs[0].text for o in outputs]
+
+
+def sse_events(response: httpx.Response) -> list[str]:
+    """The `data:` payloads of an SSE body, checking the framing on the way."""
+    events = [block for block in response.text.split("\n\n") if block]
+    assert all(e.startswith("data: ") for e in events), events
+    return [e.removeprefix("data: ") for e in events]
+
+
+def wait_for(condition, timeout_s: float = 20.0):
+    """Poll until condition() is truthy (a bound on waiting, not a timing assertion)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(0.05)
+
+
+def test_models_health_version(tiny_server, client):
+    assert [m.id for m in client.models.list().data] == ["tiny", "tiny-alias"]
+    body = httpx.get(f"{tiny_server.base_url}/v1/models").json()
+    assert body["data"][0]["max_model_len"] == 1024
+    assert httpx.get(f"{tiny_server.base_url}/health").status_code == 200
+    assert httpx.get(f"{tiny_server.base_url}/version").json() == {"version": kvserve.__version__}
+
+
+def test_completions_greedy_equal_offline_with_exact_usage(client, offline):
+    response = client.completions.create(model="tiny", prompt=PROMPTS, max_tokens=12, extra_body={"ignore_eos": True},
+                                         **GREEDY)
+    choices = sorted(response.choices, key=lambda c: c.index)
+    assert [c.index for c in choices] == [0, 1, 2, 3]
+    assert [c.text for c in choices] == offline_texts(offline, PROMPTS, max_tokens=12, ignore_eos=True, **GREEDY)
+    assert all(c.finish_reason == "length" for c in choices)
+    tokenizer = offline.get_tokenizer()
+    assert response.usage.prompt_tokens == sum(len(tokenizer.encode(p)) for p in PROMPTS)
+    assert response.usage.completion_tokens == 4 * 12
+    assert response.usage.total_tokens == response.usage.prompt_tokens + 48
+    assert response.model == "tiny" and response.object == "text_completion"
+
+
+def test_completions_default_max_tokens_and_token_id_prompts(client, offline):
+    ids = offline.get_tokenizer().encode(PROMPTS[1])
+    by_text = client.completions.create(model="tiny-alias", prompt=PROMPTS[1], extra_body={"ignore_eos": True},
+                                        **GREEDY)
+    by_ids = client.completions.create(model="tiny", prompt=ids, extra_body={"ignore_eos": True}, **GREEDY)
+    assert by_text.usage.completion_tokens == 16  # vLLM's default max_tokens for completions
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    assert by_ids.usage.prompt_tokens == len(ids)
+
+
+def test_streaming_completion_matches_non_streaming(tiny_server, client):
+    request = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 20, "ignore_eos": True, **GREEDY}
+    expected = client.completions.create(**{k: v for k, v in request.items() if k != "ignore_eos"},
+                                         extra_body={"ignore_eos": True}).choices[0].text
+    response = httpx.post(f"{tiny_server.base_url}/v1/completions", timeout=60,
+                          json={**request, "stream": True, "stream_options": {"include_usage": True}})
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(response)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "text_completion" for c in chunks)
+    assert "".join(ch["text"] for c in chunks for ch in c["choices"]) == expected
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 20
+
+    streamed = client.completions.create(stream=True, **{k: v for k, v in request.items() if k != "ignore_eos"},
+                                         extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == expected
+
+
+def test_chat_greedy_equal_offline_streaming_and_not(client, offline):
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Describe Pemberley."}]
+    response = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, **GREEDY)
+    expected = offline.chat(messages, SamplingParams(max_tokens=10, **GREEDY), use_tqdm=False)[0].outputs[0]
+    assert response.choices[0].message.content == expected.text
+    assert response.choices[0].message.role == "assistant"
+    assert response.choices[0].finish_reason == expected.finish_reason
+    assert response.usage.prompt_tokens == len(offline.engine.apply_chat_template(messages))
+    assert response.usage.completion_tokens == len(expected.token_ids)
+
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, stream=True,
+                                                 stream_options={"include_usage": True}, **GREEDY))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
+    assert chunks[-1].usage.completion_tokens == len(expected.token_ids)
+    assert chunks[-1].usage.prompt_tokens == response.usage.prompt_tokens
+
+
+def test_chat_without_max_tokens_fills_the_context(tiny_server, client, offline):
+    tokenizer = offline.get_tokenizer()
+    book = (kvserve.__file__.rsplit("/", 1)[0]) + "/data/pride-and-prejudice.txt"
+    words = tokenizer.decode(tokenizer.encode(open(book).read()[:20000])[:990])
+    messages = [{"role": "user", "content": words}]
+    count = httpx.post(f"{tiny_server.base_url}/tokenize", json={"messages": messages}).json()["count"]
+    assert count < 1024
+    response = client.chat.completions.create(model="tiny", messages=messages, extra_body={"ignore_eos": True},
+                                              **GREEDY)
+    assert response.usage.prompt_tokens == count
+    assert response.usage.completion_tokens == 1024 - count
+    assert response.choices[0].finish_reason == "length"
+
+
+def test_n_samples(client):
+    response = client.completions.create(model="tiny", prompt=PROMPTS[:2], n=3, max_tokens=8, temperature=1.0, seed=1,
+                                         extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in response.choices) == list(range(6))
+    assert response.usage.completion_tokens == 6 * 8
+    assert len({c.text for c in response.choices}) > 1
+
+    chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], n=2,
+                                                 max_tokens=5, stream=True, seed=3))
+    assert {c.choices[0].index for c in chunks if c.choices} == {0, 1}
+    assert sum(1 for c in chunks if c.choices and c.choices[0].finish_reason) == 2
+
+
+def test_stop_strings(tiny_server, client):
+    full = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=30, **GREEDY).choices[0].text
+    match = re.search(r"[A-Za-z]{2}", full[4:])
+    assert match, full
+    stop = match.group(0)
+    expected = full[:full.index(stop)]
+    response = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=30, stop=[stop, "@@@"], **GREEDY)
+    choice = response.choices[0]
+    assert (choice.text, choice.finish_reason) == (expected, "stop")
+    assert choice.model_extra["stop_reason"] == stop
+    streamed = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=30, stop=stop, stream=True,
+                                         **GREEDY)
+    assert "".join(c.choices[0].text for c in streamed) == expected
+
+
+def test_logprobs(client):
+    response = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=5, logprobs=3, **GREEDY)
+    lp = response.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert 1 <= len(top) <= 4 and chosen <= 0
+        assert chosen == pytest.approx(max(top.values()))  # greedy picks the most likely token
+
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                          logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True}, **GREEDY)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens == 4
+    for entry in content:
+        assert len(entry.top_logprobs) == 2
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+        assert entry.bytes == list(entry.token.encode())
+
+
+def test_echo(client, offline):
+    response = client.completions.create(model="tiny", prompt=PROMPTS[3], max_tokens=3, echo=True, **GREEDY)
+    generated = offline_texts(offline, [PROMPTS[3]], max_tokens=3, **GREEDY)[0]
+    assert response.choices[0].text == PROMPTS[3] + generated
+
+
+def test_concurrent_requests_all_answered_correctly(tiny_server, offline):
+    prompts = [f"{PROMPTS[i % 4]} number {i}" for i in range(24)]
+    lengths = [6 + i % 7 for i in range(24)]
+    expected = [offline_texts(offline, [p], max_tokens=n, ignore_eos=True, **GREEDY)[0] for p, n in zip(prompts, lengths)]
+
+    async def run() -> list[str]:
+        async with openai.AsyncOpenAI(base_url=f"{tiny_server.base_url}/v1", api_key="unused", max_retries=0) as aclient:
+            async def one(i: int) -> str:
+                if i % 2:  # half of them stream
+                    stream = await aclient.completions.create(model="tiny", prompt=prompts[i], max_tokens=lengths[i],
+                                                              stream=True, extra_body={"ignore_eos": True}, **GREEDY)
+                    return "".join([c.choices[0].text async for c in stream])
+                response = await aclient.completions.create(model="tiny", prompt=prompts[i], max_tokens=lengths[i],
+                                                            extra_body={"ignore_eos": True}, **GREEDY)
+                return response.choices[0].text
+            return await asyncio.gather(*(one(i) for i in range(24)))
+
+    assert asyncio.run(run()) == expected
+
+
+def test_metrics_names_and_values_move(tiny_server, client, offline):
+    before = tiny_server.metrics()
+    for name in ("kvserve:num_requests_running", "kvserve:num_requests_waiting", "kvserve:kv_cache_usage_perc",
+                 "kvserve:prefix_cache_queries_total", "kvserve:prefix_cache_hits_total",
+                 "kvserve:num_preemptions_total", "kvserve:prompt_tokens_total", "kvserve:generation_tokens_total",
+                 "kvserve:time_to_first_token_seconds_count", "kvserve:inter_token_latency_seconds_count",
+                 "kvserve:e2e_request_latency_seconds_count", "kvserve:e2e_request_latency_seconds_bucket{le=\"1.0\"}"):
+        assert name in before, name
+    prompt = "Lady Catherine de Bourgh arrived"
+    client.completions.create(model="tiny", prompt=prompt, max_tokens=7, extra_body={"ignore_eos": True}, **GREEDY)
+    after = tiny_server.metrics()
+
+    def moved(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert moved("kvserve:prompt_tokens_total") == len(offline.get_tokenizer().encode(prompt))
+    assert moved("kvserve:generation_tokens_total") == 7
+    assert moved('kvserve:request_success_total{finished_reason="length"}') == 1
+    assert moved("kvserve:time_to_first_token_seconds_count") == 1
+    assert moved("kvserve:inter_token_latency_seconds_count") == 6
+    assert moved("kvserve:e2e_request_latency_seconds_count") == 1
+    assert moved("kvserve:prefix_cache_queries_total") == len(offline.get_tokenizer().encode(prompt))
+
+
+def test_prefix_cache_hits_respect_cache_salt(tiny_server, client):
+    prompt = "In vain have I struggled. It will not do. My feelings will not be repressed. " * 3
+
+    def cached_tokens(salt: str) -> int:
+        response = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, extra_body={"cache_salt": salt},
+                                             **GREEDY)
+        return response.usage.prompt_tokens_details.cached_tokens
+
+    assert cached_tokens("tenant-a") == 0
+    hits_before = tiny_server.metrics()["kvserve:prefix_cache_hits_total"]
+    assert cached_tokens("tenant-a") > 0
+    assert tiny_server.metrics()["kvserve:prefix_cache_hits_total"] > hits_before
+    assert cached_tokens("tenant-b") == 0
+
+
+def test_disconnect_mid_stream_returns_every_block(tiny_server):
+    before = tiny_server.metrics()
+    request = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{tiny_server.base_url}/v1/completions", json=request, timeout=60) as response:
+        lines = response.iter_lines()
+        assert sum(1 for _, line in zip(range(6), lines) if line.startswith("data: ")) >= 3
+        during = tiny_server.metrics()
+        assert during["kvserve:num_requests_running"] == 1 and during["kvserve:kv_cache_usage_perc"] > 0
+    # Leaving the block closed the connection: the server aborts the request and frees its blocks.
+    after = wait_for(lambda: (m := tiny_server.metrics())["kvserve:num_requests_running"] == 0 and m)
+    assert after, "the aborted request is still running"
+    assert after["kvserve:kv_cache_usage_perc"] == 0.0
+    abort = 'kvserve:request_success_total{finished_reason="abort"}'
+    assert after[abort] - before.get(abort, 0.0) == 1
+    assert after["kvserve:generation_tokens_total"] - before["kvserve:generation_tokens_total"] < 1000
+
+
+def test_disconnect_while_waiting_for_a_non_streaming_answer_aborts(tiny_server):
+    before = tiny_server.metrics()
+    request = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 1000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{tiny_server.base_url}/v1/completions", json=request, timeout=httpx.Timeout(60, read=0.5))
+    abort = 'kvserve:request_success_total{finished_reason="abort"}'
+    after = wait_for(lambda: (m := tiny_server.metrics())[abort] > before.get(abort, 0.0) and m)
+    assert after, "the request was not aborted"
+    assert after["kvserve:num_requests_running"] == 0 and after["kvserve:kv_cache_usage_perc"] == 0.0
