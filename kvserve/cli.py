@@ -57,4 +57,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m kvserve.cli`: run the imported module's main, not this __main__ copy, so that the
+    # UserError subcommands raise (kvserve.cli.UserError) is the class main() catches.
+    from kvserve.cli import main as _main
+
+    sys.exit(_main())

@@ -1,0 +1,75 @@
+"""`--api-key` (here from KVSERVE_API_KEY): every /v1 route needs the key whatever the spelling
+of the path, the Host header or the method; /health and /metrics stay open. Paths are sent over a
+raw socket so that no client library normalises them first."""
+from __future__ import annotations
+
+import socket
+
+import httpx
+import openai
+import pytest
+
+KEY = "sk-test-0123456789"
+
+
+@pytest.fixture(scope="module")
+def server(server_factory, tiny_llama):
+    return server_factory(str(tiny_llama), "--dtype", "float32", "--kv-cache-memory", "8MiB",
+                          "--served-model-name", "tiny", env={"KVSERVE_API_KEY": KEY})
+
+
+def raw_status(server, method: str, path: str, headers: dict[str, str] | None = None, body: bytes = b"") -> int:
+    headers = {"Host": f"127.0.0.1:{server.port}", "Connection": "close", "Content-Length": str(len(body)),
+               **(headers or {})}
+    request = f"{method} {path} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n"
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(request.encode() + body)
+        reply = b""
+        while b"\r\n" not in reply:
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            reply += chunk
+    return int(reply.split(b" ", 2)[1])
+
+
+@pytest.mark.parametrize("path", ["/v1/models", "/V1/models", "/v1/models/", "//v1/models", "/v1//models",
+                                  "/v1%2Fmodels", "/%761/models", "/v1/%6dodels", "/v1/./models", "/tokenize",
+                                  "/docs", "/openapi.json"])
+@pytest.mark.parametrize("method", ["GET", "POST", "OPTIONS"])
+def test_protected_paths_refuse_a_missing_key(server, path, method):
+    assert raw_status(server, method, path) == 401
+
+
+@pytest.mark.parametrize("headers", [
+    {"Authorization": "Bearer wrong"},
+    {"Authorization": f"Bearer {KEY}x"},
+    {"Authorization": KEY},
+    {"Authorization": f"Basic {KEY}"},
+    {"Host": "localhost"},
+    {"Host": "localhost", "X-Forwarded-For": "127.0.0.1", "X-Original-URL": "/health"},
+])
+def test_wrong_keys_and_spoofed_headers_are_refused(server, headers):
+    assert raw_status(server, "GET", "/v1/models", headers) == 401
+
+
+def test_right_key_works_and_open_paths_stay_open(server):
+    assert raw_status(server, "GET", "/v1/models", {"Authorization": f"Bearer {KEY}"}) == 200
+    for path in ("/health", "/metrics", "/version"):
+        assert raw_status(server, "GET", path) == 200
+    response = httpx.get(f"{server.base_url}/v1/models")
+    assert response.status_code == 401
+    assert response.json()["error"]["code"] == "invalid_api_key"
+    assert response.headers["www-authenticate"] == "Bearer"
+
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=KEY, max_retries=0)
+    assert client.completions.create(model="tiny", prompt="Hi", max_tokens=2, temperature=0).usage.completion_tokens == 2
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="nope", max_retries=0).models.list()
+
+
+def test_a_refused_request_never_reaches_the_engine(server):
+    before = server.metrics()["kvserve:prompt_tokens_total"]
+    body = b'{"prompt": "Hello", "max_tokens": 3}'
+    assert raw_status(server, "POST", "/v1/completions", {"Content-Type": "application/json"}, body) == 401
+    assert server.metrics()["kvserve:prompt_tokens_total"] == before

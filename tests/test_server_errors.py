@@ -1,0 +1,144 @@
+"""Bad input gets a 4xx with OpenAI's error body and a useful message, never a 500 or a hang;
+the `kvserve serve` command fails with one line for bad flags."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import httpx
+import openai
+import pytest
+from server_process import free_port
+
+TIMEOUT = httpx.Timeout(30)
+
+
+def post(server, path: str, **kwargs) -> httpx.Response:
+    return httpx.post(server.base_url + path, timeout=TIMEOUT, **kwargs)
+
+
+def assert_error(response: httpx.Response, status: int, *fragments: str) -> dict:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    for fragment in fragments:
+        assert fragment in error["message"], error
+    return error
+
+
+def test_context_length_error_uses_vllms_text(tiny_server):
+    client = openai.OpenAI(base_url=f"{tiny_server.base_url}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", prompt="Hello", max_tokens=5000)
+    assert info.value.status_code == 400
+    assert info.value.body["message"].startswith("This model's maximum context length is 1024 tokens.")
+    long_message = [{"role": "user", "content": "word " * 1500}]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="tiny", messages=long_message)
+    assert info.value.body["message"].startswith("This model's maximum context length is 1024 tokens.")
+    assert info.value.body["code"] == "context_length_exceeded"
+
+
+@pytest.mark.parametrize("body, fragment", [
+    ({"prompt": "x", "temperature": -0.5}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "top_p": 1.5}, "top_p"),
+    ({"prompt": "x", "n": 0}, "n must be at least 1"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "n": 10 ** 6}, "At most"),
+    ({"prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"prompt": {"text": "x"}}, "prompt"),
+    ({"prompt": "x", "stream": [1]}, "stream"),
+    ({"prompt": "x", "logprobs": 50}, "logprobs"),
+    ({"prompt": "x", "stop": ["a"] * 100}, "stop"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [1, 10 ** 7]}, "out of vocabulary"),
+    ({"prompt": "x", "max_tokens": 10 ** 9}, "maximum context length"),
+    ({}, "prompt"),
+])
+def test_completions_bad_input_is_a_400(tiny_server, body, fragment):
+    assert_error(post(tiny_server, "/v1/completions", json=body), 400, fragment)
+
+
+@pytest.mark.parametrize("body, fragment", [
+    ({"messages": []}, "at least one message"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "role"),
+    ({"messages": [{"content": "x"}]}, "role"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "text"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "logprobs"),
+])
+def test_chat_bad_input_is_a_400(tiny_server, body, fragment):
+    assert_error(post(tiny_server, "/v1/chat/completions", json=body), 400, fragment)
+
+
+def test_invalid_json_and_bodies(tiny_server):
+    assert_error(post(tiny_server, "/v1/completions", content=b"{not json",
+                      headers={"content-type": "application/json"}), 400, "JSON")
+    assert_error(post(tiny_server, "/v1/completions", content=b"\xff\xfe\x00",
+                      headers={"content-type": "application/json"}), 400)
+    assert_error(post(tiny_server, "/v1/completions", content=b"[" * 100_000 + b"]" * 100_000,
+                      headers={"content-type": "application/json"}), 400)
+    too_big = {"prompt": "x" * (2 << 20)}  # the tiny server's limit is 1 MiB
+    assert_error(post(tiny_server, "/v1/completions", json=too_big), 413, "too large")
+
+
+def test_unknown_model_is_a_404(tiny_server):
+    client = openai.OpenAI(base_url=f"{tiny_server.base_url}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.NotFoundError) as info:
+        client.completions.create(model="gpt-17", prompt="x", max_tokens=1)
+    assert info.value.body["message"] == "The model `gpt-17` does not exist."
+
+
+def test_unsupported_openai_fields_are_refused_unknown_keys_accepted(tiny_server):
+    for path, extra in [("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}),
+                        ("/v1/chat/completions", {"response_format": {"type": "json_object"}}),
+                        ("/v1/completions", {"logit_bias": {"1": 5}}),
+                        ("/v1/completions", {"suffix": "end"})]:
+        body = {"messages": [{"role": "user", "content": "x"}]} if "chat" in path else {"prompt": "x"}
+        error = assert_error(post(tiny_server, path, json={**body, **extra}), 400, "not supported")
+        assert error["param"] == next(iter(extra))
+    # Values that ask for nothing kvserve lacks, and keys no API defines, are accepted.
+    ok = post(tiny_server, "/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "response_format": {"type": "text"},
+        "tools": [], "my_own_key": {"a": 1}})
+    assert ok.status_code == 200, ok.text
+
+
+def test_routing_errors_have_openai_bodies(tiny_server):
+    assert_error(httpx.get(tiny_server.base_url + "/v1/nothing-here"), 404)
+    assert_error(httpx.get(tiny_server.base_url + "/v1/completions"), 405, "GET")
+    assert_error(httpx.delete(tiny_server.base_url + "/v1/models"), 405)
+
+
+def test_tokenize_detokenize(tiny_server):
+    tokens = post(tiny_server, "/tokenize", json={"prompt": "Mr. Darcy", "return_token_strs": True}).json()
+    assert tokens["count"] == len(tokens["tokens"]) == len(tokens["token_strs"]) > 0
+    assert tokens["max_model_len"] == 1024
+    text = post(tiny_server, "/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"]
+    assert text == "Mr. Darcy"
+    assert_error(post(tiny_server, "/detokenize", json={"tokens": [10 ** 6]}), 400, "out of vocabulary")
+    assert_error(post(tiny_server, "/tokenize", json={}), 400, "exactly one")
+
+
+def run_serve(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvserve.cli", "serve", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_serve_command_errors_are_one_line(tiny_llama):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", free_port()))
+        busy.listen(1)
+        port = str(busy.getsockname()[1])
+        result = run_serve(str(tiny_llama), "--port", port)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith("kvserve serve: error: cannot listen on")
+    assert "Traceback" not in result.stderr
+    result = run_serve(str(tiny_llama), "--api-key", " ", "--port", str(free_port()))
+    assert result.returncode == 2 and "--api-key must not be empty" in result.stderr
+    result = run_serve(str(tiny_llama), "--max-request-body-bytes", "lots", "--port", str(free_port()))
+    assert result.returncode == 2 and "cannot parse size" in result.stderr

@@ -1,0 +1,107 @@
+"""Server pieces without a model: path normalisation for the API key, the body limit on chunked
+uploads, and the metrics' periodic log line."""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse
+from starlette.routing import Route
+
+from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.server.auth import APIKeyMiddleware, normalise_path
+from kvserve.server.body_limit import BodySizeLimitMiddleware
+from kvserve.server.metrics import EngineSnapshot, ServerMetrics
+
+
+@pytest.mark.parametrize("raw, expected", [
+    ("/health", "/health"), ("/HEALTH/", "/health"), ("//health//", "/health"), ("/%68ealth", "/health"),
+    ("/%2568ealth", "/health"), ("/v1%2Fmodels", "/v1/models"), ("/", "/"), ("", "/"),
+])
+def test_normalise_path(raw, expected):
+    assert normalise_path(raw) == expected
+
+
+async def _echo_length(request: Request) -> PlainTextResponse:
+    return PlainTextResponse(str(len(await request.body())))
+
+
+def _call(app, method: str, path: str, **kwargs) -> httpx.Response:
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+            return await client.request(method, path, **kwargs)
+    return asyncio.run(go())
+
+
+def test_body_limit_counts_chunked_uploads():
+    app = BodySizeLimitMiddleware(Starlette(routes=[Route("/", _echo_length, methods=["POST"])]), max_bytes=1000)
+
+    def chunks(n: int):
+        async def gen():
+            for _ in range(n):
+                yield b"x" * 100
+        return gen()
+
+    assert _call(app, "POST", "/", content=b"x" * 1000).text == "1000"
+    assert _call(app, "POST", "/", content=chunks(10)).text == "1000"  # no Content-Length: counted as read
+    response = _call(app, "POST", "/", content=chunks(11))
+    assert response.status_code == 413 and "1000 bytes" in response.json()["error"]["message"]
+    assert _call(app, "POST", "/", content=b"x" * 1001).status_code == 413
+
+
+def test_api_key_middleware_denies_by_default():
+    inner = Starlette(routes=[Route("/{path:path}", _echo_length, methods=["GET", "POST"])])
+    app = APIKeyMiddleware(inner, "k")
+    assert _call(app, "GET", "/anything").status_code == 401
+    assert _call(app, "GET", "/anything", headers={"Authorization": "Bearer k"}).status_code == 200
+    assert _call(app, "GET", "/health").status_code == 200
+    assert _call(app, "GET", "/anything", headers=[("Authorization", "Bearer k"),
+                                                   ("Authorization", "Bearer k")]).status_code == 401
+    with pytest.raises(ValueError):
+        APIKeyMiddleware(inner, "")
+
+
+def _snapshot(running: int = 0, free: int = 10, queries: int = 0, hits: int = 0, preemptions: int = 0):
+    return EngineSnapshot(num_running=running, num_waiting=0, num_blocks=10, num_free_blocks=free,
+                          prefix_queries=queries, prefix_hits=hits, num_preemptions=preemptions)
+
+
+def _output(request_id: str, num_tokens: int, finish_reason: str | None) -> RequestOutput:
+    completion = CompletionOutput(0, "x" * num_tokens, list(range(num_tokens)), finish_reason)
+    return RequestOutput(request_id, None, [1, 2, 3], [completion], finish_reason is not None)
+
+
+def test_metrics_follow_a_request_and_log_once_per_interval(caplog):
+    metrics = ServerMetrics("m", log_interval_s=5.0)
+    metrics.on_snapshot(_snapshot(), now=0.0)
+    assert metrics.seconds_until_log(0.0) is None  # idle: nothing to log, sleep until work arrives
+    metrics.on_arrival("r", arrival_time=100.0)
+    metrics.on_outputs([_output("r", 1, None)], now=100.5)
+    metrics.on_snapshot(_snapshot(running=1, free=8, queries=3, hits=0), now=100.5)
+    metrics.on_outputs([_output("r", 4, "length")], now=101.0)
+    with caplog.at_level(logging.INFO, logger="kvserve.server"):
+        metrics.on_snapshot(_snapshot(running=0, free=10, queries=3, hits=0, preemptions=1), now=101.0)
+        assert not caplog.records  # the interval (which began at the arrival) is not over
+        assert metrics.seconds_until_log(101.0) == pytest.approx(4.0)
+        metrics.on_snapshot(_snapshot(queries=3, preemptions=1), now=105.0)
+    [record] = caplog.records
+    assert record.getMessage() == (
+        "Avg prompt throughput: 0.6 tokens/s, Avg generation throughput: 0.8 tokens/s, Running: 0 reqs, "
+        "Waiting: 0 reqs, KV cache usage: 0.0%, Prefix cache hit rate: 0.0%")
+    assert metrics.seconds_until_log(200.0) is None  # went idle after the line
+
+    text = metrics.render().decode()
+    for sample in ('kvserve:prompt_tokens_total{model_name="m"} 3.0',
+                   'kvserve:generation_tokens_total{model_name="m"} 4.0',
+                   'kvserve:request_success_total{finished_reason="length",model_name="m"} 1.0',
+                   'kvserve:time_to_first_token_seconds_sum{model_name="m"} 0.5',
+                   'kvserve:inter_token_latency_seconds_count{model_name="m"} 1.0',
+                   'kvserve:e2e_request_latency_seconds_sum{model_name="m"} 1.0',
+                   'kvserve:prefix_cache_queries_total{model_name="m"} 3.0',
+                   'kvserve:num_preemptions_total{model_name="m"} 1.0',
+                   'kvserve:kv_cache_usage_perc{model_name="m"} 0.0'):
+        assert sample in text, sample
