@@ -4,7 +4,7 @@ from __future__ import annotations
 import importlib
 
 # sub-subcommand modules; each exposes `register(subparsers)` and sets `func`.
-BENCH_MODULES = ("kvserve.bench.serve", "kvserve.bench.compare")
+BENCH_MODULES = ("kvserve.bench.serve", "kvserve.bench.compare", "kvserve.bench.throughput", "kvserve.bench.latency")
 
 
 def register(subparsers) -> None:

@@ -97,15 +97,16 @@ def _tpot(result: RequestResult, output_len: int) -> float | None:
 
 
 def _peaks(results: list[RequestResult]) -> tuple[float, int]:
-    """Highest output tokens in any one-second window (chunks counted as their arrival times;
-    a multi-token chunk counts once) and highest number of requests in flight at once."""
-    times = sorted(t for r in results if r.success for t in r.token_times)
+    """Highest output tokens in any whole second of the run (chunks counted at their arrival; a
+    multi-token chunk counts once) and highest number of successful requests in flight at once."""
+    ok = [r for r in results if r.success]
+    times = [t for r in ok for t in r.token_times]
     peak_tokens = 0
     if times:
         counts = np.bincount(np.floor(np.asarray(times)).astype(np.int64))
         peak_tokens = int(counts.max())
-    events = sorted([(r.start, 1) for r in results] + [(r.start + r.latency, -1) for r in results],
-                    key=lambda e: (e[0], e[1]))
+    # at equal times an end sorts before a start: back-to-back requests do not overlap
+    events = sorted([(r.start, 1) for r in ok] + [(r.start + r.latency, -1) for r in ok])
     running = peak_running = 0
     for _, delta in events:
         running += delta
