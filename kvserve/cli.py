@@ -12,6 +12,7 @@ SUBCOMMANDS = {
     "chat": "kvserve.entrypoints.offline",
     "serve": "kvserve.entrypoints.serve",
     "bench": "kvserve.bench.cli",
+    "plan": "kvserve.plan.cli",
 }
 
 

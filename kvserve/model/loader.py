@@ -82,6 +82,33 @@ def load_model(model: str | os.PathLike | None) -> LoadedModel:
     raise ModelLoadError(f"{path}: not a model (expected a .gguf file or a directory with config.json)")
 
 
+def load_model_config(model: str | os.PathLike | None) -> tuple[ModelConfig, int]:
+    """The model's architecture and its checkpoint size on disk, read from config.json or the GGUF
+    metadata without loading weights or tokenizer (for `kvserve plan`)."""
+    path = resolve_model_path(model)
+    try:
+        if path.suffix == ".gguf":
+            import gguf
+
+            reader = gguf.GGUFReader(path)
+            has_output = any(t.name == "output.weight" for t in reader.tensors)
+            return ModelConfig.from_hf(_gguf_hf_config(reader, has_output)), path.stat().st_size
+        if path.is_dir():
+            from transformers import AutoConfig
+
+            try:
+                json.loads((path / "config.json").read_text())
+            except (OSError, ValueError) as exc:
+                raise ModelLoadError(f"{path / 'config.json'}: malformed config: {exc}") from None
+            config = ModelConfig.from_hf(AutoConfig.from_pretrained(path, local_files_only=True))
+            return config, sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    except (ModelLoadError, UnsupportedModelError):
+        raise
+    except Exception as exc:
+        raise ModelLoadError(f"{path}: cannot read the model config: {type(exc).__name__}: {exc}") from exc
+    raise ModelLoadError(f"{path}: not a model (expected a .gguf file or a directory with config.json)")
+
+
 def _check_tokenizer(path: Path, tokenizer: Any, config: ModelConfig) -> None:
     if len(tokenizer) > config.vocab_size:
         raise ModelLoadError(f"{path}: tokenizer mismatch: the tokenizer has {len(tokenizer)} tokens but "

@@ -1,0 +1,307 @@
+"""KV-cache bytes and capacity for a `ModelArch`.
+
+Two answers, kept apart on purpose:
+
+* the formula: value bytes a model must cache, `2 × batch × seq_len × layers × kv_heads ×
+  head_dim × bytes` generalised to per-layer head counts, sliding windows (a windowed layer keeps
+  at most `window` tokens) and MLA (one latent vector per token instead of K and V);
+* kvserve's layout: what the engine's paged pool really allocates, from the same functions the
+  engine sizes its pool with (`kvserve.cache.sizing`, `KVFormat.bytes_per_block`): whole blocks,
+  every token in every layer, plus the scale/zero-point bytes of quantized formats.
+
+Capacity (blocks, tokens, concurrent sequences) follows kvserve's layout wherever it applies.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.cache.formats import make_kv_format
+from kvserve.cache.kv_cache import KVCacheSpec, KVFormat
+from kvserve.cache.sizing import blocks_for_tokens, bytes_per_block, num_blocks_for_budget
+from kvserve.engine.llm_engine import CapacityError
+from kvserve.plan.arch import AttentionLayer, ConfigError, ModelArch
+
+# Bits per cached value of each --kv-cache-dtype ("auto" takes the weight dtype's).
+VALUE_BITS = {"float32": 32, "float16": 16, "bfloat16": 16, "fp8": 8, "fp8_e4m3": 8, "fp8_e5m2": 8,
+              "int8": 8, "int4": 4, "int4_kivi": 4}
+PLAN_KV_CACHE_DTYPES = ("auto", *VALUE_BITS)
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    max_model_len: int
+    batch_size: int
+    block_size: int
+    weight_dtype: torch.dtype  # the dtype weights are held in once loaded; "auto" KV follows it
+    tensor_parallel_size: int = 1
+    kv_cache_memory: int | None = None  # the KV pool budget per device, as the engine takes it
+    gpu_memory: int | None = None  # memory of one device
+    gpu_memory_utilization: float = 0.9
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "batch_size", "block_size", "tensor_parallel_size"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+
+@dataclass(frozen=True)
+class Budget:
+    bytes: int  # KV pool budget of one device
+    source: str  # how it was obtained, in words
+
+
+@dataclass(frozen=True)
+class Weights:
+    num_params: int | None
+    dtype: str
+    bytes: int | None  # all devices
+    bytes_per_device: int | None
+    file_bytes: int | None  # checkpoint on disk (a GGUF stays quantized there, not once loaded)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """kvserve's paged pool for this plan's batch of max-model-len sequences."""
+
+    format_name: str
+    bytes_per_block: int  # one device, all layers, K + V + scales
+    value_bytes_per_block: int  # of which K and V values
+    blocks_per_sequence: int
+    bytes_per_device: int
+    bytes: int  # all devices
+    value_bytes: int  # all devices
+    scale_bytes: int  # all devices: the format's scales / zero points
+
+
+@dataclass(frozen=True)
+class Capacity:
+    layout: str  # "kvserve" (the engine's pool) or "formula" (block-rounded values, no scales)
+    bytes_per_block: int  # one device
+    num_blocks: int
+    kv_tokens: int
+    blocks_per_sequence: int
+    max_concurrent_sequences: int  # at max-model-len
+    largest_max_model_len: int  # longest single sequence the pool holds
+    batch_fits: bool  # batch_size sequences of max-model-len fit at once
+
+
+@dataclass(frozen=True)
+class KVFootprint:
+    kv_cache_dtype: str  # as asked ("auto" resolved to the weight dtype's name)
+    bits_per_value: int
+    formula: str  # the formula with this plan's numbers substituted
+    value_bytes: int  # the formula's result: batch × max-model-len, exact
+    mha_value_bytes: int  # the same model if every query head cached its own K and V
+    layout: Layout | None
+    layout_unavailable: str | None  # why kvserve's layout bytes cannot be given
+    # What the pool needs on one device for the batch: kvserve's layout, or without one whole
+    # blocks of the formula's values (every layer keeping every token, no scales).
+    pool_bytes_per_device: int
+    pool_layout: str  # "kvserve" or "formula"
+    capacity: Capacity | None
+
+
+def resolve_kv_dtype(name: str, weight_dtype: torch.dtype) -> str:
+    if name == "auto":
+        return str(weight_dtype).removeprefix("torch.")
+    if name not in VALUE_BITS:
+        raise ValueError(f"unknown kv cache dtype {name!r}: choose from {', '.join(PLAN_KV_CACHE_DTYPES)}")
+    return name
+
+
+def value_bytes(arch: ModelArch, seq_len: int, batch: int, bits: int, mha: bool = False) -> int:
+    """Exact bytes of cached values (rounded up to a whole byte for sub-byte dtypes)."""
+    total_bits = sum(layer.cached_tokens(seq_len) * (layer.mha_values_per_token if mha else layer.values_per_token)
+                     for layer in arch.layers) * batch * bits
+    return -(-total_bits // 8)
+
+
+def _bytes_factor(bits: int) -> str:
+    return f"{bits // 8}" if bits % 8 == 0 else f"{bits / 8:g}"
+
+
+def formula_text(arch: ModelArch, seq_len: int, batch: int, bits: int) -> str:
+    """`symbols = numbers = result`, one term per kind of layer."""
+    symbols, numbers = [], []
+    b = _bytes_factor(bits)
+    for layer, count in arch.layer_groups():
+        tokens = "seq_len" if layer.sliding_window is None else "min(seq_len, window)"
+        if layer.latent_dim:
+            symbols.append(f"batch × {tokens} × layers × (kv_lora_rank + qk_rope_head_dim) × bytes")
+            numbers.append(f"{batch} × {layer.cached_tokens(seq_len):,} × {count} × {layer.latent_dim} × {b}")
+        else:
+            symbols.append(f"2 × batch × {tokens} × layers × kv_heads × head_dim × bytes")
+            numbers.append(f"2 × {batch} × {layer.cached_tokens(seq_len):,} × {count} × {layer.num_kv_heads} × "
+                           f"{layer.head_dim} × {b}")
+    result = value_bytes(arch, seq_len, batch, bits)
+    return f"{' + '.join(symbols)} = {' + '.join(numbers)} = {result:,} bytes"
+
+
+def kv_heads_per_device(num_kv_heads: int, tp: int) -> int:
+    """KV heads one device holds under tensor parallelism: split evenly, or one replicated head
+    each when there are more devices than KV heads (vLLM's rule)."""
+    if num_kv_heads % tp == 0:
+        return num_kv_heads // tp
+    if tp % num_kv_heads == 0:
+        return 1
+    raise ConfigError(f"--tensor-parallel-size {tp} cannot split {num_kv_heads} KV heads evenly")
+
+
+def _device_values_per_token(layer: AttentionLayer, tp: int) -> int:
+    if layer.latent_dim:  # the MLA latent is shared by all heads, so every device keeps all of it
+        return layer.latent_dim
+    return 2 * kv_heads_per_device(layer.num_kv_heads, tp) * layer.head_dim
+
+
+def kvserve_spec(arch: ModelArch, block_size: int, tp: int) -> KVCacheSpec | str:
+    """The engine's KVCacheSpec for one device, or why its layout cannot hold this model."""
+    if arch.is_mla:
+        return "kvserve's pool stores K and V per head; it has no MLA latent layout"
+    if len({(layer.num_kv_heads, layer.head_dim) for layer in arch.layers}) != 1:
+        return "kvserve's pool needs the same KV heads and head_dim in every layer"
+    first = arch.layers[0]
+    return KVCacheSpec(arch.num_layers, kv_heads_per_device(first.num_kv_heads, tp), first.head_dim, block_size)
+
+
+def _layout(spec: KVCacheSpec, kv_format: KVFormat, bits: int, inputs: PlanInputs) -> Layout:
+    per_block = bytes_per_block(spec, kv_format)
+    values = spec.num_layers * 2 * spec.num_kv_heads * spec.block_size * spec.head_dim * bits // 8
+    blocks = blocks_for_tokens(inputs.max_model_len, spec.block_size)
+    per_device = inputs.batch_size * blocks * per_block
+    tp = inputs.tensor_parallel_size
+    value_total = tp * inputs.batch_size * blocks * values
+    return Layout(kv_format.name, per_block, values, blocks, per_device, tp * per_device, value_total,
+                  tp * per_device - value_total)
+
+
+def _capacity(layout_name: str, per_block: int, num_blocks: int, inputs: PlanInputs) -> Capacity:
+    bs = inputs.block_size
+    blocks_per_seq = blocks_for_tokens(inputs.max_model_len, bs)
+    concurrent = num_blocks // blocks_per_seq
+    return Capacity(layout_name, per_block, num_blocks, num_blocks * bs, blocks_per_seq, concurrent,
+                    num_blocks * bs, concurrent >= inputs.batch_size)
+
+
+def footprint(arch: ModelArch, kv_cache_dtype: str, inputs: PlanInputs, budget: Budget | None) -> KVFootprint:
+    kv_dtype = resolve_kv_dtype(kv_cache_dtype, inputs.weight_dtype)
+    bits = VALUE_BITS[kv_dtype]
+    seq, batch, tp = inputs.max_model_len, inputs.batch_size, inputs.tensor_parallel_size
+    spec = kvserve_spec(arch, inputs.block_size, tp)
+    layout, unavailable, capacity = None, spec if isinstance(spec, str) else None, None
+    if isinstance(spec, KVCacheSpec):
+        try:
+            kv_format = make_kv_format(kv_dtype, inputs.weight_dtype)
+        except ValueError:  # a quantized format not (yet) registered in kvserve.cache.formats
+            unavailable = f"kvserve has no {kv_dtype!r} KV format"
+        else:
+            layout = _layout(spec, kv_format, bits, inputs)
+            if budget is not None:  # exactly the engine's sizing (LLMEngine._size_kv_pool)
+                num_blocks = num_blocks_for_budget(budget.bytes, spec, kv_format)
+                capacity = _capacity("kvserve", layout.bytes_per_block, num_blocks, inputs)
+    if layout is not None:
+        pool_bytes = layout.bytes_per_device
+    else:
+        values = sum(_device_values_per_token(layer, tp) for layer in arch.layers)
+        per_block = -(-inputs.block_size * values * bits // 8)
+        pool_bytes = batch * blocks_for_tokens(seq, inputs.block_size) * per_block
+        if budget is not None:
+            capacity = _capacity("formula", per_block, budget.bytes // per_block, inputs)
+    return KVFootprint(
+        kv_cache_dtype=kv_dtype, bits_per_value=bits, formula=formula_text(arch, seq, batch, bits),
+        value_bytes=value_bytes(arch, seq, batch, bits), mha_value_bytes=value_bytes(arch, seq, batch, bits, mha=True),
+        layout=layout, layout_unavailable=unavailable, pool_bytes_per_device=pool_bytes,
+        pool_layout="kvserve" if layout is not None else "formula",
+        capacity=capacity)
+
+
+def weights(arch: ModelArch, dtype: torch.dtype, tp: int) -> Weights:
+    name = str(dtype).removeprefix("torch.")
+    if arch.num_params is None:
+        return Weights(None, name, None, None, arch.file_bytes)
+    total = arch.num_params * torch.empty((), dtype=dtype).element_size()
+    # Tensor parallelism shards the weight matrices; the few replicated norms are rounding error.
+    return Weights(arch.num_params, name, total, math.ceil(total / tp), arch.file_bytes)
+
+
+def kv_budget(inputs: PlanInputs, weights_: Weights, cpu_default: int | None) -> Budget | None:
+    """The KV pool budget of one device: --kv-cache-memory as the engine takes it; else what
+    --gpu-memory × --gpu-memory-utilization leaves after the weights; else the engine's CPU default
+    (`cpu_default`, None when planning for a GPU)."""
+    kv_cache_memory, gpu_memory, utilization = inputs.kv_cache_memory, inputs.gpu_memory, inputs.gpu_memory_utilization
+    usable = int(gpu_memory * utilization) if gpu_memory is not None else None
+    if kv_cache_memory is not None:
+        if usable is not None and weights_.bytes_per_device is not None and \
+                weights_.bytes_per_device + kv_cache_memory > usable:
+            raise CapacityError(
+                f"weights ({weights_.bytes_per_device:,} bytes per device) plus --kv-cache-memory "
+                f"({kv_cache_memory:,} bytes) exceed {utilization:.0%} of --gpu-memory ({usable:,} bytes)")
+        return Budget(kv_cache_memory, "--kv-cache-memory")
+    if usable is not None:
+        if weights_.bytes_per_device is None:
+            raise ConfigError("the parameter count of this model is unknown (no preset, no weights beside the "
+                              "config): give the KV budget with --kv-cache-memory")
+        budget = usable - weights_.bytes_per_device
+        if budget <= 0:
+            raise CapacityError(
+                f"the weights alone ({weights_.bytes_per_device:,} bytes per device) do not fit in "
+                f"{utilization:.0%} of --gpu-memory ({usable:,} bytes): raise --tensor-parallel-size "
+                "or --gpu-memory, or hold the weights in a smaller --dtype")
+        return Budget(budget, "--gpu-memory × --gpu-memory-utilization − weights (activations not counted)")
+    if cpu_default is not None:
+        return Budget(cpu_default, "engine default on CPU: min(4 GiB, available RAM / 4)")
+    return None
+
+
+@dataclass(frozen=True)
+class Plan:
+    arch: ModelArch
+    inputs: PlanInputs
+    weights: Weights
+    budget: Budget | None
+    footprints: list[KVFootprint]
+    notes: list[str]
+
+
+def make_plan(arch: ModelArch, inputs: PlanInputs, kv_cache_dtypes: list[str], cpu_default_budget: int | None) -> Plan:
+    """`cpu_default_budget`: the engine's KV budget when planning for a CPU with no budget given."""
+    tp = inputs.tensor_parallel_size
+    weights_ = weights(arch, inputs.weight_dtype, tp)
+    budget = kv_budget(inputs, weights_, cpu_default_budget)
+    footprints = [footprint(arch, name, inputs, budget) for name in kv_cache_dtypes]
+    return Plan(arch, inputs, weights_, budget, footprints, _notes(arch, inputs, budget))
+
+
+def _notes(arch: ModelArch, inputs: PlanInputs, budget: Budget | None) -> list[str]:
+    notes = []
+    if inputs.max_model_len > arch.max_position_embeddings:
+        notes.append(f"--max-model-len {inputs.max_model_len:,} exceeds the model's max_position_embeddings "
+                     f"({arch.max_position_embeddings:,}); the engine would refuse it")
+    if arch.has_sliding_window:
+        windows = sorted({layer.sliding_window for layer in arch.layers if layer.sliding_window})
+        count = sum(1 for layer in arch.layers if layer.sliding_window)
+        notes.append(f"{count} of {arch.num_layers} layers attend to a sliding window of {windows[0]:,} tokens: "
+                     "the formula caches at most that many there; kvserve's pool keeps every token in every layer")
+    if not arch.served_by_kvserve:
+        layout = isinstance(kvserve_spec(arch, inputs.block_size, inputs.tensor_parallel_size), KVCacheSpec)
+        notes.append(f"kvserve itself does not serve {arch.architecture!r} models"
+                     + ("; its layout rows show what its paged pool would take" if layout else ""))
+    if arch.source == "gguf" and arch.file_bytes:
+        notes.append("the GGUF file holds quantized weights; kvserve dequantizes them to the weight dtype at load")
+    if arch.num_params is None:
+        notes.append("parameter count unknown (a config.json with no weights beside it, of a family kvserve "
+                     "does not serve): weight bytes not given")
+    kv = arch.uniform_kv_heads
+    if kv is not None and inputs.tensor_parallel_size > kv:
+        notes.append(f"{inputs.tensor_parallel_size} devices share {kv} KV heads: each KV head is replicated "
+                     f"on {inputs.tensor_parallel_size // kv} devices")
+    if arch.is_mla and inputs.tensor_parallel_size > 1:
+        notes.append("the MLA latent is shared by all heads, so every device keeps a full copy")
+    if budget is None:
+        notes.append("no capacity figures: give --kv-cache-memory, or --gpu-memory for a GPU")
+    return notes

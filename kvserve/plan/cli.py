@@ -1,0 +1,125 @@
+"""`kvserve plan [MODEL]`: how much memory the KV cache takes, and what fits in a budget."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from kvserve.engine.args import EngineArgs
+
+EPILOG = """presets: {presets}
+
+examples:
+  kvserve plan llama-2-70b --max-model-len 32768 --kv-cache-dtype float16,fp8
+  kvserve plan llama-3-70b --gpu-memory 80GiB --tensor-parallel-size 2 --max-model-len 8192
+  kvserve plan --kv-cache-memory 1GiB --json          (the bundled default model)"""
+
+# Engine options that do not change KV sizes; --kv-cache-dtype is the planner's own (it also
+# accepts quantized dtypes kvserve has no storage format for yet) and MODEL is positional.
+_SKIPPED_ENGINE_ARGS = ("model", "kv_cache_dtype", "max_num_seqs", "max_num_batched_tokens",
+                        "enable_prefix_caching", "seed")
+
+
+def register(subparsers) -> None:
+    from kvserve.plan.calculator import PLAN_KV_CACHE_DTYPES
+    from kvserve.plan.presets import PRESETS
+
+    parser = subparsers.add_parser(
+        "plan", help="KV-cache memory calculator and capacity planner",
+        description="KV-cache bytes of a model (the formula, and kvserve's own paged layout with its scales), "
+                    "and how many tokens and sequences fit in a memory budget. Reads configs only; loads no weights.",
+        epilog=EPILOG.format(presets=", ".join(PRESETS)), formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", nargs="?", metavar="MODEL",
+                        help="preset name, config.json, HF model directory or GGUF file (default: the bundled model)")
+    group = parser.add_argument_group("planning options")
+    group.add_argument("--batch-size", type=int, default=1, help="concurrent sequences of --max-model-len (default 1)")
+    group.add_argument("--kv-cache-dtype", default="auto",
+                       help=f"one or more, comma-separated, of {', '.join(PLAN_KV_CACHE_DTYPES)} "
+                            "(auto = the weight dtype)")
+    group.add_argument("--gpu-memory", default=None,
+                       help="memory of one GPU (80GiB, 24GB): the KV budget is then what "
+                            "--gpu-memory-utilization of it leaves after the weights")
+    group.add_argument("--tensor-parallel-size", type=int, default=1,
+                       help="devices sharing the KV heads and the weights (planning only)")
+    group.add_argument("--json", action="store_true", help="print the plan as JSON (keys: see kvserve/plan/report.py)")
+    group.add_argument("--plot", metavar="PNG", default=None,
+                       help="draw KV bytes against context length for the chosen dtypes, with the budget line")
+    EngineArgs.add_cli_args(parser, skip=_SKIPPED_ENGINE_ARGS)
+    parser.set_defaults(func=run_plan)
+
+
+def _planning_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The engine's dtype rule (select_dtype); for a GPU this machine does not have, auto assumes a
+    bfloat16-capable one, as every data-centre GPU since Ampere is."""
+    from kvserve.engine.llm_engine import select_dtype
+
+    if name == "auto" and device.type == "cuda" and not torch.cuda.is_available():
+        return torch.bfloat16
+    return select_dtype(name, device)
+
+
+def _size_arg(value: str | None, flag: str) -> int | None:
+    from kvserve.cache.sizing import parse_size
+
+    if value is None:
+        return None
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise ValueError(f"{flag}: {exc}") from None
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from kvserve.cache.sizing import default_cpu_budget
+    from kvserve.engine.llm_engine import CapacityError
+    from kvserve.plan.calculator import PlanInputs, make_plan
+    from kvserve.plan.report import render, to_dict
+    from kvserve.plan.source import load_arch
+
+    kv_dtypes = [d.strip() for d in args.kv_cache_dtype.split(",") if d.strip()]
+    if not kv_dtypes:
+        raise ValueError("--kv-cache-dtype: give at least one dtype")
+    kv_cache_memory = _size_arg(args.kv_cache_memory, "--kv-cache-memory")
+    gpu_memory = _size_arg(args.gpu_memory, "--gpu-memory")
+    if args.device == "auto":
+        device = torch.device("cuda" if gpu_memory is not None or torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(args.device)
+    if args.max_model_len is not None and args.max_model_len < 1:
+        raise ValueError(f"--max-model-len must be positive, got {args.max_model_len}")
+    arch = load_arch(args.model)
+    inputs = PlanInputs(
+        max_model_len=args.max_model_len if args.max_model_len is not None else arch.max_position_embeddings,
+        batch_size=args.batch_size, block_size=args.block_size, weight_dtype=_planning_dtype(args.dtype, device),
+        tensor_parallel_size=args.tensor_parallel_size, kv_cache_memory=kv_cache_memory, gpu_memory=gpu_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization)
+    plan = make_plan(arch, inputs, kv_dtypes, default_cpu_budget() if device.type == "cpu" else None)
+
+    if args.json:
+        print(json.dumps(to_dict(plan), indent=2))
+    else:
+        render(plan, Console(width=max(120, Console().width)))
+    if args.plot:
+        from kvserve.plan.plot import plot_plan
+
+        out = plot_plan(plan, kv_dtypes, args.plot)
+        print(f"plot written to {out}", file=sys.stderr)
+
+    # A budget the user gave that cannot hold one sequence is an error, as it is for the engine;
+    # the CPU default budget is only informative when planning for other hardware.
+    short = [fp for fp in plan.footprints if fp.capacity is not None and fp.capacity.max_concurrent_sequences == 0]
+    if short and (kv_cache_memory is not None or gpu_memory is not None):
+        fp = short[0]
+        need = fp.capacity.blocks_per_sequence * fp.capacity.bytes_per_block
+        if fp.capacity.num_blocks == 0:
+            raise CapacityError(f"the KV budget of {plan.budget.bytes:,} bytes is smaller than one block of "
+                                f"{fp.kv_cache_dtype} ({fp.capacity.bytes_per_block:,} bytes)")
+        raise CapacityError(
+            f"the KV budget of {plan.budget.bytes:,} bytes holds {fp.capacity.kv_tokens:,} tokens of "
+            f"{fp.kv_cache_dtype}, but one sequence of max-model-len {inputs.max_model_len:,} needs {need:,} bytes: "
+            f"raise the budget or use --max-model-len {fp.capacity.largest_max_model_len} or less")
+    return 0
