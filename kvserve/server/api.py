@@ -23,12 +23,19 @@ from kvserve.server.engine_loop import AsyncEngine
 from kvserve.server.errors import APIError, error_body, install_error_handlers
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.prompts import Tokenization, conversation
-from kvserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
+from kvserve.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
+                                     CompletionResponse, DetokenizeRequest, DetokenizeResponse, ErrorResponse,
                                      ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
 from kvserve.server.serving import ServingContext
 from kvserve.server.streaming import ClientDisconnected
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+# Documented in the OpenAPI schema: every error has OpenAI's body.
+_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 500, 503)}
+
+
+def _answers(model: type) -> dict:
+    return {200: {"model": model, "description": "JSON, or with `stream: true` an SSE stream of chunks"}, **_ERRORS}
 
 
 @dataclass
@@ -86,15 +93,15 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         return ModelList(data=[ModelCard(id=name, created=created, root=str(engine.model_path),
                                          max_model_len=engine.max_model_len) for name in config.served_model_names])
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=_answers(CompletionResponse))
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
         return await completions.create(body, request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=_answers(ChatCompletionResponse))
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         return await chat.create(body, request)
 
-    @app.post("/tokenize", response_model=TokenizeResponse)
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         ctx.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
@@ -106,7 +113,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         strs = [tokens.token_text(t) for t in ids] if body.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids, token_strs=strs)
 
-    @app.post("/detokenize", response_model=DetokenizeResponse)
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         ctx.check_model(body.model)
         return DetokenizeResponse(prompt=await tokens.decode(body.tokens))
