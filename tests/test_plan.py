@@ -140,6 +140,33 @@ def test_weights_and_gpu_budget(capsys):
     assert explicit["kv_cache"][0]["kv_cache_dtype"] == "float32"
 
 
+def test_unregistered_format_shows_values_and_marks_layout_unavailable(capsys, monkeypatch):
+    import kvserve.plan.calculator as calculator
+
+    real = calculator.make_kv_format
+
+    def without_int4(name, dtype):
+        if name == "int4":
+            raise ValueError("unknown kv cache dtype 'int4'")
+        return real(name, dtype)
+
+    monkeypatch.setattr(calculator, "make_kv_format", without_int4)
+    plan = plan_json(capsys, "llama-2-70b", "--max-model-len", "32768", "--kv-cache-dtype", "int4",
+                     "--kv-cache-memory", "8GiB")
+    fp = plan["kv_cache"][0]
+    assert fp["value_bytes"] == 10_737_418_240 // 4
+    assert fp["layout"] is None and "no 'int4' KV format" in fp["layout_unavailable"]
+    assert fp["capacity"]["layout"] == "formula"
+    assert fp["capacity"]["bytes_per_block"] == 16 * 80 * 2 * 8 * 128 // 2
+
+
+def test_gpu_without_budget_gives_sizes_but_no_capacity(capsys):
+    plan = plan_json(capsys, "qwen2.5-7b", "--device", "cuda", "--max-model-len", "32768")
+    assert plan["kv_budget"] is None and plan["kv_cache"][0]["capacity"] is None
+    assert plan["kv_cache"][0]["value_bytes"] == 2 * 32768 * 28 * 4 * 128 * 2
+    assert any("--gpu-memory" in note for note in plan["notes"])
+
+
 def test_every_kv_dtype_has_value_bits():
     assert set(KV_CACHE_DTYPES) - {"auto"} <= set(VALUE_BITS)
 
@@ -214,7 +241,8 @@ def test_per_layer_kv_heads(tmp_path, capsys):
     cfg = {"model_type": "custom", "num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": [8, 2, 1],
            "hidden_size": 512, "max_position_embeddings": 1024}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    plan = plan_json(capsys, str(tmp_path), "--max-model-len", "1000", "--kv-cache-dtype", "float16")
+    plan = plan_json(capsys, str(tmp_path), "--max-model-len", "1000", "--kv-cache-dtype", "float16",
+                     "--device", "cpu")
     fp = plan["kv_cache"][0]
     assert fp["value_bytes"] == 2 * 1000 * (8 + 2 + 1) * 64 * 2
     assert fp["mha_value_bytes"] == 2 * 1000 * 3 * 8 * 64 * 2
@@ -238,6 +266,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     assert "size must be positive" in plan_error(capsys, "llama-3-8b", "--gpu-memory", "0GiB")
     assert "unknown kv cache dtype 'fp6'" in plan_error(capsys, "llama-3-8b", "--kv-cache-dtype", "fp6")
     assert "cannot split 8 KV heads" in plan_error(capsys, "llama-3-8b", "--tensor-parallel-size", "3")
+    assert "--device" in plan_error(capsys, "llama-3-8b", "--device", "tpu9")
     assert "(0, 1]" in plan_error(capsys, "llama-3-8b", "--gpu-memory", "80GiB", "--gpu-memory-utilization", "1.5")
 
 

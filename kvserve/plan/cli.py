@@ -28,7 +28,7 @@ def register(subparsers) -> None:
 
     parser = subparsers.add_parser(
         "plan", help="KV-cache memory calculator and capacity planner",
-        description="KV-cache bytes of a model (the formula, and kvserve's own paged layout with its scales), "
+        description="KV-cache bytes of a model (the formula, and kvserve's own paged layout with its scales),\n"
                     "and how many tokens and sequences fit in a memory budget. Reads configs only; loads no weights.",
         epilog=EPILOG.format(presets=", ".join(PRESETS)), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", nargs="?", metavar="MODEL",
@@ -88,7 +88,10 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.device == "auto":
         device = torch.device("cuda" if gpu_memory is not None or torch.cuda.is_available() else "cpu")
     else:
-        device = torch.device(args.device)
+        try:
+            device = torch.device(args.device)
+        except RuntimeError:
+            raise ValueError(f"--device: expected cpu, cuda, cuda:N or auto, got {args.device!r}") from None
     if args.max_model_len is not None and args.max_model_len < 1:
         raise ValueError(f"--max-model-len must be positive, got {args.max_model_len}")
     arch = load_arch(args.model)
