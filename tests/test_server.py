@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 from server_process import TINY_ENGINE_OPTIONS
+from tiny_models import BOOK
 
 import kvserve
 from kvserve import LLM, SamplingParams
@@ -125,8 +126,7 @@ def test_chat_greedy_equal_offline_streaming_and_not(client, offline):
 
 def test_chat_without_max_tokens_fills_the_context(tiny_server, client, offline):
     tokenizer = offline.get_tokenizer()
-    book = (kvserve.__file__.rsplit("/", 1)[0]) + "/data/pride-and-prejudice.txt"
-    words = tokenizer.decode(tokenizer.encode(open(book).read()[:20000])[:990])
+    words = tokenizer.decode(tokenizer.encode(BOOK.read_text()[:20000])[:990])
     messages = [{"role": "user", "content": words}]
     count = httpx.post(f"{tiny_server.base_url}/tokenize", json={"messages": messages}).json()["count"]
     assert count < 1024
