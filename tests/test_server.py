@@ -193,10 +193,12 @@ def test_echo(client, offline):
 def test_concurrent_requests_all_answered_correctly(tiny_server, offline):
     prompts = [f"{PROMPTS[i % 4]} number {i}" for i in range(24)]
     lengths = [6 + i % 7 for i in range(24)]
-    expected = [offline_texts(offline, [p], max_tokens=n, ignore_eos=True, **GREEDY)[0] for p, n in zip(prompts, lengths)]
+    expected = [offline_texts(offline, [p], max_tokens=n, ignore_eos=True, **GREEDY)[0]
+                for p, n in zip(prompts, lengths)]
 
     async def run() -> list[str]:
-        async with openai.AsyncOpenAI(base_url=f"{tiny_server.base_url}/v1", api_key="unused", max_retries=0) as aclient:
+        base_url = f"{tiny_server.base_url}/v1"
+        async with openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0) as aclient:
             async def one(i: int) -> str:
                 if i % 2:  # half of them stream
                     stream = await aclient.completions.create(model="tiny", prompt=prompts[i], max_tokens=lengths[i],

@@ -63,7 +63,8 @@ def test_right_key_works_and_open_paths_stay_open(server):
     assert response.headers["www-authenticate"] == "Bearer"
 
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=KEY, max_retries=0)
-    assert client.completions.create(model="tiny", prompt="Hi", max_tokens=2, temperature=0).usage.completion_tokens == 2
+    response = client.completions.create(model="tiny", prompt="Hi", max_tokens=2, temperature=0)
+    assert response.usage.completion_tokens == 2
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="nope", max_retries=0).models.list()
 

@@ -76,7 +76,8 @@ class ChatServing:
         state = StreamState(body.n)
 
         def chunk(choices: list[ChatChunkChoice], with_usage: bool) -> str:
-            u = usage([prompt_len], state.completion_tokens(), sum(state.cached_tokens.values())) if with_usage else None
+            u = (usage([prompt_len], state.completion_tokens(), sum(state.cached_tokens.values()))
+                 if with_usage else None)
             return sse(ChatCompletionChunk(id=request_id, created=created, model=ctx.model_name, choices=choices,
                                            usage=u))
 
