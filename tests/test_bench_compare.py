@@ -76,12 +76,14 @@ def test_bad_configurations_fail_in_one_line(tiny_llama, tmp_path, capsys, extra
 
 
 def test_prefix_caching_before_after_on_real_kvserve_servers(tiny_llama, tmp_path, capsys):
-    """The seed's before/after matrix, tiny: prefix caching off vs on, on a prefix-heavy workload."""
+    """The seed's before/after matrix, tiny: prefix caching off vs on, on a prefix-heavy workload
+    (the servers demand an API key, which compare takes from their flags)."""
     argv = ["bench", "compare", "--dataset-name", "prefix-repetition", "--num-prompts", "8",
             "--prefix-repetition-prefix-len", "64", "--prefix-repetition-suffix-len", "8",
             "--prefix-repetition-num-prefixes", "2", "--prefix-repetition-output-len", "4", "--max-concurrency", "2",
             "--metrics-interval", "0.05", "--disable-tqdm", "--server-timeout", "300",
-            "--server-args", f"--model {tiny_llama} --dtype float32 --kv-cache-memory 16MiB --max-model-len 256",
+            "--server-args",
+            f"--model {tiny_llama} --dtype float32 --kv-cache-memory 16MiB --max-model-len 256 --api-key sesame",
             "--save-result", str(tmp_path / "cmp.json"),
             "--configs", "--no-enable-prefix-caching", "--enable-prefix-caching"]
     assert main(argv) == 0, capsys.readouterr().err

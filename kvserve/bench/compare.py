@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import shlex
 import sys
 import tempfile
@@ -33,6 +34,8 @@ from kvserve.bench.report import save_json
 from kvserve.bench.serve import RunOutput, add_client_args, benchmark, failure_summary, load_config_from_args
 
 logger = logging.getLogger(__name__)
+
+SERVER_API_KEY_ENV = "KVSERVE_API_KEY"  # what `kvserve serve` reads when no --api-key is given
 
 
 @dataclass
@@ -94,12 +97,12 @@ def resolve_configs(args: argparse.Namespace, own_flags: set[str]) -> tuple[str,
     return server_args, configs
 
 
-def _model_flag(flags: list[str]) -> str | None:
-    """The value of --model in a list of server flags, if any (to tokenize the workload alike)."""
+def _flag_value(flags: list[str], name: str) -> str | None:
+    """The value of `name` (e.g. --model) in a list of server flags, if given."""
     for i, flag in enumerate(flags):
-        if flag == "--model" and i + 1 < len(flags):
+        if flag == name and i + 1 < len(flags):
             return flags[i + 1]
-        if flag.startswith("--model="):
+        if flag.startswith(name + "="):
             return flag.split("=", 1)[1]
     return None
 
@@ -193,7 +196,7 @@ def run_compare(args: argparse.Namespace, server_command: ServerCommand = kvserv
         parse_goodput(args.goodput)
     server_args, configs = resolve_configs(args, args.compare_flags)
     common = shlex.split(server_args)
-    tokenizer = load_tokenizer(args.tokenizer or _model_flag(common))
+    tokenizer = load_tokenizer(args.tokenizer or _flag_value(common, "--model"))
     samples = build_dataset(args, tokenizer)
     log_dir = Path(args.server_log_dir or tempfile.mkdtemp(prefix="kvserve-compare-"))
 
@@ -205,8 +208,11 @@ def run_compare(args: argparse.Namespace, server_command: ServerCommand = kvserv
               flush=True)
         log = log_dir / f"server-{i}.log"
         try:
-            with running_server(server_command, common + shlex.split(config.args), log, args.server_timeout) as url:
-                client = ClientConfig(url, args.endpoint, _served_model(url), None, args.ignore_eos)
+            flags = common + shlex.split(config.args)
+            # the key the server will demand, if any: its --api-key flag, else its environment
+            api_key = _flag_value(flags, "--api-key") or os.environ.get(SERVER_API_KEY_ENV)
+            with running_server(server_command, flags, log, args.server_timeout) as url:
+                client = ClientConfig(url, args.endpoint, _served_model(url, api_key), api_key, args.ignore_eos)
                 args.label = config.label
                 result, run, table = benchmark(args, client, samples, load, tokenizer)
         except ServerStartError as exc:
@@ -244,7 +250,7 @@ def run_compare(args: argparse.Namespace, server_command: ServerCommand = kvserv
     return 0
 
 
-def _served_model(base_url: str) -> str:
+def _served_model(base_url: str, api_key: str | None) -> str:
     import asyncio
 
     import httpx
@@ -253,7 +259,7 @@ def _served_model(base_url: str) -> str:
 
     async def first() -> list[str]:
         async with httpx.AsyncClient() as client:
-            return await list_models(client, base_url, None)
+            return await list_models(client, base_url, api_key)
 
     models = asyncio.run(first())
     if not models:

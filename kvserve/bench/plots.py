@@ -94,6 +94,7 @@ def plot_run(run: "RunOutput", directory: str | os.PathLike, title: str = "") ->
 
 def safe_name(label: str) -> str:
     """A label as a directory name: "--kv-cache-dtype fp8" -> "kv-cache-dtype_fp8"."""
+    label = re.sub(r"(?<![\w-])-+", "", label)  # flags lose their leading dashes
     return re.sub(r"[^A-Za-z0-9._-]+", "_", label).strip("_-.") or "config"
 
 

@@ -38,7 +38,7 @@ class LoadConfig:
     max_concurrency: int | None = None
     num_warmups: int = 0
     seed: int = 0
-    metrics_interval: float = 1.0  # seconds between /metrics samples; 0 = do not sample
+    metrics_interval: float = 0.5  # seconds between /metrics samples; 0 = do not sample
     request_timeout: float = 600.0
     progress: bool = True
 
@@ -150,7 +150,7 @@ def add_client_args(parser: argparse.ArgumentParser, with_target: bool = True) -
     o.add_argument("--metric-percentiles", default="99", help="comma list, e.g. 50,90,99")
     o.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
                    help="SLOs for goodput, e.g. ttft:500 tpot:50 (ms)")
-    o.add_argument("--metrics-interval", type=float, default=1.0,
+    o.add_argument("--metrics-interval", type=float, default=0.5,
                    help="seconds between samples of the server's /metrics (0 = off)")
     o.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
