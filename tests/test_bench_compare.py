@@ -25,20 +25,20 @@ def compare_args(tokenizer: Path, tmp_path: Path, *extra: str):
 
 
 def test_two_configs_end_to_end_on_fake_servers(tiny_llama, tmp_path, capsys):
-    args = compare_args(tiny_llama, tmp_path, "--configs", "--delay 0.001", "--delay=0.006")
+    args = compare_args(tiny_llama, tmp_path, "--configs", "--delay 0.001", "--delay=0.01")
     assert run_compare(args, fake_server) == 0
     out = capsys.readouterr().out
     assert out.count("============ Serving Benchmark Result ============") == 2
     assert "Comparison (ratio to the first config)" in out
     data = json.loads((tmp_path / "cmp.json").read_text())
-    assert [c["label"] for c in data["configs"]] == ["--delay 0.001", "--delay=0.006"]
+    assert [c["label"] for c in data["configs"]] == ["--delay 0.001", "--delay=0.01"]
     assert all(c["result"]["completed"] == 6 and c["result"]["failed"] == 0 for c in data["configs"])
     tpot = data["comparison"]["mean_tpot_ms"]
-    assert tpot["--delay=0.006"] > tpot["--delay 0.001"]  # the slower server is measured slower
+    assert tpot["--delay=0.01"] > tpot["--delay 0.001"]  # the slower server is measured slower
     first, second = data["configs"][0]["result"], data["configs"][1]["result"]
     assert first["input_lens"] == second["input_lens"]  # the same workload for both
     plots = {p.name for p in (tmp_path / "plots").iterdir()}
-    assert {"compare_bars.png", "compare_kv_cache.png", "delay_0.001", "delay_0.006"} <= plots
+    assert {"compare_bars.png", "compare_kv_cache.png", "delay_0.001", "delay_0.01"} <= plots
 
 
 def test_config_that_does_not_start_is_reported_and_others_still_run(tiny_llama, tmp_path, capsys):

@@ -31,7 +31,10 @@ def test_streamed_requests_are_timed(endpoint):
         assert 0 < r.ttft <= r.latency
         assert r.prompt_len == 3  # the server's usage count (3 words) replaces the dataset's
         assert r.token_times == sorted(r.token_times)
-    assert run.server_samples and max(s.running for s in run.server_samples) >= 1
+    # /metrics was sampled, and once more after the last request: the fake server's counters
+    # then hold every request (3 prompt words each, a third of them "hits")
+    last = run.server_samples[-1]
+    assert (last.prefix_queries, last.prefix_hits, last.running) == (24, 8, 0)
 
 
 def test_max_concurrency_bounds_requests_in_flight():
