@@ -13,6 +13,7 @@ SUBCOMMANDS = {
     "serve": "kvserve.entrypoints.serve",
     "bench": "kvserve.bench.cli",
     "plan": "kvserve.plan.cli",
+    "eval": "kvserve.eval.cli",
 }
 
 

@@ -54,6 +54,12 @@ class KVFormat:
         [kv_heads, batch, blocks_per_seq * block_size, head_dim] in the compute dtype."""
         raise NotImplementedError
 
+    def rotation(self, head_dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        """An orthogonal [head_dim, head_dim] matrix R if the format stores K·R and V·R instead of
+        K and V (so `gather` returns them rotated); the attention then scores q·R against the keys
+        and multiplies its output by R^T. None (the default): K and V are stored as given."""
+        return None
+
 
 def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, batch: int) -> torch.Tensor:
     """[kv_heads, blocks, block_size, ...] -> [kv_heads, batch, tokens, ...] for flat block ids."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from kvserve.cache.formats.block_writes import BlockWrite
+from kvserve.cache.formats.rotation import hadamard_rotation
 from kvserve.cache.kv_cache import KVCacheSpec, KVFormat
 
 _NAMES = ("key", "value")
@@ -34,6 +35,9 @@ class BlockScaledFormat(KVFormat):
     storage_dtype: torch.dtype  # dtype of the pool tensor (int8, float8_e4m3fn, ...)
     index_dtype: torch.dtype  # an integer view of it that index_select / index_copy_ accept
     decode_unit: float = 1.0  # decode(codes) * decode_unit * scale is the stored value
+
+    def __init__(self, rotate: bool = True):
+        self.rotate = rotate  # store K·H and V·H (rotation.py): outlier channels spread before quantizing
 
     def scale_for(self, amax: torch.Tensor) -> torch.Tensor:
         """The smallest scale at which values up to `amax` encode without overflow (float32, > 0)."""
@@ -60,9 +64,14 @@ class BlockScaledFormat(KVFormat):
             pool[name + "_scale"] = torch.zeros((spec.num_kv_heads, num_blocks), dtype=torch.float32, device=device)
         return pool
 
+    def rotation(self, head_dim, dtype, device):
+        return hadamard_rotation(head_dim, dtype, device) if self.rotate else None
+
     def write(self, pool, key, value, slot_mapping):
         write = BlockWrite.from_slots(slot_mapping, pool["key"].shape[2])
+        rotation = self.rotation(key.shape[-1], torch.float32, key.device)
         for name, new in zip(_NAMES, (key, value)):
+            new = new.float() if rotation is None else new.float() @ rotation
             self._write(pool[name].view(self.index_dtype), pool[name + "_scale"], new, slot_mapping, write)
 
     def gather(self, pool, block_ids, batch, dtype):
@@ -72,8 +81,8 @@ class BlockScaledFormat(KVFormat):
     # ------------------------------------------------------------------ internals
     def _write(self, codes: torch.Tensor, scales: torch.Tensor, new: torch.Tensor, slot_mapping: torch.Tensor,
                write: BlockWrite) -> None:
+        """Store float32 `new` [tokens, H, D], growing and re-encoding the touched blocks' scales."""
         heads, _, _, dim = codes.shape
-        new = new.float()
         needed = self.scale_for(write.per_block(new.abs().amax(-1), "amax", 0.0).T)  # [H, U]
         old = torch.where(write.continuing, torch.index_select(scales, 1, write.touched), 0.0)
         scale = torch.maximum(old, needed)

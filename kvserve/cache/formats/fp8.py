@@ -26,7 +26,8 @@ _MIN_AMAX = 1e-6  # an all-zero block still gets a positive, finite scale
 class Fp8Format(BlockScaledFormat):
     index_dtype = torch.int8
 
-    def __init__(self, variant: str = "e4m3"):
+    def __init__(self, variant: str = "e4m3", rotate: bool = True):
+        super().__init__(rotate)
         if variant == "e4m3":
             self.storage_dtype, exp_bits, bias = torch.float8_e4m3fn, 4, 7
         elif variant == "e5m2":

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from kvserve.cache.formats.rotation import hadamard_rotation
 from kvserve.cache.kv_cache import KVCacheSpec, KVFormat
 
 LEVELS = 15  # the largest 4-bit code
@@ -80,6 +81,12 @@ def gather_token_groups(packed: torch.Tensor, params: torch.Tensor, block_ids: t
 class Int4Format(KVFormat):
     name = "int4"
 
+    def __init__(self, rotate: bool = True):
+        self.rotate = rotate  # store K·H and V·H (rotation.py): outlier channels spread before quantizing
+
+    def rotation(self, head_dim, dtype, device):
+        return hadamard_rotation(head_dim, dtype, device) if self.rotate else None
+
     def bytes_per_block(self, spec: KVCacheSpec) -> int:
         return 2 * spec.num_kv_heads * spec.block_size * (spec.head_dim // 2 + 2 * 2)
 
@@ -94,6 +101,9 @@ class Int4Format(KVFormat):
         return pool
 
     def write(self, pool, key, value, slot_mapping):
+        rotation = self.rotation(key.shape[-1], torch.float32, key.device)
+        if rotation is not None:
+            key, value = key.float() @ rotation, value.float() @ rotation
         write_token_groups(pool["key"], pool["key_params"], key, slot_mapping)
         write_token_groups(pool["value"], pool["value_params"], value, slot_mapping)
 

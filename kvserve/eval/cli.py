@@ -1,0 +1,88 @@
+"""`kvserve eval`: measure what each KV-cache dtype costs in quality and gains in capacity.
+
+    kvserve eval                                   # the default model, all dtypes, the bundled novel
+    kvserve eval --kv-cache-dtypes auto,int8 --json --plot eval.png
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kvserve.cache.formats import KV_CACHE_DTYPES
+from kvserve.engine.args import EngineArgs
+from kvserve.eval.passkey import PasskeyConfig
+from kvserve.eval.perplexity import ScoringConfig
+from kvserve.eval.runner import DEFAULT_KV_CACHE_DTYPES, DEFAULT_TEXT
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _float_list(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def _dtype_list(text: str) -> tuple[str, ...]:
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    unknown = [n for n in names if n not in KV_CACHE_DTYPES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown KV cache dtype {', '.join(unknown) or text!r}: "
+                                         f"choose from {', '.join(KV_CACHE_DTYPES)}")
+    return names
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "eval", help="measure the quality cost and memory gain of KV-cache dtypes (perplexity, KL, passkey)",
+        description="Perplexity, KL divergence and top-1 agreement vs the first (reference) dtype, computed "
+                    "through the paged KV cache, passkey retrieval, and bytes per token of each KV-cache dtype.")
+    p.add_argument("--kv-cache-dtypes", type=_dtype_list, default=DEFAULT_KV_CACHE_DTYPES,
+                   help="comma-separated KV cache dtypes to compare; the first is the reference "
+                        f"(default: {','.join(DEFAULT_KV_CACHE_DTYPES)})")
+    p.add_argument("--text", default=str(DEFAULT_TEXT), help="UTF-8 text file to score (default: the bundled novel)")
+    d = ScoringConfig()
+    p.add_argument("--num-tokens", type=int, default=d.num_tokens, help="scored tokens (default: %(default)s)")
+    p.add_argument("--context-len", type=int, default=d.context_len,
+                   help="context tokens before each scored window (default: %(default)s)")
+    p.add_argument("--score-len", type=int, default=d.score_len, help="scored tokens per window (default: %(default)s)")
+    p.add_argument("--chunk-size", type=int, default=d.chunk_size,
+                   help="tokens per forward pass while scoring (default: %(default)s)")
+    k = PasskeyConfig()
+    p.add_argument("--passkey-lengths", type=_int_list, default=k.lengths,
+                   help=f"passkey prompt lengths in tokens (default: {','.join(map(str, k.lengths))})")
+    p.add_argument("--passkey-depths", type=_float_list, default=k.depths,
+                   help=f"needle depths as fractions (default: {','.join(map(str, k.depths))})")
+    p.add_argument("--passkey-trials", type=int, default=k.trials, help="keys per length and depth (default: %(default)s)")
+    p.add_argument("--no-passkey", action="store_true", help="skip passkey retrieval")
+    p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    p.add_argument("--plot", metavar="PNG", default=None, help="save a memory-vs-quality chart to this file")
+    EngineArgs.add_cli_args(p, skip=("kv_cache_dtype",))
+    # Each configuration only needs room for one scoring window or one batch of passkey prompts.
+    p.set_defaults(func=run_eval, kv_cache_memory="1GiB")
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    from kvserve.eval.report import plot, render_table, report_json
+    from kvserve.eval.runner import evaluate
+
+    scoring = ScoringConfig(args.num_tokens, args.context_len, args.score_len, args.chunk_size)
+    passkey = None if args.no_passkey else PasskeyConfig(args.passkey_lengths, args.passkey_depths, args.passkey_trials)
+    engine = EngineArgs.from_cli_args(args)
+    options = {k: v for k, v in vars(engine).items() if k not in ("model", "kv_cache_dtype")}
+    report = evaluate(engine.model, args.kv_cache_dtypes, args.text, scoring, passkey, **options)
+    if args.json:
+        print(report_json(report))
+    else:
+        from rich.console import Console
+
+        Console().print(render_table(report))
+    if args.plot:
+        print(f"chart saved to {plot(report, args.plot)}", file=sys.stderr)
+    return 0
