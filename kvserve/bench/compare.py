@@ -173,7 +173,9 @@ def register(subparsers: Any) -> None:
     add_client_args(p, with_target=False)
     add_dataset_args(p, num_prompts=100, input_len="512", output_len="128")
     s = p.add_argument_group("configurations")
-    s.add_argument("--server-args", default="", help="`kvserve serve` flags for every configuration (e.g. --model)")
+    s.add_argument("--server-args", default="", help="`kvserve serve` flags for every configuration, quoted "
+                                                     "(e.g. \"--model DIR --kv-cache-memory 32MiB\"; one flag alone: "
+                                                     "--server-args=--FLAG)")
     s.add_argument("--config-file", default=None, help="a TOML file of [[configs]] label/args (and server_args)")
     s.add_argument("--labels", nargs="+", default=None, help="names of the --configs, in order")
     s.add_argument("--tokenizer", default=None, help="workload tokenizer (default: --model of --server-args)")
