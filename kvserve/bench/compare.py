@@ -16,7 +16,6 @@ configuration with its ratio to the first; save the JSON and a grouped bar chart
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import shlex
 import sys
@@ -32,8 +31,6 @@ from kvserve.bench.launcher import ServerCommand, ServerStartError, kvserve_serv
 from kvserve.bench.metrics import METRIC_TITLES, parse_goodput, parse_percentile_args, percentile_key
 from kvserve.bench.report import save_json
 from kvserve.bench.serve import RunOutput, add_client_args, benchmark, failure_summary, load_config_from_args
-
-logger = logging.getLogger(__name__)
 
 SERVER_API_KEY_ENV = "KVSERVE_API_KEY"  # what `kvserve serve` reads when no --api-key is given
 

@@ -2,13 +2,10 @@
 with `model.generate` on static batches (how one serves without a paged KV cache)."""
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any
 
 import torch
-
-logger = logging.getLogger(__name__)
 
 
 def load_hf_model(model: str | None, dtype: torch.dtype, device: torch.device) -> Any:

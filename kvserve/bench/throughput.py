@@ -9,7 +9,6 @@ static batches of --hf-batch-size, left-padded, each batch generating to its lon
 from __future__ import annotations
 
 import argparse
-import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -18,8 +17,6 @@ from kvserve.bench.datasets import add_dataset_args, build_dataset
 from kvserve.bench.report import save_json
 from kvserve.engine.args import EngineArgs
 from kvserve.sampling_params import SamplingParams
-
-logger = logging.getLogger(__name__)
 
 BACKENDS = ("kvserve", "hf")
 
