@@ -38,6 +38,8 @@ class ModelRunner:
                 all_logits: bool = False) -> ModelInputs:
         """Pack the step's tokens. `all_logits` asks for logits at every position (scoring)."""
         bs = self.block_size
+        # Decodes first, then prefill chunks: each attention group then owns one run of rows.
+        scheduled = sorted(scheduled, key=lambda item: item.num_new_tokens > 1)
         token_chunks, position_chunks, slot_chunks = [], [], []
         decode, prefill = [], []
         logits_rows, sampled = [], []
@@ -80,6 +82,7 @@ class ModelRunner:
             return None
         max_q = max(n for _, n, _, _ in members)
         max_blocks = max(len(table) for *_, table in members)
+        padded = any(n != max_q for _, n, _, _ in members)
         rows = np.zeros((len(members), max_q), dtype=np.int64)
         valid = np.zeros((len(members), max_q), dtype=bool)
         q_pos = np.zeros((len(members), max_q), dtype=np.int64)
@@ -93,6 +96,7 @@ class ModelRunner:
             block_ids[i, : len(table)] = table
             seq_lens[i] = seq_len
         return AttentionGroup(
+            row_offset=members[0][0], padded=padded,
             query_rows=tensor(rows), query_valid=tensor(valid, torch.bool), query_positions=tensor(q_pos),
             block_ids=tensor(block_ids.reshape(-1)), seq_lens=tensor(seq_lens),
             context_len=max_blocks * self.block_size,

@@ -12,7 +12,8 @@ from torch import nn
 from kvserve.cache.kv_cache import KVCache
 from kvserve.model.attention import AttentionMetadata, paged_attention
 from kvserve.model.config import ModelConfig
-from kvserve.model.rope import RotaryEmbedding
+from kvserve.model.cpu_linear import prepack_linears, prepacking_available
+from kvserve.model.rope import RotaryEmbedding, apply_rotary
 
 
 class RMSNorm(nn.Module):
@@ -23,7 +24,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32, cast back, then scale: the reference's order of operations.
-        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
         return self.weight * normed.to(x.dtype)
 
 
@@ -34,17 +35,16 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.window = config.sliding_windows[layer_idx]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.split = (q_size, kv_size, kv_size)
         self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = rope(q.view(tokens, self.num_heads, self.head_dim), positions)
-        k = rope(k.view(tokens, self.num_kv_heads, self.head_dim), positions)
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        heads = self.qkv_proj(x).view(x.shape[0], self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        # q and k heads are rotated together in one pass.
+        qk = apply_rotary(heads[:, : self.num_heads + self.num_kv_heads], *rope)
+        q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
+        v = heads[:, self.num_heads + self.num_kv_heads:]
         out = paged_attention(q, k, v, kv_cache.layers[self.layer_idx], kv_cache.format, meta, self.window)
         return self.o_proj(out)
 
@@ -68,8 +68,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, positions, rope, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, meta)
+    def forward(self, x, rope, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -93,7 +93,10 @@ class LlamaForCausalLM(nn.Module):
             model = cls(config)
         model.load_hf_state_dict(weights)
         model.rope = RotaryEmbedding(config, max_positions, dtype)
-        return model.to(device=device, dtype=dtype).eval()
+        model = model.to(device=device, dtype=dtype).eval()
+        if prepacking_available(device, dtype):
+            prepack_linears(model)
+        return model
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
@@ -103,8 +106,9 @@ class LlamaForCausalLM(nn.Module):
         Only the rows that will be sampled go through the LM head (a prefill chunk needs none
         or one): for a 135M model the head is a fifth of the weights."""
         x = self.embed_tokens(input_ids)
+        rope = self.rope(positions)
         for layer in self.layers:
-            x = layer(x, positions, self.rope, kv_cache, meta)
+            x = layer(x, rope, kv_cache, meta)
         x = self.norm(x[logits_rows])
         return self.lm_head(x).float()
 
