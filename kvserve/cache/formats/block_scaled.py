@@ -1,13 +1,15 @@
 """Symmetric 1-byte codes with one float32 scale per (block, KV head): the fp8 and int8 formats.
 
-Layout of one layer's pool::
+Layout of one layer's pool (keys in the first kv_heads rows, values in the next kv_heads)::
 
-    key, value              [kv_head, block, offset, head_dim]   1-byte codes
-    key_scale, value_scale  [kv_head, block]                     float32, value = code * scale
+    kv        [2 * kv_head, block, offset, head_dim]   1-byte codes
+    kv_scale  [2 * kv_head, block]                     float32, value = code * scale
 
-The scales are indexed by block id like the codes, so they are allocated, shared through the
-prefix cache and freed with their blocks. One 4-byte scale per 16x64 codes costs 0.4%, which
-keeps fp8/int8 at 1.99x the tokens of a float16 pool (a per-token scale would give 1.94x).
+K and V share one tensor so that a write or a gather is one set of ops for both (on CPU a
+decode step's write is dominated by per-op overhead). The scales are indexed by block id like
+the codes, so they are allocated, shared through the prefix cache and freed with their blocks.
+One 4-byte scale per 16x64 codes costs 0.4%, which keeps fp8/int8 at 1.99x the tokens of a
+float16 pool (a per-token scale would give 1.94x).
 
 A block fills over several steps (one token per decode step), so its scale must grow with the
 absmax of what it holds. On each write, a touched block that already holds tokens of its owner
@@ -16,7 +18,8 @@ re-encoded (decode with the old scale, encode with the new one) before the new t
 stored. The absmax of a block grows only a few times as it fills (for i.i.d. values, the number
 of running-maximum records in 16 draws is H_16 = 3.4 on average), so re-encoding is rare; for
 fp8 the scales are powers of two and re-encoding is exact (an exponent shift), for int8 each
-re-encoding rounds once more (error <= half a step of the new scale per event).
+re-encoding rounds once more (error <= half a step of the new scale per event). K and V are
+rotated first (rotation.py).
 """
 from __future__ import annotations
 
@@ -25,8 +28,6 @@ import torch
 from kvserve.cache.formats.block_writes import BlockWrite
 from kvserve.cache.formats.rotation import hadamard_rotation
 from kvserve.cache.kv_cache import KVCacheSpec, KVFormat
-
-_NAMES = ("key", "value")
 
 
 class BlockScaledFormat(KVFormat):
@@ -57,26 +58,29 @@ class BlockScaledFormat(KVFormat):
         return 2 * spec.num_kv_heads * (codes + 4)
 
     def allocate(self, spec, num_blocks, device):
-        shape = (spec.num_kv_heads, num_blocks, spec.block_size, spec.head_dim)
-        pool = {}
-        for name in _NAMES:
-            pool[name] = torch.zeros(shape, dtype=self.storage_dtype, device=device)
-            pool[name + "_scale"] = torch.zeros((spec.num_kv_heads, num_blocks), dtype=torch.float32, device=device)
-        return pool
+        heads = 2 * spec.num_kv_heads
+        return {"kv": torch.zeros((heads, num_blocks, spec.block_size, spec.head_dim), dtype=self.storage_dtype,
+                                  device=device),
+                "kv_scale": torch.zeros((heads, num_blocks), dtype=torch.float32, device=device)}
 
     def rotation(self, head_dim, dtype, device):
         return hadamard_rotation(head_dim, dtype, device) if self.rotate else None
 
     def write(self, pool, key, value, slot_mapping):
-        write = BlockWrite.from_slots(slot_mapping, pool["key"].shape[2])
+        new = torch.cat((key, value), dim=1).float()  # [tokens, 2 * kv_heads, head_dim]
         rotation = self.rotation(key.shape[-1], torch.float32, key.device)
-        for name, new in zip(_NAMES, (key, value)):
-            new = new.float() if rotation is None else new.float() @ rotation
-            self._write(pool[name].view(self.index_dtype), pool[name + "_scale"], new, slot_mapping, write)
+        if rotation is not None:
+            new = new @ rotation
+        codes = pool["kv"].view(self.index_dtype)
+        self._write(codes, pool["kv_scale"], new, slot_mapping, BlockWrite.from_slots(slot_mapping, codes.shape[2]))
 
     def gather(self, pool, block_ids, batch, dtype):
-        return tuple(self._gather(pool[name].view(self.index_dtype), pool[name + "_scale"], block_ids, batch, dtype)
-                     for name in _NAMES)
+        codes = pool["kv"].view(self.index_dtype)
+        heads, _, _, dim = codes.shape
+        values = self.decode(torch.index_select(codes, 1, block_ids), dtype)
+        factor = (torch.index_select(pool["kv_scale"], 1, block_ids) * self.decode_unit).to(values.dtype)
+        values = values.mul_(factor[..., None, None]).to(dtype).view(heads, batch, -1, dim)
+        return values[: heads // 2], values[heads // 2:]
 
     # ------------------------------------------------------------------ internals
     def _write(self, codes: torch.Tensor, scales: torch.Tensor, new: torch.Tensor, slot_mapping: torch.Tensor,
@@ -96,11 +100,3 @@ class BlockScaledFormat(KVFormat):
         token_scale = scale.T[write.inverse]  # [tokens, H]
         encoded = self.encode(new / token_scale[..., None])
         codes.view(heads, -1, dim).index_copy_(1, slot_mapping, encoded.transpose(0, 1))
-
-    def _gather(self, codes: torch.Tensor, scales: torch.Tensor, block_ids: torch.Tensor, batch: int,
-                dtype: torch.dtype) -> torch.Tensor:
-        heads, _, _, dim = codes.shape
-        values = self.decode(torch.index_select(codes, 1, block_ids), dtype)
-        factor = (torch.index_select(scales, 1, block_ids) * self.decode_unit).to(values.dtype)
-        values = values.mul_(factor[..., None, None])
-        return values.view(heads, batch, -1, dim).to(dtype)

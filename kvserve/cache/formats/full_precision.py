@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.cache.kv_cache import KVCacheSpec, KVFormat, gather_blocks
+from kvserve.cache.kv_cache import KVCacheSpec, KVFormat, Scratch, gather_blocks
 
 
 class FullPrecisionFormat(KVFormat):
@@ -12,6 +12,7 @@ class FullPrecisionFormat(KVFormat):
     def __init__(self, dtype: torch.dtype):
         self.dtype = dtype
         self.name = str(dtype).removeprefix("torch.")
+        self.scratch = Scratch()
 
     def bytes_per_block(self, spec: KVCacheSpec) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
@@ -29,4 +30,10 @@ class FullPrecisionFormat(KVFormat):
             flat.index_copy_(1, slot_mapping, new.transpose(0, 1).to(cache.dtype))
 
     def gather(self, pool, block_ids, batch, dtype):
-        return tuple(gather_blocks(pool[name], block_ids, batch).to(dtype) for name in ("key", "value"))
+        result = []
+        for name in ("key", "value"):
+            cache = pool[name]
+            out = self.scratch.get(name, (cache.shape[0], block_ids.shape[0], *cache.shape[2:]), cache.dtype,
+                                   cache.device)
+            result.append(gather_blocks(cache, block_ids, batch, out).to(dtype))
+        return tuple(result)

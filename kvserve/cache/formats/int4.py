@@ -1,10 +1,10 @@
 """int4 KV cache: asymmetric 4-bit codes, two per byte, with one float16 scale and zero-point
 per token and KV head (a group of head_dim values).
 
-Layout of one layer's pool::
+Layout of one layer's pool (keys in the first kv_heads rows, values in the next kv_heads)::
 
-    key, value                [kv_head, block, offset, head_dim // 2]   uint8, two codes per byte
-    key_params, value_params  [kv_head, block, offset, 2]               float16 (scale, zero)
+    kv         [2 * kv_head, block, offset, head_dim // 2]   uint8, two codes per byte
+    kv_params  [2 * kv_head, block, offset, 2]               float16 (scale, zero)
 
 A byte holds the codes of channels j (low nibble) and j + head_dim/2 (high nibble), so
 unpacking is two bitwise ops and a concatenation, no interleave. value = code * scale + zero,
@@ -13,7 +13,8 @@ so the group's whole range is covered and nothing clips. Per-token groups are qu
 when the token is written, so a block filling over many steps needs no re-encoding.
 
 Bytes per token and KV head: head_dim / 2 + 4, i.e. 36 for head_dim 64 against 128 in float16:
-3.56x the tokens. Per-token groups are the layout of KIVI's values and of most int4 KV caches
+3.56x the tokens. K and V are rotated first (rotation.py): keys have outlier channels that would
+otherwise take most of each token's 16 levels. Per-token groups are the layout of KIVI's values and of most int4 KV caches
 (e.g. the "per-token asymmetric" scheme in Liu et al. 2024, KIVI, arXiv:2402.02750); the
 `int4_kivi` format quantizes keys per channel instead.
 """
@@ -33,6 +34,18 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     """uint8 codes in [0, 15], [..., D] -> [..., D/2]: byte j = codes[j] | codes[j + D/2] << 4."""
     low, high = codes.chunk(2, dim=-1)
     return low | (high << 4)
+
+
+def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """packed codes [..., D/2] and broadcastable scale/zero -> codes * scale + zero [..., D] in `dtype`.
+    Unpacks straight into the output's two halves (no concatenation), then scales in place."""
+    half = packed.shape[-1]
+    out = torch.empty((*packed.shape[:-1], 2 * half), dtype=dtype, device=packed.device)
+    out[..., :half].copy_(packed & 0xF)
+    out[..., half:].copy_(packed >> 4)
+    # mul_ then add_: a fused addcmul with operands broadcast along the last dim is ~5x slower on CPU.
+    return out.mul_(scale.to(dtype)).add_(zero.to(dtype))
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
@@ -72,10 +85,9 @@ def gather_token_groups(packed: torch.Tensor, params: torch.Tensor, block_ids: t
                         dtype: torch.dtype) -> torch.Tensor:
     """Dequantize the given blocks -> [H, batch, blocks_per_seq * block_size, D] in `dtype`."""
     heads = packed.shape[0]
-    codes = unpack_int4(torch.index_select(packed, 1, block_ids)).to(dtype)
-    picked = torch.index_select(params, 1, block_ids).to(dtype)  # [H, N, block_size, 2]
-    values = torch.addcmul(picked[..., 1:], codes, picked[..., :1])
-    return values.view(heads, batch, -1, codes.shape[-1])
+    picked = torch.index_select(params, 1, block_ids)  # [H, N, block_size, 2]
+    values = dequantize_int4(torch.index_select(packed, 1, block_ids), picked[..., :1], picked[..., 1:], dtype)
+    return values.view(heads, batch, -1, values.shape[-1])
 
 
 class Int4Format(KVFormat):
@@ -93,20 +105,18 @@ class Int4Format(KVFormat):
     def allocate(self, spec, num_blocks, device):
         if spec.head_dim % 2:
             raise ValueError(f"int4 KV cache needs an even head_dim, got {spec.head_dim}")
-        lead = (spec.num_kv_heads, num_blocks, spec.block_size)
-        pool = {}
-        for name in ("key", "value"):
-            pool[name] = torch.zeros((*lead, spec.head_dim // 2), dtype=torch.uint8, device=device)
-            pool[name + "_params"] = torch.zeros((*lead, 2), dtype=torch.float16, device=device)
-        return pool
+        lead = (2 * spec.num_kv_heads, num_blocks, spec.block_size)
+        return {"kv": torch.zeros((*lead, spec.head_dim // 2), dtype=torch.uint8, device=device),
+                "kv_params": torch.zeros((*lead, 2), dtype=torch.float16, device=device)}
 
     def write(self, pool, key, value, slot_mapping):
+        new = torch.cat((key, value), dim=1).float()  # [tokens, 2 * kv_heads, head_dim]
         rotation = self.rotation(key.shape[-1], torch.float32, key.device)
         if rotation is not None:
-            key, value = key.float() @ rotation, value.float() @ rotation
-        write_token_groups(pool["key"], pool["key_params"], key, slot_mapping)
-        write_token_groups(pool["value"], pool["value_params"], value, slot_mapping)
+            new = new @ rotation
+        write_token_groups(pool["kv"], pool["kv_params"], new, slot_mapping)
 
     def gather(self, pool, block_ids, batch, dtype):
-        return (gather_token_groups(pool["key"], pool["key_params"], block_ids, batch, dtype),
-                gather_token_groups(pool["value"], pool["value_params"], block_ids, batch, dtype))
+        values = gather_token_groups(pool["kv"], pool["kv_params"], block_ids, batch, dtype)
+        heads = values.shape[0] // 2
+        return values[:heads], values[heads:]
