@@ -77,6 +77,17 @@ class BlockPool:
             block.block_hash = block_hash
             self.cached[block_hash] = block
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash (vLLM's name). Only possible while no block is in use; returns
+        False, changing nothing, otherwise. The server calls it after a failed step, whose
+        published blocks may never have received their K/V."""
+        if len(self.free_queue) != len(self.blocks):
+            return False
+        for block in self.cached.values():
+            block.block_hash = None
+        self.cached.clear()
+        return True
+
     def release(self, blocks: list[Block]) -> None:
         """Drop one reference from each block, in the given order: blocks reaching zero join the
         tail of the free queue, so the ones released first are evicted first."""

@@ -244,14 +244,22 @@ class LLMEngine:
         self._parents[request_id] = parent
         return request_id
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Stop a request now; its blocks go back to the pool immediately."""
+    def abort_request(self, request_id: str,
+                      status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> RequestOutput | None:
+        """Stop a request now (finish reason `status`: abort, or error when a step failed); its
+        blocks go back to the pool immediately."""
         parent = self._parents.get(request_id)
         if parent is None:
             return None
         for child in parent.children:
-            self.scheduler.finish(child.request, RequestStatus.FINISHED_ABORTED)
+            self.scheduler.finish(child.request, status)
         return self._output(parent)
+
+    def is_queued(self, request_id: str) -> bool:
+        """True while every sequence of the request waits in the queue, holding no blocks (never
+        scheduled, or preempted); False once one runs or finished, or for an unknown id."""
+        parent = self._parents.get(request_id)
+        return parent is not None and all(c.request.status == RequestStatus.WAITING for c in parent.children)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -1,7 +1,8 @@
 """`kvserve serve [MODEL]`: the OpenAI-compatible HTTP server, with vLLM's flag names.
 
 The port is bound before the model loads, so a busy port fails in a second with one line instead
-of after the load; the socket is then handed to uvicorn.
+of after the load; the socket is then handed to uvicorn. How the server stops (signals, the
+shutdown grace period, a dead engine) is in kvserve/server/lifecycle.py.
 """
 from __future__ import annotations
 
@@ -32,6 +33,9 @@ def register(subparsers) -> None:
                             f"/version (default: ${API_KEY_ENV})")
     group.add_argument("--max-request-body-bytes", default="32MiB",
                        help="larger request bodies get a 413 (bytes or with a unit; default: %(default)s)")
+    group.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+                       help="on SIGTERM or Ctrl-C, how long requests in flight may take to finish before "
+                            "they are failed; a second signal exits at once (default: %(default)s)")
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(func=run_serve)
 
@@ -60,6 +64,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from kvserve.engine.llm_engine import LLMEngine
     from kvserve.server.api import ServerConfig, build_app
+    from kvserve.server.engine_loop import ShuttingDownError
+    from kvserve.server.faults import fault_injection_enabled
+    from kvserve.server.lifecycle import EXIT_ENGINE_DEAD, ServingServer
 
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
@@ -68,10 +75,17 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.api_key is not None and not args.api_key.strip():
         raise UserError("--api-key must not be empty")
     max_body = parse_size(args.max_request_body_bytes)
+    if not args.shutdown_timeout >= 0:  # also refuses nan
+        raise UserError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     sock = _bind(args.host, args.port)
     engine = LLMEngine(EngineArgs.from_cli_args(args))
     names = args.served_model_name or [args.model or Path(engine.model_path).name.removesuffix(".gguf")]
-    app = build_app(engine, ServerConfig(names, args.api_key, max_body))
+    app = build_app(engine, ServerConfig(names, args.api_key, max_body,
+                                         fault_injection=fault_injection_enabled()))
+    async_engine = app.state.engine
     config = uvicorn.Config(app, log_level=args.log_level.lower(), timeout_keep_alive=5)
-    uvicorn.Server(config).run(sockets=[sock])
-    return 0
+    server = ServingServer(config, args.shutdown_timeout, on_grace_expired=lambda: async_engine.fail_all(
+        ShuttingDownError("the server is shutting down and its grace period (--shutdown-timeout) ended")))
+    async_engine.on_dead = lambda exc: server.stop(EXIT_ENGINE_DEAD)
+    server.run(sockets=[sock])
+    return server.exit_code

@@ -21,6 +21,7 @@ from kvserve.server.chat import ChatServing
 from kvserve.server.completions import CompletionServing
 from kvserve.server.engine_loop import AsyncEngine
 from kvserve.server.errors import APIError, error_body, install_error_handlers
+from kvserve.server.faults import add_fault_injection
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.prompts import Tokenization, conversation
 from kvserve.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
@@ -44,6 +45,7 @@ class ServerConfig:
     api_key: str | None = None
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     log_interval_s: float = 5.0
+    fault_injection: bool = False  # POST /debug/faults (kvserve/server/faults.py); tests only
 
 
 def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
@@ -118,6 +120,8 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         ctx.check_model(body.model)
         return DetokenizeResponse(prompt=await tokens.decode(body.tokens))
 
+    if config.fault_injection:
+        add_fault_injection(app, engine)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_request_body_bytes)
     if config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)  # outermost: before the body is read

@@ -46,8 +46,11 @@ class APIKeyMiddleware:
         return len(values) == 1 and hmac.compare_digest(values[0].strip(), self._expected)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or normalise_path(scope["path"]) in OPEN_PATHS or self._authorised(scope):
+        if scope["type"] == "lifespan" or normalise_path(scope["path"]) in OPEN_PATHS or self._authorised(scope):
             await self.app(scope, receive, send)
+            return
+        if scope["type"] == "websocket":  # deny by default here too: close before accepting
+            await send({"type": "websocket.close", "code": 1008})
             return
         body = error_json(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
                           code="invalid_api_key")

@@ -112,5 +112,5 @@ class CompletionServing:
             if body.include_usage:
                 yield chunk([], True)
         except EngineError as exc:
-            yield sse_error(500, str(exc))
+            yield sse_error(exc.status, str(exc))
         yield DONE

@@ -11,6 +11,17 @@ queue while it has nothing to do (no busy spin) and otherwise steps as fast as i
 every queued command before each step, so new requests join the running batch at once
 (continuous batching) and aborts free their blocks within one step. Torch releases the GIL inside
 its kernels, so the event loop keeps serving HTTP while a step runs.
+
+Failures (README "Guarantees"):
+- A step that raises is recoverable: the requests that had started (running, or finished inside
+  the failed step) fail with an EngineError (a 500, or an SSE error event), their blocks return to
+  the pool and the prefix cache is emptied (the failed step may have published blocks whose K/V it
+  never wrote); requests still queued run on the next step. If no request had started, the
+  queued ones fail instead, so a request that breaks scheduling cannot fail every step.
+- Unrecoverable: MAX_CONSECUTIVE_FAILED_STEPS failed steps in a row (a broken device), or an
+  exception anywhere else in the engine thread (e.g. while an abort frees blocks), or blocks still
+  in use after the failed requests were freed. The thread stops, every request fails, /health
+  turns 503 and `on_dead` runs (`kvserve serve` then exits with status 1 so a supervisor restarts it).
 """
 from __future__ import annotations
 
@@ -24,6 +35,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.request import RequestStatus
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.metrics import EngineSnapshot, ServerMetrics
@@ -33,12 +45,24 @@ logger = logging.getLogger("kvserve.server")
 Batch = list[tuple[int, RequestOutput]]
 
 
+# Failed steps in a row (no step succeeding in between) after which the engine is given up.
+MAX_CONSECUTIVE_FAILED_STEPS = 3
+
+
 class EngineError(RuntimeError):
     """The engine failed while running a request (details are in the server log)."""
+
+    status = 500  # the HTTP status the client gets
 
 
 class EngineDeadError(EngineError):
     """The engine thread has stopped; no request can be served."""
+
+
+class ShuttingDownError(EngineError):
+    """The server's shutdown grace period ended before the request finished."""
+
+    status = 503
 
 
 @dataclass(frozen=True)
@@ -132,6 +156,11 @@ class _Abort:
     request_ids: list[str]
 
 
+@dataclass
+class _FailAll:
+    error: EngineError
+
+
 _STOP = object()
 
 
@@ -145,6 +174,9 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # orders "engine died" against new submissions
         self.dead: BaseException | None = None
+        # Called on the event loop once the engine thread has stopped for good.
+        self.on_dead: Callable[[BaseException], None] | None = None
+        self._failed_steps = 0  # consecutive; engine thread only
         self.snapshot = self._take_snapshot()  # replaced (never mutated) by the engine thread
         if metrics is not None:  # the baseline the counters' increments are measured from
             metrics.on_snapshot(self.snapshot, time.monotonic())
@@ -184,6 +216,10 @@ class AsyncEngine:
     def abort(self, request_ids: list[str]) -> None:
         self._commands.put(_Abort(list(request_ids)))
 
+    def fail_all(self, error: EngineError) -> None:
+        """Abort every request in flight, failing its stream with `error` (end of a shutdown grace)."""
+        self._commands.put(_FailAll(error))
+
     # ------------------------------------------------------------------ engine thread
     def _post(self, fn: Callable, *args) -> None:
         try:
@@ -199,8 +235,10 @@ class AsyncEngine:
                         return
                     if isinstance(command, _Add):
                         self._add(command)
-                    else:
+                    elif isinstance(command, _Abort):
                         self._abort(command)
+                    else:
+                        self._fail_all(command.error, abort=True)
                 if self.engine.has_unfinished_requests():
                     self._step()
                 self.snapshot = self._take_snapshot()
@@ -215,6 +253,8 @@ class AsyncEngine:
                 command = self._commands.get_nowait()
                 if isinstance(command, _Add):
                     self._post(command.stream._fail, EngineDeadError("the engine has stopped"))
+            if self.on_dead is not None:
+                self._post(self.on_dead, exc)
 
     def _next_commands(self) -> list:
         """Every queued command; blocks while the engine is idle (waking for a due log line)."""
@@ -257,10 +297,9 @@ class AsyncEngine:
         try:
             outputs = self.engine.step()
         except Exception as exc:
-            logger.exception("engine step failed; failing the %d requests in flight", len(self._streams))
-            self._fail_all(EngineError(f"the engine failed while generating ({type(exc).__name__}); "
-                                       f"see the server log"), abort=True)
+            self._recover(exc)
             return
+        self._failed_steps = 0
         if self.metrics is not None:
             self.metrics.on_outputs(outputs, time.monotonic())
         by_stream: dict[RequestStream, list[RequestOutput]] = defaultdict(list)
@@ -274,11 +313,36 @@ class AsyncEngine:
         if by_stream:
             self._post(_deliver, by_stream)
 
+    def _recover(self, exc: Exception) -> None:
+        """After a failed step: fail the requests it touched, keep the queued ones (module docstring)."""
+        self._failed_steps += 1
+        if self._failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS:
+            raise RuntimeError(f"{self._failed_steps} engine steps failed in a row") from exc
+        started = {s for rid, s in self._streams.items() if not self.engine.is_queued(rid)}
+        victims = started or set(self._streams.values())
+        logger.error("engine step failed; failing %d of %d requests in flight", len(victims),
+                     len(set(self._streams.values())), exc_info=exc)
+        error = EngineError(f"the engine failed while generating ({type(exc).__name__}); see the server log")
+        for rid in [rid for rid, stream in self._streams.items() if stream in victims]:
+            del self._streams[rid]
+            output = self.engine.abort_request(rid, RequestStatus.FINISHED_ERROR)
+            if self.metrics is not None:
+                if output is not None:
+                    self.metrics.on_outputs([output], time.monotonic())
+                else:  # it finished inside the failed step; that output was lost with the step
+                    self.metrics.forget(rid)
+        for stream in victims:
+            self._post(stream._fail, error)
+        if not self.engine.kv_manager.pool.reset_prefix_cache():
+            raise RuntimeError("KV blocks are still in use after the failed step's requests were freed")
+
     def _fail_all(self, error: EngineError, abort: bool) -> None:
         streams = set(self._streams.values())
         if abort:  # free their blocks; if even this fails, the engine thread gives up
             for rid in list(self._streams):
-                self.engine.abort_request(rid)
+                output = self.engine.abort_request(rid)
+                if output is not None and self.metrics is not None:
+                    self.metrics.on_outputs([output], time.monotonic())
         self._streams.clear()
         for stream in streams:
             self._post(stream._fail, error)

@@ -76,6 +76,9 @@ class ServerMetrics:
         self.running = gauge("num_requests_running", "Sequences in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Sequences waiting to be scheduled.")
         self.kv_usage = gauge("kv_cache_usage_perc", "KV-cache usage: fraction of blocks in use (1 = full).")
+        self.num_blocks = gauge("kv_cache_num_blocks", "KV-cache blocks in the pool.")
+        self.num_free_blocks = gauge("kv_cache_num_free_blocks", "KV-cache blocks not held by any request "
+                                     "(free, possibly still holding reusable prefix-cache data).")
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.preemptions = counter("num_preemptions", "Sequences preempted (blocks freed, recomputed later).")
@@ -128,10 +131,16 @@ class ServerMetrics:
                     self._success.labels(self.model_name, completion.finish_reason or "abort").inc()
                 del self._times[out.request_id]
 
+    def forget(self, request_id: str) -> None:
+        """Stop tracking a request whose final output never came (lost with a failed step)."""
+        self._times.pop(request_id, None)
+
     def on_snapshot(self, snap: EngineSnapshot, now: float) -> None:
         self.running.set(snap.num_running)
         self.waiting.set(snap.num_waiting)
         self.kv_usage.set(snap.kv_usage)
+        self.num_blocks.set(snap.num_blocks)
+        self.num_free_blocks.set(snap.num_free_blocks)
         last = self._last
         if last is not None:
             self.prefix_queries.inc(snap.prefix_queries - last.prefix_queries)

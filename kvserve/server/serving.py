@@ -80,7 +80,7 @@ class ServingContext:
         try:
             return await unless_disconnected(drain(), request)
         except EngineError as exc:
-            raise APIError(500, str(exc)) from exc
+            raise APIError(exc.status, str(exc)) from exc
 
 
 def usage(prompt_lengths: list[int], completion_tokens: int, cached_tokens: int) -> UsageInfo:
