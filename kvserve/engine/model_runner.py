@@ -13,7 +13,7 @@ import torch
 from kvserve.cache.kv_cache import KVCache
 from kvserve.engine.sampler import SampleResult, Sampler
 from kvserve.engine.scheduler import ScheduledRequest
-from kvserve.model.attention import AttentionGroup, AttentionMetadata
+from kvserve.model.attention import AttentionGroup, AttentionMetadata, PrefillChunk
 from kvserve.model.llama import LlamaForCausalLM
 
 
@@ -65,8 +65,8 @@ class ModelRunner:
 
         meta = AttentionMetadata(
             slot_mapping=tensor(np.concatenate(slot_chunks)),
-            decode=self._group(decode, tensor),
-            prefill=self._group(prefill, tensor),
+            decode=self._decode_group(decode, tensor),
+            prefills=[PrefillChunk(offset, n, seq_len, tensor(table)) for offset, n, seq_len, table in prefill],
         )
         return ModelInputs(
             input_ids=tensor(np.fromiter((t for chunk in token_chunks for t in chunk), dtype=np.int64)),
@@ -76,31 +76,17 @@ class ModelRunner:
             sampled=sampled,
         )
 
-    def _group(self, members: list[tuple[int, int, int, np.ndarray]], tensor) -> AttentionGroup | None:
-        """Pad a group's queries and block tables to common lengths."""
+    def _decode_group(self, members: list[tuple[int, int, int, np.ndarray]], tensor) -> AttentionGroup | None:
+        """Pad the decodes' block tables to a common length."""
         if not members:
             return None
-        max_q = max(n for _, n, _, _ in members)
         max_blocks = max(len(table) for *_, table in members)
-        padded = any(n != max_q for _, n, _, _ in members)
-        rows = np.zeros((len(members), max_q), dtype=np.int64)
-        valid = np.zeros((len(members), max_q), dtype=bool)
-        q_pos = np.zeros((len(members), max_q), dtype=np.int64)
         block_ids = np.zeros((len(members), max_blocks), dtype=np.int64)
-        seq_lens = np.empty(len(members), dtype=np.int64)
-        for i, (offset, n, seq_len, table) in enumerate(members):
-            rows[i, :n] = np.arange(offset, offset + n)
-            rows[i, n:] = offset
-            valid[i, :n] = True
-            q_pos[i, :n] = np.arange(seq_len - n, seq_len)
+        for i, (*_, table) in enumerate(members):
             block_ids[i, : len(table)] = table
-            seq_lens[i] = seq_len
-        return AttentionGroup(
-            row_offset=members[0][0], padded=padded,
-            query_rows=tensor(rows), query_valid=tensor(valid, torch.bool), query_positions=tensor(q_pos),
-            block_ids=tensor(block_ids.reshape(-1)), seq_lens=tensor(seq_lens),
-            context_len=max_blocks * self.block_size,
-        )
+        return AttentionGroup(block_ids=tensor(block_ids.reshape(-1)),
+                              seq_lens=tensor([seq_len for _, _, seq_len, _ in members]),
+                              context_len=max_blocks * self.block_size)
 
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
         return self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta, inputs.logits_rows)

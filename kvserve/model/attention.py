@@ -3,13 +3,16 @@
 The runner packs every scheduled token of every request into one flat batch (no padding in the
 linear layers). Attention then needs, per request: where its new K/V go (`slot_mapping`), which
 physical blocks hold its context (`block_tables`), how many tokens its context has (`seq_lens`)
-and which packed rows are its queries. Requests are split in two groups, each vectorised over
-its requests with padding and a mask:
+and which packed rows are its queries. The runner packs decodes first, then prefill chunks.
 
-* decode (one query each): grouped-query matmuls, queries of a KV head batched together,
-  softmax in float32. On CPU this is ~10x faster than SDPA with a length-1 query.
-* prefill chunks (several queries each): `scaled_dot_product_attention` with a mask, whose fused
-  kernels avoid materialising [queries x context] scores.
+* decodes (one query each), vectorised over the requests with padding and a mask:
+  grouped-query matmuls, queries of a KV head batched together, softmax in float32. On CPU this
+  is ~10x faster than SDPA with a length-1 query.
+* prefill chunks (several queries each), one `scaled_dot_product_attention` call per chunk at
+  its exact context length (a step holds only a few chunks; padding them to a common length and
+  masking cost 3x more on CPU). A chunk with no earlier context is plain causal attention
+  (`is_causal`, the fused kernel's fast path); otherwise its mask is causal aligned to the end
+  of the context.
 
 New K/V are written into the pool before the context is gathered, so a chunk attends to itself.
 """
@@ -21,65 +24,70 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kvserve.cache.kv_cache import KVFormat
+from kvserve.cache.kv_cache import KVFormat, ScaledKV
 
 
 @dataclass
 class AttentionGroup:
-    """Requests of one kind (decode or prefill), padded to a common query and context length.
+    """The decode requests of a step (one query each), padded to a common context length. Their
+    queries are the first rows of the packed batch."""
 
-    The runner packs decodes first, then prefills, so each group's queries occupy one run of
-    rows starting at `row_offset`. Without padding (all decodes, or a single prefill chunk) the
-    group reads and writes that run as a view; otherwise it gathers and scatters by `query_rows`.
-    """
-
-    row_offset: int
-    query_rows: torch.Tensor  # [requests, max_queries] rows of the packed batch (padding repeats a row)
-    query_valid: torch.Tensor  # [requests, max_queries] bool
-    query_positions: torch.Tensor  # [requests, max_queries] position of each query in its sequence
     block_ids: torch.Tensor  # [requests * blocks_per_seq] flattened, padded block tables
-    seq_lens: torch.Tensor  # [requests] context length after this step's tokens are written
+    seq_lens: torch.Tensor  # [requests] context length after this step's token is written
     context_len: int  # blocks_per_seq * block_size
-    padded: bool  # some requests have fewer queries than max_queries
-    _masks: dict[tuple[int | None, bool], torch.Tensor] = field(default_factory=dict, repr=False)
+    _masks: dict[int | None, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
     def num_requests(self) -> int:
-        return self.query_rows.shape[0]
-
-    @property
-    def num_rows(self) -> int:
-        return self.query_rows.numel()
-
-    def mask(self, window: int | None) -> torch.Tensor:
-        """[requests, max_queries, context] bool, True where a query may attend. Built once per
-        step for each distinct sliding window and shared by all layers."""
-        key = (window, False)
-        if key not in self._masks:
-            kv_pos = torch.arange(self.context_len, device=self.seq_lens.device)
-            q_pos = self.query_positions.unsqueeze(-1)
-            allowed = (kv_pos <= q_pos) & (kv_pos < self.seq_lens[:, None, None])
-            if window is not None:
-                allowed &= kv_pos > q_pos - window
-            # Padded queries see position 0 so that no softmax row is empty (their output is dropped).
-            allowed[..., 0] |= ~self.query_valid
-            self._masks[key] = allowed
-        return self._masks[key]
+        return self.seq_lens.shape[0]
 
     def mask_bias(self, window: int | None) -> torch.Tensor:
-        """The same mask as float32 0 / -inf, to add to scores in one op."""
-        key = (window, True)
-        if key not in self._masks:
-            bias = torch.zeros(self.mask(window).shape, dtype=torch.float32, device=self.seq_lens.device)
-            self._masks[key] = bias.masked_fill_(~self.mask(window), float("-inf"))
-        return self._masks[key]
+        """[requests, 1, context] float32, 0 where the query may attend and -inf elsewhere; built
+        once per step for each distinct sliding window and shared by all layers."""
+        if window not in self._masks:
+            kv_pos = torch.arange(self.context_len, device=self.seq_lens.device)
+            q_pos = (self.seq_lens - 1)[:, None]
+            allowed = kv_pos < self.seq_lens[:, None]
+            if window is not None:
+                allowed &= kv_pos > q_pos - window
+            bias = torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device)
+            self._masks[window] = bias.masked_fill_(~allowed, float("-inf")).unsqueeze(1)
+        return self._masks[window]
+
+
+@dataclass
+class PrefillChunk:
+    """One request's chunk of several queries: packed rows [row_start, row_start + num_queries),
+    attending to a context of `context_len` tokens (earlier ones and the chunk itself)."""
+
+    row_start: int
+    num_queries: int
+    context_len: int
+    block_ids: torch.Tensor  # [blocks] the request's block table
+    _masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict, repr=False)
+
+    def mask(self, window: int | None) -> torch.Tensor | None:
+        """[queries, context] bool, or None when the chunk is plain causal self-attention."""
+        if window not in self._masks:
+            start = self.context_len - self.num_queries
+            if start == 0 and (window is None or window >= self.context_len):
+                self._masks[window] = None
+            else:
+                device = self.block_ids.device
+                q_pos = torch.arange(start, self.context_len, device=device)[:, None]
+                kv_pos = torch.arange(self.context_len, device=device)
+                allowed = kv_pos <= q_pos
+                if window is not None:
+                    allowed &= kv_pos > q_pos - window
+                self._masks[window] = allowed
+        return self._masks[window]
 
 
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [tokens] pool slot of each packed token
     decode: AttentionGroup | None
-    prefill: AttentionGroup | None
+    prefills: list[PrefillChunk]
 
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pool: dict,
@@ -90,25 +98,30 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if rotation is not None:  # the pool holds K·R and V·R: (qR)·(kR) = q·k
         query = query @ rotation
     tokens, heads, dim = query.shape
-    groups = [(g, attend) for g, attend in ((meta.decode, _decode_attention), (meta.prefill, _prefill_attention))
-              if g is not None]
-    out = None if len(groups) == 1 and not groups[0][0].padded else torch.empty_like(query)
-    for group, attend in groups:
-        k_ctx, v_ctx = kv_format.gather(pool, group.block_ids, group.num_requests, query.dtype)
-        start, stop = group.row_offset, group.row_offset + group.num_rows
-        if group.padded:
-            result = attend(query[group.query_rows], k_ctx, v_ctx, group, window)
-            out[group.query_rows[group.query_valid]] = result[group.query_valid]
-        else:
-            q = query[start:stop].view(group.num_requests, -1, heads, dim)
-            result = attend(q, k_ctx, v_ctx, group, window).reshape(stop - start, heads, dim)
-            if out is None:
-                out = result
-            else:
-                out[start:stop] = result
+    parts = []
+    if meta.decode is not None:
+        q = query[: meta.decode.num_requests].unsqueeze(1)
+        parts.append(_decode(q, meta.decode, pool, kv_format, window).view(-1, heads, dim))
+    for chunk in meta.prefills:
+        q = query[chunk.row_start: chunk.row_start + chunk.num_queries]
+        k_ctx, v_ctx = kv_format.gather(pool, chunk.block_ids, 1, query.dtype)
+        parts.append(_prefill_attention(q, k_ctx[:, 0, : chunk.context_len], v_ctx[:, 0, : chunk.context_len],
+                                        chunk.mask(window)))
+    out = parts[0] if len(parts) == 1 else torch.cat(parts)
     if rotation is not None:  # probs·(VR)·R^T = probs·V
         out = out @ rotation.T
     return out.reshape(tokens, heads * dim)
+
+
+def _decode(q: torch.Tensor, group: AttentionGroup, pool: dict, kv_format: KVFormat,
+            window: int | None) -> torch.Tensor:
+    """Gather the decodes' context and attend; quantized formats that have per-token factors hand
+    over their codes (ScaledKV), saving a dequantizing pass over the gathered K/V."""
+    scaled = kv_format.gather_scaled(pool, group.block_ids, group.num_requests, q.dtype)
+    if scaled is not None:
+        return _decode_attention_scaled(q, scaled, group, window)
+    k_ctx, v_ctx = kv_format.gather(pool, group.block_ids, group.num_requests, q.dtype)
+    return _decode_attention(q, k_ctx, v_ctx, group, window)
 
 
 def _decode_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, group: AttentionGroup,
@@ -124,11 +137,27 @@ def _decode_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor,
     return out.transpose(0, 1).reshape(batch, 1, heads, dim)
 
 
-def _prefill_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, group: AttentionGroup,
-                       window: int | None) -> torch.Tensor:
-    """q [B, Q, H, d]; k/v [kvh, B, L, d] -> [B, Q, H, d]."""
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k_ctx.transpose(0, 1), v_ctx.transpose(0, 1),
-        attn_mask=group.mask(window).unsqueeze(1), enable_gqa=True,
-    )
-    return out.transpose(1, 2)
+def _decode_attention_scaled(q: torch.Tensor, kv: ScaledKV, group: AttentionGroup,
+                             window: int | None) -> torch.Tensor:
+    """_decode_attention over codes with per-token factors (ScaledKV):
+    q·(c s + z) = s (q·c) + z Σq, and Σ p (c s + z) = Σ (p s) c + Σ p z."""
+    batch, _, heads, dim = q.shape
+    kv_heads = kv.key.shape[0]
+    q = q.view(batch, kv_heads, heads // kv_heads, dim).transpose(0, 1)
+    scores = torch.matmul(q, kv.key.transpose(-1, -2)).float()  # [kvh, B, group, L]
+    scores.mul_(kv.key_scale.unsqueeze(2) * (1.0 / math.sqrt(dim)))
+    if kv.key_zero is not None:
+        scores.add_(q.float().sum(-1, keepdim=True) * (kv.key_zero.unsqueeze(2) * (1.0 / math.sqrt(dim))))
+    probs = torch.softmax(scores.add_(group.mask_bias(window)), dim=-1)
+    out = torch.matmul((probs * kv.value_scale.unsqueeze(2)).to(kv.value.dtype), kv.value)
+    if kv.value_zero is not None:
+        out += torch.matmul(probs, kv.value_zero.unsqueeze(-1)).to(out.dtype)
+    return out.transpose(0, 1).reshape(batch, 1, heads, dim)
+
+
+def _prefill_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor,
+                       mask: torch.Tensor | None) -> torch.Tensor:
+    """q [Q, H, d]; k/v [kvh, L, d]; mask [Q, L] or None (causal, Q == L) -> [Q, H, d]."""
+    out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k_ctx.unsqueeze(0), v_ctx.unsqueeze(0),
+                                         attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+    return out[0].transpose(0, 1)
