@@ -31,6 +31,23 @@ class KVCacheSpec:
     block_size: int
 
 
+@dataclass
+class ScaledKV:
+    """Gathered K and V as codes in the compute dtype plus per-token factors, for a decode step to
+    apply to its [queries x tokens] scores and probabilities (head_dim / queries-per-KV-head times
+    fewer values than K and V) instead of dequantizing every gathered value first::
+
+        K[h, b, t, :] = key[h, b, t, :] * key_scale[h, b, t] + key_zero[h, b, t]     (V likewise)
+    """
+
+    key: torch.Tensor  # [kv_heads, batch, tokens, head_dim], compute dtype
+    value: torch.Tensor
+    key_scale: torch.Tensor  # [kv_heads, batch, tokens], float32
+    value_scale: torch.Tensor
+    key_zero: torch.Tensor | None = None  # None: symmetric codes
+    value_zero: torch.Tensor | None = None
+
+
 class KVFormat:
     """How K/V values are stored in the pool. Subclasses implement one storage dtype each."""
 
@@ -53,6 +70,12 @@ class KVFormat:
         """K and V of the flattened block tables `block_ids` [batch * blocks_per_seq], as
         [kv_heads, batch, blocks_per_seq * block_size, head_dim] in the compute dtype."""
         raise NotImplementedError
+
+    def gather_scaled(self, pool: dict[str, torch.Tensor], block_ids: torch.Tensor, batch: int,
+                      dtype: torch.dtype) -> ScaledKV | None:
+        """Like `gather`, but leaves per-token scales (and zero-points) for the attention to apply;
+        None (the default) when the format has no per-token factors."""
+        return None
 
     def rotation(self, head_dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
         """An orthogonal [head_dim, head_dim] matrix R if the format stores K·R and V·R instead of
