@@ -10,12 +10,14 @@ from __future__ import annotations
 
 from typing import Any, Callable, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from kvserve.sampling_params import SamplingParams
 
 # Prompts x n in one HTTP request: bounds the work one request can queue.
 MAX_CHOICES_PER_REQUEST = 128
+# Integers that reach torch (seeds, top_k) must fit in int64, or the engine step would fail.
+INT64_MIN, INT64_MAX = -2 ** 63, 2 ** 63 - 1
 
 
 def _off(value: Any) -> bool:
@@ -52,11 +54,39 @@ UNSUPPORTED_CHAT_FIELDS = {
 }
 
 
+def _lone_surrogate(value: Any, where: str) -> str | None:
+    """Where in `value` a string holds a lone UTF-16 surrogate (JSON's `"\\ud800"` escape allows
+    one): such a string is not text, and tokenizing, hashing or echoing it would fail."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return where
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            if isinstance(item, (str, list, dict)) and (found := _lone_surrogate(item, f"{where}[{i}]")):
+                return found
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if found := _lone_surrogate(key, where) or _lone_surrogate(item, f"{where}.{key}"):
+                return found
+    return None
+
+
 class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     def unknown_fields(self) -> list[str]:
         return sorted(self.model_extra or {})
+
+    @model_validator(mode="after")
+    def _text_is_unicode(self) -> "OpenAIModel":
+        # Nested OpenAIModels (messages, content parts) run this check themselves.
+        values = {**{name: getattr(self, name) for name in type(self).model_fields}, **(self.model_extra or {})}
+        for name, value in values.items():
+            if where := _lone_surrogate(value, name):
+                raise ValueError(f"{where} is not valid Unicode text (it holds a lone surrogate)")
+        return self
 
 
 class StreamOptions(BaseModel):
@@ -70,12 +100,12 @@ class SamplingFields(OpenAIModel):
     model: str | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: int | None = Field(default=None, le=INT64_MAX)
     min_p: float | None = None
     n: int = 1
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX - MAX_CHOICES_PER_REQUEST)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None

@@ -46,12 +46,14 @@ class ServingContext:
         if ignored:
             logger.warning("The following fields were present in the request but ignored: %s", ignored)
 
-    @staticmethod
-    def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None,
+    def sampling_params(self, body: SamplingFields, max_tokens: int | None, logprobs: int | None,
                         num_prompts: int) -> SamplingParams:
         if num_prompts * body.n > MAX_CHOICES_PER_REQUEST:
             raise APIError(400, f"At most {MAX_CHOICES_PER_REQUEST} completions per request (prompts x n), "
                                 f"got {num_prompts} x {body.n}.", param="n")
+        # The sampler indexes logits by these ids (min_tokens bans them): out-of-range ids would
+        # fail the whole engine step, not just this request.
+        self.tokens.check_token_ids(body.stop_token_ids or [], "stop_token_ids")
         try:
             return body.sampling_params(max_tokens, logprobs)
         except ValueError as exc:
