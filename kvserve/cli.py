@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args) or 0
     except (UserError, ModelLoadError, UnsupportedModelError, CapacityError, ValueError, FileNotFoundError) as exc:
-        print(f"kvserve {args.command}: error: {exc}", file=sys.stderr)
+        message = " ".join(str(exc).split())  # one line, whatever the exception's text
+        print(f"kvserve {args.command}: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from kvserve.model.config import ModelConfig, UnsupportedModelError
+from kvserve.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedModelError
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +75,10 @@ def load_model(model: str | os.PathLike | None) -> LoadedModel:
             return _load_gguf(path)
         if path.is_dir():
             return _load_hf_dir(path)
-    except (ModelLoadError, UnsupportedModelError):
+    except ModelLoadError:
         raise
+    except UnsupportedModelError as exc:
+        raise UnsupportedModelError(f"{_config_file(path)}: {exc}") from None
     except Exception as exc:  # a truncated or corrupt file surfaces as many exception types
         raise ModelLoadError(f"{path}: cannot load model: {type(exc).__name__}: {exc}") from exc
     raise ModelLoadError(f"{path}: not a model (expected a .gguf file or a directory with config.json)")
@@ -96,17 +98,34 @@ def load_model_config(model: str | os.PathLike | None) -> tuple[ModelConfig, int
         if path.is_dir():
             from transformers import AutoConfig
 
-            try:
-                json.loads((path / "config.json").read_text())
-            except (OSError, ValueError) as exc:
-                raise ModelLoadError(f"{path / 'config.json'}: malformed config: {exc}") from None
+            _check_config_json(path)
             config = ModelConfig.from_hf(AutoConfig.from_pretrained(path, local_files_only=True))
             return config, sum(f.stat().st_size for f in path.glob("*.safetensors"))
-    except (ModelLoadError, UnsupportedModelError):
+    except ModelLoadError:
         raise
+    except UnsupportedModelError as exc:
+        raise UnsupportedModelError(f"{_config_file(path)}: {exc}") from None
     except Exception as exc:
         raise ModelLoadError(f"{path}: cannot read the model config: {type(exc).__name__}: {exc}") from exc
     raise ModelLoadError(f"{path}: not a model (expected a .gguf file or a directory with config.json)")
+
+
+def _config_file(path: Path) -> Path:
+    """The file that describes the architecture: config.json of a directory, or the GGUF itself."""
+    return path / "config.json" if path.is_dir() else path
+
+
+def _check_config_json(path: Path) -> None:
+    """config.json must parse and name an architecture kvserve serves; checked before transformers
+    reads it (its error for an unknown model_type is a multi-line upgrade hint)."""
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{path / 'config.json'}: malformed config: {exc}") from None
+    model_type = raw.get("model_type") if isinstance(raw, dict) else None
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(f"unsupported architecture {model_type!r}: kvserve serves "
+                                    f"{sorted(SUPPORTED_ARCHITECTURES)}")
 
 
 def _check_tokenizer(path: Path, tokenizer: Any, config: ModelConfig) -> None:
@@ -120,10 +139,7 @@ def _load_hf_dir(path: Path) -> LoadedModel:
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoTokenizer
 
-    try:
-        json.loads((path / "config.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"{path / 'config.json'}: malformed config: {exc}") from None
+    _check_config_json(path)
     config = ModelConfig.from_hf(AutoConfig.from_pretrained(path, local_files_only=True))
     files = sorted(path.glob("*.safetensors"))
     if not files:
