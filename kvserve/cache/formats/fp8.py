@@ -1,30 +1,32 @@
 """fp8 KV cache: `fp8` / `fp8_e4m3` (OCP e4m3fn, max 448, 3 mantissa bits) and `fp8_e5m2`
 (max 57344, 2 mantissa bits), one byte per value in torch float8 tensors.
 
-Scales: one per (block, KV head), a power of two chosen so the block's absmax lands in
-(fmax/2, fmax]: nothing saturates, and because fp8 is a floating-point format its relative
-precision is the same at any magnitude, so a finer scale would buy almost nothing (it only
-keeps the smallest values out of the subnormal range). Power-of-two scales make re-encoding a
-growing block exact (see block_scaled.py).
+Scales: one per (token, KV head), a power of two chosen so the token's absmax lands in
+(fmax/2, fmax], stored as its 1-byte exponent. Nothing saturates, and because fp8 is a
+floating-point format its relative precision is the same at any magnitude, so a finer or
+non-power-of-two scale would buy nothing (it would only keep the smallest values out of the
+subnormal range). See token_scaled.py for the layout.
 
 Decoding avoids torch's float8 -> bfloat16 cast, which is an unvectorised loop on CPU (~15 ms
-for 3M values, 40x slower than an int8 cast). An fp8 byte s|e|m is moved bitwise into the
-sign, low exponent and high mantissa bits of a bfloat16 (whose exponent bias is 127 instead
-of 7 or 15); the bias difference, 2^120 or 2^112, is folded into the block scale. fp8
-subnormals land on bfloat16 subnormals, so the mapping is exact for every finite code, and no
-code decodes to inf or NaN (0x7f, e4m3fn's NaN, would read as 480), so unwritten slots stay finite.
+for 3M values, 40x slower than an int8 cast). An fp8 byte s|e|m is moved bitwise into the sign,
+low exponent and high mantissa bits of a bfloat16 (whose exponent bias is 127 instead of 7 or
+15); the bias difference, 2^120 or 2^112, is folded into the scale. fp8 subnormals land on
+bfloat16 subnormals, so the mapping is exact for every finite code, and no code decodes to inf
+or NaN (0x7f, e4m3fn's NaN, would read as 480), so unwritten slots stay finite. The decoded
+values are scaled before the attention matmul (no `gather_scaled`): left at ~2^-120, they
+would be flushed to zero by bfloat16 dot-product instructions.
 """
 from __future__ import annotations
 
 import torch
 
-from kvserve.cache.formats.block_scaled import BlockScaledFormat
+from kvserve.cache.formats.token_scaled import TokenScaledFormat
 
-_MIN_AMAX = 1e-6  # an all-zero block still gets a positive, finite scale
+_MIN_AMAX = 1e-6  # an all-zero token still gets a finite scale
 
 
-class Fp8Format(BlockScaledFormat):
-    index_dtype = torch.int8
+class Fp8Format(TokenScaledFormat):
+    scale_dtype = torch.int8  # the exponent of a power-of-two scale
 
     def __init__(self, variant: str = "e4m3", rotate: bool = True):
         super().__init__(rotate)
@@ -42,14 +44,22 @@ class Fp8Format(BlockScaledFormat):
         self._shift = exp_bits
         self._mask = (0x8000 | (0x7F << self._shift)) - 0x10000  # sign + magnitude, as a signed int16
         self.decode_unit = 2.0 ** (127 - bias)
+        # decode_unit * 2^exponent must stay a finite bfloat16: exponents up to `bias` (values up
+        # to fmax * 2^bias, far beyond any K/V) are allowed.
+        self._max_exponent = bias
 
     def scale_for(self, amax: torch.Tensor) -> torch.Tensor:
-        return torch.exp2(torch.ceil(torch.log2(amax.clamp_min(_MIN_AMAX) / self.fmax)))
+        exponent = torch.ceil(torch.log2(amax.clamp_min(_MIN_AMAX) / self.fmax))
+        return exponent.clamp_(max=self._max_exponent).to(torch.int8)
+
+    def scale_value(self, stored: torch.Tensor) -> torch.Tensor:
+        return torch.exp2(stored.float())
 
     def encode(self, scaled: torch.Tensor) -> torch.Tensor:
-        return scaled.clamp(-self.fmax, self.fmax).to(self.storage_dtype).view(torch.int8)
+        return scaled.clamp_(-self.fmax, self.fmax).to(self.storage_dtype).view(torch.int8)
 
     def decode(self, codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        bits = codes.to(torch.int16)  # sign-extends: a negative code's high byte is all ones
+        bits = self.scratch.get("bits", codes.shape, torch.int16, codes.device)
+        bits.copy_(codes)  # sign-extends: a negative code's high byte is all ones
         bits.bitwise_left_shift_(self._shift).bitwise_and_(self._mask)
         return bits.view(torch.bfloat16)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from kvserve.cache.formats.rotation import hadamard_rotation
-from kvserve.cache.kv_cache import KVCacheSpec, KVFormat
+from kvserve.cache.kv_cache import KVCacheSpec, KVFormat, ScaledKV, Scratch, gather_blocks
 
 LEVELS = 15  # the largest 4-bit code
 _FP16_MAX = 65504.0
@@ -36,16 +36,19 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     return low | (high << 4)
 
 
-def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                    dtype: torch.dtype) -> torch.Tensor:
-    """packed codes [..., D/2] and broadcastable scale/zero -> codes * scale + zero [..., D] in `dtype`.
-    Unpacks straight into the output's two halves (no concatenation), then scales in place."""
+def unpack_int4_into(packed: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The codes of `packed` [..., D/2] as numbers in `out` [..., D] (any dtype): one copy into
+    each half of the output, no concatenation."""
     half = packed.shape[-1]
-    out = torch.empty((*packed.shape[:-1], 2 * half), dtype=dtype, device=packed.device)
     out[..., :half].copy_(packed & 0xF)
     out[..., half:].copy_(packed >> 4)
+    return out
+
+
+def dequantize_(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """codes * scale + zero in place (scale/zero broadcastable, cast to the codes' dtype)."""
     # mul_ then add_: a fused addcmul with operands broadcast along the last dim is ~5x slower on CPU.
-    return out.mul_(scale.to(dtype)).add_(zero.to(dtype))
+    return codes.mul_(scale.to(codes.dtype)).add_(zero.to(codes.dtype))
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
@@ -82,12 +85,18 @@ def write_token_groups(packed: torch.Tensor, params: torch.Tensor, new: torch.Te
 
 
 def gather_token_groups(packed: torch.Tensor, params: torch.Tensor, block_ids: torch.Tensor, batch: int,
-                        dtype: torch.dtype) -> torch.Tensor:
-    """Dequantize the given blocks -> [H, batch, blocks_per_seq * block_size, D] in `dtype`."""
-    heads = packed.shape[0]
-    picked = torch.index_select(params, 1, block_ids)  # [H, N, block_size, 2]
-    values = dequantize_int4(torch.index_select(packed, 1, block_ids), picked[..., :1], picked[..., 1:], dtype)
-    return values.view(heads, batch, -1, values.shape[-1])
+                        dtype: torch.dtype, scratch: Scratch, prefix: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The given blocks' codes as numbers in `dtype` [H, batch, tokens, D] and their float16
+    (scale, zero) [H, batch, tokens, 2], in scratch buffers named after `prefix`."""
+    heads, _, block_size, half = packed.shape
+    rows = (heads, block_ids.shape[0], block_size)
+    picked = gather_blocks(packed, block_ids, batch, scratch.get(prefix + "packed", (*rows, half), packed.dtype,
+                                                                 packed.device))
+    picked_params = gather_blocks(params, block_ids, batch, scratch.get(prefix + "params", (*rows, 2), params.dtype,
+                                                                        params.device))
+    codes = unpack_int4_into(picked, scratch.get(prefix + "codes", (*picked.shape[:-1], 2 * half), dtype,
+                                                 packed.device))
+    return codes, picked_params
 
 
 class Int4Format(KVFormat):
@@ -95,6 +104,7 @@ class Int4Format(KVFormat):
 
     def __init__(self, rotate: bool = True):
         self.rotate = rotate  # store K·H and V·H (rotation.py): outlier channels spread before quantizing
+        self.scratch = Scratch()
 
     def rotation(self, head_dim, dtype, device):
         return hadamard_rotation(head_dim, dtype, device) if self.rotate else None
@@ -117,6 +127,13 @@ class Int4Format(KVFormat):
         write_token_groups(pool["kv"], pool["kv_params"], new, slot_mapping)
 
     def gather(self, pool, block_ids, batch, dtype):
-        values = gather_token_groups(pool["kv"], pool["kv_params"], block_ids, batch, dtype)
+        codes, params = gather_token_groups(pool["kv"], pool["kv_params"], block_ids, batch, dtype, self.scratch, "")
+        values = dequantize_(codes, params[..., :1], params[..., 1:])
         heads = values.shape[0] // 2
         return values[:heads], values[heads:]
+
+    def gather_scaled(self, pool, block_ids, batch, dtype):
+        codes, params = gather_token_groups(pool["kv"], pool["kv_params"], block_ids, batch, dtype, self.scratch, "")
+        scale, zero = params[..., 0].float(), params[..., 1].float()
+        h = codes.shape[0] // 2
+        return ScaledKV(codes[:h], codes[h:], scale[:h], scale[h:], zero[:h], zero[h:])

@@ -31,13 +31,16 @@ from __future__ import annotations
 import torch
 
 from kvserve.cache.formats.block_writes import BlockWrite
-from kvserve.cache.formats.int4 import (LEVELS, affine_params, dequantize_int4, gather_token_groups, pack_int4,
-                                        quantize, unpack_int4, write_token_groups)
-from kvserve.cache.kv_cache import KVCacheSpec, KVFormat
+from kvserve.cache.formats.int4 import (LEVELS, affine_params, dequantize_, gather_token_groups, pack_int4,
+                                        quantize, unpack_int4, unpack_int4_into, write_token_groups)
+from kvserve.cache.kv_cache import KVCacheSpec, KVFormat, Scratch, gather_blocks
 
 
 class Int4KiviFormat(KVFormat):
     name = "int4_kivi"
+
+    def __init__(self) -> None:
+        self.scratch = Scratch()
 
     def bytes_per_block(self, spec: KVCacheSpec) -> int:
         keys = spec.block_size * spec.head_dim // 2 + 2 * spec.head_dim * 2
@@ -61,12 +64,21 @@ class Int4KiviFormat(KVFormat):
         write_token_groups(pool["value"], pool["value_params"], value, slot_mapping)
 
     def gather(self, pool, block_ids, batch, dtype):
-        heads = pool["key"].shape[0]
-        params = torch.index_select(pool["key_params"], 1, block_ids)  # [H, N, 2, D]
-        keys = dequantize_int4(torch.index_select(pool["key"], 1, block_ids), params[:, :, :1], params[:, :, 1:],
-                               dtype)  # [H, N, block_size, D]
-        values = gather_token_groups(pool["value"], pool["value_params"], block_ids, batch, dtype)
-        return keys.view(heads, batch, -1, keys.shape[-1]), values
+        packed, params = pool["key"], pool["key_params"]
+        heads, _, block_size, half = packed.shape
+        count = block_ids.shape[0]
+        picked = self.scratch.get("key_packed", (heads, count, block_size, half), packed.dtype, packed.device)
+        gather_blocks(packed, block_ids, batch, picked)
+        picked_params = self.scratch.get("key_params", (heads, count, *params.shape[2:]), params.dtype,
+                                         params.device)
+        gather_blocks(params, block_ids, batch, picked_params)  # [H, N, 2, D]
+        keys = unpack_int4_into(picked, self.scratch.get("key_codes", (heads, count, block_size, 2 * half), dtype,
+                                                         packed.device))
+        keys = dequantize_(keys, picked_params[:, :, :1], picked_params[:, :, 1:])
+        codes, value_params = gather_token_groups(pool["value"], pool["value_params"], block_ids, batch, dtype,
+                                                  self.scratch, "value_")
+        values = dequantize_(codes, value_params[..., :1], value_params[..., 1:])
+        return keys.view(heads, batch, -1, 2 * half), values
 
     def _write_keys(self, packed: torch.Tensor, params: torch.Tensor, new: torch.Tensor,
                     slot_mapping: torch.Tensor) -> None:
