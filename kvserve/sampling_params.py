@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import Any
+
+from kvserve.cache.eviction.config import EvictionSpec
 
 MAX_STOP_STRINGS = 64
 MAX_LOGPROBS = 20
@@ -15,6 +18,8 @@ class SamplingParams:
     Defaults follow vLLM: max_tokens 16, temperature 1.0, top_p 1.0, top_k 0 (off), min_p 0.0.
     `logprobs=k` returns the chosen token's log-probability plus the k most likely, computed on
     the model's raw distribution (before penalties and temperature), like vLLM v1.
+    `kv_eviction` overrides the engine's KV eviction settings for this request: a dict with any of
+    policy, budget, sink_tokens, recent_tokens (or just a policy name, e.g. "none").
     """
 
     n: int = 1
@@ -34,8 +39,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    kv_eviction: EvictionSpec | dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
+        self.kv_eviction = EvictionSpec.parse(self.kv_eviction)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])

@@ -88,6 +88,12 @@ class BlockPool:
         self.cached.clear()
         return True
 
+    def unpublish(self, block: Block) -> None:
+        """Make a block unfindable before its contents change (KV eviction compacts kept tokens)."""
+        if block.block_hash is not None:
+            del self.cached[block.block_hash]
+            block.block_hash = None
+
     def release(self, blocks: list[Block]) -> None:
         """Drop one reference from each block, in the given order: blocks reaching zero join the
         tail of the free queue, so the ones released first are evicted first."""

@@ -10,16 +10,30 @@ so two blocks match only if every token before them matches too, under the same 
 layout (the namespace) and the same tenant salt. SHA-256 makes accidental collisions
 practically impossible, so a hit is not re-checked token by token. Partial blocks are never
 published; a published block is never written again (new tokens always go to later blocks).
+
+KV eviction (kvserve/cache/eviction): a sequence with an eviction policy stores its keys before
+RoPE, so its blocks live in their own hash namespace (they never match blocks of ordinary
+sequences). Until its first eviction its cache is a true prefix and its blocks are published as
+usual; `make_room` then drops tokens and compacts the table, and from then on nothing of it is
+published (blocks it shared before stay valid for the others: they are never rewritten).
+Its cache then holds fewer tokens than it has computed: `num_computed_tokens -
+num_evicted_tokens`, which is what block counts and positions follow.
 """
 from __future__ import annotations
 
 import hashlib
+import sys
 from dataclasses import dataclass
 
 import numpy as np
 
 from kvserve.cache.block_pool import Block, BlockPool
+from kvserve.cache.eviction.compaction import plan_compaction
+from kvserve.cache.eviction.evictor import Evictor
 from kvserve.engine.request import Request
+
+# Extra key of the root hash for sequences that store keys before RoPE (evicting sequences).
+KEYS_BEFORE_ROPE = "keys-before-rope"
 
 
 @dataclass
@@ -29,8 +43,11 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, namespace: str = ""):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, namespace: str = "",
+                 evictor: Evictor | None = None):
         self.pool = BlockPool(num_blocks)
+        self.evictor = evictor
+        self._moves: dict[str, tuple[list[int], list[int]]] = {}  # eviction copies not yet carried out
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.namespace = namespace
@@ -44,13 +61,14 @@ class KVCacheManager:
         hashes = self._req_hashes.setdefault(request.request_id, [])
         bs = self.block_size
         for i in range(len(hashes), request.num_tokens // bs):
-            parent = hashes[-1] if hashes else self._root_hash(request.cache_salt)
+            parent = hashes[-1] if hashes else self._root_hash(request)
             tokens = np.asarray(request.token_ids[i * bs:(i + 1) * bs], dtype=np.int64)
             hashes.append(hashlib.sha256(parent + tokens.tobytes()).digest())
         return hashes
 
-    def _root_hash(self, cache_salt: str | None) -> bytes:
-        return hashlib.sha256(f"{self.namespace}\x00{cache_salt or ''}".encode()).digest()
+    def _root_hash(self, request: Request) -> bytes:
+        layout = KEYS_BEFORE_ROPE if request.eviction is not None else ""
+        return hashlib.sha256(f"{self.namespace}\x00{request.cache_salt or ''}\x00{layout}".encode()).digest()
 
     # ------------------------------------------------------------------ lookup / allocate / free
     def find_cached_prefix(self, request: Request) -> list[Block]:
@@ -59,6 +77,8 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
+        if request.eviction is not None:  # admission then needs no eviction (see max_new_tokens)
+            max_blocks = min(max_blocks, (request.eviction.max_chunk - 1) // self.block_size)
         hits = []
         for block_hash in self.block_hashes(request)[:max_blocks]:
             block = self.pool.lookup(block_hash)
@@ -70,7 +90,7 @@ class KVCacheManager:
     def blocks_needed(self, request: Request, num_new_tokens: int, cached: list[Block] = ()) -> int:
         """Free blocks an allocation would consume (new blocks plus cached ones to revive)."""
         have = len(self.req_blocks.get(request.request_id, ())) + len(cached)
-        total_tokens = request.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
+        total_tokens = request.num_kv_tokens + len(cached) * self.block_size + num_new_tokens
         new = max(0, -(-total_tokens // self.block_size) - have)
         return new + sum(1 for b in cached if b.ref_cnt == 0)
 
@@ -82,9 +102,9 @@ class KVCacheManager:
         blocks = self.req_blocks.setdefault(request.request_id, [])
         self.pool.share(list(cached))
         blocks.extend(cached)
-        total_tokens = request.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
+        total_tokens = request.num_kv_tokens + len(cached) * self.block_size + num_new_tokens
         blocks.extend(self.pool.allocate(max(0, -(-total_tokens // self.block_size) - len(blocks))))
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and request.num_evicted_tokens == 0:
             # Publish blocks that this step fills completely; their K/V are written by this step's
             # forward pass, before any later step can schedule a request that reads them.
             full = total_tokens // self.block_size
@@ -92,6 +112,49 @@ class KVCacheManager:
             for block, block_hash in zip(blocks[:full], hashes[:full]):
                 self.pool.publish(block, block_hash)
         return True
+
+    # ------------------------------------------------------------------ eviction
+    def max_new_tokens(self, request: Request, num_cached_tokens: int | None = None) -> int:
+        """Most tokens the request may compute in one step: unbounded (sys.maxsize) without eviction.
+        With eviction a step adds at most budget - sinks tokens (make_room evicts for them); on
+        admission (`num_cached_tokens` = its prefix-cache hit) no more than fit without evicting."""
+        if request.eviction is None:
+            return sys.maxsize
+        if num_cached_tokens is None:
+            return request.eviction.max_chunk
+        return min(request.eviction.max_chunk, self.evictor.limit(request.eviction) - num_cached_tokens)
+
+    def make_room(self, request: Request, num_new_tokens: int) -> bool:
+        """Before `allocate`: if the request evicts and `num_new_tokens` more would exceed its limit,
+        let its policy choose the tokens to keep and compact its blocks. Returns False, changing
+        nothing, if the compaction needs a fresh block (copy-on-write) and none is free."""
+        if request.eviction is None:
+            return True
+        cache_len = request.num_kv_tokens
+        kept = self.evictor.select(request.request_id, request.eviction, cache_len, num_new_tokens)
+        if kept is None:
+            return True
+        plan = plan_compaction(self.pool, self.req_blocks[request.request_id], kept, self.block_size)
+        if plan is None:
+            return False
+        self.req_blocks[request.request_id] = plan.blocks
+        src, dst = self._moves.setdefault(request.request_id, ([], []))
+        src.extend(plan.src_slots)
+        dst.extend(plan.dst_slots)
+        request.num_evicted_tokens += cache_len - len(kept)
+        self.evictor.compacted(request.request_id, kept)
+        self._req_hashes.pop(request.request_id, None)  # nothing of it is published any more
+        return True
+
+    def take_moves(self) -> tuple[list[int], list[int]]:
+        """Token copies (source slots, destination slots) planned since the last call; the runner
+        carries them out before the next forward pass writes into the pool."""
+        src, dst = [], []
+        for s, d in self._moves.values():
+            src.extend(s)
+            dst.extend(d)
+        self._moves.clear()
+        return src, dst
 
     def record_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         self.stats.queries += num_query_tokens
@@ -103,6 +166,9 @@ class KVCacheManager:
         blocks = self.req_blocks.pop(request.request_id, [])
         self.pool.release(list(reversed(blocks)))
         self._req_hashes.pop(request.request_id, None)
+        self._moves.pop(request.request_id, None)  # its blocks may be someone else's by now
+        if self.evictor is not None:
+            self.evictor.forget(request.request_id)
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]

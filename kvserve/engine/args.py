@@ -6,6 +6,7 @@ import argparse
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
+from kvserve.cache.eviction import NO_EVICTION, POLICY_CHOICES
 from kvserve.cache.formats import KV_CACHE_DTYPES
 
 
@@ -41,6 +42,17 @@ class EngineArgs:
     enable_prefix_caching: bool = field(default=True, metadata=_opt(
         "reuse the KV cache of shared prompt prefixes (automatic prefix caching)",
         action=argparse.BooleanOptionalAction))
+    kv_eviction: str = field(default=NO_EVICTION, metadata=_opt(
+        "KV eviction policy: none; streaming (StreamingLLM: sink tokens + recent window); h2o (heavy "
+        "hitters + recent window). With a policy a sequence holds at most --kv-budget tokens (+ one block) "
+        "and may run past max-model-len", choices=POLICY_CHOICES))
+    kv_budget: int | None = field(default=None, metadata=_opt(
+        "tokens a sequence under --kv-eviction may hold, sinks included (<= max-model-len)", type=int))
+    sink_tokens: int | None = field(default=None, metadata=_opt(
+        "first tokens always kept under --kv-eviction (default 4)", type=int))
+    recent_tokens: int | None = field(default=None, metadata=_opt(
+        "newest tokens always kept under --kv-eviction (default: streaming budget - sinks; h2o half of that)",
+        type=int))
     seed: int = field(default=0, metadata=_opt("seed of the global random generator"))
 
     @classmethod

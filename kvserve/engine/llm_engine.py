@@ -8,10 +8,15 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
+from kvserve.cache.eviction import POLICIES, EvictionConfig, EvictionSpec
+from kvserve.cache.eviction.config import resolve_eviction
+from kvserve.cache.eviction.evictor import Evictor
+from kvserve.cache.eviction.moves import move_tokens
 from kvserve.cache.formats import make_kv_format
 from kvserve.cache.kv_cache import KVCache, KVCacheSpec
 from kvserve.cache.kv_cache_manager import KVCacheManager
@@ -107,11 +112,14 @@ class LLMEngine:
         self.kv_spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, args.block_size)
         num_blocks = self._size_kv_pool()
         self.kv_cache = KVCache(self.kv_spec, self.kv_format, num_blocks, self.device)
+        self.eviction_defaults = EvictionSpec(args.kv_eviction, args.kv_budget, args.sink_tokens, args.recent_tokens)
+        self.resolve_eviction(None)  # bad --kv-eviction flags fail at start-up
+        self.evictor = Evictor(args.block_size, self.max_model_len, self.device)
         self.kv_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching,
-                                         namespace=self.kv_format.name)
+                                         namespace=self.kv_format.name, evictor=self.evictor)
         self.scheduler = Scheduler(
             SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len), self.kv_manager)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.evictor)
         self._parents: dict[str, _Parent] = {}
         self._children: dict[str, tuple[_Parent, _Child]] = {}
         self._ids = itertools.count()
@@ -204,6 +212,11 @@ class LLMEngine:
                                                   add_generation_prompt=add_generation_prompt)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
+    def resolve_eviction(self, spec: EvictionSpec | None) -> EvictionConfig | None:
+        """A request's KV eviction settings (its `kv_eviction` over the engine's flags), checked;
+        None without eviction. Raises ValueError for bad values."""
+        return resolve_eviction(spec, self.eviction_defaults, self.max_model_len, POLICIES)
+
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Check a request against the model; returns the resolved max_tokens."""
         n = len(prompt_token_ids)
@@ -213,6 +226,10 @@ class LLMEngine:
         bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"Token id {bad} is out of vocabulary (the model has {vocab} tokens).")
+        if self.resolve_eviction(params.kv_eviction) is not None:
+            # Under eviction max-model-len bounds the cache, not the sequence; "up to the context
+            # limit" (no max_tokens) then means max-model-len new tokens.
+            return params.max_tokens if params.max_tokens is not None else self.max_model_len
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
         if n + max_tokens > self.max_model_len or max_tokens < 1:
             raise ValueError(
@@ -229,12 +246,13 @@ class LLMEngine:
             raise ValueError(f"duplicate request id {request_id!r}")
         text, token_ids = self.tokenize(prompt)
         max_tokens = self.validate(token_ids, params)
+        eviction = self.resolve_eviction(params.kv_eviction)
         parent = _Parent(request_id, text, token_ids)
         for index in range(params.n):
             child_params = params.for_child(index)
             child_params.max_tokens = max_tokens
             child_id = request_id if params.n == 1 else f"{index}_{request_id}"
-            request = Request(child_id, token_ids, child_params, self.eos_token_ids, cache_salt)
+            request = Request(child_id, token_ids, child_params, self.eos_token_ids, cache_salt, eviction=eviction)
             detok = IncrementalDetokenizer(self.tokenizer, token_ids, child_params.stop,
                                            child_params.include_stop_str_in_output, child_params.skip_special_tokens)
             child = _Child(request, detok, [] if child_params.logprobs is not None else None)
@@ -268,6 +286,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; return the state of every request that advanced or finished."""
         scheduled = self.scheduler.schedule()
+        move_tokens(self.kv_cache, *self.kv_manager.take_moves())  # compactions planned by schedule()
         if not scheduled:
             return []
         tables = {s.request.request_id: self.kv_manager.block_ids(s.request.request_id) for s in scheduled}
@@ -316,24 +335,33 @@ class LLMEngine:
         """Teacher-forced float32 logits [len(token_ids), vocab] computed through the paged KV cache:
         the sequence is fed in chunks, so each chunk attends to the K/V the earlier chunks stored
         (in whatever format the cache stores them). Needs no free sequence slot; uses free blocks."""
+        return torch.cat(list(self.score_chunks(token_ids, chunk_size)))
+
+    def score_chunks(self, token_ids: list[int], chunk_size: int | None = None,
+                     kv_eviction: EvictionSpec | dict | str | None = None) -> Iterator[torch.Tensor]:
+        """`score`, one chunk's logits [chunk tokens, vocab] at a time. With `kv_eviction` (as in
+        SamplingParams) the sequence evicts between chunks and may be longer than max-model-len;
+        a chunk is then at most budget - sinks tokens."""
         chunk_size = chunk_size or self.args.max_num_batched_tokens
-        if len(token_ids) > self.max_model_len:
+        eviction = self.resolve_eviction(EvictionSpec.parse(kv_eviction))
+        if eviction is None and len(token_ids) > self.max_model_len:
             raise ValueError(f"cannot score {len(token_ids)} tokens with max-model-len {self.max_model_len}")
-        request = Request(f"score-{next(self._ids)}", token_ids, SamplingParams(max_tokens=1))
-        chunks = []
+        request = Request(f"score-{next(self._ids)}", token_ids, SamplingParams(max_tokens=1), eviction=eviction)
         try:
             while request.num_computed_tokens < request.num_tokens:
-                n = min(chunk_size, request.num_tokens - request.num_computed_tokens)
-                if not self.kv_manager.allocate(request, n):
+                n = min(chunk_size, request.num_tokens - request.num_computed_tokens,
+                        self.kv_manager.max_new_tokens(request))
+                if not (self.kv_manager.make_room(request, n) and self.kv_manager.allocate(request, n)):
                     raise CapacityError("not enough free KV blocks to score this sequence")
+                move_tokens(self.kv_cache, *self.kv_manager.take_moves())
                 item = ScheduledRequest(request, n)
                 inputs = self.runner.prepare([item], {request.request_id: self.kv_manager.block_ids(request.request_id)},
                                              all_logits=True)
-                chunks.append(self.runner.forward(inputs))
+                logits = self.runner.forward(inputs)
                 request.num_computed_tokens += n
+                yield logits
         finally:
             self.kv_manager.free(request)
-        return torch.cat(chunks)
 
     # ------------------------------------------------------------------ introspection
     @property

@@ -2,14 +2,20 @@
 
 Input preparation is numpy over each request's token range; the forward pass itself sees one
 packed batch of all scheduled tokens.
+
+A request under KV eviction (kvserve/cache/eviction) takes positions from its cache index
+(`num_computed_tokens - num_evicted_tokens`), stores keys before RoPE and attends in groups of
+its own; after the forward pass the attention its tokens received goes to the evictor (H2O).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from kvserve.cache.eviction.config import EvictionConfig
+from kvserve.cache.eviction.evictor import Evictor
 from kvserve.cache.kv_cache import KVCache
 from kvserve.engine.sampler import SampleResult, Sampler
 from kvserve.engine.scheduler import ScheduledRequest
@@ -24,11 +30,16 @@ class ModelInputs:
     meta: AttentionMetadata
     logits_rows: torch.Tensor
     sampled: list[ScheduledRequest]  # requests that get a token this step, in logits-row order
+    # Evicting requests whose policy scores by received attention: (request id, config, the
+    # [seq_len] attention its cached tokens receive this step, filled by the forward pass).
+    received_attention: list[tuple[str, EvictionConfig, torch.Tensor]] = field(default_factory=list)
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device):
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device,
+                 evictor: Evictor | None = None):
         self.model = model
+        self.evictor = evictor
         self.kv_cache = kv_cache
         self.block_size = kv_cache.spec.block_size
         self.device = device
@@ -39,20 +50,27 @@ class ModelRunner:
         """Pack the step's tokens. `all_logits` asks for logits at every position (scoring)."""
         bs = self.block_size
         # Decodes first, then prefill chunks: each attention group then owns one run of rows.
-        scheduled = sorted(scheduled, key=lambda item: item.num_new_tokens > 1)
+        # Within each, requests under eviction come last (their decodes form a group of their own).
+        scheduled = sorted(scheduled, key=lambda item: (item.num_new_tokens > 1, item.request.eviction is not None))
         token_chunks, position_chunks, slot_chunks = [], [], []
-        decode, prefill = [], []
+        decode, evicting_decode, prefill, evicting_rows = [], [], [], []
         logits_rows, sampled = [], []
         offset = 0
         for item in scheduled:
             r, n = item.request, item.num_new_tokens
             start = r.num_computed_tokens
-            positions = np.arange(start, start + n)
+            cache_start = start - r.num_evicted_tokens  # == start without eviction
+            positions = np.arange(cache_start, cache_start + n)
             table = np.asarray(block_tables[r.request_id], dtype=np.int64)
             token_chunks.append(r.token_ids[start:start + n])
             position_chunks.append(positions)
             slot_chunks.append(table[positions // bs] * bs + positions % bs)
-            (decode if n == 1 else prefill).append((offset, n, start + n, table))
+            member = (offset, n, cache_start + n, table)
+            if r.eviction is not None:
+                evicting_rows.extend(range(offset, offset + n))
+                (evicting_decode if n == 1 else prefill).append((*member, r))
+            else:
+                (decode if n == 1 else prefill).append((*member, None))
             if all_logits:
                 logits_rows.extend(range(offset, offset + n))
             elif item.samples:
@@ -63,10 +81,22 @@ class ModelRunner:
         def tensor(array, dtype=torch.long) -> torch.Tensor:
             return torch.as_tensor(array, dtype=dtype).to(self.device, non_blocking=True)
 
+        received: list[tuple[str, EvictionConfig, torch.Tensor]] = []
+        chunks = []
+        for offset, n, seq_len, table, r in prefill:
+            chunk = PrefillChunk(offset, n, seq_len, tensor(table))
+            if r is not None:
+                chunk.key_rope = self._key_rope(seq_len)
+                if self.evictor.uses_attention(r.eviction):
+                    chunk.received_attention = torch.zeros(seq_len, dtype=torch.float32, device=self.device)
+                    received.append((r.request_id, r.eviction, chunk.received_attention))
+            chunks.append(chunk)
         meta = AttentionMetadata(
             slot_mapping=tensor(np.concatenate(slot_chunks)),
             decode=self._decode_group(decode, tensor),
-            prefills=[PrefillChunk(offset, n, seq_len, tensor(table)) for offset, n, seq_len, table in prefill],
+            prefills=chunks,
+            evicting_decode=self._evicting_decode_group(evicting_decode, tensor, received),
+            unrotated_key_rows=tensor(evicting_rows) if evicting_rows else None,
         )
         return ModelInputs(
             input_ids=tensor(np.fromiter((t for chunk in token_chunks for t in chunk), dtype=np.int64)),
@@ -74,22 +104,51 @@ class ModelRunner:
             meta=meta,
             logits_rows=tensor(logits_rows),
             sampled=sampled,
+            received_attention=received,
         )
 
-    def _decode_group(self, members: list[tuple[int, int, int, np.ndarray]], tensor) -> AttentionGroup | None:
+    def _decode_group(self, members: list[tuple], tensor) -> AttentionGroup | None:
         """Pad the decodes' block tables to a common length."""
         if not members:
             return None
-        max_blocks = max(len(table) for *_, table in members)
+        max_blocks = max(len(m[3]) for m in members)
         block_ids = np.zeros((len(members), max_blocks), dtype=np.int64)
-        for i, (*_, table) in enumerate(members):
-            block_ids[i, : len(table)] = table
+        for i, m in enumerate(members):
+            block_ids[i, : len(m[3])] = m[3]
         return AttentionGroup(block_ids=tensor(block_ids.reshape(-1)),
-                              seq_lens=tensor([seq_len for _, _, seq_len, _ in members]),
+                              seq_lens=tensor([m[2] for m in members]),
                               context_len=max_blocks * self.block_size)
 
+    def _evicting_decode_group(self, members: list[tuple], tensor,
+                               received: list[tuple[str, EvictionConfig, torch.Tensor]]) -> AttentionGroup | None:
+        """The decode group of requests under eviction: keys rotated by cache index when gathered,
+        and a received-attention sum when one of them scores by it."""
+        group = self._decode_group(members, tensor)
+        if group is None:
+            return None
+        group.key_rope = self._key_rope(group.context_len)
+        scored = [(i, m[4]) for i, m in enumerate(members) if self.evictor.uses_attention(m[4].eviction)]
+        if scored:
+            group.received_attention = torch.zeros(len(members), group.context_len, dtype=torch.float32,
+                                                   device=self.device)
+            received.extend((r.request_id, r.eviction, group.received_attention[i, : members[i][2]])
+                            for i, r in scored)
+        return group
+
+    def _key_rope(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [length, head_dim] of positions 0..length-1. Past the table's end (a padded
+        block beyond max-model-len) the last row repeats: those keys are masked anyway."""
+        cos, sin = self.model.rope.cos, self.model.rope.sin
+        if length <= cos.shape[0]:
+            return cos[:length], sin[:length]
+        index = torch.arange(length, device=cos.device).clamp_(max=cos.shape[0] - 1)
+        return cos[index], sin[index]
+
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
-        return self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta, inputs.logits_rows)
+        logits = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta, inputs.logits_rows)
+        for request_id, config, attention in inputs.received_attention:
+            self.evictor.add_received_attention(request_id, config, attention)
+        return logits
 
     def execute(self, scheduled: list[ScheduledRequest], block_tables: dict[str, list[int]]
                 ) -> tuple[list[ScheduledRequest], SampleResult]:

@@ -5,6 +5,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from kvserve.cache.eviction.config import EvictionConfig
 from kvserve.sampling_params import SamplingParams
 
 
@@ -28,6 +29,9 @@ class Request:
     The one invariant the scheduler works with (vLLM v1's): `num_computed_tokens` catches up with
     `num_tokens`. Prefill, chunked prefill, prefix-cache hits, recompute after preemption and
     decode are all the same motion; a token is sampled whenever the two meet.
+
+    With KV eviction (`eviction` set), `num_evicted_tokens` of the computed tokens have left the
+    cache: the pool holds `num_kv_tokens` of them, and a new token's position is its index there.
     """
 
     request_id: str
@@ -44,6 +48,13 @@ class Request:
     num_cached_tokens: int = 0
     stop_reason: int | str | None = None
     error: str | None = None
+    eviction: EvictionConfig | None = None  # resolved by the engine on arrival; None: no eviction
+    num_evicted_tokens: int = 0
+
+    @property
+    def num_kv_tokens(self) -> int:
+        """Tokens whose K/V this sequence holds in the pool (its cache length)."""
+        return self.num_computed_tokens - self.num_evicted_tokens
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -78,6 +89,7 @@ class Request:
             if last in self.params.stop_token_ids:
                 self.stop_reason = last
                 return RequestStatus.FINISHED_STOPPED
-        if n_out >= self.max_tokens or self.num_tokens >= max_model_len:
+        # Under eviction max-model-len bounds the cache, not the sequence.
+        if n_out >= self.max_tokens or (self.eviction is None and self.num_tokens >= max_model_len):
             return RequestStatus.FINISHED_LENGTH
         return None

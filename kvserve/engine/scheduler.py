@@ -6,6 +6,11 @@ token of the budget, an unfinished prefill takes as much as is left (chunked pre
 requests then join while the budget, `max_num_seqs` and free blocks allow. When the pool runs
 dry, the most recently admitted running request is preempted by recompute: its blocks are freed
 and it goes back to the front of the waiting queue (vLLM's policy; never an OOM).
+
+A request under KV eviction advances at most budget - sinks tokens per step, and before its
+blocks are allocated `make_room` lets its policy drop tokens (kvserve/cache/eviction). A
+preempted one is recomputed from its whole token history with the policy applied again
+between chunks, which need not reproduce the uninterrupted run bit for bit.
 """
 from __future__ import annotations
 
@@ -66,6 +71,7 @@ class Scheduler:
         self.kv.free(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
+        request.num_evicted_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -81,8 +87,8 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.kv.allocate(request, num_new):
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget, self.kv.max_new_tokens(request))
+            while not (self.kv.make_room(request, num_new) and self.kv.allocate(request, num_new)):
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted = True
@@ -98,7 +104,7 @@ class Scheduler:
             request = self.waiting[0]
             cached = self.kv.find_cached_prefix(request)
             num_cached = len(cached) * self.kv.block_size
-            num_new = min(request.num_tokens - num_cached, budget)
+            num_new = min(request.num_tokens - num_cached, budget, self.kv.max_new_tokens(request, num_cached))
             if not self.kv.allocate(request, num_new, cached):
                 break
             self.waiting.popleft()

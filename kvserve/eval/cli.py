@@ -2,6 +2,7 @@
 
     kvserve eval                                   # the default model, all dtypes, the bundled novel
     kvserve eval --kv-cache-dtypes auto,int8 --json --plot eval.png
+    kvserve eval --long-context --kv-budget 1024 --plot long.png   # KV eviction policies on long text
 """
 from __future__ import annotations
 
@@ -63,12 +64,15 @@ def register(subparsers) -> None:
     p.add_argument("--no-passkey", action="store_true", help="skip passkey retrieval")
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     p.add_argument("--plot", metavar="PNG", default=None, help="save a memory-vs-quality chart to this file")
+    add_long_context_args(p)
     EngineArgs.add_cli_args(p, skip=("kv_cache_dtype",))
     # Each configuration only needs room for one scoring window or one batch of passkey prompts.
     p.set_defaults(func=run_eval, kv_cache_memory="1GiB")
 
 
 def run_eval(args: argparse.Namespace) -> int:
+    if args.long_context:
+        return run_long_context(args)
     from kvserve.eval.report import plot, render_table, report_json
     from kvserve.eval.runner import evaluate
 
@@ -83,6 +87,59 @@ def run_eval(args: argparse.Namespace) -> int:
         from rich.console import Console
 
         Console().print(render_table(report))
+    if args.plot:
+        print(f"chart saved to {plot(report, args.plot)}", file=sys.stderr)
+    return 0
+
+
+def add_long_context_args(p: argparse.ArgumentParser) -> None:
+    from kvserve.eval.long_context import CONFIGS, LongContextConfig
+
+    d = LongContextConfig()
+    g = p.add_argument_group(
+        "long-context protocol (--long-context): KV eviction policies on long text, StreamingLLM's perplexity "
+        "protocol and passkey retrieval; the budget, sinks and h2o's recent window come from --kv-budget "
+        f"(default {d.budget}), --sink-tokens ({d.sink_tokens}) and --recent-tokens")
+    g.add_argument("--long-context", action="store_true", help="run this protocol instead of the KV dtype comparison")
+    g.add_argument("--long-configs", type=lambda t: tuple(x.strip() for x in t.split(",") if x.strip()),
+                   default=d.configs, help=f"configurations (default: {','.join(CONFIGS)})")
+    g.add_argument("--long-tokens", type=int, default=d.num_tokens, help="tokens fed (default: %(default)s)")
+    g.add_argument("--long-chunk-size", type=int, default=d.chunk_size,
+                   help="tokens per forward pass while feeding (default: %(default)s)")
+    g.add_argument("--long-segment", type=int, default=d.segment,
+                   help="tokens per perplexity segment in the plot (default: %(default)s)")
+    g.add_argument("--long-passkey-length", type=int, default=d.passkey_length,
+                   help="passkey prompt length in tokens; 0 skips passkey (default: %(default)s)")
+    g.add_argument("--long-passkey-budgets", type=_float_list, default=d.passkey_budgets,
+                   help=f"KV budgets as fractions of the passkey length (default: "
+                        f"{','.join(map(str, d.passkey_budgets))})")
+
+
+def run_long_context(args: argparse.Namespace) -> int:
+    import json
+
+    from kvserve.eval.long_context import (LongContextConfig, evaluate_long_context, plot, render_tables,
+                                           report_dict)
+
+    d = LongContextConfig()
+    config = LongContextConfig(
+        num_tokens=args.long_tokens, budget=args.kv_budget or d.budget,
+        sink_tokens=d.sink_tokens if args.sink_tokens is None else args.sink_tokens,
+        recent_tokens=args.recent_tokens, chunk_size=args.long_chunk_size, segment=args.long_segment,
+        configs=args.long_configs, passkey_length=0 if args.no_passkey else args.long_passkey_length,
+        passkey_budgets=args.long_passkey_budgets, passkey_depths=args.passkey_depths,
+        passkey_trials=args.passkey_trials)
+    engine = EngineArgs.from_cli_args(args)
+    options = {k: v for k, v in vars(engine).items()
+               if k not in ("model", "kv_eviction", "kv_budget", "sink_tokens", "recent_tokens")}
+    report = evaluate_long_context(engine.model, args.text, config, **options)
+    if args.json:
+        print(json.dumps(report_dict(report), indent=2))
+    else:
+        from rich.console import Console
+
+        for table in render_tables(report):
+            Console().print(table)
     if args.plot:
         print(f"chart saved to {plot(report, args.plot)}", file=sys.stderr)
     return 0

@@ -15,6 +15,11 @@ and which packed rows are its queries. The runner packs decodes first, then pref
   of the context.
 
 New K/V are written into the pool before the context is gathered, so a chunk attends to itself.
+
+Sequences under KV eviction (kvserve/cache/eviction) store their keys before RoPE and take
+their own paths: their decodes form a second decode group packed after the others, and their
+gathered keys are rotated by cache index (`key_rope`); H2O's received attention is accumulated
+from their attention probabilities (`received_attention`). Other requests never pay for it.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kvserve.cache.eviction.positions import rope_gathered_keys
 from kvserve.cache.kv_cache import KVFormat, ScaledKV
 
 
@@ -35,6 +41,10 @@ class AttentionGroup:
     block_ids: torch.Tensor  # [requests * blocks_per_seq] flattened, padded block tables
     seq_lens: torch.Tensor  # [requests] context length after this step's token is written
     context_len: int  # blocks_per_seq * block_size
+    # Evicting requests only: cos/sin [context_len, head_dim] to rotate their keys (stored before
+    # RoPE) by cache index; a [requests, context_len] float32 sum of the attention each key receives.
+    key_rope: tuple[torch.Tensor, torch.Tensor] | None = None
+    received_attention: torch.Tensor | None = None
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
@@ -64,6 +74,9 @@ class PrefillChunk:
     num_queries: int
     context_len: int
     block_ids: torch.Tensor  # [blocks] the request's block table
+    # As in AttentionGroup, for a request under eviction (received_attention: [context_len]).
+    key_rope: tuple[torch.Tensor, torch.Tensor] | None = None
+    received_attention: torch.Tensor | None = None
     _masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict, repr=False)
 
     def mask(self, window: int | None) -> torch.Tensor | None:
@@ -88,6 +101,8 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [tokens] pool slot of each packed token
     decode: AttentionGroup | None
     prefills: list[PrefillChunk]
+    evicting_decode: AttentionGroup | None = None  # decodes of evicting requests, right after `decode`'s
+    unrotated_key_rows: torch.Tensor | None = None  # packed rows whose keys are stored before RoPE
 
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pool: dict,
@@ -102,11 +117,22 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if meta.decode is not None:
         q = query[: meta.decode.num_requests].unsqueeze(1)
         parts.append(_decode(q, meta.decode, pool, kv_format, window).view(-1, heads, dim))
+    if meta.evicting_decode is not None:
+        group, start = meta.evicting_decode, meta.decode.num_requests if meta.decode is not None else 0
+        k_ctx, v_ctx = kv_format.gather(pool, group.block_ids, group.num_requests, query.dtype)
+        k_ctx = rope_gathered_keys(k_ctx, *group.key_rope, rotation)
+        q = query[start: start + group.num_requests].unsqueeze(1)
+        parts.append(_decode_attention(q, k_ctx, v_ctx, group, window).view(-1, heads, dim))
     for chunk in meta.prefills:
         q = query[chunk.row_start: chunk.row_start + chunk.num_queries]
         k_ctx, v_ctx = kv_format.gather(pool, chunk.block_ids, 1, query.dtype)
-        parts.append(_prefill_attention(q, k_ctx[:, 0, : chunk.context_len], v_ctx[:, 0, : chunk.context_len],
-                                        chunk.mask(window)))
+        k_ctx, v_ctx = k_ctx[:, 0, : chunk.context_len], v_ctx[:, 0, : chunk.context_len]
+        if chunk.key_rope is not None:
+            k_ctx = rope_gathered_keys(k_ctx, *chunk.key_rope, rotation)
+        if chunk.received_attention is not None:
+            parts.append(_prefill_attention_received(q, k_ctx, v_ctx, chunk.mask(window), chunk.received_attention))
+        else:
+            parts.append(_prefill_attention(q, k_ctx, v_ctx, chunk.mask(window)))
     out = parts[0] if len(parts) == 1 else torch.cat(parts)
     if rotation is not None:  # probs·(VR)·R^T = probs·V
         out = out @ rotation.T
@@ -132,8 +158,10 @@ def _decode_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor,
     # [B, H, d] -> [kvh, B, H/kvh, d]: the query heads that share a KV head form one matmul.
     q = q.view(batch, kv_heads, heads // kv_heads, dim).transpose(0, 1)
     scores = torch.matmul(q, k_ctx.transpose(-1, -2)).float().mul_(1.0 / math.sqrt(dim))
-    probs = torch.softmax(scores.add_(group.mask_bias(window)), dim=-1).to(v_ctx.dtype)
-    out = torch.matmul(probs, v_ctx)  # [kvh, B, group, d]
+    probs = torch.softmax(scores.add_(group.mask_bias(window)), dim=-1)
+    if group.received_attention is not None:  # H2O: summed over KV heads and the query heads of each
+        group.received_attention += probs.sum(dim=(0, 2))
+    out = torch.matmul(probs.to(v_ctx.dtype), v_ctx)  # [kvh, B, group, d]
     return out.transpose(0, 1).reshape(batch, 1, heads, dim)
 
 
@@ -161,3 +189,19 @@ def _prefill_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor
     out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k_ctx.unsqueeze(0), v_ctx.unsqueeze(0),
                                          attn_mask=mask, is_causal=mask is None, enable_gqa=True)
     return out[0].transpose(0, 1)
+
+
+def _prefill_attention_received(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, mask: torch.Tensor | None,
+                                received: torch.Tensor) -> torch.Tensor:
+    """_prefill_attention with explicit probabilities (SDPA does not expose them), adding the
+    attention each key receives, summed over heads and queries, into `received` [L] (H2O)."""
+    queries, heads, dim = q.shape
+    kv_heads, length, _ = k_ctx.shape
+    q = q.view(queries, kv_heads, heads // kv_heads, dim).permute(1, 2, 0, 3)  # [kvh, group, Q, d]
+    scores = torch.matmul(q, k_ctx.unsqueeze(1).transpose(-1, -2)).float().mul_(1.0 / math.sqrt(dim))
+    if mask is None:  # causal over the chunk itself (Q == L)
+        mask = torch.ones(queries, length, dtype=torch.bool, device=q.device).tril_()
+    probs = torch.softmax(scores.masked_fill_(~mask, float("-inf")), dim=-1)  # [kvh, group, Q, L]
+    received += probs.sum(dim=(0, 1, 2))
+    out = torch.matmul(probs.to(v_ctx.dtype), v_ctx.unsqueeze(1))  # [kvh, group, Q, d]
+    return out.permute(2, 0, 1, 3).reshape(queries, heads, dim)

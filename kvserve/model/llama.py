@@ -45,6 +45,9 @@ class Attention(nn.Module):
         qk = apply_rotary(heads[:, : self.num_heads + self.num_kv_heads], *rope)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         v = heads[:, self.num_heads + self.num_kv_heads:]
+        if meta.unrotated_key_rows is not None:  # requests under KV eviction store keys before RoPE
+            rows = meta.unrotated_key_rows
+            k = k.index_copy(0, rows, heads[rows, self.num_heads: self.num_heads + self.num_kv_heads])
         out = paged_attention(q, k, v, kv_cache.layers[self.layer_idx], kv_cache.format, meta, self.window)
         return self.o_proj(out)
 

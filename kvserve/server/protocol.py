@@ -94,6 +94,18 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
+class KVEvictionField(BaseModel):
+    """kvserve's `kv_eviction` request field: this request's KV eviction settings, each falling
+    back to the server's (--kv-eviction, --kv-budget, --sink-tokens, --recent-tokens)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    policy: str | None = Field(default=None, description="none, streaming or h2o")
+    budget: int | None = Field(default=None, description="tokens the sequence may hold, sinks included")
+    sink_tokens: int | None = Field(default=None, description="first tokens always kept")
+    recent_tokens: int | None = Field(default=None, description="newest tokens always kept")
+
+
 class SamplingFields(OpenAIModel):
     """The sampling fields shared by completions and chat (vLLM's extras included)."""
 
@@ -118,6 +130,7 @@ class SamplingFields(OpenAIModel):
     user: str | None = None
     cache_salt: str | None = Field(default=None, description="Prefix-cache namespace: only requests with "
                                    "the same salt share cached blocks.")
+    kv_eviction: KVEvictionField | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises ValueError (a 400) for values out of range."""
@@ -128,7 +141,8 @@ class SamplingFields(OpenAIModel):
             n=self.n, max_tokens=max_tokens, stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
             seed=self.seed, ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output, **given)
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            kv_eviction=self.kv_eviction.model_dump(exclude_none=True) if self.kv_eviction else None, **given)
 
     @property
     def include_usage(self) -> bool:

@@ -1,0 +1,44 @@
+"""Positions of an evicting sequence: a token's rotary position is its index in the cache, not in
+the text (StreamingLLM, Xiao et al. 2023, section 3.2), so a query never sees a position beyond
+the budget and generation can run past the model's trained context.
+
+When tokens before a kept key are evicted, the key's position drops. Two ways to follow:
+
+(a) store keys before RoPE and rotate the gathered keys by their cache index at attention time
+    (what StreamingLLM's own code does);
+(b) keep keys rotated and re-rotate the kept ones by -delta at each eviction (RoPE rotations
+    compose: R(p - d) = R(-d) R(p); what transformers' SinkCache did).
+
+kvserve uses (a). (b) re-writes every key after the first evicted one at each eviction event
+(one per block of decoding), so a key is re-rotated and re-rounded once per event over its life
+in the cache: ~budget / block_size times (64 for 1,024 tokens in blocks of 16). In bfloat16 that
+is a random walk of roundings; in a quantized cache each re-rotation is a fresh quantization of
+a rotated vector, whose error adds up the same way. Measured on SmolLM2-135M's keys (all 30
+layers, 1,024 tokens of the novel, moved 1,024 positions down: `benchmarks/eviction_positions.py`,
+BENCHMARKS.md), relative RMS error vs the exact float32 key, (a) stored once vs (b) re-rotated
+64 times: bfloat16 0% vs 4.0% (the keys were bfloat16 to begin with), int8 0.6% vs 4.6%, fp8
+2.7% vs 21%, int4 8.6% vs 85%. (a) is exact up to one storage rounding in every format, and
+moves nothing for streaming but the tail of the sink block; its cost is a rotation of the
+gathered keys of evicting sequences in every layer and step (their own attention path: requests
+without eviction run exactly as before), measured in the same script.
+
+Keys stored before RoPE are a different layout from everyone else's, so evicting sequences hash
+their blocks in their own prefix-cache namespace (kv_cache_manager.KEYS_BEFORE_ROPE).
+"""
+from __future__ import annotations
+
+import torch
+
+from kvserve.model.rope import apply_rotary
+
+
+def rope_gathered_keys(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       basis: torch.Tensor | None) -> torch.Tensor:
+    """Rotate keys gathered from an evicting sequence's blocks ([..., tokens, head_dim], stored
+    before RoPE) to their positions: gathered index i is cache index i, position i. cos/sin:
+    [tokens, head_dim]. `basis`: the format's orthogonal rotation R when the pool holds K·R
+    (quantized formats, rotation.py); the keys are then turned back, rotated, and turned again."""
+    if basis is not None:
+        keys = keys @ basis.T
+    keys = apply_rotary(keys, cos, sin)
+    return keys @ basis if basis is not None else keys
