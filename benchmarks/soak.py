@@ -24,6 +24,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import httpx
+
 from kvserve.bench.launcher import kvserve_serve_command, running_server
 from kvserve.cache.formats import make_kv_format
 from kvserve.cache.kv_cache import KVCacheSpec
@@ -31,8 +33,8 @@ from kvserve.cache.sizing import bytes_per_block
 from kvserve.engine.args import EngineArgs
 from kvserve.engine.llm_engine import select_device, select_dtype
 from kvserve.model.loader import load_model_config
-from kvserve.server.scenarios import (HealthMonitor, ScenarioResult, aborts, book_prompts, overload, pool_state,
-                                      read_metrics, wait_drained)
+from kvserve.server.scenarios import (HealthMonitor, Prompt, ScenarioResult, aborts, book_prompts, overload,
+                                      pool_state, read_metrics, wait_drained)
 
 
 @dataclass
@@ -93,6 +95,26 @@ def pool_bytes(args: argparse.Namespace) -> int:
     return blocks * bytes_per_block(spec, kv_format)
 
 
+async def fitting(url: str, headers: dict[str, str] | None, texts: list[str], max_tokens: int) -> list[Prompt]:
+    """Each text, or its first token ids where text + max_tokens would pass the server's
+    max_model_len (a slice of the novel can tokenize long): every request must be servable."""
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=120) as client:
+        limit = (await client.get("/v1/models")).json()["data"][0]["max_model_len"] - max_tokens
+        gate = asyncio.Semaphore(32)
+
+        async def fit(text: str) -> Prompt:
+            async with gate:
+                ids = (await client.post("/tokenize", json={"prompt": text})).json()["tokens"]
+            return text if len(ids) <= limit else ids[:limit]
+
+        return list(await asyncio.gather(*(fit(t) for t in texts)))
+
+
+def prompts(url: str, headers: dict[str, str] | None, count: int, words: int, offset: int,
+            max_tokens: int) -> list[Prompt]:
+    return asyncio.run(fitting(url, headers, book_prompts(count, words, offset), max_tokens))
+
+
 def workload_tokens(after: dict[str, float], before: dict[str, float]) -> float:
     return sum(after[name] - before[name] for name in ("kvserve:prompt_tokens_total",
                                                        "kvserve:generation_tokens_total"))
@@ -107,13 +129,15 @@ def soak(url: str, args: argparse.Namespace, headers: dict[str, str] | None) -> 
     with HealthMonitor(url) as health, PeakKVUsage(url, headers) as peak:
         while totals.rounds == 0 or time.monotonic() < deadline:
             offset = totals.rounds * args.requests
-            burst = asyncio.run(overload(url, book_prompts(args.requests, args.prompt_words, offset),
-                                         args.max_tokens, headers))
+            burst = asyncio.run(overload(url, prompts(url, headers, args.requests, args.prompt_words, offset,
+                                                      args.max_tokens), args.max_tokens, headers))
             totals.add(burst)
             if totals.rounds == 0:
                 overload_tokens = workload_tokens(read_metrics(url, headers), before)
-            streams = asyncio.run(aborts(url, book_prompts(args.streams, args.prompt_words, offset + args.requests),
-                                         args.abort_max_tokens, args.abort_every, headers=headers))
+            stream_prompts = prompts(url, headers, args.streams, args.prompt_words, offset + args.requests,
+                                     args.abort_max_tokens)
+            streams = asyncio.run(aborts(url, stream_prompts, args.abort_max_tokens, args.abort_every,
+                                         headers=headers))
             totals.add(streams)
             drained = wait_drained(url, headers, timeout=30).drained
             totals.undrained_rounds += not drained

@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 BOOK = Path(__file__).resolve().parent.parent / "data" / "pride-and-prejudice.txt"
 MAX_FAILURES_KEPT = 20
+Prompt = str | list[int]  # text, or token ids
 
 
 def book_prompts(count: int, words_per_prompt: int, offset: int = 0) -> list[str]:
@@ -62,18 +63,18 @@ def _client(base_url: str, concurrency: int, headers: dict[str, str] | None, tim
     return httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout, limits=limits)
 
 
-def _body(prompt: str, max_tokens: int, stream: bool) -> dict:
+def _body(prompt: Prompt, max_tokens: int, stream: bool) -> dict:
     body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
     if stream:
         body.update(stream=True, stream_options={"include_usage": True})
     return body
 
 
-async def overload(base_url: str, prompts: list[str], max_tokens: int, headers: dict[str, str] | None = None,
+async def overload(base_url: str, prompts: list[Prompt], max_tokens: int, headers: dict[str, str] | None = None,
                    timeout: float = 600.0) -> ScenarioResult:
     result = ScenarioResult("overload", len(prompts))
 
-    async def one(client: httpx.AsyncClient, prompt: str) -> None:
+    async def one(client: httpx.AsyncClient, prompt: Prompt) -> None:
         try:
             response = await client.post("/v1/completions", json=_body(prompt, max_tokens, stream=False))
         except httpx.HTTPError as exc:
@@ -97,12 +98,13 @@ async def overload(base_url: str, prompts: list[str], max_tokens: int, headers: 
     return result
 
 
-async def aborts(base_url: str, prompts: list[str], max_tokens: int, abort_every: int = 10,
+async def aborts(base_url: str, prompts: list[Prompt], max_tokens: int, abort_every: int = 10,
                  expected: dict[str, str] | None = None, headers: dict[str, str] | None = None,
                  timeout: float = 600.0) -> ScenarioResult:
+    """`expected`: text prompt -> the text its stream must deliver (greedy, so known beforehand)."""
     result = ScenarioResult("aborts", len(prompts))
 
-    async def one(client: httpx.AsyncClient, i: int, prompt: str) -> None:
+    async def one(client: httpx.AsyncClient, i: int, prompt: Prompt) -> None:
         leave_after = None if i % abort_every else (0 if (i // abort_every) % 2 == 0 else 2)  # events read
         text, usage, done, events = "", None, False, 0
         try:
