@@ -18,6 +18,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import threading
 from types import FrameType
 from typing import Callable, Iterator
@@ -70,7 +71,7 @@ class ServingServer(uvicorn.Server):
         self.exit_code = exit_code
         self.should_exit = True
 
-    async def shutdown(self, sockets=None) -> None:
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         grace = asyncio.get_running_loop().call_later(self.shutdown_timeout, self._grace_expired)
         try:
             await super().shutdown(sockets)
