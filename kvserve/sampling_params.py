@@ -9,6 +9,8 @@ from kvserve.cache.eviction.config import EvictionSpec
 
 MAX_STOP_STRINGS = 64
 MAX_LOGPROBS = 20
+# Integers handed to torch (seeds, top_k) must fit in int64.
+INT64_MIN, INT64_MAX = -2 ** 63, 2 ** 63 - 1
 
 
 @dataclass
@@ -65,7 +67,7 @@ class SamplingParams:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
         if not 0 < finite("top_p") <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not isinstance(self.top_k, int) or not 0 <= self.top_k <= INT64_MAX:
             raise ValueError(f"top_k must be 0 or -1 (disable), or at least 1, got {self.top_k}.")
         if not 0 <= finite("min_p") <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
@@ -88,8 +90,8 @@ class SamplingParams:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}.")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop strings must be non-empty strings.")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}.")
+        if self.seed is not None and (not isinstance(self.seed, int) or not INT64_MIN <= self.seed <= INT64_MAX):
+            raise ValueError(f"seed must be a 64-bit integer, got {self.seed!r}.")
 
     @property
     def greedy(self) -> bool:

@@ -223,7 +223,8 @@ class LLMEngine:
         if n == 0:
             raise ValueError("The prompt cannot be empty.")
         vocab = self.model_config.vocab_size
-        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        bad = next((t for t in [*prompt_token_ids, *params.stop_token_ids]
+                    if not isinstance(t, int) or not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"Token id {bad} is out of vocabulary (the model has {vocab} tokens).")
         if self.resolve_eviction(params.kv_eviction) is not None:

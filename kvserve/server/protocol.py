@@ -12,12 +12,10 @@ from typing import Any, Callable, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 
 # Prompts x n in one HTTP request: bounds the work one request can queue.
 MAX_CHOICES_PER_REQUEST = 128
-# Integers that reach torch (seeds, top_k) must fit in int64, or the engine step would fail.
-INT64_MIN, INT64_MAX = -2 ** 63, 2 ** 63 - 1
 
 
 def _off(value: Any) -> bool:

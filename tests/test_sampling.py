@@ -1,0 +1,126 @@
+"""SamplingParams (vLLM's names, defaults, validation) and what each knob does on a real model."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.engine.request import Request
+from kvserve.engine.sampler import Sampler
+
+
+def test_defaults_match_vllm():
+    p = SamplingParams()
+    assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p, p.max_tokens) == (1, 1.0, 1.0, 0, 0.0, 16)
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.0, 0.0, 1.0)
+    assert SamplingParams(top_k=-1).top_k == 0 and SamplingParams(stop="x").stop == ["x"]
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(temperature=-0.1), dict(temperature=math.nan), dict(top_p=0), dict(top_p=1.5), dict(n=0),
+    dict(max_tokens=0), dict(top_k=-2), dict(min_p=2), dict(presence_penalty=3), dict(repetition_penalty=0),
+    dict(logprobs=100), dict(stop=[""]), dict(stop=["x"] * 65), dict(seed=2 ** 64), dict(top_k=2 ** 64),
+    dict(min_tokens=5, max_tokens=2),
+])
+def test_invalid_values_raise_value_error(kwargs):
+    with pytest.raises(ValueError):
+        SamplingParams(**kwargs)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return LLM(str(tiny_llama), dtype="float32", kv_cache_memory="8MiB")
+
+
+PROMPT = "It is a truth universally acknowledged"
+
+
+def tokens(llm, **kwargs) -> list[int]:
+    return llm.generate([PROMPT], SamplingParams(max_tokens=12, ignore_eos=True, **kwargs),
+                        use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_greedy_and_top_k_1_agree_and_seeds_reproduce(llm):
+    greedy = tokens(llm, temperature=0)
+    assert tokens(llm, temperature=1.0, top_k=1, seed=3) == greedy
+    assert tokens(llm, temperature=1.5, seed=7) == tokens(llm, temperature=1.5, seed=7)
+    draws = {tuple(tokens(llm, temperature=1.5, seed=s)) for s in range(4)}
+    assert len(draws) > 1, "different seeds should give different samples at temperature 1.5"
+
+
+def test_seeded_request_does_not_depend_on_its_batch(llm):
+    alone = tokens(llm, temperature=1.2, seed=11)
+    params = [SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.2, seed=11)] + \
+             [SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.2)] * 3
+    batched = llm.generate([PROMPT] * 4, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert batched == alone
+
+
+def test_invalid_request_is_rejected_before_it_is_queued(llm):
+    with pytest.raises(ValueError, match="maximum context length"):
+        llm.generate([PROMPT], SamplingParams(max_tokens=10 ** 6), use_tqdm=False)
+    with pytest.raises(ValueError, match="out of vocabulary"):
+        llm.generate([{"prompt_token_ids": [10 ** 7]}], SamplingParams(), use_tqdm=False)
+    with pytest.raises(ValueError, match="out of vocabulary"):
+        llm.generate([PROMPT], SamplingParams(stop_token_ids=[-1]), use_tqdm=False)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([{"prompt_token_ids": []}], SamplingParams(), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_stop_string_truncates_and_reports_reason(llm):
+    full = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    stop = full.text[5:8]
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.text == full.text[: full.text.index(stop)]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    kept = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop],
+                                                 include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert kept.text == full.text[: full.text.index(stop) + len(stop)]
+
+
+def test_stop_token_and_max_tokens_finish_reasons(llm):
+    greedy = tokens(llm, temperature=0)
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[greedy[3]]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == greedy[: greedy.index(greedy[3]) + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == greedy[3]
+    assert llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].finish_reason == "length"
+
+
+def test_logprobs_are_raw_model_log_probabilities(llm):
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=3, logprobs=5, ignore_eos=True),
+                       use_tqdm=False)[0]
+    prompt_ids = out.prompt_token_ids
+    logits = llm.engine.score(prompt_ids + out.outputs[0].token_ids)
+    expected = torch.log_softmax(logits[len(prompt_ids) - 1], dim=-1)
+    first = out.outputs[0].logprobs[0]
+    assert first.token_id == out.outputs[0].token_ids[0]
+    assert first.logprob == pytest.approx(expected[first.token_id].item(), abs=1e-4)
+    assert [t for t, _ in first.top] == expected.topk(5).indices.tolist()
+    assert len(out.outputs[0].logprobs) == 3
+
+
+# ---------------------------------------------------------------------------- sampler unit tests
+def _sample(logits: torch.Tensor, **kwargs) -> int:
+    request = Request("r", [0, 1], SamplingParams(**kwargs))
+    return Sampler(logits.shape[-1], torch.device("cpu"))(logits[None].clone(), [request]).token_ids[0]
+
+
+def test_top_p_and_min_p_cut_the_tail():
+    logits = torch.log(torch.tensor([0.6, 0.3, 0.05, 0.05]))
+    for seed in range(20):
+        assert _sample(logits, temperature=1.0, top_p=0.5, seed=seed) == 0
+        assert _sample(logits, temperature=1.0, min_p=0.4, seed=seed) in (0, 1)
+
+
+def test_penalties_push_away_from_seen_tokens():
+    logits = torch.tensor([2.0, 0.5, 1.5, -1.0])
+    assert _sample(logits, temperature=0) == 0
+    # Token 0 is in the prompt ([0, 1]); a repetition penalty of 2 halves its positive logit.
+    assert _sample(logits, temperature=0, repetition_penalty=2.0) == 2
