@@ -136,13 +136,13 @@ class ModelRunner:
         return group
 
     def _key_rope(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin [length, head_dim] of positions 0..length-1. Past the table's end (a padded
-        block beyond max-model-len) the last row repeats: those keys are masked anyway."""
+        """cos/sin [length, head_dim / 2] of positions 0..length-1 (positions.rope_gathered_keys).
+        Past the table's end (a padded block beyond max-model-len) the last row repeats: those
+        keys are masked anyway."""
         cos, sin = self.model.rope.cos, self.model.rope.sin
-        if length <= cos.shape[0]:
-            return cos[:length], sin[:length]
+        half = cos.shape[-1] // 2
         index = torch.arange(length, device=cos.device).clamp_(max=cos.shape[0] - 1)
-        return cos[index], sin[index]
+        return cos[index, :half], sin[index, :half]
 
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
         logits = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta, inputs.logits_rows)
