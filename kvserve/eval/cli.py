@@ -89,7 +89,8 @@ def run_eval(args: argparse.Namespace) -> int:
     else:
         from rich.console import Console
 
-        Console().print(render_table(report))
+        # Piped to a file, rich would squeeze the table into 80 columns.
+        Console(width=None if sys.stdout.isatty() else 200).print(render_table(report))
     if args.output_json:
         Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output_json).write_text(report_json(report) + "\n")

@@ -63,13 +63,16 @@ def plot(report: EvalReport, path: Path | str) -> Path:
     series = [("perplexity change vs reference (%)", [100 * r.perplexity_increase for r in report.results])]
     if report.passkey is not None:
         series.append(("passkey accuracy (%)", [100 * r.passkey.accuracy for r in report.results]))
+    markers = "os^Dvp*Xh"
     for ax, (label, values) in zip(axes[0], series):
-        ax.scatter(memory, values)
-        for r, x, y in zip(report.results, memory, values):
-            ax.annotate(r.kv_cache_dtype, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=9)
+        # One marker and colour per configuration, named in a legend: configurations of equal size
+        # and quality sit on top of each other, where point labels would collide.
+        for i, (r, x, y) in enumerate(zip(report.results, memory, values)):
+            ax.scatter([x], [y], marker=markers[i % len(markers)], s=60, label=r.kv_cache_dtype, alpha=0.8)
         ax.set_xlabel("KV cache KiB per token (all layers, scales included)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=9)
     fig.suptitle(f"{Path(report.model).name}: KV-cache memory vs quality")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

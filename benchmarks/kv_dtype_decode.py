@@ -1,0 +1,57 @@
+"""Decode throughput of each KV-cache dtype relative to "auto", on the default model.
+
+One engine per dtype, built from a single checkpoint load and all kept alive, so the dtypes can
+be measured in interleaved rounds (a machine shared with other jobs drifts; interleaving spreads
+the drift over all dtypes). Each round times pure decode steps of `--concurrency` sequences with
+random prompts of `--prompt-len` tokens (`kvserve.bench.efficiency.kvserve_decode`, the decode
+measurement of `kvserve bench throughput --efficiency`); the best round of each dtype is reported.
+
+    python benchmarks/kv_dtype_decode.py [--concurrency 32] [--prompt-len 256] [--steps 32] [--rounds 3]
+"""
+from __future__ import annotations
+
+import argparse
+
+from kvserve.bench.efficiency import kvserve_decode
+from kvserve.engine.args import EngineArgs
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.model.loader import load_model
+
+
+class _Engine:
+    """The `llm.engine` shape that kvserve_decode expects."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kv-cache-dtypes", default="auto,fp8_e4m3,fp8_e5m2,int8,int4,int4_kivi")
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--kv-cache-memory", default="256MiB")
+    args = parser.parse_args()
+    dtypes = args.kv_cache_dtypes.split(",")
+    loaded = load_model(None)
+    engines = {d: _Engine(LLMEngine(EngineArgs(kv_cache_dtype=d, kv_cache_memory=args.kv_cache_memory,
+                                               max_model_len=args.prompt_len + args.steps + 1),
+                                    loaded_model=loaded)) for d in dtypes}
+    rates: dict[str, list[float]] = {d: [] for d in dtypes}
+    for round_ in range(args.rounds):
+        for d in dtypes:
+            run = kvserve_decode(engines[d], args.concurrency, args.prompt_len, args.steps, seed=round_)
+            rates[d].append(run.tokens_per_s)
+    base = max(rates[dtypes[0]])
+    print(f"decode, {args.concurrency} sequences, prompts of {args.prompt_len} tokens, {args.steps} steps, "
+          f"best of {args.rounds} interleaved rounds")
+    print(f"| kv cache dtype | decode tok/s (rounds) | best | vs {dtypes[0]} |\n|---|---|---|---|")
+    for d in dtypes:
+        rounds = ", ".join(f"{r:.1f}" for r in rates[d])
+        print(f"| {d} | {rounds} | {max(rates[d]):.1f} | {max(rates[d]) / base:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
