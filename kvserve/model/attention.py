@@ -41,8 +41,9 @@ class AttentionGroup:
     block_ids: torch.Tensor  # [requests * blocks_per_seq] flattened, padded block tables
     seq_lens: torch.Tensor  # [requests] context length after this step's token is written
     context_len: int  # blocks_per_seq * block_size
-    # Evicting requests only: cos/sin [context_len, head_dim / 2] to rotate their keys (stored before
-    # RoPE) by cache index; a [requests, context_len] float32 sum of the attention each key receives.
+    # Evicting requests only: cos and signed sin [context_len, head_dim] to rotate their keys
+    # (stored before RoPE) by cache index (positions.py); a [requests, context_len] float32 sum
+    # of the attention each key receives (H2O).
     key_rope: tuple[torch.Tensor, torch.Tensor] | None = None
     received_attention: torch.Tensor | None = None
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict, repr=False)

@@ -30,21 +30,21 @@ from __future__ import annotations
 import torch
 
 
-def rope_gathered_keys(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+def rope_gathered_keys(keys: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
                        basis: torch.Tensor | None) -> torch.Tensor:
     """Rotate keys gathered from an evicting sequence's blocks ([..., tokens, head_dim], stored
-    before RoPE) to their positions: gathered index i is cache index i, position i. cos/sin:
-    [tokens, head_dim / 2], the first half of the model's tables (rotate-half convention: channel j
-    pairs with j + head_dim/2). `basis`: the format's orthogonal rotation R when the pool holds
-    K·R (quantized formats, rotation.py); the keys are then turned back, rotated, and turned again.
+    before RoPE) to their positions: gathered index i is cache index i, position i. cos:
+    [tokens, head_dim] (the model's table); signed_sin: the sin table with its first half
+    negated (rotate-half convention: channel j pairs with j + head_dim/2, so the result is
+    x * cos + swap(x) * signed_sin with swap exchanging the halves). `basis`: the format's
+    orthogonal rotation R when the pool holds K·R (quantized formats, rotation.py); the keys are
+    then turned back, rotated, and turned again.
 
-    The halves are written straight into the output (x1 cos - x2 sin, x2 cos + x1 sin): on CPU
-    this is ~5x faster than apply_rotary's concatenation and broadcast over full-width tables."""
+    Three ops (a concatenation, a product, a fused multiply-add); on CPU ~1.4x faster than
+    writing the halves separately and ~6x faster than apply_rotary's negate + concatenate."""
     if basis is not None:
         keys = keys @ basis.T
     half = keys.shape[-1] // 2
-    x1, x2 = keys[..., :half], keys[..., half:]
-    out = torch.empty_like(keys)
-    torch.mul(x1, cos, out=out[..., :half]).sub_(x2 * sin)
-    torch.mul(x2, cos, out=out[..., half:]).addcmul_(x1, sin)
+    swapped = torch.cat((keys[..., half:], keys[..., :half]), dim=-1)
+    out = torch.addcmul(keys * cos, swapped, signed_sin)
     return out @ basis if basis is not None else out
