@@ -1,7 +1,7 @@
 """Which blocks a write touches, and whether it continues them or starts them afresh.
 
-Formats whose scales describe a whole block (one per block and KV head, or per block and
-channel) must keep them right while the block fills over several steps. They rely on one fact
+A format whose scales describe a whole block (int4_kivi's per-channel key ranges) must keep them
+right while the block fills over several steps. They rely on one fact
 of the engine: a block's tokens are written strictly in order and a full (published) block is
 never written again. So when a write's first token in a block sits at offset 0, the block is
 being (re)started by a new owner and whatever it held before is garbage; when the first new
