@@ -46,7 +46,7 @@ def decode_case(batch: int, context: int, spec: KVCacheSpec, heads: int, dtype: 
     slots = tables[:, context // bs] * bs + context % bs
     group = AttentionGroup(block_ids=tables.reshape(-1), seq_lens=torch.full((batch,), context + 1),
                            context_len=blocks_per_seq * bs)
-    meta = AttentionMetadata(slot_mapping=slots, decode=group, prefills=[])
+    meta = AttentionMetadata(slot_mapping=slots, decodes=[group], prefills=[])
     q = torch.randn(batch, heads, spec.head_dim, dtype=dtype)
     k = torch.randn(batch, spec.num_kv_heads, spec.head_dim, dtype=dtype)
     return meta, q, k, tables

@@ -61,6 +61,39 @@ def test_tiny_models_match_hf_greedy_and_logits(tiny_model_factory, arch, overri
         assert (ours - ref).abs().max().item() <= 1e-3
 
 
+def test_decodes_split_into_length_groups_match_hf(tiny_model_factory, monkeypatch):
+    """Decodes of different context lengths padded in separate groups (forced here: every length
+    its own group) give HF's greedy tokens, sliding window included."""
+    from transformers import AutoModelForCausalLM
+
+    import kvserve.engine.model_runner as model_runner
+
+    monkeypatch.setattr(model_runner, "GROUP_COST_TOKENS", 0)
+    path = tiny_model_factory("mistral", sliding_window=8)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(str(path), dtype="float32", kv_cache_memory="8MiB", enable_prefix_caching=False)
+    for out in llm.generate(PROMPTS, GREEDY, use_tqdm=False):
+        assert out.outputs[0].token_ids == hf_greedy(hf, out.prompt_token_ids, GREEDY.max_tokens), out.prompt
+
+
+def test_split_by_length_pads_less_and_covers_the_batch():
+    from kvserve.engine.model_runner import GROUP_COST_TOKENS, split_by_length
+
+    same = [8] * 64
+    assert split_by_length(same, 16) == [(0, 64)]  # nothing to save
+    assert split_by_length([], 16) == []
+    # One long context among many short ones: padding the short ones to it would cost
+    # 63 * 96 blocks, far more than a second group.
+    mixed = [100] + [4] * 63
+    assert split_by_length(mixed, 16) == [(0, 1), (1, 64)]
+    lengths = sorted(range(2, 130, 2), reverse=True)
+    runs = split_by_length(lengths, 16)
+    assert runs[0][0] == 0 and runs[-1][1] == len(lengths)
+    assert all(a[1] == b[0] for a, b in zip(runs, runs[1:]))
+    padded = sum(lengths[start] * (end - start) * 16 for start, end in runs) + GROUP_COST_TOKENS * len(runs)
+    assert padded < lengths[0] * len(lengths) * 16 + GROUP_COST_TOKENS
+
+
 def test_preemption_keeps_greedy_output(tiny_llama):
     prompts = [f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(8)]
     params = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)

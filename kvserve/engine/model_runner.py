@@ -35,6 +35,34 @@ class ModelInputs:
     received_attention: list[tuple[str, EvictionConfig, torch.Tensor]] = field(default_factory=list)
 
 
+# A decode group's fixed cost (its gather, matmuls, softmax and mask in every layer) is about
+# that of attending to this many more padded context tokens on CPU (measured on the default
+# model: ~2.4 ms a group vs ~2 us per context token over all 30 layers).
+GROUP_COST_TOKENS = 1024
+
+
+def split_by_length(num_blocks: list[int], block_size: int = 16) -> list[tuple[int, int]]:
+    """Cut decodes sorted by context length (longest first, in blocks) into [start, end) runs
+    padded separately, minimising padded context tokens + GROUP_COST_TOKENS per run (dynamic
+    programming over the sorted lengths: a run's cost is its first length times its size)."""
+    n = len(num_blocks)
+    if n == 0:
+        return []
+    padded = np.asarray(num_blocks, dtype=np.float64) * block_size
+    best = np.zeros(n + 1)  # best[j]: cheapest cut of the first j decodes
+    cut = np.zeros(n + 1, dtype=np.int64)  # start of the last run in that cut
+    for j in range(1, n + 1):
+        starts = np.arange(j)
+        costs = best[:j] + GROUP_COST_TOKENS + padded[:j] * (j - starts)
+        cut[j] = int(np.argmin(costs))
+        best[j] = costs[cut[j]]
+    runs, end = [], n
+    while end > 0:
+        runs.append((int(cut[end]), end))
+        end = int(cut[end])
+    return runs[::-1]
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device,
                  evictor: Evictor | None = None):
@@ -51,7 +79,9 @@ class ModelRunner:
         bs = self.block_size
         # Decodes first, then prefill chunks: each attention group then owns one run of rows.
         # Within each, requests under eviction come last (their decodes form a group of their own).
-        scheduled = sorted(scheduled, key=lambda item: (item.num_new_tokens > 1, item.request.eviction is not None))
+        # Decodes go longest context first, so that groups of similar lengths are runs of rows.
+        scheduled = sorted(scheduled, key=lambda item: (item.num_new_tokens > 1, item.request.eviction is not None,
+                                                        -item.request.num_computed_tokens if item.num_new_tokens == 1 else 0))
         token_chunks, position_chunks, slot_chunks = [], [], []
         decode, evicting_decode, prefill, evicting_rows = [], [], [], []
         logits_rows, sampled = [], []
@@ -93,7 +123,8 @@ class ModelRunner:
             chunks.append(chunk)
         meta = AttentionMetadata(
             slot_mapping=tensor(np.concatenate(slot_chunks)),
-            decode=self._decode_group(decode, tensor),
+            decodes=[self._decode_group(decode[a:b], tensor) for a, b in split_by_length(
+                [-(-m[2] // bs) for m in decode], bs)],
             prefills=chunks,
             evicting_decode=self._evicting_decode_group(evicting_decode, tensor, received),
             unrotated_key_rows=tensor(evicting_rows) if evicting_rows else None,
@@ -111,10 +142,11 @@ class ModelRunner:
         """Pad the decodes' block tables to a common length."""
         if not members:
             return None
-        max_blocks = max(len(m[3]) for m in members)
+        needed = [-(-m[2] // self.block_size) for m in members]
+        max_blocks = max(needed)
         block_ids = np.zeros((len(members), max_blocks), dtype=np.int64)
-        for i, m in enumerate(members):
-            block_ids[i, : len(m[3])] = m[3]
+        for i, (m, n) in enumerate(zip(members, needed)):
+            block_ids[i, :n] = m[3][:n]
         return AttentionGroup(block_ids=tensor(block_ids.reshape(-1)),
                               seq_lens=tensor([m[2] for m in members]),
                               context_len=max_blocks * self.block_size)

@@ -7,7 +7,9 @@ and which packed rows are its queries. The runner packs decodes first, then pref
 
 * decodes (one query each), vectorised over the requests with padding and a mask:
   grouped-query matmuls, queries of a KV head batched together, softmax in float32. On CPU this
-  is ~10x faster than SDPA with a length-1 query.
+  is ~10x faster than SDPA with a length-1 query. Decode time is mostly reading K/V (gather, then
+  the matmuls), so the runner splits decodes of very different context lengths into a few groups
+  padded separately (model_runner.split_by_length).
 * prefill chunks (several queries each), one `scaled_dot_product_attention` call per chunk at
   its exact context length (a step holds only a few chunks; padding them to a common length and
   masking cost 3x more on CPU). A chunk with no earlier context is plain causal attention
@@ -100,9 +102,9 @@ class PrefillChunk:
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [tokens] pool slot of each packed token
-    decode: AttentionGroup | None
+    decodes: list[AttentionGroup]  # consecutive runs of the first rows
     prefills: list[PrefillChunk]
-    evicting_decode: AttentionGroup | None = None  # decodes of evicting requests, right after `decode`'s
+    evicting_decode: AttentionGroup | None = None  # decodes of evicting requests, right after `decodes`'
     unrotated_key_rows: torch.Tensor | None = None  # packed rows whose keys are stored before RoPE
 
 
@@ -114,12 +116,13 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if rotation is not None:  # the pool holds K·R and V·R: (qR)·(kR) = q·k
         query = query @ rotation
     tokens, heads, dim = query.shape
-    parts = []
-    if meta.decode is not None:
-        q = query[: meta.decode.num_requests].unsqueeze(1)
-        parts.append(_decode(q, meta.decode, pool, kv_format, window).view(-1, heads, dim))
+    parts, start = [], 0
+    for group in meta.decodes:
+        q = query[start: start + group.num_requests].unsqueeze(1)
+        parts.append(_decode(q, group, pool, kv_format, window).view(-1, heads, dim))
+        start += group.num_requests
     if meta.evicting_decode is not None:
-        group, start = meta.evicting_decode, meta.decode.num_requests if meta.decode is not None else 0
+        group = meta.evicting_decode
         k_ctx, v_ctx = kv_format.gather(pool, group.block_ids, group.num_requests, query.dtype)
         k_ctx = rope_gathered_keys(k_ctx, *group.key_rope, rotation)
         q = query[start: start + group.num_requests].unsqueeze(1)
