@@ -19,7 +19,6 @@ import json
 import platform
 import shlex
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -33,8 +32,8 @@ from kvserve.cache.sizing import bytes_per_block
 from kvserve.engine.args import EngineArgs
 from kvserve.engine.llm_engine import select_device, select_dtype
 from kvserve.model.loader import load_model_config
-from kvserve.server.scenarios import (HealthMonitor, Prompt, ScenarioResult, aborts, book_prompts, overload,
-                                      pool_state, read_metrics, wait_drained)
+from kvserve.server.scenarios import (BackgroundPoller, HealthMonitor, Prompt, ScenarioResult, aborts, book_prompts,
+                                      overload, pool_state, read_metrics, wait_drained)
 
 
 @dataclass
@@ -57,22 +56,13 @@ class Totals:
         self.failure_samples += result.failures[:3]
 
 
-class PeakKVUsage:
+class PeakKVUsage(BackgroundPoller):
     """Samples kvserve:kv_cache_usage_perc every `interval` s on a thread; keeps the maximum."""
 
     def __init__(self, base_url: str, headers: dict[str, str] | None, interval: float = 0.25):
+        super().__init__("peak-kv-usage")
         self.base_url, self.headers, self.interval = base_url, headers, interval
         self.peak = 0.0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> "PeakKVUsage":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self._stop.set()
-        self._thread.join()
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):

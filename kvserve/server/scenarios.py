@@ -152,26 +152,37 @@ async def aborts(base_url: str, prompts: list[Prompt], max_tokens: int, abort_ev
     return result
 
 
-class HealthMonitor:
-    """`with HealthMonitor(url) as health:` polls GET /health every `interval` s from a thread, on
-    a new connection each time, and records every answer that is not a 200 within `timeout`."""
+class BackgroundPoller:
+    """`with Poller(...) as p:` runs `_run` on a daemon thread until the block ends; `_run` loops
+    until `self._stop` is set, waiting on it between polls."""
 
-    def __init__(self, base_url: str, interval: float = 0.2, timeout: float = 10.0):
-        self.url = base_url + "/health"
-        self.interval, self.timeout = interval, timeout
-        self.checks = 0
-        self.failures: list[str] = []
-        self.max_latency_s = 0.0
+    def __init__(self, name: str):
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="health-monitor", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
-    def __enter__(self) -> "HealthMonitor":
+    def __enter__(self):
         self._thread.start()
         return self
 
     def __exit__(self, *exc_info) -> None:
         self._stop.set()
         self._thread.join()
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+
+class HealthMonitor(BackgroundPoller):
+    """`with HealthMonitor(url) as health:` polls GET /health every `interval` s from a thread, on
+    a new connection each time, and records every answer that is not a 200 within `timeout`."""
+
+    def __init__(self, base_url: str, interval: float = 0.2, timeout: float = 10.0):
+        super().__init__("health-monitor")
+        self.url = base_url + "/health"
+        self.interval, self.timeout = interval, timeout
+        self.checks = 0
+        self.failures: list[str] = []
+        self.max_latency_s = 0.0
 
     def _run(self) -> None:
         limits = httpx.Limits(max_keepalive_connections=0)
