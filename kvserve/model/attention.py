@@ -81,6 +81,7 @@ class PrefillChunk:
     key_rope: tuple[torch.Tensor, torch.Tensor] | None = None
     received_attention: torch.Tensor | None = None
     _masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict, repr=False)
+    _biases: dict[tuple[int | None, torch.dtype], torch.Tensor | None] = field(default_factory=dict, repr=False)
 
     def mask(self, window: int | None) -> torch.Tensor | None:
         """[queries, context] bool, or None when the chunk is plain causal self-attention."""
@@ -97,6 +98,16 @@ class PrefillChunk:
                     allowed &= kv_pos > q_pos - window
                 self._masks[window] = allowed
         return self._masks[window]
+
+    def bias(self, window: int | None, dtype: torch.dtype) -> torch.Tensor | None:
+        """`mask` as an additive [queries, context] tensor in `dtype` (0 or -inf): CPU SDPA runs
+        ~2x faster with it than with the bool mask (measured at 65 queries over 1,088 keys)."""
+        key = (window, dtype)
+        if key not in self._biases:
+            allowed = self.mask(window)
+            self._biases[key] = None if allowed is None else torch.zeros(
+                allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+        return self._biases[key]
 
 
 @dataclass
@@ -136,7 +147,7 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         if chunk.received_attention is not None:
             parts.append(_prefill_attention_received(q, k_ctx, v_ctx, chunk.mask(window), chunk.received_attention))
         else:
-            parts.append(_prefill_attention(q, k_ctx, v_ctx, chunk.mask(window)))
+            parts.append(_prefill_attention(q, k_ctx, v_ctx, chunk.bias(window, query.dtype)))
     out = parts[0] if len(parts) == 1 else torch.cat(parts)
     if rotation is not None:  # probs·(VR)·R^T = probs·V
         out = out @ rotation.T
@@ -189,7 +200,7 @@ def _decode_attention_scaled(q: torch.Tensor, kv: ScaledKV, group: AttentionGrou
 
 def _prefill_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor,
                        mask: torch.Tensor | None) -> torch.Tensor:
-    """q [Q, H, d]; k/v [kvh, L, d]; mask [Q, L] or None (causal, Q == L) -> [Q, H, d]."""
+    """q [Q, H, d]; k/v [kvh, L, d]; mask [Q, L] (additive) or None (causal, Q == L) -> [Q, H, d]."""
     out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k_ctx.unsqueeze(0), v_ctx.unsqueeze(0),
                                          attn_mask=mask, is_causal=mask is None, enable_gqa=True)
     return out[0].transpose(0, 1)
