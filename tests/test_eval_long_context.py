@@ -45,14 +45,16 @@ def test_protocol_report(tiny_llama, tmp_path):
     assert plot(report, tmp_path / "long.png").stat().st_size > 0
 
 
-def test_cli_json(tiny_llama, capsys):
+def test_cli_json(tiny_llama, capsys, tmp_path):
     code = main(["eval", "--long-context", "--model", str(tiny_llama), "--dtype", "float32", "--block-size", "8",
                  "--max-model-len", "128", "--kv-budget", "32", "--long-tokens", "300", "--long-chunk-size", "4",
-                 "--long-configs", "streaming,h2o", "--no-passkey", "--json"])
+                 "--long-configs", "streaming,h2o", "--no-passkey", "--json",
+                 "--output-json", str(tmp_path / "long.json")])
     assert code == 0
     data = json.loads(capsys.readouterr().out)
     assert [c["config"] for c in data["curves"]] == ["streaming", "h2o"] and data["passkey"] == []
     assert data["config"]["budget"] == 32 and data["max_model_len"] == 128
+    assert json.loads((tmp_path / "long.json").read_text()) == data
 
 
 @pytest.mark.parametrize("argv, fragment", [

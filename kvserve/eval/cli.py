@@ -145,8 +145,12 @@ def run_long_context(args: argparse.Namespace) -> int:
     else:
         from rich.console import Console
 
+        console = Console(width=None if sys.stdout.isatty() else 200)
         for table in render_tables(report):
-            Console().print(table)
+            console.print(table)
+    if args.output_json:
+        Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output_json).write_text(json.dumps(report_dict(report), indent=2) + "\n")
     if args.plot:
         print(f"chart saved to {plot(report, args.plot)}", file=sys.stderr)
     return 0
