@@ -76,6 +76,21 @@ def test_decodes_split_into_length_groups_match_hf(tiny_model_factory, monkeypat
         assert out.outputs[0].token_ids == hf_greedy(hf, out.prompt_token_ids, GREEDY.max_tokens), out.prompt
 
 
+def test_same_shape_chunks_after_a_cached_prefix_match_hf(tiny_llama):
+    """Requests sharing a cached prefix, each computing a question of the same length in one step:
+    their chunks go through one batched attention call and still give HF's greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    prefix = list(range(10, 50))
+    prompts = [{"prompt_token_ids": prefix + [100 + 10 * i + j for j in range(8)]} for i in range(4)]
+    llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory="8MiB")
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert llm.engine.kv_manager.stats.hits >= 3 * 32  # three requests reused the two full prefix blocks
+    for out in outputs:
+        assert out.outputs[0].token_ids == hf_greedy(hf, out.prompt_token_ids, GREEDY.max_tokens)
+
+
 def test_split_by_length_pads_less_and_covers_the_batch():
     from kvserve.engine.model_runner import GROUP_COST_TOKENS, split_by_length
 

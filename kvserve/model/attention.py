@@ -12,7 +12,7 @@ and which packed rows are its queries. The runner packs decodes first, then pref
   padded separately (model_runner.split_by_length).
 * prefill chunks (several queries each), one `scaled_dot_product_attention` call per chunk at
   its exact context length (a step holds only a few chunks; padding them to a common length and
-  masking cost 3x more on CPU). A chunk with no earlier context is plain causal attention
+  masking cost 3x more on CPU), or one batched call for chunks of the same shape. A chunk with no earlier context is plain causal attention
   (`is_causal`, the fused kernel's fast path); otherwise its mask is causal aligned to the end
   of the context.
 
@@ -138,20 +138,44 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         k_ctx = rope_gathered_keys(k_ctx, *group.key_rope, rotation)
         q = query[start: start + group.num_requests].unsqueeze(1)
         parts.append(_decode_attention(q, k_ctx, v_ctx, group, window).view(-1, heads, dim))
-    for chunk in meta.prefills:
+    parts.extend(_prefills(query, meta.prefills, pool, kv_format, rotation, window))
+    out = parts[0] if len(parts) == 1 else torch.cat(parts)
+    if rotation is not None:  # probs·(VR)·R^T = probs·V
+        out = out @ rotation.T
+    return out.reshape(tokens, heads * dim)
+
+
+def _prefills(query: torch.Tensor, chunks: list[PrefillChunk], pool: dict, kv_format: KVFormat,
+              rotation: torch.Tensor | None, window: int | None) -> list[torch.Tensor]:
+    """Each chunk's attention output [num_queries, H, d], in chunk order. Chunks of the same shape
+    (queries, context) share one batched SDPA call: e.g. questions after a cached system prompt,
+    ~1.5x faster on CPU than a call per chunk. Chunks under eviction go one by one."""
+    outputs: list[torch.Tensor | None] = [None] * len(chunks)
+    same_shape: dict[tuple[int, int, int], list[int]] = {}  # (queries, context, blocks) -> chunk indices
+    for i, chunk in enumerate(chunks):
+        if chunk.key_rope is None and chunk.received_attention is None:
+            same_shape.setdefault((chunk.num_queries, chunk.context_len, chunk.block_ids.shape[0]), []).append(i)
+            continue
         q = query[chunk.row_start: chunk.row_start + chunk.num_queries]
         k_ctx, v_ctx = kv_format.gather(pool, chunk.block_ids, 1, query.dtype)
         k_ctx, v_ctx = k_ctx[:, 0, : chunk.context_len], v_ctx[:, 0, : chunk.context_len]
         if chunk.key_rope is not None:
             k_ctx = rope_gathered_keys(k_ctx, *chunk.key_rope, rotation)
         if chunk.received_attention is not None:
-            parts.append(_prefill_attention_received(q, k_ctx, v_ctx, chunk.mask(window), chunk.received_attention))
+            outputs[i] = _prefill_attention_received(q, k_ctx, v_ctx, chunk.mask(window), chunk.received_attention)
         else:
-            parts.append(_prefill_attention(q, k_ctx, v_ctx, chunk.bias(window, query.dtype)))
-    out = parts[0] if len(parts) == 1 else torch.cat(parts)
-    if rotation is not None:  # probs·(VR)·R^T = probs·V
-        out = out @ rotation.T
-    return out.reshape(tokens, heads * dim)
+            outputs[i] = _prefill_attention(q, k_ctx, v_ctx, chunk.bias(window, query.dtype))
+    for (num_queries, context_len, _), members in same_shape.items():
+        first = chunks[members[0]]
+        block_ids = torch.cat([chunks[i].block_ids for i in members])
+        k_ctx, v_ctx = kv_format.gather(pool, block_ids, len(members), query.dtype)  # [kvh, B, blocks*bs, d]
+        q = torch.stack([query[chunks[i].row_start: chunks[i].row_start + num_queries] for i in members])
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k_ctx[:, :, :context_len].transpose(0, 1), v_ctx[:, :, :context_len].transpose(0, 1),
+            attn_mask=first.bias(window, query.dtype), is_causal=first.mask(window) is None, enable_gqa=True)
+        for i, chunk_out in zip(members, out.transpose(1, 2)):
+            outputs[i] = chunk_out
+    return outputs
 
 
 def _decode(q: torch.Tensor, group: AttentionGroup, pool: dict, kv_format: KVFormat,
