@@ -12,9 +12,9 @@ and which packed rows are its queries. The runner packs decodes first, then pref
   padded separately (model_runner.split_by_length).
 * prefill chunks (several queries each), one `scaled_dot_product_attention` call per chunk at
   its exact context length (a step holds only a few chunks; padding them to a common length and
-  masking cost 3x more on CPU), or one batched call for chunks of the same shape. A chunk with no earlier context is plain causal attention
-  (`is_causal`, the fused kernel's fast path); otherwise its mask is causal aligned to the end
-  of the context.
+  masking cost 3x more on CPU), or one batched call for chunks of the same shape. A chunk with
+  no earlier context is plain causal attention (`is_causal`, the fused kernel's fast path);
+  otherwise its mask is causal aligned to the end of the context.
 
 New K/V are written into the pool before the context is gathered, so a chunk attends to itself.
 
@@ -164,16 +164,14 @@ def _prefills(query: torch.Tensor, chunks: list[PrefillChunk], pool: dict, kv_fo
         if chunk.received_attention is not None:
             outputs[i] = _prefill_attention_received(q, k_ctx, v_ctx, chunk.mask(window), chunk.received_attention)
         else:
-            outputs[i] = _prefill_attention(q, k_ctx, v_ctx, chunk.bias(window, query.dtype))
+            outputs[i] = _prefill_attention(q[None], k_ctx[:, None], v_ctx[:, None], chunk.bias(window, query.dtype))[0]
     for (num_queries, context_len, _), members in same_shape.items():
-        first = chunks[members[0]]
         block_ids = torch.cat([chunks[i].block_ids for i in members])
         k_ctx, v_ctx = kv_format.gather(pool, block_ids, len(members), query.dtype)  # [kvh, B, blocks*bs, d]
         q = torch.stack([query[chunks[i].row_start: chunks[i].row_start + num_queries] for i in members])
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k_ctx[:, :, :context_len].transpose(0, 1), v_ctx[:, :, :context_len].transpose(0, 1),
-            attn_mask=first.bias(window, query.dtype), is_causal=first.mask(window) is None, enable_gqa=True)
-        for i, chunk_out in zip(members, out.transpose(1, 2)):
+        out = _prefill_attention(q, k_ctx[:, :, :context_len], v_ctx[:, :, :context_len],
+                                 chunks[members[0]].bias(window, query.dtype))
+        for i, chunk_out in zip(members, out):
             outputs[i] = chunk_out
     return outputs
 
@@ -224,10 +222,11 @@ def _decode_attention_scaled(q: torch.Tensor, kv: ScaledKV, group: AttentionGrou
 
 def _prefill_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor,
                        mask: torch.Tensor | None) -> torch.Tensor:
-    """q [Q, H, d]; k/v [kvh, L, d]; mask [Q, L] (additive) or None (causal, Q == L) -> [Q, H, d]."""
-    out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k_ctx.unsqueeze(0), v_ctx.unsqueeze(0),
+    """q [B, Q, H, d]; k/v [kvh, B, L, d]; mask [Q, L] (additive, shared by the batch) or None
+    (causal, Q == L) -> [B, Q, H, d]."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k_ctx.transpose(0, 1), v_ctx.transpose(0, 1),
                                          attn_mask=mask, is_causal=mask is None, enable_gqa=True)
-    return out[0].transpose(0, 1)
+    return out.transpose(1, 2)
 
 
 def _prefill_attention_received(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, mask: torch.Tensor | None,
