@@ -23,6 +23,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def raw_request_status(port: int, request: bytes) -> int:
+    """Send `request` as is over a fresh socket (no client library normalises the path or headers)
+    and return the HTTP status of the reply."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(request)
+        reply = b""
+        while b"\r\n" not in reply:
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            reply += chunk
+    return int(reply.split(b" ", 2)[1])
+
+
 @dataclass
 class ServerProcess:
     process: subprocess.Popen

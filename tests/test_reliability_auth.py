@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import socket
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import quote
 
 import httpx
 import pytest
+from server_process import raw_request_status
 
 from kvserve.server import auth
 from kvserve.server.auth import APIKeyMiddleware
@@ -34,15 +34,7 @@ def server(server_factory, tiny_llama):
 def raw_status(port: int, method: str, target: str, headers: list[tuple[str, str]]) -> int:
     lines = [f"{method} {target} HTTP/1.1", *(f"{k}: {v}" for k, v in headers), "Content-Length: 2",
              "Connection: close"]
-    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
-        sock.sendall(("\r\n".join(lines) + "\r\n\r\n{}").encode())
-        reply = b""
-        while b"\r\n" not in reply:
-            chunk = sock.recv(4096)
-            if not chunk:
-                break
-            reply += chunk
-    return int(reply.split(b" ", 2)[1])
+    return raw_request_status(port, ("\r\n".join(lines) + "\r\n\r\n{}").encode())
 
 
 def spellings(path: str, port: int) -> list[str]:

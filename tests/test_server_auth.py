@@ -3,11 +3,10 @@ of the path, the Host header or the method; /health and /metrics stay open. Path
 raw socket so that no client library normalises them first."""
 from __future__ import annotations
 
-import socket
-
 import httpx
 import openai
 import pytest
+from server_process import raw_request_status
 
 KEY = "sk-test-0123456789"
 
@@ -22,15 +21,7 @@ def raw_status(server, method: str, path: str, headers: dict[str, str] | None = 
     headers = {"Host": f"127.0.0.1:{server.port}", "Connection": "close", "Content-Length": str(len(body)),
                **(headers or {})}
     request = f"{method} {path} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n"
-    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
-        sock.sendall(request.encode() + body)
-        reply = b""
-        while b"\r\n" not in reply:
-            chunk = sock.recv(4096)
-            if not chunk:
-                break
-            reply += chunk
-    return int(reply.split(b" ", 2)[1])
+    return raw_request_status(server.port, request.encode() + body)
 
 
 @pytest.mark.parametrize("path", ["/v1/models", "/V1/models", "/v1/models/", "//v1/models", "/v1//models",
