@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Callable
 
 from kvserve.cache.formats import KV_CACHE_DTYPES
 from kvserve.engine.args import EngineArgs
@@ -84,18 +85,25 @@ def run_eval(args: argparse.Namespace) -> int:
     engine = EngineArgs.from_cli_args(args)
     options = {k: v for k, v in vars(engine).items() if k not in ("model", "kv_cache_dtype")}
     report = evaluate(engine.model, args.kv_cache_dtypes, args.text, scoring, passkey, **options)
+    return _emit(args, report_json(report), [render_table(report)], lambda path: plot(report, path))
+
+
+def _emit(args: argparse.Namespace, report_json: str, tables: list, plot_to: Callable[[str], Path]) -> int:
+    """Print the tables (or the JSON with --json), write --output-json, draw --plot."""
     if args.json:
-        print(report_json(report))
+        print(report_json)
     else:
         from rich.console import Console
 
-        # Piped to a file, rich would squeeze the table into 80 columns.
-        Console(width=None if sys.stdout.isatty() else 200).print(render_table(report))
+        # Piped to a file, rich would squeeze the tables into 80 columns.
+        console = Console(width=None if sys.stdout.isatty() else 200)
+        for table in tables:
+            console.print(table)
     if args.output_json:
         Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output_json).write_text(report_json(report) + "\n")
+        Path(args.output_json).write_text(report_json + "\n")
     if args.plot:
-        print(f"chart saved to {plot(report, args.plot)}", file=sys.stderr)
+        print(f"chart saved to {plot_to(args.plot)}", file=sys.stderr)
     return 0
 
 
@@ -140,17 +148,5 @@ def run_long_context(args: argparse.Namespace) -> int:
     options = {k: v for k, v in vars(engine).items()
                if k not in ("model", "kv_eviction", "kv_budget", "sink_tokens", "recent_tokens")}
     report = evaluate_long_context(engine.model, args.text, config, **options)
-    if args.json:
-        print(json.dumps(report_dict(report), indent=2))
-    else:
-        from rich.console import Console
-
-        console = Console(width=None if sys.stdout.isatty() else 200)
-        for table in render_tables(report):
-            console.print(table)
-    if args.output_json:
-        Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output_json).write_text(json.dumps(report_dict(report), indent=2) + "\n")
-    if args.plot:
-        print(f"chart saved to {plot(report, args.plot)}", file=sys.stderr)
-    return 0
+    return _emit(args, json.dumps(report_dict(report), indent=2), render_tables(report),
+                 lambda path: plot(report, path))
