@@ -95,8 +95,11 @@ class KVCacheManager:
         return new + sum(1 for b in cached if b.ref_cnt == 0)
 
     def allocate(self, request: Request, num_new_tokens: int, cached: list[Block] = ()) -> bool:
-        """Give the request room for `num_new_tokens` more tokens (after any cached prefix).
-        Returns False, changing nothing, if the pool cannot supply the blocks."""
+        """Give the request room for `num_new_tokens` more tokens (after any cached prefix),
+        first letting an evicting request drop tokens (`make_room`). Returns False if the pool
+        cannot supply the blocks, having changed nothing but a compaction that was due anyway."""
+        if not cached and not self.make_room(request, num_new_tokens):
+            return False
         if self.blocks_needed(request, num_new_tokens, cached) > self.pool.num_free_blocks:
             return False
         blocks = self.req_blocks.setdefault(request.request_id, [])
@@ -125,7 +128,7 @@ class KVCacheManager:
         return min(request.eviction.max_chunk, self.evictor.limit(request.eviction) - num_cached_tokens)
 
     def make_room(self, request: Request, num_new_tokens: int) -> bool:
-        """Before `allocate`: if the request evicts and `num_new_tokens` more would exceed its limit,
+        """Called by `allocate`: if the request evicts and `num_new_tokens` more would exceed its limit,
         let its policy choose the tokens to keep and compact its blocks. Returns False, changing
         nothing, if the compaction needs a fresh block (copy-on-write) and none is free."""
         if request.eviction is None:

@@ -352,7 +352,7 @@ class LLMEngine:
             while request.num_computed_tokens < request.num_tokens:
                 n = min(chunk_size, request.num_tokens - request.num_computed_tokens,
                         self.kv_manager.max_new_tokens(request))
-                if not (self.kv_manager.make_room(request, n) and self.kv_manager.allocate(request, n)):
+                if not self.kv_manager.allocate(request, n):
                     raise CapacityError("not enough free KV blocks to score this sequence")
                 move_tokens(self.kv_cache, *self.kv_manager.take_moves())
                 item = ScheduledRequest(request, n)

@@ -7,8 +7,8 @@ requests then join while the budget, `max_num_seqs` and free blocks allow. When 
 dry, the most recently admitted running request is preempted by recompute: its blocks are freed
 and it goes back to the front of the waiting queue (vLLM's policy; never an OOM).
 
-A request under KV eviction advances at most budget - sinks tokens per step, and before its
-blocks are allocated `make_room` lets its policy drop tokens (kvserve/cache/eviction). A
+A request under KV eviction advances at most budget - sinks tokens per step, and allocating its
+blocks first lets its policy drop tokens (`KVCacheManager.make_room`, kvserve/cache/eviction). A
 preempted one is recomputed from its whole token history with the policy applied again
 between chunks, which need not reproduce the uninterrupted run bit for bit.
 """
@@ -88,7 +88,7 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget, self.kv.max_new_tokens(request))
-            while not (self.kv.make_room(request, num_new) and self.kv.allocate(request, num_new)):
+            while not self.kv.allocate(request, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted = True
