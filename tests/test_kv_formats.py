@@ -269,9 +269,11 @@ def default_model_agreement():
     scoring = ScoringConfig(num_tokens=512, context_len=256, score_len=256, chunk_size=24)
     windows = make_windows(loaded.tokenizer.encode(read_text(DEFAULT_TEXT), add_special_tokens=False), scoring)
     results, reference = {}, None
-    for dtype in ("auto", "fp8", "int8", "int4", "int4_kivi"):
-        engine = LLMEngine(EngineArgs(kv_cache_dtype=dtype, kv_cache_memory="64MiB", max_model_len=1024),
+    for dtype in ("auto", "fp8", "int8", "int4", "int4_kivi", "int4 uncentred"):
+        engine = LLMEngine(EngineArgs(kv_cache_dtype=dtype.split()[0], kv_cache_memory="64MiB", max_model_len=1024),
                            loaded_model=loaded)
+        if dtype == "int4 uncentred":
+            engine.model.set_key_centers(None)  # keys stored as they are (kvserve/cache/key_centering.py)
         fidelity, kept = measure_fidelity(engine, windows, scoring, reference)
         reference = reference or kept
         results[dtype] = fidelity
@@ -290,3 +292,11 @@ def default_model_agreement():
 def test_default_model_top1_agreement_with_full_precision_cache(default_model_agreement, dtype, minimum):
     assert default_model_agreement["auto"].top1_agreement == 1.0
     assert default_model_agreement[dtype].top1_agreement >= minimum, default_model_agreement[dtype]
+
+
+@pytest.mark.slow
+def test_key_centring_reduces_int4_error_on_the_default_model(default_model_agreement):
+    # KL divergence from the full-precision cache, 0.077 -> 0.055 on these 512 positions (0.074 ->
+    # 0.051 on 2,048). Perplexity over 512 tokens is too noisy to compare (it moved 0.4%).
+    centred, uncentred = default_model_agreement["int4"], default_model_agreement["int4 uncentred"]
+    assert centred.mean_kl < 0.85 * uncentred.mean_kl, (centred, uncentred)

@@ -52,6 +52,8 @@ class KVFormat:
     """How K/V values are stored in the pool. Subclasses implement one storage dtype each."""
 
     name: str = "abstract"
+    # Store keys minus a per-(layer, KV head) constant calibrated at start-up (key_centering.py).
+    center_keys: bool = False
 
     def bytes_per_block(self, spec: KVCacheSpec) -> int:
         """Bytes one block takes in one layer, K and V and any scales included."""
@@ -127,6 +129,7 @@ class KVCache:
         self.spec = spec
         self.format = kv_format
         self.num_blocks = num_blocks
+        self.device = device
         self.layers = [kv_format.allocate(spec, num_blocks, device) for _ in range(spec.num_layers)]
 
     @property

@@ -18,6 +18,7 @@ from kvserve.cache.eviction.config import resolve_eviction
 from kvserve.cache.eviction.evictor import Evictor
 from kvserve.cache.eviction.moves import move_tokens
 from kvserve.cache.formats import make_kv_format
+from kvserve.cache.key_centering import calibrate_key_centers
 from kvserve.cache.kv_cache import KVCache, KVCacheSpec
 from kvserve.cache.kv_cache_manager import KVCacheManager
 from kvserve.cache.sizing import (GiB, blocks_for_tokens, bytes_per_block, default_cpu_budget,
@@ -112,6 +113,8 @@ class LLMEngine:
         self.kv_spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, args.block_size)
         num_blocks = self._size_kv_pool()
         self.kv_cache = KVCache(self.kv_spec, self.kv_format, num_blocks, self.device)
+        if self.kv_format.center_keys:
+            self.model.set_key_centers(calibrate_key_centers(self.model, self.kv_cache, self.max_model_len))
         self.eviction_defaults = EvictionSpec(args.kv_eviction, args.kv_budget, args.sink_tokens, args.recent_tokens)
         self.resolve_eviction(None)  # bad --kv-eviction flags fail at start-up
         self.evictor = Evictor(args.block_size, self.max_model_len, self.device)

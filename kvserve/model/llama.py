@@ -37,6 +37,9 @@ class Attention(nn.Module):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        # [kv_heads, head_dim] subtracted from every key before it is cached, or None
+        # (kvserve/cache/key_centering.py: attention is unchanged, quantization error shrinks).
+        self.key_center: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -45,6 +48,8 @@ class Attention(nn.Module):
         qk = apply_rotary(heads[:, : self.num_heads + self.num_kv_heads], *rope)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         v = heads[:, self.num_heads + self.num_kv_heads:]
+        if self.key_center is not None:
+            k = k - self.key_center
         if meta.unrotated_key_rows is not None:  # requests under KV eviction store keys before RoPE
             rows = meta.unrotated_key_rows
             k = k.index_copy(0, rows, heads[rows, self.num_heads: self.num_heads + self.num_kv_heads])
@@ -114,6 +119,11 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, rope, kv_cache, meta)
         x = self.norm(x[logits_rows])
         return self.lm_head(x).float()
+
+    def set_key_centers(self, centers: list[torch.Tensor] | None) -> None:
+        """One [kv_heads, head_dim] vector per layer to subtract from the keys it caches, or None."""
+        for i, layer in enumerate(self.layers):
+            layer.self_attn.key_center = None if centers is None else centers[i].to(self.embed_tokens.weight.dtype)
 
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
         """Load HF-named tensors (model.layers.N.self_attn.q_proj.weight, ...), fusing q/k/v and gate/up."""

@@ -13,8 +13,8 @@ so the group's whole range is covered and nothing clips. Per-token groups are qu
 when the token is written, so a block filling over many steps needs no re-encoding.
 
 Bytes per token and KV head: head_dim / 2 + 4, i.e. 36 for head_dim 64 against 128 in float16:
-3.56x the tokens. K and V are rotated first (rotation.py): keys have outlier channels that would
-otherwise take most of each token's 16 levels. Per-token groups are the layout of KIVI's values and of most int4 KV caches
+3.56x the tokens. Keys are centred (key_centering.py) and K and V rotated (rotation.py) first:
+keys have outlier channels that would otherwise take most of each token's 16 levels. Per-token groups are the layout of KIVI's values and of most int4 KV caches
 (e.g. the "per-token asymmetric" scheme in Liu et al. 2024, KIVI, arXiv:2402.02750); the
 `int4_kivi` format quantizes keys per channel instead.
 """
@@ -101,6 +101,7 @@ def gather_token_groups(packed: torch.Tensor, params: torch.Tensor, block_ids: t
 
 class Int4Format(KVFormat):
     name = "int4"
+    center_keys = True  # the keys' shared offset would take most of a token's 16 levels
 
     def __init__(self, rotate: bool = True):
         self.rotate = rotate  # store K·H and V·H (rotation.py): outlier channels spread before quantizing

@@ -1,0 +1,48 @@
+"""Key centring (kvserve/cache/key_centering.py): subtracting a constant from every cached key of a
+head leaves attention unchanged, the int4 cache calibrates its constants deterministically at
+start-up, and the other formats store keys as they are."""
+from __future__ import annotations
+
+import torch
+
+from kvserve.engine.args import EngineArgs
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.model.loader import load_model
+
+
+def _engine(path, loaded, **options) -> LLMEngine:
+    return LLMEngine(EngineArgs(model=str(path), dtype="float32", kv_cache_memory="4MiB", max_model_len=256,
+                                **options), loaded_model=loaded)
+
+
+def test_any_constant_key_offset_leaves_the_logits_unchanged(tiny_llama):
+    loaded = load_model(str(tiny_llama))
+    plain = _engine(tiny_llama, loaded, kv_cache_dtype="float32")
+    shifted = _engine(tiny_llama, loaded, kv_cache_dtype="float32")
+    cfg = shifted.model_config
+    gen = torch.Generator().manual_seed(1)
+    shifted.model.set_key_centers([5 * torch.randn(cfg.num_kv_heads, cfg.head_dim, generator=gen)
+                                   for _ in range(cfg.num_layers)])
+    tokens = list(range(3, 103))  # 100 tokens in chunks of 7: prefill chunks over cached, shifted keys
+    expected = plain.score(tokens, chunk_size=7)
+    got = shifted.score(tokens, chunk_size=7)
+    assert torch.allclose(got, expected, atol=1e-4), (got - expected).abs().max()
+    # The offset really reached the cache: the stored keys differ.
+    assert not torch.allclose(plain.kv_cache.layers[0]["key"], shifted.kv_cache.layers[0]["key"])
+
+
+def test_int4_calibrates_key_centers_once_and_deterministically(tiny_llama):
+    loaded = load_model(str(tiny_llama))
+    first = _engine(tiny_llama, loaded, kv_cache_dtype="int4")
+    second = _engine(tiny_llama, loaded, kv_cache_dtype="int4")
+    cfg = first.model_config
+    for a, b in zip(first.model.layers, second.model.layers):
+        center = a.self_attn.key_center
+        assert center is not None and center.shape == (cfg.num_kv_heads, cfg.head_dim)
+        assert torch.isfinite(center).all() and center.abs().sum() > 0
+        assert torch.equal(center, b.self_attn.key_center)
+    # The calibration pass leaves the pool free for requests.
+    assert first.num_free_blocks == first.num_blocks
+    for dtype in ("float32", "fp8", "int8", "int4_kivi"):
+        engine = _engine(tiny_llama, loaded, kv_cache_dtype=dtype)
+        assert all(layer.self_attn.key_center is None for layer in engine.model.layers), dtype
