@@ -27,8 +27,9 @@ def test_any_constant_key_offset_leaves_the_logits_unchanged(tiny_llama):
     expected = plain.score(tokens, chunk_size=7)
     got = shifted.score(tokens, chunk_size=7)
     assert torch.allclose(got, expected, atol=1e-4), (got - expected).abs().max()
-    # The offset really reached the cache: the stored keys differ.
-    assert not torch.allclose(plain.kv_cache.layers[0]["key"], shifted.kv_cache.layers[0]["key"])
+    # The offset really reached the cache: the stored keys (the first kv_heads rows) differ.
+    kv_heads = cfg.num_kv_heads
+    assert not torch.allclose(plain.kv_cache.layers[0]["kv"][:kv_heads], shifted.kv_cache.layers[0]["kv"][:kv_heads])
 
 
 def test_int4_calibrates_key_centers_once_and_deterministically(tiny_llama):

@@ -149,7 +149,8 @@ class ModelRunner:
             block_ids[i, :n] = m[3][:n]
         return AttentionGroup(block_ids=tensor(block_ids.reshape(-1)),
                               seq_lens=tensor([m[2] for m in members]),
-                              context_len=max_blocks * self.block_size)
+                              context_len=max_blocks * self.block_size,
+                              max_seq_len=max(m[2] for m in members))
 
     def _evicting_decode_group(self, members: list[tuple], tensor,
                                received: list[tuple[str, EvictionConfig, torch.Tensor]]) -> AttentionGroup | None:

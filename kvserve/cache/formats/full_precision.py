@@ -19,21 +19,18 @@ class FullPrecisionFormat(KVFormat):
         return 2 * spec.num_kv_heads * spec.block_size * spec.head_dim * elem
 
     def allocate(self, spec, num_blocks, device):
-        shape = (spec.num_kv_heads, num_blocks, spec.block_size, spec.head_dim)
-        return {"key": torch.zeros(shape, dtype=self.dtype, device=device),
-                "value": torch.zeros(shape, dtype=self.dtype, device=device)}
+        # K in the first kv_heads rows, V in the next: a write or a gather is one op for both.
+        shape = (2 * spec.num_kv_heads, num_blocks, spec.block_size, spec.head_dim)
+        return {"kv": torch.zeros(shape, dtype=self.dtype, device=device)}
 
     def write(self, pool, key, value, slot_mapping):
-        for name, new in (("key", key), ("value", value)):
-            cache = pool[name]
-            flat = cache.view(cache.shape[0], -1, cache.shape[-1])
-            flat.index_copy_(1, slot_mapping, new.transpose(0, 1).to(cache.dtype))
+        cache = pool["kv"]
+        new = torch.cat((key, value), dim=1).transpose(0, 1).to(cache.dtype)  # [2 * kv_heads, tokens, d]
+        cache.view(cache.shape[0], -1, cache.shape[-1]).index_copy_(1, slot_mapping, new)
 
     def gather(self, pool, block_ids, batch, dtype):
-        result = []
-        for name in ("key", "value"):
-            cache = pool[name]
-            out = self.scratch.get(name, (cache.shape[0], block_ids.shape[0], *cache.shape[2:]), cache.dtype,
-                                   cache.device)
-            result.append(gather_blocks(cache, block_ids, batch, out).to(dtype))
-        return tuple(result)
+        cache = pool["kv"]
+        out = self.scratch.get("kv", (cache.shape[0], block_ids.shape[0], *cache.shape[2:]), cache.dtype, cache.device)
+        both = gather_blocks(cache, block_ids, batch, out).to(dtype)
+        heads = both.shape[0] // 2
+        return both[:heads], both[heads:]
