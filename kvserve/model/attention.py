@@ -9,7 +9,8 @@ and which packed rows are its queries. The runner packs decodes first, then pref
   grouped-query matmuls, queries of a KV head batched together, softmax in float32. On CPU this
   is ~10x faster than SDPA with a length-1 query. Decode time is mostly reading K/V (gather, then
   the matmuls), so the runner splits decodes of very different context lengths into a few groups
-  padded separately (model_runner.split_by_length).
+  padded separately (model_runner.split_by_length). A group of one request needs no padding:
+  its exact context goes to one SDPA call, the KV head's query heads as its query rows.
 * prefill chunks (several queries each), one `scaled_dot_product_attention` call per chunk at
   its exact context length (a step holds only a few chunks; padding them to a common length and
   masking cost 3x more on CPU), or one batched call for chunks of the same shape. A chunk with
