@@ -4,13 +4,16 @@ One engine per dtype, built from a single checkpoint load and all kept alive, so
 be measured in interleaved rounds (a machine shared with other jobs drifts; interleaving spreads
 the drift over all dtypes). Each round times pure decode steps of `--concurrency` sequences with
 random prompts of `--prompt-len` tokens (`kvserve.bench.efficiency.kvserve_decode`, the decode
-measurement of `kvserve bench throughput --efficiency`); the best round of each dtype is reported.
+measurement of `kvserve bench throughput --efficiency`). Reported: every round, the best round,
+and the median over rounds of each round's ratio to the first dtype (measured side by side, the
+figure that drifts least on a shared machine).
 
-    python benchmarks/kv_dtype_decode.py [--concurrency 32] [--prompt-len 256] [--steps 32] [--rounds 3]
+    python benchmarks/kv_dtype_decode.py [--concurrency 32] [--prompt-len 256] [--steps 32] [--rounds 5]
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 
 from kvserve.bench.efficiency import kvserve_decode
 from kvserve.engine.args import EngineArgs
@@ -31,7 +34,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--steps", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--kv-cache-memory", default="256MiB")
     args = parser.parse_args()
     dtypes = args.kv_cache_dtypes.split(",")
@@ -44,13 +47,15 @@ def main() -> None:
         for d in dtypes:
             run = kvserve_decode(engines[d], args.concurrency, args.prompt_len, args.steps, seed=round_)
             rates[d].append(run.tokens_per_s)
-    base = max(rates[dtypes[0]])
+    reference = rates[dtypes[0]]
     print(f"decode, {args.concurrency} sequences, prompts of {args.prompt_len} tokens, {args.steps} steps, "
-          f"best of {args.rounds} interleaved rounds")
-    print(f"| kv cache dtype | decode tok/s (rounds) | best | vs {dtypes[0]} |\n|---|---|---|---|")
+          f"{args.rounds} interleaved rounds")
+    print(f"| kv cache dtype | decode tok/s (rounds) | best | best vs {dtypes[0]} | median of round ratios |\n"
+          "|---|---|---|---|---|")
     for d in dtypes:
         rounds = ", ".join(f"{r:.1f}" for r in rates[d])
-        print(f"| {d} | {rounds} | {max(rates[d]):.1f} | {max(rates[d]) / base:.2f}x |")
+        ratio = statistics.median(r / ref for r, ref in zip(rates[d], reference))
+        print(f"| {d} | {rounds} | {max(rates[d]):.1f} | {max(rates[d]) / max(reference):.2f}x | {ratio:.2f}x |")
 
 
 if __name__ == "__main__":
