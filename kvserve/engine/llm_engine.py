@@ -114,7 +114,9 @@ class LLMEngine:
         num_blocks = self._size_kv_pool()
         self.kv_cache = KVCache(self.kv_spec, self.kv_format, num_blocks, self.device)
         if self.kv_format.center_keys:
+            start = time.monotonic()
             self.model.set_key_centers(calibrate_key_centers(self.model, self.kv_cache, self.max_model_len))
+            logger.info("Calibrated %s key centres in %.1f s", self.kv_format.name, time.monotonic() - start)
         self.eviction_defaults = EvictionSpec(args.kv_eviction, args.kv_budget, args.sink_tokens, args.recent_tokens)
         self.resolve_eviction(None)  # bad --kv-eviction flags fail at start-up
         self.evictor = Evictor(args.block_size, self.max_model_len, self.device)
