@@ -7,6 +7,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvserve.server.errors import error_json
 
+# Before a 413, read and drop up to this much of what the client is still sending. Closing a
+# connection with unread data makes the kernel reset it, and a client still writing its body can
+# lose the 413 before it reads it (nginx's "lingering close" exists for the same reason).
+_DRAIN_BYTES = 1 << 20
+
 
 async def _send_error(send: Send, status: int, message: str) -> None:
     body = error_json(status, message)
@@ -14,6 +19,17 @@ async def _send_error(send: Send, status: int, message: str) -> None:
         (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
         (b"connection", b"close")]})
     await send({"type": "http.response.body", "body": body})
+
+
+async def _drain(receive: Receive) -> None:
+    drained = 0
+    while drained <= _DRAIN_BYTES:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+        drained += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return
 
 
 class BodySizeLimitMiddleware:
@@ -34,6 +50,9 @@ class BodySizeLimitMiddleware:
                 await _send_error(send, 400, "Invalid Content-Length header.")
                 return
             if int(declared) > self.max_bytes:
+                expects_continue = any(k.lower() == b"expect" for k, _ in scope.get("headers", ()))
+                if not expects_continue:  # a client waiting for "100 Continue" sends nothing
+                    await _drain(receive)
                 await _send_error(send, 413, self._too_large())
                 return
         chunks, size = [], 0
@@ -44,6 +63,8 @@ class BodySizeLimitMiddleware:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_bytes:
+                if message.get("more_body", False):
+                    await _drain(receive)
                 await _send_error(send, 413, self._too_large())
                 return
             chunks.append(chunk)
