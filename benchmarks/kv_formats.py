@@ -45,7 +45,7 @@ def decode_case(batch: int, context: int, spec: KVCacheSpec, heads: int, dtype: 
     tables = torch.arange(batch * blocks_per_seq).view(batch, blocks_per_seq)
     slots = tables[:, context // bs] * bs + context % bs
     group = AttentionGroup(block_ids=tables.reshape(-1), seq_lens=torch.full((batch,), context + 1),
-                           context_len=blocks_per_seq * bs)
+                           context_len=blocks_per_seq * bs, max_seq_len=context + 1)
     meta = AttentionMetadata(slot_mapping=slots, decodes=[group], prefills=[])
     q = torch.randn(batch, heads, spec.head_dim, dtype=dtype)
     k = torch.randn(batch, spec.num_kv_heads, spec.head_dim, dtype=dtype)
@@ -86,7 +86,7 @@ def main() -> None:
         context_slots = context_slots[:, :args.context].reshape(-1)
         filler = torch.randn(context_slots.numel(), spec.num_kv_heads, spec.head_dim, dtype=dtype)
         fmt.write(pool, filler, filler, context_slots)
-        batch_ids = meta.decode.block_ids
+        batch_ids = meta.decodes[0].block_ids
         t_write = best_ms(lambda: fmt.write(pool, k, k, meta.slot_mapping), args.repeat)
         t_gather = best_ms(lambda: fmt.gather(pool, batch_ids, args.batch, dtype), args.repeat)
         t_step = best_ms(lambda: paged_attention(q, k, k, pool, fmt, meta, None), args.repeat)

@@ -7,6 +7,7 @@ ask for long generations."""
 from __future__ import annotations
 
 import socket
+import time
 
 import httpx
 import pytest
@@ -178,6 +179,19 @@ def test_bodies_over_the_limit_are_413_declared_or_chunked(server):
                      b"Connection: close\r\n\r\n{}")
         reply = sock.recv(4096)
     assert reply.split(b" ", 2)[1] == b"400"  # refused by the HTTP parser or by the limit check
+
+
+def test_an_over_limit_body_gets_its_413_even_from_a_stalled_client_or_one_expecting_continue(server):
+    # The server drains what an over-limit client is still sending before it answers, but no
+    # longer than about a second, and never invites the body with "100 Continue".
+    for expect in (b"", b"Expect: 100-continue\r\n"):
+        with socket.create_connection(("127.0.0.1", server.port), timeout=TIMEOUT_S) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 1000000\r\n" + expect + b"\r\n" + b'{"prompt": "')  # then stalls
+            started = time.monotonic()
+            reply = sock.recv(4096)
+            assert reply.startswith(b"HTTP/1.1 413 "), reply[:80]
+            assert time.monotonic() - started < 10
 
 
 def test_the_server_is_still_healthy_and_drained_after_the_fuzzing(server):

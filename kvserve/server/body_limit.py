@@ -3,6 +3,8 @@ limit gets a 413 with an OpenAI error body before any JSON parsing. The body is 
 most the limit) and replayed to the app, so the limit holds for chunked uploads too."""
 from __future__ import annotations
 
+import asyncio
+
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvserve.server.errors import error_json
@@ -11,6 +13,7 @@ from kvserve.server.errors import error_json
 # connection with unread data makes the kernel reset it, and a client still writing its body can
 # lose the 413 before it reads it (nginx's "lingering close" exists for the same reason).
 _DRAIN_BYTES = 1 << 20
+_DRAIN_SECONDS = 1.0  # a client that stalls instead still gets its 413 this soon
 
 
 async def _send_error(send: Send, status: int, message: str) -> None:
@@ -22,14 +25,20 @@ async def _send_error(send: Send, status: int, message: str) -> None:
 
 
 async def _drain(receive: Receive) -> None:
-    drained = 0
-    while drained <= _DRAIN_BYTES:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
-        drained += len(message.get("body", b""))
-        if not message.get("more_body", False):
-            return
+    async def read() -> None:
+        drained = 0
+        while drained <= _DRAIN_BYTES:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            drained += len(message.get("body", b""))
+            if not message.get("more_body", False):
+                return
+
+    try:
+        await asyncio.wait_for(read(), _DRAIN_SECONDS)
+    except asyncio.TimeoutError:
+        pass
 
 
 class BodySizeLimitMiddleware:
