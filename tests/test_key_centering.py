@@ -47,3 +47,20 @@ def test_int4_calibrates_key_centers_once_and_deterministically(tiny_llama):
     for dtype in ("float32", "fp8", "int8", "int4_kivi"):
         engine = _engine(tiny_llama, loaded, kv_cache_dtype=dtype)
         assert all(layer.self_attn.key_center is None for layer in engine.model.layers), dtype
+
+
+def test_keys_stored_before_rope_under_eviction_are_not_centred(tiny_llama):
+    # A request under KV eviction stores its keys before RoPE and rotates them when gathered;
+    # centring those would not cancel in the softmax, so its scores must not depend on the centres.
+    loaded = load_model(str(tiny_llama))
+    plain = _engine(tiny_llama, loaded, kv_cache_dtype="float32")
+    shifted = _engine(tiny_llama, loaded, kv_cache_dtype="float32")
+    cfg = shifted.model_config
+    gen = torch.Generator().manual_seed(2)
+    shifted.model.set_key_centers([5 * torch.randn(cfg.num_kv_heads, cfg.head_dim, generator=gen)
+                                   for _ in range(cfg.num_layers)])
+    tokens = list(range(3, 83))
+    eviction = {"policy": "streaming", "budget": 128}  # nothing is evicted from 80 tokens
+    expected = torch.cat(list(plain.score_chunks(tokens, 9, kv_eviction=eviction)))
+    got = torch.cat(list(shifted.score_chunks(tokens, 9, kv_eviction=eviction)))
+    assert torch.equal(got, expected)
