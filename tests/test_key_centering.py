@@ -15,20 +15,27 @@ def _engine(path, loaded, **options) -> LLMEngine:
                                 **options), loaded_model=loaded)
 
 
-def test_any_constant_key_offset_leaves_the_logits_unchanged(tiny_llama):
-    loaded = load_model(str(tiny_llama))
-    plain = _engine(tiny_llama, loaded, kv_cache_dtype="float32")
-    shifted = _engine(tiny_llama, loaded, kv_cache_dtype="float32")
+def _plain_and_offset_engines(path, seed: int) -> tuple[LLMEngine, LLMEngine]:
+    """Two float32-cache engines on one checkpoint; the second subtracts a random vector
+    (5 x standard normal) per layer and KV head from the keys it caches."""
+    loaded = load_model(str(path))
+    plain = _engine(path, loaded, kv_cache_dtype="float32")
+    shifted = _engine(path, loaded, kv_cache_dtype="float32")
     cfg = shifted.model_config
-    gen = torch.Generator().manual_seed(1)
+    gen = torch.Generator().manual_seed(seed)
     shifted.model.set_key_centers([5 * torch.randn(cfg.num_kv_heads, cfg.head_dim, generator=gen)
                                    for _ in range(cfg.num_layers)])
+    return plain, shifted
+
+
+def test_any_constant_key_offset_leaves_the_logits_unchanged(tiny_llama):
+    plain, shifted = _plain_and_offset_engines(tiny_llama, seed=1)
     tokens = list(range(3, 103))  # 100 tokens in chunks of 7: prefill chunks over cached, shifted keys
     expected = plain.score(tokens, chunk_size=7)
     got = shifted.score(tokens, chunk_size=7)
     assert torch.allclose(got, expected, atol=1e-4), (got - expected).abs().max()
     # The offset really reached the cache: the stored keys (the first kv_heads rows) differ.
-    kv_heads = cfg.num_kv_heads
+    kv_heads = shifted.model_config.num_kv_heads
     assert not torch.allclose(plain.kv_cache.layers[0]["kv"][:kv_heads], shifted.kv_cache.layers[0]["kv"][:kv_heads])
 
 
@@ -52,13 +59,7 @@ def test_int4_calibrates_key_centers_once_and_deterministically(tiny_llama):
 def test_keys_stored_before_rope_under_eviction_are_not_centred(tiny_llama):
     # A request under KV eviction stores its keys before RoPE and rotates them when gathered;
     # centring those would not cancel in the softmax, so its scores must not depend on the centres.
-    loaded = load_model(str(tiny_llama))
-    plain = _engine(tiny_llama, loaded, kv_cache_dtype="float32")
-    shifted = _engine(tiny_llama, loaded, kv_cache_dtype="float32")
-    cfg = shifted.model_config
-    gen = torch.Generator().manual_seed(2)
-    shifted.model.set_key_centers([5 * torch.randn(cfg.num_kv_heads, cfg.head_dim, generator=gen)
-                                   for _ in range(cfg.num_layers)])
+    plain, shifted = _plain_and_offset_engines(tiny_llama, seed=2)
     tokens = list(range(3, 83))
     eviction = {"policy": "streaming", "budget": 128}  # nothing is evicted from 80 tokens
     expected = torch.cat(list(plain.score_chunks(tokens, 9, kv_eviction=eviction)))

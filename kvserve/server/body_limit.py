@@ -41,6 +41,11 @@ async def _drain(receive: Receive) -> None:
         pass
 
 
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    """The value of request header `name` (lower-case), or None."""
+    return next((v for k, v in scope.get("headers", ()) if k.lower() == name), None)
+
+
 class BodySizeLimitMiddleware:
     def __init__(self, app: ASGIApp, max_bytes: int):
         self.app = app
@@ -53,14 +58,13 @@ class BodySizeLimitMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        declared = next((v for k, v in scope.get("headers", ()) if k.lower() == b"content-length"), None)
+        declared = _header(scope, b"content-length")
         if declared is not None:
             if not declared.strip().isdigit():
                 await _send_error(send, 400, "Invalid Content-Length header.")
                 return
             if int(declared) > self.max_bytes:
-                expects_continue = any(k.lower() == b"expect" for k, _ in scope.get("headers", ()))
-                if not expects_continue:  # a client waiting for "100 Continue" sends nothing
+                if _header(scope, b"expect") is None:  # a client waiting for "100 Continue" sends nothing
                     await _drain(receive)
                 await _send_error(send, 413, self._too_large())
                 return
