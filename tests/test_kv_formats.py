@@ -10,6 +10,7 @@ from kvserve import LLM, SamplingParams
 from kvserve.cache.formats import KV_CACHE_DTYPES, make_kv_format
 from kvserve.cache.formats.int4 import Int4Format, pack_int4, unpack_int4
 from kvserve.cache.kv_cache import KVCacheSpec
+from kvserve.model.attention import AttentionGroup, _decode_attention, _decode_attention_scaled
 
 QUANTIZED = ("fp8_e4m3", "fp8_e5m2", "int8", "int4", "int4_kivi")
 SPEC = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16)
@@ -46,7 +47,7 @@ def error_bound(name: str, x: torch.Tensor) -> torch.Tensor:
     """Worst-case |dequantized - x| for values `x` [tokens, heads, D] in the stored basis, written
     in one go (full blocks)."""
     amax = x.abs().amax(-1, keepdim=True)
-    if name == "int8":  # half a step of absmax / 127 (float16 scale rounded up: +2^-10)
+    if name == "int8":  # half a step of absmax / 127 (float16 rounding of the scale: 2^-11)
         return amax / 127 / 2 * (1 + 2 ** -9) + 1e-6
     if name in ("fp8_e4m3", "fp8_e5m2"):  # half an ulp of the value, or of the subnormal spacing
         mantissa, min_sub, fmax = (3, 2.0 ** -9, 448.0) if name == "fp8_e4m3" else (2, 2.0 ** -16, 57344.0)
@@ -194,7 +195,7 @@ def test_bytes_per_block_is_what_allocate_takes(name):
         assert tensor.shape[1] == 7
 
 
-@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("name", ["int8", "int4", "fp8_e4m3", "fp8_e5m2"])
 def test_scaled_gather_matches_dequantized_gather(name):
     fmt = make_kv_format(name, torch.bfloat16)
     pool = fmt.allocate(SPEC, 6, CPU)
@@ -206,6 +207,24 @@ def test_scaled_gather_matches_dequantized_gather(name):
                                      (scaled.value, scaled.value_scale, scaled.value_zero, v)):
         rebuilt = codes * scale[..., None] + (0 if zero is None else zero[..., None])
         assert torch.allclose(rebuilt, full, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "fp8_e4m3", "fp8_e5m2"])
+def test_decode_attention_over_codes_matches_attention_over_dequantized_kv(name):
+    """bfloat16 decode attention that applies the factors to scores and probabilities equals
+    attention over the dequantized K/V. fp8's codes decode to values near 2^-120: were the
+    bfloat16 matmuls to flush them, the output would be far off."""
+    fmt = make_kv_format(name, torch.bfloat16)
+    pool = fmt.allocate(SPEC, 6, CPU)
+    fmt.write(pool, keys_with_outliers(64), keys_with_outliers(64, seed=2), slots_of([4, 1, 5, 0]))
+    group = AttentionGroup(block_ids=torch.tensor([4, 1, 5, 0]), seq_lens=torch.tensor([32, 21]),
+                           context_len=32, max_seq_len=32)
+    q = torch.randn(2, 1, 6, SPEC.head_dim, generator=torch.Generator().manual_seed(3))
+    k, v = (t.clone() for t in fmt.gather(pool, group.block_ids, 2, torch.float32))
+    expected = _decode_attention(q, k, v, group, None)
+    scaled = fmt.gather_scaled(pool, group.block_ids, 2, torch.bfloat16)
+    got = _decode_attention_scaled(q.bfloat16(), scaled, group, None).float()
+    assert (got - expected).abs().max() <= 0.02 * expected.abs().max()
 
 
 def test_names_keep_prefix_caches_apart():

@@ -12,9 +12,15 @@ for 3M values, 40x slower than an int8 cast). An fp8 byte s|e|m is moved bitwise
 low exponent and high mantissa bits of a bfloat16 (whose exponent bias is 127 instead of 7 or
 15); the bias difference, 2^120 or 2^112, is folded into the scale. fp8 subnormals land on
 bfloat16 subnormals, so the mapping is exact for every finite code, and no code decodes to inf
-or NaN (0x7f, e4m3fn's NaN, would read as 480), so unwritten slots stay finite. The decoded
-values are scaled before the attention matmul (no `gather_scaled`): left at ~2^-120, they
-would be flushed to zero by bfloat16 dot-product instructions.
+or NaN (0x7f, e4m3fn's NaN, would read as 480), so unwritten slots stay finite.
+
+Decode attention keeps the decoded values at ~2^-120 and applies decode_unit * scale to its
+scores and probabilities (`gather_scaled`): a multiply over every gathered value measured ~300
+us a layer on CPU (32 x 272 tokens), twice the bitwise decode. The small values are normal
+bfloat16 numbers and their products with queries are accumulated in float32, so the matmuls
+lose nothing, except that bfloat16 dot-product instructions may read the subnormal ones (fp8
+subnormals: below 2^-13 of the token's absmax) as zero, far under the rounding error of its
+large values. float16 cannot hold them at all: a float16 model scales the values first.
 """
 from __future__ import annotations
 
@@ -61,5 +67,9 @@ class Fp8Format(TokenScaledFormat):
     def decode(self, codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         bits = self.scratch.get("bits", codes.shape, torch.int16, codes.device)
         bits.copy_(codes)  # sign-extends: a negative code's high byte is all ones
-        bits.bitwise_left_shift_(self._shift).bitwise_and_(self._mask)
+        # The shift, as a multiply (|code| <= 128 cannot overflow int16): ~30% faster on CPU.
+        bits.mul_(1 << self._shift).bitwise_and_(self._mask)
         return bits.view(torch.bfloat16)
+
+    def gather_scaled(self, pool, block_ids, batch, dtype):
+        return None if dtype == torch.float16 else super().gather_scaled(pool, block_ids, batch, dtype)

@@ -1,6 +1,8 @@
 """int8 KV cache: symmetric codes in [-127, 127] with one float16 scale per (token, KV head),
-scale = absmax / 127 rounded up to float16 (so nothing clips), at least 2^-14 (float16's smallest
-normal). -128 is never used, so the code range is symmetric. See token_scaled.py for the layout.
+scale = absmax / 127 rounded to float16 and at least 2^-14 (float16's smallest normal). When that
+rounding lands the scale a hair below absmax / 127, the largest value encodes to 127 by the
+clamp, an error far under half a step (float16 rounds to 2^-11 relative). -128 is never used, so
+the code range is symmetric. See token_scaled.py for the layout.
 
 Decode attention takes the codes (exact in bfloat16) and applies the scales to its scores and
 probabilities (`gather_scaled`), so a gathered value costs one int8 -> bfloat16 conversion.
@@ -10,7 +12,6 @@ from __future__ import annotations
 import torch
 
 from kvserve.cache.formats.token_scaled import TokenScaledFormat
-from kvserve.cache.kv_cache import ScaledKV
 
 _QMAX = 127.0
 _MIN_SCALE = 2.0 ** -14
@@ -22,9 +23,7 @@ class Int8Format(TokenScaledFormat):
     scale_dtype = torch.float16
 
     def scale_for(self, amax: torch.Tensor) -> torch.Tensor:
-        scale = (amax / _QMAX).clamp_min(_MIN_SCALE)
-        stored = scale.to(torch.float16)
-        return torch.where(stored.float() < scale, torch.nextafter(stored, stored.new_tensor(torch.inf)), stored)
+        return (amax / _QMAX).clamp_min_(_MIN_SCALE).to(torch.float16)
 
     def scale_value(self, stored: torch.Tensor) -> torch.Tensor:
         return stored.float()
@@ -33,11 +32,4 @@ class Int8Format(TokenScaledFormat):
         return scaled.round_().clamp_(-_QMAX, _QMAX).to(torch.int8)
 
     def decode(self, codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return codes.to(dtype)
-
-    def gather_scaled(self, pool, block_ids, batch, dtype):
-        codes, stored = self._gather_codes(pool, block_ids, batch)
-        values = self.scratch.get("values", codes.shape, dtype, codes.device).copy_(codes)
-        scale = stored.float()
-        heads = codes.shape[0] // 2
-        return ScaledKV(values[:heads], values[heads:], scale[:heads], scale[heads:])
+        return self.scratch.get("values", codes.shape, dtype, codes.device).copy_(codes)
