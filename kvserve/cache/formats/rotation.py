@@ -12,6 +12,8 @@ never turned back. On SmolLM2-135M (1,024 tokens scored through the cache, KL di
 the full-precision cache) it halved the error of every format: fp8_e4m3 0.017 -> 0.0084, fp8_e5m2
 0.070 -> 0.031, int8 0.0044 -> 0.0028, int4 0.163 -> 0.078 (perplexity +18.6% -> +6.4%). A
 randomized Hadamard (random signs) or a random orthogonal matrix measured the same within noise.
+int8 does not rotate: its error is small either way, and the rotation's matmuls cost ~6% of
+decode speed (int8.py).
 """
 from __future__ import annotations
 
