@@ -1,6 +1,6 @@
 """A KV cache stored in a rotated basis (K·R and V·R, kvserve/cache/formats/rotation.py) leaves the
-model's outputs unchanged: attention rotates the queries and returns its output in the rotated
-basis, and the model folds R^T into every o_proj at load. Checked with float32 storage, so any
+model's outputs unchanged: attention rotates the queries and un-rotates its output, on every path
+(batched, lone and evicting decodes, prefill chunks). Checked with float32 storage, so any
 difference comes from the rotation's bookkeeping, not from a quantizer."""
 from __future__ import annotations
 

@@ -82,8 +82,7 @@ class KVFormat:
     def rotation(self, head_dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
         """An orthogonal [head_dim, head_dim] matrix R if the format stores K·R and V·R instead of
         K and V (so `gather` returns them rotated); the attention then scores q·R against the keys
-        and returns probs·(V·R), for the model's o_proj, which holds R^T, to take. None (the
-        default): K and V are stored as given."""
+        and multiplies its output by R^T. None (the default): K and V are stored as given."""
         return None
 
 

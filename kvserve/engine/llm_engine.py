@@ -101,15 +101,14 @@ class LLMEngine:
         self.model_path = loaded.path
         self.tokenizer = loaded.tokenizer
         self.max_model_len = self._resolve_max_model_len(args.max_model_len)
-        self.kv_format = make_kv_format(args.kv_cache_dtype, self.dtype)
         self.model = LlamaForCausalLM.from_hf_weights(
-            loaded.config, loaded.weights, self.max_model_len, self.dtype, self.device,
-            value_rotation=self.kv_format.rotation(loaded.config.head_dim, torch.float32, torch.device("cpu")))
+            loaded.config, loaded.weights, self.max_model_len, self.dtype, self.device)
         del loaded
         logger.info("Loaded %s (%s, %s, %s) in %.1f s", self.model_path, self.model_config.architecture,
                     str(self.dtype).removeprefix("torch."), self.device, time.monotonic() - start)
         self.eos_token_ids = self._eos_token_ids()
 
+        self.kv_format = make_kv_format(args.kv_cache_dtype, self.dtype)
         cfg = self.model_config
         self.kv_spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, args.block_size)
         num_blocks = self._size_kv_pool()

@@ -123,8 +123,7 @@ class AttentionMetadata:
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pool: dict,
                     kv_format: KVFormat, meta: AttentionMetadata, window: int | None) -> torch.Tensor:
-    """query [tokens, heads, d], key/value [tokens, kv_heads, d] -> [tokens, heads * d], in the
-    basis the pool stores V in (`kv_format.rotation`)."""
+    """query [tokens, heads, d], key/value [tokens, kv_heads, d] -> [tokens, heads * d]."""
     kv_format.write(pool, key, value, meta.slot_mapping)
     rotation = kv_format.rotation(query.shape[-1], query.dtype, query.device)
     if rotation is not None:  # the pool holds K·R and V·R: (qR)·(kR) = q·k
@@ -143,7 +142,8 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         parts.append(_decode_attention(q, k_ctx, v_ctx, group, window).view(-1, heads, dim))
     parts.extend(_prefills(query, meta.prefills, pool, kv_format, rotation, window))
     out = parts[0] if len(parts) == 1 else torch.cat(parts)
-    # With a rotation this is probs·(V·R): the model's o_proj holds R^T (LlamaForCausalLM.from_hf_weights).
+    if rotation is not None:  # probs·(VR)·R^T = probs·V
+        out = out @ rotation.T
     return out.reshape(tokens, heads * dim)
 
 

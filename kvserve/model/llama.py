@@ -95,19 +95,11 @@ class LlamaForCausalLM(nn.Module):
 
     @classmethod
     def from_hf_weights(cls, config: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int,
-                        dtype: torch.dtype, device: torch.device,
-                        value_rotation: torch.Tensor | None = None) -> "LlamaForCausalLM":
-        """Build on the meta device (no throw-away random init), then adopt the checkpoint tensors.
-
-        `value_rotation`: the orthogonal R of a KV format that stores V·R (KVFormat.rotation).
-        Attention over such a cache returns its output in that basis, so R^T is folded into
-        every o_proj here, in float32 before the cast (QuaRot's fold, arXiv:2404.00456): a
-        matmul a layer saved, rather than un-rotating the output at every step."""
+                        dtype: torch.dtype, device: torch.device) -> "LlamaForCausalLM":
+        """Build on the meta device (no throw-away random init), then adopt the checkpoint tensors."""
         with torch.device("meta"):
             model = cls(config)
         model.load_hf_state_dict(weights)
-        if value_rotation is not None:
-            model._fold_value_rotation(value_rotation)
         model.rope = RotaryEmbedding(config, max_positions, dtype)
         model = model.to(device=device, dtype=dtype).eval()
         if prepacking_available(device, dtype):
@@ -127,17 +119,6 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, rope, kv_cache, meta)
         x = self.norm(x[logits_rows])
         return self.lm_head(x).float()
-
-    def _fold_value_rotation(self, rotation: torch.Tensor) -> None:
-        """Head h's attention output arrives as o_h·R, and (o_h·R)·R^T·W_h^T = (o_h·R)·(W_h·R)^T,
-        so each head's block W_h of o_proj's weight [hidden, heads * head_dim] becomes W_h·R. New
-        tensors: the checkpoint's may be shared with other models built from it."""
-        cfg = self.config
-        for layer in self.layers:
-            proj = layer.self_attn.o_proj
-            weight = proj.weight.detach().float().view(cfg.hidden_size, cfg.num_heads, cfg.head_dim)
-            folded = (weight @ rotation.float()).view(cfg.hidden_size, cfg.num_heads * cfg.head_dim)
-            proj.weight = nn.Parameter(folded, requires_grad=False)
 
     def set_key_centers(self, centers: list[torch.Tensor] | None) -> None:
         """One [kv_heads, head_dim] vector per layer to subtract from the keys it caches, or None."""

@@ -7,8 +7,8 @@ Multiplying K and V by an orthogonal Hadamard matrix H spreads every channel ove
 channels (QuaRot: Ashkboos et al. 2024, arXiv:2404.00456): absmax / rms of a block drops, and
 the error that remains is spread evenly instead of aligned with the queries. Attention is
 unchanged because q.k = (qH).(kH) and softmax(s) (VH) H^T = softmax(s) V; the attention layer
-rotates the queries (a small matmul) and the model folds H^T into each o_proj at load (QuaRot's
-fold), so neither the cached K/V nor the attention output is turned back. On SmolLM2-135M (1,024 tokens scored through the cache, KL divergence from
+rotates the queries and un-rotates its output (two small matmuls), so the cached K/V are
+never turned back. On SmolLM2-135M (1,024 tokens scored through the cache, KL divergence from
 the full-precision cache) it halved the error of every format: fp8_e4m3 0.017 -> 0.0084, fp8_e5m2
 0.070 -> 0.031, int8 0.0044 -> 0.0028, int4 0.163 -> 0.078 (perplexity +18.6% -> +6.4%). A
 randomized Hadamard (random signs) or a random orthogonal matrix measured the same within noise.
