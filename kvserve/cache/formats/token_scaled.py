@@ -83,23 +83,26 @@ class TokenScaledFormat(KVFormat):
         pool["kv_scale"].view(heads, -1).index_copy_(1, slot_mapping, stored.T)
 
     def gather(self, pool, block_ids, batch, dtype):
-        codes, stored = self._gather_codes(pool, block_ids, batch)
-        values = self.decode(codes, dtype)
-        factor = (self.scale_value(stored) * self.decode_unit).to(values.dtype)
-        values = values.mul_(factor.unsqueeze(-1)).to(dtype)
+        values, factor = self._gather_decoded(pool, block_ids, batch, dtype)
+        values = values.mul_(factor.to(values.dtype).unsqueeze(-1)).to(dtype)
         heads = values.shape[0] // 2
         return values[:heads], values[heads:]
 
     def gather_scaled(self, pool, block_ids, batch, dtype):
-        """The decoded codes and each token's factor (scale * decode_unit), for the decode attention
-        to apply to its scores and probabilities: a multiply over the gathered K/V is the costliest
-        pass of a quantized decode on CPU (~300 us a layer at 32 x 272 tokens, more than the
-        decode itself)."""
-        codes, stored = self._gather_codes(pool, block_ids, batch)
-        values = self.decode(codes, dtype).to(dtype)
-        factor = self.scale_value(stored) * self.decode_unit
+        """The decoded codes and each token's factor, for the decode attention to apply to its
+        scores and probabilities: a multiply over the gathered K/V is the costliest pass of a
+        quantized decode on CPU (~300 us a layer at 32 x 272 tokens, more than the decode itself)."""
+        values, factor = self._gather_decoded(pool, block_ids, batch, dtype)
+        values = values.to(dtype)
         heads = values.shape[0] // 2
         return ScaledKV(values[:heads], values[heads:], factor[:heads], factor[heads:])
+
+    def _gather_decoded(self, pool: dict[str, torch.Tensor], block_ids: torch.Tensor, batch: int,
+                        dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """`decode` of the given blocks' codes [2H, batch, tokens, D] and each token's float32
+        factor (scale * decode_unit) [2H, batch, tokens]: the stored value is their product."""
+        codes, stored = self._gather_codes(pool, block_ids, batch)
+        return self.decode(codes, dtype), self.scale_value(stored) * self.decode_unit
 
     def _gather_codes(self, pool: dict[str, torch.Tensor], block_ids: torch.Tensor,
                       batch: int) -> tuple[torch.Tensor, torch.Tensor]:
