@@ -1,0 +1,78 @@
+"""CPU bf16 linears: prepacked weights for batches, torch's GEMV for a single row."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from kvserve.model import cpu_linear
+from kvserve.model.cpu_linear import PrepackedLinear, prepack_linears, prepacking_available
+
+pytestmark = pytest.mark.skipif(not prepacking_available(torch.device("cpu"), torch.bfloat16),
+                                reason="needs oneDNN bf16 prepacking on CPU")
+
+
+def _linear(in_features: int = 96, out_features: int = 160, bias: bool = True) -> nn.Linear:
+    torch.manual_seed(0)
+    return nn.Linear(in_features, out_features, bias=bias).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7])
+@pytest.mark.parametrize("keep_plain", [True, False])
+def test_prepacked_linear_matches_float32_reference(rows, keep_plain):
+    linear = _linear()
+    x = torch.randn(rows, linear.in_features).to(torch.bfloat16)
+    expected = x.float() @ linear.weight.float().T + linear.bias.float()
+    out = PrepackedLinear(linear, keep_plain)(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, linear.out_features)
+    # float32 accumulation, one bfloat16 rounding of the result (8 significant bits)
+    torch.testing.assert_close(out.float(), expected, rtol=2 ** -7, atol=1e-2)
+
+
+def test_single_row_takes_the_native_gemv_and_restores_onednn(monkeypatch):
+    calls = []
+    native = cpu_linear.native_linear
+
+    def spy(x, weight, bias):
+        calls.append(x.shape[0])
+        return native(x, weight, bias)
+
+    monkeypatch.setattr(cpu_linear, "native_linear", spy)
+    layer = PrepackedLinear(_linear(), keep_plain=True)
+    x = torch.randn(3, layer.in_features).to(torch.bfloat16)
+    layer(x[:1])
+    layer(x)
+    assert calls == [1], "one row goes to the GEMV, several rows to the prepacked kernel"
+    assert torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        native(x[:1], layer.plain, layer.bias)
+        assert not torch._C._get_mkldnn_enabled(), "the caller's setting is restored, not forced on"
+    finally:
+        torch._C._set_mkldnn_enabled(True)
+
+
+class _TiedModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(200, 64).to(torch.bfloat16)
+        self.proj = nn.Linear(64, 64, bias=False).to(torch.bfloat16)
+        self.head = nn.Linear(64, 200, bias=False).to(torch.bfloat16)
+        self.head.weight = self.embed.weight
+
+
+def test_plain_copy_is_kept_only_when_it_fits_a_quarter_of_available_ram(monkeypatch):
+    proj_bytes = 64 * 64 * 2  # the tied head shares the embedding: its plain weight costs nothing
+    monkeypatch.setattr(cpu_linear, "available_ram_bytes", lambda: 4 * proj_bytes)
+    model = _TiedModel()
+    assert prepack_linears(model) == 2
+    assert model.proj.plain is not None
+    assert model.head.plain.data_ptr() == model.embed.weight.data_ptr()
+
+    monkeypatch.setattr(cpu_linear, "available_ram_bytes", lambda: 4 * proj_bytes - 1)
+    model = _TiedModel()
+    weight = model.proj.weight.detach().float()
+    prepack_linears(model)
+    assert model.proj.plain is None and model.head.plain is None
+    x = torch.randn(1, 64).to(torch.bfloat16)  # a single row still works, through the packed weights
+    torch.testing.assert_close(model.proj(x).float(), x.float() @ weight.T, rtol=2 ** -7, atol=1e-2)
