@@ -315,14 +315,14 @@ def test_sampling_params_check_the_kv_eviction_field(value, fragment):
 def test_gathered_keys_are_rotated_to_their_cache_index(rotated_format):
     from kvserve.cache.eviction.positions import rope_gathered_keys
     from kvserve.cache.formats.rotation import hadamard_rotation
-    from kvserve.model.rope import apply_rotary
 
     torch.manual_seed(0)
     keys = torch.randn(2, 3, 10, 8)  # [kv_heads, batch, tokens, head_dim], stored before RoPE
     angles = torch.arange(10.0)[:, None] * torch.tensor([1.0, 0.1, 0.01, 0.001])[None]
     cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
     signed_sin = torch.cat((-sin[:, :4], sin[:, 4:]), -1)
-    expected = apply_rotary(keys, cos, sin)  # what the model computes for a key at position i
+    # what the model computes for a key at position i: the reference's x cos + rotate_half(x) sin
+    expected = keys * cos + torch.cat((-keys[..., 4:], keys[..., :4]), -1) * sin
     if rotated_format:  # the pool holds K·H; attention works in that basis
         basis = hadamard_rotation(8, torch.float32, torch.device("cpu"))
         torch.testing.assert_close(rope_gathered_keys(keys @ basis, cos, signed_sin, basis), expected @ basis)

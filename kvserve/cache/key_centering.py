@@ -67,5 +67,5 @@ def calibrate_key_centers(model: LlamaForCausalLM, kv_cache: KVCache, max_tokens
         for hook in hooks:
             hook.remove()
     # RoPE is linear in (cos, sin), so rotating by their mean is the mean of the rotated keys.
-    cos, sin = (table[:CENTER_POSITIONS].float().mean(dim=0) for table in (model.rope.cos, model.rope.sin))
-    return [apply_rotary(mean[None], cos, sin)[0] for mean in means]
+    cos, signed_sin = (table[:CENTER_POSITIONS].float().mean(dim=0) for table in (model.rope.cos, model.rope.signed_sin))
+    return [apply_rotary(mean[None], cos, signed_sin)[0] for mean in means]

@@ -172,11 +172,9 @@ class ModelRunner:
         """cos and signed sin [length, head_dim] of positions 0..length-1, as
         positions.rope_gathered_keys takes them. Past the table's end (a padded block beyond
         max-model-len) the last row repeats: those keys are masked anyway."""
-        cos, sin = self.model.rope.cos, self.model.rope.sin
+        cos, signed_sin = self.model.rope.cos, self.model.rope.signed_sin
         index = torch.arange(length, device=cos.device).clamp_(max=cos.shape[0] - 1)
-        signed_sin = sin[index]
-        signed_sin[:, : sin.shape[-1] // 2].neg_()
-        return cos[index], signed_sin
+        return cos[index], signed_sin[index]
 
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
         logits = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta, inputs.logits_rows)
