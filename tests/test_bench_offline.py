@@ -102,9 +102,13 @@ def test_machine_measurements_are_plausible():
 
 def test_efficiency_report(tiny_llm, tiny_llama):
     hf = HFGenerator(load_hf_model(str(tiny_llama), torch.float32, torch.device("cpu")), pad_token_id=0)
-    report = efficiency_report(tiny_llm, hf, concurrencies=(2, 4), prompt_len=8, steps=3)
+    report = efficiency_report(tiny_llm, hf, concurrencies=(2, 4), prompt_len=8, steps=3, rounds=3)
     text = report.format()
-    assert "Single-stream decode: kvserve" in text and ", hf " in text
+    assert "Single-stream decode: kvserve" in text and ", hf " in text and "median of 3 side-by-side rounds" in text
+    assert len(report.single_stream_rounds) == 3
+    ratios = sorted(k / h for k, h in report.single_stream_rounds)
+    assert report.single_stream_ratio == pytest.approx(ratios[1])
+    assert report.single_stream_kvserve == pytest.approx(sorted(k for k, _ in report.single_stream_rounds)[1])
     assert "Decode at 4 concurrent:" in text and "of matmul peak" in text
     assert report.weight_bytes_per_token == matmul_params(tiny_llm.engine.model_config) * 4
     assert [c["concurrency"] for c in report.concurrent] == [2, 4]
