@@ -40,8 +40,10 @@ def rope_gathered_keys(keys: torch.Tensor, cos: torch.Tensor, signed_sin: torch.
     orthogonal rotation R when the pool holds K·R (quantized formats, rotation.py); the keys are
     then turned back, rotated, and turned again.
 
-    Three ops (a concatenation, a product, a fused multiply-add); on CPU ~1.4x faster than
-    writing the halves separately and ~6x faster than apply_rotary's negate + concatenate."""
+    The same formula as the model's `apply_rotary`, with the second product and the sum fused
+    into one `addcmul`: apply_rotary keeps the reference's separate roundings (it must match HF
+    transformers bit for bit), which these keys, already rounded by storage, do not need. On CPU
+    ~1.4x faster than writing the halves separately."""
     if basis is not None:
         keys = keys @ basis.T
     half = keys.shape[-1] // 2
