@@ -302,9 +302,6 @@ def default_model_agreement():
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype,minimum", [
     ("int8", 0.95),
-    # Target 0.95; e4m3's 3 mantissa bits measured 0.943 over 1,536 positions of the novel (0.92-0.965
-    # per window of 256): a 1-byte float can't hold this model's keys closer. Guard the measured level.
-    ("fp8", 0.93),
     ("int4", 0.80),
     ("int4_kivi", 0.88),
 ])
@@ -313,9 +310,49 @@ def test_default_model_top1_agreement_with_full_precision_cache(default_model_ag
     assert default_model_agreement[dtype].top1_agreement >= minimum, default_model_agreement[dtype]
 
 
+@pytest.fixture(scope="module")
+def fp8_eval_agreement():
+    """fp8 (e4m3) against the full-precision cache on `kvserve eval`'s 2,048 positions (windows of
+    512 context + 512 scored tokens), with its fitted key bases and without them. On 512
+    positions, as above, the top-1 share moved by about a point with rounding-level changes
+    (0.941-0.953 for fits of the same quality)."""
+    from kvserve.engine.args import EngineArgs
+    from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.eval.perplexity import ScoringConfig, make_windows, measure_fidelity
+    from kvserve.eval.runner import DEFAULT_TEXT, read_text
+    from kvserve.model.loader import load_model
+
+    loaded = load_model(None)
+    scoring = ScoringConfig()
+    windows = make_windows(loaded.tokenizer.encode(read_text(DEFAULT_TEXT), add_special_tokens=False), scoring)
+    results, reference = {}, None
+    for dtype in ("auto", "fp8", "fp8 unfitted"):
+        engine = LLMEngine(EngineArgs(kv_cache_dtype=dtype.split()[0], kv_cache_memory="64MiB", max_model_len=2048),
+                           loaded_model=loaded)
+        if dtype == "fp8 unfitted":
+            engine.model.set_key_bases(None)  # keys in the Hadamard basis alone (kvserve/cache/key_basis.py)
+        fidelity, kept = measure_fidelity(engine, windows, scoring, reference)
+        reference = reference or kept
+        results[dtype] = fidelity
+    return results
+
+
+@pytest.mark.slow
+def test_default_model_fp8_top1_agreement_over_the_eval_positions(fp8_eval_agreement):
+    assert fp8_eval_agreement["fp8"].top1_agreement >= 0.95, fp8_eval_agreement["fp8"]
+
+
+@pytest.mark.slow
+def test_fitted_key_basis_reduces_fp8_error_on_the_default_model(fp8_eval_agreement):
+    # KL divergence from the full-precision cache: 0.0086 -> 0.0056 when measured.
+    fitted, unfitted = fp8_eval_agreement["fp8"], fp8_eval_agreement["fp8 unfitted"]
+    assert fitted.mean_kl < 0.8 * unfitted.mean_kl, (fitted, unfitted)
+
+
 @pytest.mark.slow
 def test_key_centring_reduces_int4_error_on_the_default_model(default_model_agreement):
     # KL divergence from the full-precision cache, 0.077 -> 0.055 on these 512 positions (0.074 ->
     # 0.051 on 2,048). Perplexity over 512 tokens is too noisy to compare (it moved 0.4%).
     centred, uncentred = default_model_agreement["int4"], default_model_agreement["int4 uncentred"]
     assert centred.mean_kl < 0.85 * uncentred.mean_kl, (centred, uncentred)
+

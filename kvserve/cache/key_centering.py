@@ -26,46 +26,22 @@ from __future__ import annotations
 
 import torch
 
+from kvserve.cache.calibration import record_projections
 from kvserve.cache.kv_cache import KVCache
-from kvserve.model.attention import AttentionMetadata, PrefillChunk
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.rope import apply_rotary
 
-CALIBRATION_TOKENS = 1024  # random tokens; 256 gave a noisier mean (int4 perplexity +6.0% against +4.5%)
 CENTER_POSITIONS = 4096  # the mean key is averaged over RoPE at positions [0, this) (see the docstring)
-_SEED = 0
 
 
-@torch.inference_mode()
 def calibrate_key_centers(model: LlamaForCausalLM, kv_cache: KVCache, max_tokens: int) -> list[torch.Tensor]:
-    """Each layer's key centre [kv_heads, head_dim]: the mean pre-RoPE key over one prefill of
-    random tokens, rotated by RoPE averaged over positions [0, CENTER_POSITIONS).
-
-    The prefill runs through the (still empty) pool's first blocks with centring off; those
-    blocks are free again afterwards and are overwritten before anything reads them."""
-    config, device = model.config, kv_cache.device
-    block_size = kv_cache.spec.block_size
-    num_tokens = min(CALIBRATION_TOKENS, max_tokens, kv_cache.num_blocks * block_size)
-    generator = torch.Generator().manual_seed(_SEED)
-    input_ids = torch.randint(0, config.vocab_size, (num_tokens,), generator=generator).to(device)
-    positions = torch.arange(num_tokens, device=device)
-    first_key_head = config.num_heads
-    means: list[torch.Tensor] = []
-
-    def record(_module, _inputs, qkv: torch.Tensor) -> None:
-        heads = qkv.view(num_tokens, -1, config.head_dim)
-        means.append(heads[:, first_key_head: first_key_head + config.num_kv_heads].float().mean(dim=0))
-
-    hooks = [layer.self_attn.qkv_proj.register_forward_hook(record) for layer in model.layers]
-    try:
-        model.set_key_centers(None)
-        num_blocks = -(-num_tokens // block_size)
-        meta = AttentionMetadata(slot_mapping=positions, decodes=[],
-                                 prefills=[PrefillChunk(0, num_tokens, num_tokens, torch.arange(num_blocks, device=device))])
-        model(input_ids, positions, kv_cache, meta, logits_rows=positions[:0])
-    finally:
-        for hook in hooks:
-            hook.remove()
+    """Each layer's key centre [kv_heads, head_dim]: the mean pre-RoPE key over the calibration
+    prefill of random tokens (calibration.py, run with centring off), rotated by RoPE averaged
+    over positions [0, CENTER_POSITIONS)."""
+    config = model.config
+    model.set_key_centers(None)
+    keys = slice(config.num_heads, config.num_heads + config.num_kv_heads)
+    means = [qkv[:, keys].float().mean(dim=0) for qkv in record_projections(model, kv_cache, max_tokens)]
     # RoPE is linear in (cos, sin), so rotating by their mean is the mean of the rotated keys.
     cos, signed_sin = (table[:CENTER_POSITIONS].float().mean(dim=0) for table in (model.rope.cos, model.rope.signed_sin))
     return [apply_rotary(mean[None], cos, signed_sin)[0] for mean in means]

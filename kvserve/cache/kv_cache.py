@@ -54,6 +54,8 @@ class KVFormat:
     name: str = "abstract"
     # Store keys minus a per-(layer, KV head) constant calibrated at start-up (key_centering.py).
     center_keys: bool = False
+    # Store keys in a basis fitted at start-up to the format's relative rounding (key_basis.py).
+    fit_key_basis: bool = False
 
     def bytes_per_block(self, spec: KVCacheSpec) -> int:
         """Bytes one block takes in one layer, K and V and any scales included."""

@@ -18,6 +18,7 @@ from kvserve.cache.eviction.config import resolve_eviction
 from kvserve.cache.eviction.evictor import Evictor
 from kvserve.cache.eviction.moves import move_tokens
 from kvserve.cache.formats import make_kv_format
+from kvserve.cache.key_basis import calibrate_key_bases
 from kvserve.cache.key_centering import calibrate_key_centers
 from kvserve.cache.kv_cache import KVCache, KVCacheSpec
 from kvserve.cache.kv_cache_manager import KVCacheManager
@@ -117,6 +118,12 @@ class LLMEngine:
             start = time.monotonic()
             self.model.set_key_centers(calibrate_key_centers(self.model, self.kv_cache, self.max_model_len))
             logger.info("Calibrated %s key centres in %.1f s", self.kv_format.name, time.monotonic() - start)
+        if self.kv_format.fit_key_basis:
+            start = time.monotonic()
+            bases, share = calibrate_key_bases(self.model, self.kv_cache, self.max_model_len)
+            self.model.set_key_bases(bases)
+            logger.info("Fitted %s key bases in %.1f s: modelled score error %.2fx of a Hadamard rotation's",
+                        self.kv_format.name, time.monotonic() - start, share)
         self.eviction_defaults = EvictionSpec(args.kv_eviction, args.kv_budget, args.sink_tokens, args.recent_tokens)
         self.resolve_eviction(None)  # bad --kv-eviction flags fail at start-up
         self.evictor = Evictor(args.block_size, self.max_model_len, self.device)

@@ -49,6 +49,9 @@ class Attention(nn.Module):
         # [kv_heads, head_dim] subtracted from every key before it is cached, or None
         # (kvserve/cache/key_centering.py: attention is unchanged, quantization error shrinks).
         self.key_center: torch.Tensor | None = None
+        # float32 key and query transforms T, T^-T [kv_heads, head_dim, head_dim]: keys cached as k·T, or
+        # None (kvserve/cache/key_basis.py: scores are unchanged, fp8 rounding disturbs them less).
+        self.key_basis: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -59,11 +62,27 @@ class Attention(nn.Module):
         v = heads[:, self.num_heads + self.num_kv_heads:]
         if self.key_center is not None:
             k = k - self.key_center
+        plain_q = q
+        if self.key_basis is not None:
+            q, k = self._change_key_basis(q, k)
         if meta.unrotated_key_rows is not None:  # requests under KV eviction store keys before RoPE
             rows = meta.unrotated_key_rows
-            k = k.index_copy(0, rows, heads[rows, self.num_heads: self.num_heads + self.num_kv_heads])
+            k = k.index_copy(0, rows, heads[rows, self.num_heads: self.num_heads + self.num_kv_heads].to(k.dtype))
+            if self.key_basis is not None:
+                q = q.index_copy(0, rows, plain_q[rows])
         out = paged_attention(q, k, v, kv_cache.layers[self.layer_idx], kv_cache.format, meta, self.window)
         return self.o_proj(out)
+
+    def _change_key_basis(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [tokens, heads, d] -> q·T^-T and k [tokens, kv_heads, d] -> k·T, per KV head, as one
+        float32 bmm each over [kv_heads, rows, d] (on CPU ~2x faster than einsum or bfloat16)."""
+        key_transform, query_transform = self.key_basis
+        tokens, kv_heads, dim = q.shape[0], self.num_kv_heads, self.head_dim
+        grouped = q.float().view(tokens, kv_heads, -1, dim).transpose(0, 1).reshape(kv_heads, -1, dim)
+        q_new = torch.bmm(grouped, query_transform).view(kv_heads, tokens, -1, dim).transpose(0, 1)
+        k_new = torch.bmm(k.float().transpose(0, 1), key_transform).transpose(0, 1)
+        # The keys stay float32: the format rounds them once, from float32, as they are stored.
+        return q_new.reshape(q.shape).to(q.dtype), k_new
 
 
 class MLP(nn.Module):
@@ -133,6 +152,16 @@ class LlamaForCausalLM(nn.Module):
         """One [kv_heads, head_dim] vector per layer to subtract from the keys it caches, or None."""
         for i, layer in enumerate(self.layers):
             layer.self_attn.key_center = None if centers is None else centers[i].to(self.embed_tokens.weight.dtype)
+
+    def set_key_bases(self, transforms: list[torch.Tensor] | None) -> None:
+        """One key transform T [kv_heads, head_dim, head_dim] per layer (keys cached as k·T,
+        queries turned by T^-T), or None."""
+        for i, layer in enumerate(self.layers):
+            if transforms is None:
+                layer.self_attn.key_basis = None
+            else:
+                transform = transforms[i].float()  # applied in float32 (Attention._change_key_basis)
+                layer.self_attn.key_basis = (transform, torch.linalg.inv(transform).mT.contiguous())
 
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
         """Load HF-named tensors (model.layers.N.self_attn.q_proj.weight, ...), fusing q/k/v and gate/up."""

@@ -7,7 +7,8 @@ Layout of one layer's pool (keys in the first kv_heads rows, values in the next 
 
 K and V share one tensor so that a write or a gather is one set of ops for both. The scales are
 indexed by block id like the codes, so they are allocated, shared through the prefix cache and
-freed with their blocks. fp8 rotates K and V before quantizing (rotation.py); int8 does not (int8.py).
+freed with their blocks. fp8_e5m2 rotates K and V before quantizing (rotation.py); fp8_e4m3
+takes its keys in a basis the model fitted for it (key_basis.py); int8 stores them as they come.
 
 Why one scale per token rather than per (block, KV head): a block fills over several decode
 steps, so a block scale has to grow with the block's absmax and re-encode the block's earlier
@@ -36,7 +37,7 @@ class TokenScaledFormat(KVFormat):
     scale_dtype: torch.dtype  # dtype of the stored scales
     decode_unit: float = 1.0  # decode(codes) * decode_unit * scale is the stored value
 
-    def __init__(self, rotate: bool = True):
+    def __init__(self, rotate: bool = False):
         self.rotate = rotate  # store K·H and V·H (rotation.py): outlier channels spread before quantizing
         self.scratch = Scratch()
 

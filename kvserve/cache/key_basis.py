@@ -1,0 +1,98 @@
+"""A calibrated key basis for the fp8 (e4m3) cache: keys stored as k·T, queries turned by T^-T.
+
+Attention only needs q·k, and q·k = (q T^-T)·(k T) for any invertible T [head_dim, head_dim], so
+each (layer, KV head) may cache its keys in a basis of its own. The basis decides how much an
+fp8 cache's rounding disturbs the scores. fp8 is a floating-point format: each stored channel is
+off by a relative error δ_i of about the same size at any magnitude. The score error of a query
+is then Σ_i q'_i k'_i δ_i (q' = q T^-T, k' = k T), with variance proportional to
+
+    Σ_i E[q'_i²] E[k'_i²] = Σ_i (T^-1 A T^-T)_ii (T^T B T)_ii,   A = E[q qᵀ], B = E[k kᵀ]
+
+(A summed over the query heads that share the KV head). The per-token scales and a per-channel
+scale cancel out of it (so QServe's SmoothAttention balancing buys fp8 nothing), but the basis
+does not. A Hadamard rotation (rotation.py) flattens both diagonals, which is what fp8 used to
+store its keys in (e5m2 still does, fp8.py says why); T is fitted at start-up to make the sum
+smaller still, by gradient descent from that rotation on the moments of one prefill of random
+tokens (calibration.py). Integer formats (int8, int4) round to an absolute step instead, an
+error this model does not describe.
+
+Measured on SmolLM2-135M (`kvserve eval` protocol, 2,048 teacher-forced positions of the novel,
+fp8_e4m3 against the bfloat16 cache, emulated in float storage first): almost all of fp8's error
+came from the keys (K alone quantized: KL 0.0076, top-1 95.0%; V alone: KL 0.0022, 97.6%). With
+1,024 calibration tokens, a general T modelled 0.23x the Hadamard basis' score error on the
+calibration moments and 0.49x on moments taken from the novel, and measured KL 0.0053 (Hadamard:
+0.0081); an orthogonal T, fitted likewise, 0.27x / 0.53x and KL 0.0064. Centring fp8's keys as
+well (key_centering.py) changed nothing measurable. BENCHMARKS.md has the shipped numbers.
+
+Rows of requests under KV eviction store their keys before RoPE, which does not commute with T;
+those rows keep the plain basis (the model restores their queries), like key centring.
+"""
+from __future__ import annotations
+
+import torch
+
+from kvserve.cache.calibration import record_projections
+from kvserve.cache.formats.rotation import hadamard_rotation
+from kvserve.cache.kv_cache import KVCache
+from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.rope import apply_rotary
+
+CALIBRATION_TOKENS = 2048  # random tokens (fewer if max-model-len or the pool is smaller)
+FIT_STEPS = 300  # Adam steps from the Hadamard rotation (100 measured KL 0.0060 against 0.0053 for 300)
+_LEARNING_RATE = 0.01
+
+
+def modelled_score_error(transform: torch.Tensor, query_moment: torch.Tensor,
+                         key_moment: torch.Tensor) -> torch.Tensor:
+    """Σ_i (T^-1 A T^-T)_ii (T^T B T)_ii over [..., d, d] batches: the variance of a score's error,
+    up to a constant, when keys are cached as k·T in a format with relative rounding error."""
+    inverse = torch.linalg.inv(transform)
+    query_side = torch.diagonal(inverse @ query_moment @ inverse.mT, dim1=-2, dim2=-1)
+    key_side = torch.diagonal(transform.mT @ key_moment @ transform, dim1=-2, dim2=-1)
+    return (query_side * key_side).sum(-1)
+
+
+def fit_transforms(query_moment: torch.Tensor, key_moment: torch.Tensor,
+                   start: torch.Tensor) -> torch.Tensor:
+    """T [..., d, d] near `start` (an orthogonal rotation) with a smaller modelled score error."""
+    query_moment, key_moment = query_moment.clone(), key_moment.clone()  # usable by autograd
+    eye = torch.eye(start.shape[-1], device=start.device)
+    baseline = modelled_score_error(start, query_moment, key_moment)
+    update = torch.zeros(query_moment.shape, device=start.device, requires_grad=True)
+    optimizer = torch.optim.Adam([update], lr=_LEARNING_RATE)
+    with torch.enable_grad():
+        for _ in range(FIT_STEPS):
+            # Relative to the start, so that every (layer, head) counts alike whatever its scale.
+            loss = (modelled_score_error(start @ (eye + update), query_moment, key_moment) / baseline).sum()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    return (start @ (eye + update)).detach()
+
+
+def calibrate_key_bases(model: LlamaForCausalLM, kv_cache: KVCache, max_tokens: int) -> tuple[list[torch.Tensor], float]:
+    """Each layer's key transform T [kv_heads, d, d] for the model (`set_key_bases`), fitted from
+    the Hadamard rotation, and the fitted bases' modelled score error as a share of that
+    rotation's (mean over layers and heads). For formats that store the keys they are given as
+    they are (no rotation of their own)."""
+    config, device = model.config, kv_cache.device
+    heads, kv_heads, dim = config.num_heads, config.num_kv_heads, config.head_dim
+    model.set_key_bases(None)
+    recorded = record_projections(model, kv_cache, max_tokens, CALIBRATION_TOKENS)
+    positions = torch.arange(recorded[0].shape[0], device=device)
+    cos, signed_sin = model.rope(positions)
+    query_moments, key_moments = [], []
+    for layer, qkv in zip(model.layers, recorded):
+        qk = apply_rotary(qkv[:, : heads + kv_heads].float(), cos.float(), signed_sin.float())
+        q = qk[:, :heads].reshape(-1, kv_heads, heads // kv_heads, dim)
+        k = qk[:, heads:]
+        if layer.self_attn.key_center is not None:
+            k = k - layer.self_attn.key_center.float()
+        query_moments.append(torch.einsum("nhgi,nhgj->hij", q, q) / q.shape[0])
+        key_moments.append(torch.einsum("nhi,nhj->hij", k, k) / k.shape[0])
+    query_moment, key_moment = torch.stack(query_moments), torch.stack(key_moments)
+    hadamard = hadamard_rotation(dim, torch.float32, device)
+    fitted = fit_transforms(query_moment, key_moment, hadamard.expand_as(query_moment).contiguous())
+    share = (modelled_score_error(fitted, query_moment, key_moment)
+             / modelled_score_error(hadamard, query_moment, key_moment)).mean().item()
+    return list(fitted), share
