@@ -1,6 +1,7 @@
 """Key bases (kvserve/cache/key_basis.py): keys cached as k·T with queries turned by T^-T leave the
-model's outputs unchanged on every attention path; fp8 fits T at start-up, deterministically, and
-the fitted T really shrinks the score error of fp8 rounding."""
+model's outputs unchanged on every attention path; fp8 (e4m3) fits T at start-up, deterministically
+(keeping the Hadamard rotation when there are too few calibration tokens), and the fitted T really
+shrinks the score error of fp8 rounding."""
 from __future__ import annotations
 
 import torch
@@ -108,3 +109,15 @@ def test_fitted_basis_shrinks_the_measured_fp8_score_error():
     scaled = fitted * torch.exp2(torch.randint(-3, 4, (dim,), generator=gen).float())
     assert torch.allclose(modelled_score_error(scaled, query_moment, key_moment),
                           modelled_score_error(fitted, query_moment, key_moment), rtol=1e-3)
+
+
+def test_too_few_calibration_tokens_keep_the_hadamard_rotation(tiny_llama):
+    # max-model-len 32 allows a 32-token calibration prefill: too few for head_dim-sized moments.
+    loaded = load_model(str(tiny_llama))
+    engine = LLMEngine(EngineArgs(model=str(tiny_llama), dtype="float32", kv_cache_dtype="fp8", kv_cache_memory="4MiB",
+                                  max_model_len=32), loaded_model=loaded)
+    dim = engine.model_config.head_dim
+    hadamard = hadamard_rotation(dim, torch.float32, torch.device("cpu"))
+    assert 32 < 4 * dim
+    for layer in engine.model.layers:
+        assert torch.equal(layer.self_attn.key_basis[0], hadamard.expand_as(layer.self_attn.key_basis[0]))

@@ -40,6 +40,9 @@ from kvserve.model.rope import apply_rotary
 CALIBRATION_TOKENS = 2048  # random tokens (fewer if max-model-len or the pool is smaller)
 FIT_STEPS = 300  # Adam steps from the Hadamard rotation (100 measured KL 0.0060 against 0.0053 for 300)
 _LEARNING_RATE = 0.01
+# Below this many calibration tokens per channel the moments are too thin to fit to (nearly
+# rank-deficient, so the fit could pick an ill-conditioned T); the Hadamard rotation is kept.
+MIN_TOKENS_PER_DIM = 4
 
 
 def modelled_score_error(transform: torch.Tensor, query_moment: torch.Tensor,
@@ -92,6 +95,8 @@ def calibrate_key_bases(model: LlamaForCausalLM, kv_cache: KVCache, max_tokens: 
         key_moments.append(torch.einsum("nhi,nhj->hij", k, k) / k.shape[0])
     query_moment, key_moment = torch.stack(query_moments), torch.stack(key_moments)
     hadamard = hadamard_rotation(dim, torch.float32, device)
+    if positions.shape[0] < MIN_TOKENS_PER_DIM * dim:  # too few tokens (a short max-model-len or pool)
+        return [hadamard.expand(kv_heads, dim, dim).clone() for _ in model.layers], 1.0
     fitted = fit_transforms(query_moment, key_moment, hadamard.expand_as(query_moment).contiguous())
     share = (modelled_score_error(fitted, query_moment, key_moment)
              / modelled_score_error(hadamard, query_moment, key_moment)).mean().item()
