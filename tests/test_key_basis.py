@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import torch
 
-from kvserve import SamplingParams
 from kvserve.cache.formats.rotation import hadamard_rotation
 from kvserve.cache.key_basis import fit_transforms, modelled_score_error
 from kvserve.engine.args import EngineArgs
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.model.loader import load_model
+
+from engine_runs import greedy_tokens
 
 
 def _engine(path, loaded, kv_cache_dtype: str = "float32") -> LLMEngine:
@@ -32,18 +33,6 @@ def _plain_and_transformed_engines(path) -> tuple[LLMEngine, LLMEngine]:
     return plain, transformed
 
 
-def _greedy_tokens(engine: LLMEngine, prompts: dict[str, tuple[list[int], dict | None]]) -> dict[str, list[int]]:
-    for request_id, (prompt, eviction) in prompts.items():
-        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, kv_eviction=eviction),
-                           request_id)
-    tokens = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                tokens[out.request_id] = out.outputs[0].token_ids
-    return tokens
-
-
 def test_any_key_basis_leaves_the_logits_unchanged(tiny_llama):
     plain, transformed = _plain_and_transformed_engines(tiny_llama)
     tokens = list(range(3, 103))  # chunks of 7: prefill chunks attending to cached, transformed keys
@@ -61,7 +50,7 @@ def test_key_basis_gives_the_plain_greedy_tokens_on_every_path(tiny_llama):
     prompts = {"long": (list(range(5, 125)), None), "short": (list(range(40, 49)), None),
                "mid": (list(range(60, 110)), None),
                "evicting": (list(range(7, 87)), {"policy": "streaming", "budget": 64})}
-    assert _greedy_tokens(transformed, prompts) == _greedy_tokens(plain, prompts)
+    assert greedy_tokens(transformed, prompts) == greedy_tokens(plain, prompts)
 
 
 def test_fp8_e4m3_fits_its_key_bases_deterministically_and_other_formats_keep_none(tiny_llama):

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import torch
 
-from kvserve import SamplingParams
 from kvserve.cache.formats.full_precision import FullPrecisionFormat
 from kvserve.cache.formats.rotation import hadamard_rotation
 from kvserve.engine import llm_engine
 from kvserve.engine.args import EngineArgs
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.model.loader import load_model
+
+from engine_runs import greedy_tokens
 
 
 class RotatedFloat32(FullPrecisionFormat):
@@ -39,18 +40,6 @@ def _plain_and_rotated_engines(path, monkeypatch) -> tuple[LLMEngine, LLMEngine]
     return plain, rotated
 
 
-def _greedy_tokens(engine: LLMEngine, prompts: dict[str, tuple[list[int], dict | None]]) -> dict[str, list[int]]:
-    for request_id, (prompt, eviction) in prompts.items():
-        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, kv_eviction=eviction)
-        engine.add_request(prompt, params, request_id)
-    tokens = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                tokens[out.request_id] = out.outputs[0].token_ids
-    return tokens
-
-
 def test_rotated_cache_gives_the_plain_cache_logits(tiny_llama, monkeypatch):
     plain, rotated = _plain_and_rotated_engines(tiny_llama, monkeypatch)
     tokens = list(range(3, 103))  # chunks of 7: prefill chunks attending to cached, rotated K/V
@@ -68,4 +57,4 @@ def test_rotated_cache_gives_the_plain_greedy_tokens(tiny_llama, monkeypatch):
     prompts = {"long": (list(range(5, 125)), None), "short": (list(range(40, 49)), None),
                "mid": (list(range(60, 110)), None),
                "evicting": (list(range(7, 87)), {"policy": "streaming", "budget": 64})}
-    assert _greedy_tokens(rotated, prompts) == _greedy_tokens(plain, prompts)
+    assert greedy_tokens(rotated, prompts) == greedy_tokens(plain, prompts)
