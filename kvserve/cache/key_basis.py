@@ -83,6 +83,9 @@ def calibrate_key_bases(model: LlamaForCausalLM, kv_cache: KVCache, max_tokens: 
     model.set_key_bases(None)
     recorded = record_projections(model, kv_cache, max_tokens, CALIBRATION_TOKENS)
     positions = torch.arange(recorded[0].shape[0], device=device)
+    hadamard = hadamard_rotation(dim, torch.float32, device)
+    if positions.shape[0] < MIN_TOKENS_PER_DIM * dim:  # too few tokens (a short max-model-len or pool)
+        return [hadamard.expand(kv_heads, dim, dim).clone() for _ in model.layers], 1.0
     cos, signed_sin = model.rope(positions)
     query_moments, key_moments = [], []
     for layer, qkv in zip(model.layers, recorded):
@@ -94,9 +97,6 @@ def calibrate_key_bases(model: LlamaForCausalLM, kv_cache: KVCache, max_tokens: 
         query_moments.append(torch.einsum("nhgi,nhgj->hij", q, q) / q.shape[0])
         key_moments.append(torch.einsum("nhi,nhj->hij", k, k) / k.shape[0])
     query_moment, key_moment = torch.stack(query_moments), torch.stack(key_moments)
-    hadamard = hadamard_rotation(dim, torch.float32, device)
-    if positions.shape[0] < MIN_TOKENS_PER_DIM * dim:  # too few tokens (a short max-model-len or pool)
-        return [hadamard.expand(kv_heads, dim, dim).clone() for _ in model.layers], 1.0
     fitted = fit_transforms(query_moment, key_moment, hadamard.expand_as(query_moment).contiguous())
     share = (modelled_score_error(fitted, query_moment, key_moment)
              / modelled_score_error(hadamard, query_moment, key_moment)).mean().item()
