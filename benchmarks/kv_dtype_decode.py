@@ -1,6 +1,7 @@
-"""Decode throughput of each KV-cache dtype relative to "auto", on the default model.
+"""Decode throughput of each KV-cache dtype (and attention backend) relative to the first, on the
+default model.
 
-One engine per dtype, built from a single checkpoint load and all kept alive, so the dtypes can
+One engine per dtype and attention backend, built from a single checkpoint load and all kept alive, so the dtypes can
 be measured in interleaved rounds (a machine shared with other jobs drifts; interleaving spreads
 the drift over all dtypes). Each round times pure decode steps of `--concurrency` sequences with
 random prompts of `--prompt-len` tokens (`kvserve.bench.efficiency.kvserve_decode`, the decode
@@ -9,10 +10,12 @@ and the median over rounds of each round's ratio to the first dtype (measured si
 figure that drifts least on a shared machine).
 
     python benchmarks/kv_dtype_decode.py [--concurrency 32] [--prompt-len 256] [--steps 32] [--rounds 5]
+    python benchmarks/kv_dtype_decode.py --kv-cache-dtypes auto --attention-backends torch,cpu_paged
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 
 from kvserve.bench.efficiency import kvserve_decode
@@ -36,12 +39,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--kv-cache-memory", default="256MiB")
+    parser.add_argument("--attention-backends", default="auto", help="comma-separated --attention-backend values")
     args = parser.parse_args()
-    dtypes = args.kv_cache_dtypes.split(",")
+    backends = args.attention_backends.split(",")
+    variants = list(itertools.product(args.kv_cache_dtypes.split(","), backends))
+    label = {v: v[0] if len(backends) == 1 else f"{v[0]}, {v[1]}" for v in variants}
     loaded = load_model(None)
-    engines = {d: _Engine(LLMEngine(EngineArgs(kv_cache_dtype=d, kv_cache_memory=args.kv_cache_memory,
-                                               max_model_len=args.prompt_len + args.steps + 1),
-                                    loaded_model=loaded)) for d in dtypes}
+    engines = {label[v]: _Engine(LLMEngine(EngineArgs(kv_cache_dtype=v[0], attention_backend=v[1],
+                                                      kv_cache_memory=args.kv_cache_memory,
+                                                      max_model_len=args.prompt_len + args.steps + 1),
+                                           loaded_model=loaded)) for v in variants}
+    dtypes = list(engines)
     rates: dict[str, list[float]] = {d: [] for d in dtypes}
     for round_ in range(args.rounds):
         for d in dtypes:
@@ -50,7 +58,7 @@ def main() -> None:
     reference = rates[dtypes[0]]
     print(f"decode, {args.concurrency} sequences, prompts of {args.prompt_len} tokens, {args.steps} steps, "
           f"{args.rounds} interleaved rounds")
-    print(f"| kv cache dtype | decode tok/s (rounds) | best | best vs {dtypes[0]} | median of round ratios |\n"
+    print(f"| kv cache dtype{'' if len(backends) == 1 else ', attention backend'} | decode tok/s (rounds) | best | best vs {dtypes[0]} | median of round ratios |\n"
           "|---|---|---|---|---|")
     for d in dtypes:
         rounds = ", ".join(f"{r:.1f}" for r in rates[d])

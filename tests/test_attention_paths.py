@@ -1,6 +1,7 @@
 """The decode of a lone request (one exact-length SDPA call) against the padded, masked matmul path
 it replaces and against attention written out head by head (HF's GQA mapping: query head h reads
-KV head h // (heads / kv_heads)), with sliding windows shorter and longer than the context."""
+KV head h // (heads / kv_heads)), with sliding windows shorter and longer than the context; and
+the CPU paged decode kernel against the same definition."""
 from __future__ import annotations
 
 import math
@@ -10,7 +11,8 @@ import torch
 
 from kvserve.cache.formats import make_kv_format
 from kvserve.cache.kv_cache import KVCacheSpec
-from kvserve.model.attention import AttentionGroup, _decode_attention, _single_decode
+from kvserve.model.attention import AttentionGroup, _decode, _decode_attention, _single_decode
+from kvserve.model.cpu_attention import paged_decode_kernel
 
 SPEC = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=16, block_size=8)
 HEADS = 6  # three query heads per KV head
@@ -50,3 +52,54 @@ def test_single_request_decode_matches_the_padded_path_and_the_definition(dtype,
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2
     assert torch.allclose(got, expected, atol=tolerance), (got - expected).abs().max()
     assert torch.allclose(padded, expected, atol=tolerance), (padded - expected).abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("window", [None, 5, 36])
+def test_paged_decode_kernel_matches_the_definition_for_a_mixed_batch(dtype, window):
+    """The CPU kernel (attention backend cpu_paged) reads each request's blocks in place through its
+    block table: requests of different lengths, tables in no order and padded with block 0, with the
+    unused slots of the pool holding garbage it must not read."""
+    kernel = paged_decode_kernel("cpu_paged", torch.device("cpu"), SPEC.head_dim)
+    fmt = make_kv_format("auto", dtype, kernel)
+    assert fmt.reads_decodes_in_place
+    pool = fmt.allocate(SPEC, 16, torch.device("cpu"))
+    pool["kv"].fill_(1e4)  # anything read beyond a request's length would swamp its output
+    gen = torch.Generator().manual_seed(1)
+    seq_lens = [37, 1, 16, 9]
+    tables = [[7, 2, 9, 0, 4], [11], [3, 5], [15, 6]]
+    contexts = []
+    for length, table in zip(seq_lens, tables):
+        k, v = (torch.randn(length, SPEC.num_kv_heads, SPEC.head_dim, generator=gen).to(dtype) for _ in range(2))
+        slots = (torch.tensor(table)[:, None] * SPEC.block_size + torch.arange(SPEC.block_size)).reshape(-1)[:length]
+        fmt.write(pool, k, v, slots)
+        contexts.append((k, v))
+    width = max(len(t) for t in tables)
+    block_ids = torch.tensor([t + [0] * (width - len(t)) for t in tables]).reshape(-1)
+    group = AttentionGroup(block_ids=block_ids, seq_lens=torch.tensor(seq_lens),
+                           context_len=width * SPEC.block_size, max_seq_len=max(seq_lens))
+    q = torch.randn(len(seq_lens), 1, HEADS, SPEC.head_dim, generator=gen).to(dtype)
+
+    got = _decode(q, group, pool, fmt, window)[:, 0].float()
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    for i, (k, v) in enumerate(contexts):
+        expected = by_hand(q[i, 0].float(), k.float(), v.float(), window)
+        assert torch.allclose(got[i], expected, atol=tolerance), (i, (got[i] - expected).abs().max())
+
+
+def test_attention_backend_choice():
+    cpu = torch.device("cpu")
+    assert paged_decode_kernel("torch", cpu, 64) is None
+    assert paged_decode_kernel("auto", cpu, 64) is not None  # this machine builds it
+    assert paged_decode_kernel("auto", torch.device("meta"), 64) is None  # not a CPU: the torch path
+    with pytest.raises(ValueError, match="CPU only"):
+        paged_decode_kernel("cpu_paged", torch.device("meta"), 64)
+    with pytest.raises(ValueError, match="not a multiple"):
+        paged_decode_kernel("cpu_paged", cpu, 12)
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        paged_decode_kernel("flash", cpu, 64)
+    # Quantized formats and a cache dtype other than the model's keep gathering.
+    kernel = paged_decode_kernel("cpu_paged", cpu, 64)
+    assert not make_kv_format("int8", torch.bfloat16, kernel).reads_decodes_in_place
+    assert not make_kv_format("float32", torch.bfloat16, kernel).reads_decodes_in_place
+    assert make_kv_format("bfloat16", torch.bfloat16, kernel).reads_decodes_in_place

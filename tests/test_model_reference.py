@@ -43,7 +43,8 @@ def hf_logits(model, token_ids: list[int]) -> torch.Tensor:
     ("mistral", {"sliding_window": 8}),  # shorter than every prompt but "Hello"
     ("qwen2", {}),
 ])
-def test_tiny_models_match_hf_greedy_and_logits(tiny_model_factory, arch, overrides):
+@pytest.mark.parametrize("attention_backend", ["cpu_paged", "torch"])
+def test_tiny_models_match_hf_greedy_and_logits(tiny_model_factory, arch, overrides, attention_backend):
     from transformers import AutoModelForCausalLM
 
     path = tiny_model_factory(arch, **overrides)
@@ -51,7 +52,8 @@ def test_tiny_models_match_hf_greedy_and_logits(tiny_model_factory, arch, overri
     # A token budget of 16 per step forces chunked prefill of the longer prompts while the
     # shorter ones are already decoding in the same batches.
     llm = LLM(str(path), dtype="float32", kv_cache_memory="8MiB", max_num_batched_tokens=16,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, attention_backend=attention_backend)
+    assert llm.engine.kv_format.reads_decodes_in_place == (attention_backend == "cpu_paged")
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     for out in outputs:
         assert out.outputs[0].token_ids == hf_greedy(hf, out.prompt_token_ids, GREEDY.max_tokens), out.prompt
@@ -63,7 +65,8 @@ def test_tiny_models_match_hf_greedy_and_logits(tiny_model_factory, arch, overri
 
 def test_decodes_split_into_length_groups_match_hf(tiny_model_factory, monkeypatch):
     """Decodes of different context lengths padded in separate groups (forced here: every length
-    its own group) give HF's greedy tokens, sliding window included."""
+    its own group) give HF's greedy tokens, sliding window included. (Groups exist only where
+    decodes gather their blocks: the torch attention backend.)"""
     from transformers import AutoModelForCausalLM
 
     import kvserve.engine.model_runner as model_runner
@@ -71,7 +74,8 @@ def test_decodes_split_into_length_groups_match_hf(tiny_model_factory, monkeypat
     monkeypatch.setattr(model_runner, "GROUP_COST_TOKENS", 0)
     path = tiny_model_factory("mistral", sliding_window=8)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    llm = LLM(str(path), dtype="float32", kv_cache_memory="8MiB", enable_prefix_caching=False)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory="8MiB", enable_prefix_caching=False,
+              attention_backend="torch")
     for out in llm.generate(PROMPTS, GREEDY, use_tqdm=False):
         assert out.outputs[0].token_ids == hf_greedy(hf, out.prompt_token_ids, GREEDY.max_tokens), out.prompt
 

@@ -81,6 +81,19 @@ class KVFormat:
         None (the default) when the format has no per-token factors."""
         return None
 
+    @property
+    def reads_decodes_in_place(self) -> bool:
+        """True when `attend_decode` serves every decode (no gather, so no padding to minimise)."""
+        return False
+
+    def attend_decode(self, pool: dict[str, torch.Tensor], query: torch.Tensor, block_tables: torch.Tensor,
+                      seq_lens: torch.Tensor, window: int | None) -> torch.Tensor | None:
+        """Decode attention read in place from the pool by a kernel: query [batch, heads, d] (one
+        token per request, already written), block tables [batch, width], seq_lens [batch] ->
+        [batch, heads, d]. None (the default) when the format has no such kernel, or not for this
+        query; the caller then gathers."""
+        return None
+
     def rotation(self, head_dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
         """An orthogonal [head_dim, head_dim] matrix R if the format stores K·R and V·R instead of
         K and V (so `gather` returns them rotated); the attention then scores q·R against the keys

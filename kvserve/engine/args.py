@@ -8,6 +8,7 @@ from typing import Any
 
 from kvserve.cache.eviction import NO_EVICTION, POLICY_CHOICES
 from kvserve.cache.formats import KV_CACHE_DTYPES
+from kvserve.model.cpu_attention import ATTENTION_BACKENDS
 
 
 def _opt(help: str, **argparse_kwargs: Any) -> Any:
@@ -53,6 +54,10 @@ class EngineArgs:
     recent_tokens: int | None = field(default=None, metadata=_opt(
         "newest tokens always kept under --kv-eviction (default: streaming budget - sinks; h2o half of that)",
         type=int))
+    attention_backend: str = field(default="auto", metadata=_opt(
+        "decode attention: cpu_paged = a C++ kernel reading the paged pool in place (built on first use); "
+        "torch = gather the blocks, then torch matmuls (the CUDA path); auto = cpu_paged on CPU when it "
+        "builds and the KV cache is unquantized, else torch", choices=ATTENTION_BACKENDS))
     seed: int = field(default=0, metadata=_opt("seed of the global random generator"))
 
     @classmethod

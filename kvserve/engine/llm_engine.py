@@ -29,6 +29,7 @@ from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
+from kvserve.model.cpu_attention import paged_decode_kernel
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import LoadedModel, load_model
 from kvserve.outputs import CompletionOutput, Logprob, RequestOutput
@@ -109,8 +110,14 @@ class LLMEngine:
                     str(self.dtype).removeprefix("torch."), self.device, time.monotonic() - start)
         self.eos_token_ids = self._eos_token_ids()
 
-        self.kv_format = make_kv_format(args.kv_cache_dtype, self.dtype)
         cfg = self.model_config
+        decode_kernel = paged_decode_kernel(args.attention_backend, self.device, cfg.head_dim)
+        self.kv_format = make_kv_format(args.kv_cache_dtype, self.dtype, decode_kernel)
+        if args.attention_backend == "cpu_paged" and not self.kv_format.reads_decodes_in_place:
+            raise ValueError(f"--attention-backend cpu_paged reads only an unquantized KV cache in the model dtype "
+                             f"({str(self.dtype).removeprefix('torch.')}), not --kv-cache-dtype {args.kv_cache_dtype}")
+        logger.info("Decode attention: %s", "CPU paged kernel (in place)" if self.kv_format.reads_decodes_in_place
+                    else "torch ops (gathered blocks)")
         self.kv_spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, args.block_size)
         num_blocks = self._size_kv_pool()
         self.kv_cache = KVCache(self.kv_spec, self.kv_format, num_blocks, self.device)

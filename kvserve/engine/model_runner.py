@@ -123,8 +123,7 @@ class ModelRunner:
             chunks.append(chunk)
         meta = AttentionMetadata(
             slot_mapping=tensor(np.concatenate(slot_chunks)),
-            decodes=[self._decode_group(decode[a:b], tensor) for a, b in split_by_length(
-                [-(-m[2] // bs) for m in decode], bs)],
+            decodes=[self._decode_group(decode[a:b], tensor) for a, b in self._decode_runs(decode)],
             prefills=chunks,
             evicting_decode=self._evicting_decode_group(evicting_decode, tensor, received),
             unrotated_key_rows=tensor(evicting_rows) if evicting_rows else None,
@@ -137,6 +136,13 @@ class ModelRunner:
             sampled=sampled,
             received_attention=received,
         )
+
+    def _decode_runs(self, decode: list[tuple]) -> list[tuple[int, int]]:
+        """[start, end) runs of the decodes that attend together: one run when the pool is read in
+        place (nothing is padded), else runs of similar lengths (split_by_length)."""
+        if self.kv_cache.format.reads_decodes_in_place:
+            return [(0, len(decode))] if decode else []
+        return split_by_length([-(-m[2] // self.block_size) for m in decode], self.block_size)
 
     def _decode_group(self, members: list[tuple], tensor) -> AttentionGroup | None:
         """Pad the decodes' block tables to a common length."""

@@ -5,7 +5,9 @@ linear layers). Attention then needs, per request: where its new K/V go (`slot_m
 physical blocks hold its context (`block_tables`), how many tokens its context has (`seq_lens`)
 and which packed rows are its queries. The runner packs decodes first, then prefill chunks.
 
-* decodes (one query each), vectorised over the requests with padding and a mask:
+* decodes (one query each): with a format that reads them in place (the CPU kernel,
+  model/cpu_attention.py), one kernel call over all of them. Otherwise vectorised over the
+  requests with padding and a mask:
   grouped-query matmuls, queries of a KV head batched together, softmax in float32. On CPU this
   is ~10x faster than SDPA with a length-1 query. Decode time is mostly reading K/V (gather, then
   the matmuls), so the runner splits decodes of very different context lengths into a few groups
@@ -180,8 +182,14 @@ def _prefills(query: torch.Tensor, chunks: list[PrefillChunk], pool: dict, kv_fo
 
 def _decode(q: torch.Tensor, group: AttentionGroup, pool: dict, kv_format: KVFormat,
             window: int | None) -> torch.Tensor:
-    """Gather the decodes' context and attend; quantized formats that have per-token factors hand
-    over their codes (ScaledKV), saving a dequantizing pass over the gathered K/V."""
+    """Attend in place when the format has a kernel for it; otherwise gather the decodes' context
+    and attend. Quantized formats that have per-token factors hand over their codes (ScaledKV),
+    saving a dequantizing pass over the gathered K/V."""
+    batch, _, heads, dim = q.shape
+    out = kv_format.attend_decode(pool, q.view(batch, heads, dim), group.block_ids.view(batch, -1),
+                                  group.seq_lens, window)
+    if out is not None:
+        return out.view(batch, 1, heads, dim)
     if group.num_requests == 1:
         return _single_decode(q, group, pool, kv_format, window)
     scaled = kv_format.gather_scaled(pool, group.block_ids, group.num_requests, q.dtype)
