@@ -24,6 +24,17 @@ def _load_each_model_once():
     llm_engine_module.load_model = original
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _build_cpu_kernel_once():
+    """Compile the CPU paged decode kernel (once per machine) before any test, so that server
+    processes started by tests load it from torch's extension cache instead of each compiling."""
+    import torch
+
+    from kvserve.model.cpu_attention import paged_decode_kernel
+
+    paged_decode_kernel("auto", torch.device("cpu"), 64)
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     return build_tokenizer()
