@@ -94,7 +94,7 @@ def test_attention_backend_choice():
     assert paged_decode_kernel("auto", torch.device("meta"), 64) is None  # not a CPU: the torch path
     with pytest.raises(ValueError, match="CPU only"):
         paged_decode_kernel("cpu_paged", torch.device("meta"), 64)
-    with pytest.raises(ValueError, match="not a multiple"):
+    with pytest.raises(ValueError, match="head_dim 12 is not one"):
         paged_decode_kernel("cpu_paged", cpu, 12)
     with pytest.raises(ValueError, match="unknown attention backend"):
         paged_decode_kernel("flash", cpu, 64)

@@ -73,8 +73,8 @@ def paged_decode_kernel(backend: str, device: torch.device, head_dim: int) -> De
             raise ValueError(f"--attention-backend cpu_paged runs on CPU only, not {device}")
         return None
     module, why = _build()
-    if module is not None and head_dim % module.vector_width() != 0:
-        module, why = None, f"head_dim {head_dim} is not a multiple of the kernel's vector width {module.vector_width()}"
+    if module is not None and not module.supports_head_dim(head_dim):
+        module, why = None, f"head_dim {head_dim} is not one the kernel is compiled for"
     if module is None:
         if backend == "cpu_paged":
             raise ValueError(f"the CPU paged decode kernel is not available: {why}")
