@@ -54,26 +54,33 @@ def test_single_request_decode_matches_the_padded_path_and_the_definition(dtype,
     assert torch.allclose(padded, expected, atol=tolerance), (padded - expected).abs().max()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype,kv_cache_dtype", [
+    (torch.float32, "auto"), (torch.bfloat16, "auto"), (torch.float16, "auto"),
+    (torch.bfloat16, "fp8_e4m3"), (torch.bfloat16, "fp8_e5m2"), (torch.bfloat16, "int8"), (torch.float32, "int8"),
+])
 @pytest.mark.parametrize("window", [None, 5, 36])
-def test_paged_decode_kernel_matches_the_definition_for_a_mixed_batch(dtype, window):
+def test_paged_decode_kernel_matches_the_definition_for_a_mixed_batch(dtype, kv_cache_dtype, window):
     """The CPU kernel (attention backend cpu_paged) reads each request's blocks in place through its
     block table: requests of different lengths, tables in no order and padded with block 0, with the
-    unused slots of the pool holding garbage it must not read."""
+    unused slots of the pool holding garbage it must not read. Quantized pools are compared with
+    attention by hand over the values their own gather decodes (the stored, rounded K/V)."""
     kernel = paged_decode_kernel("cpu_paged", torch.device("cpu"), SPEC.head_dim)
-    fmt = make_kv_format("auto", dtype, kernel)
+    fmt = make_kv_format(kv_cache_dtype, dtype, kernel)
     assert fmt.reads_decodes_in_place
     pool = fmt.allocate(SPEC, 16, torch.device("cpu"))
-    pool["kv"].fill_(1e4)  # anything read beyond a request's length would swamp its output
+    for name, tensor in pool.items():  # anything read beyond a request's length would swamp its output
+        if name == "kv_scale":
+            tensor.view(torch.int8 if tensor.element_size() == 1 else torch.int16).fill_(
+                7 if tensor.element_size() == 1 else 0x6000)  # a large scale: 2^7, or 512.0 in float16
+        else:
+            tensor.view(torch.int8 if tensor.element_size() == 1 else tensor.dtype).fill_(100 if tensor.element_size() == 1 else 1e4)
     gen = torch.Generator().manual_seed(1)
     seq_lens = [37, 1, 16, 9]
     tables = [[7, 2, 9, 0, 4], [11], [3, 5], [15, 6]]
-    contexts = []
     for length, table in zip(seq_lens, tables):
         k, v = (torch.randn(length, SPEC.num_kv_heads, SPEC.head_dim, generator=gen).to(dtype) for _ in range(2))
         slots = (torch.tensor(table)[:, None] * SPEC.block_size + torch.arange(SPEC.block_size)).reshape(-1)[:length]
         fmt.write(pool, k, v, slots)
-        contexts.append((k, v))
     width = max(len(t) for t in tables)
     block_ids = torch.tensor([t + [0] * (width - len(t)) for t in tables]).reshape(-1)
     group = AttentionGroup(block_ids=block_ids, seq_lens=torch.tensor(seq_lens),
@@ -82,8 +89,11 @@ def test_paged_decode_kernel_matches_the_definition_for_a_mixed_batch(dtype, win
 
     got = _decode(q, group, pool, fmt, window)[:, 0].float()
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
-    for i, (k, v) in enumerate(contexts):
-        expected = by_hand(q[i, 0].float(), k.float(), v.float(), window)
+    for i, (length, table) in enumerate(zip(seq_lens, tables)):
+        # The stored K/V as the format's gather decodes them (the written values, rounded).
+        k, v = fmt.gather(pool, torch.tensor(table), 1, torch.float32)
+        k, v = (x[:, 0, :length].transpose(0, 1) for x in (k, v))
+        expected = by_hand(q[i, 0].float(), k, v, window)
         assert torch.allclose(got[i], expected, atol=tolerance), (i, (got[i] - expected).abs().max())
 
 
@@ -98,8 +108,11 @@ def test_attention_backend_choice():
         paged_decode_kernel("cpu_paged", cpu, 12)
     with pytest.raises(ValueError, match="unknown attention backend"):
         paged_decode_kernel("flash", cpu, 64)
-    # Quantized formats and a cache dtype other than the model's keep gathering.
+    # int4 formats, a float cache dtype other than the model's, and fp8/int8 under a float16 model
+    # keep gathering.
     kernel = paged_decode_kernel("cpu_paged", cpu, 64)
-    assert not make_kv_format("int8", torch.bfloat16, kernel).reads_decodes_in_place
-    assert not make_kv_format("float32", torch.bfloat16, kernel).reads_decodes_in_place
-    assert make_kv_format("bfloat16", torch.bfloat16, kernel).reads_decodes_in_place
+    for kv_cache_dtype in ("int4", "int4_kivi", "float32"):
+        assert not make_kv_format(kv_cache_dtype, torch.bfloat16, kernel).reads_decodes_in_place
+    assert not make_kv_format("fp8", torch.float16, kernel).reads_decodes_in_place
+    for kv_cache_dtype in ("auto", "bfloat16", "fp8", "fp8_e5m2", "int8"):
+        assert make_kv_format(kv_cache_dtype, torch.bfloat16, kernel).reads_decodes_in_place

@@ -17,8 +17,12 @@ are indexed by the same block ids, so they are allocated, shared and freed with 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from kvserve.model.cpu_attention import PagedDecodeKernel
 
 
 @dataclass(frozen=True)
@@ -81,17 +85,20 @@ class KVFormat:
         None (the default) when the format has no per-token factors."""
         return None
 
+    # The CPU paged decode kernel (model/cpu_attention.py) when the format's decodes use it.
+    decode_kernel: "PagedDecodeKernel | None" = None
+
     @property
     def reads_decodes_in_place(self) -> bool:
         """True when `attend_decode` serves every decode (no gather, so no padding to minimise)."""
-        return False
+        return self.decode_kernel is not None
 
     def attend_decode(self, pool: dict[str, torch.Tensor], query: torch.Tensor, block_tables: torch.Tensor,
                       seq_lens: torch.Tensor, window: int | None) -> torch.Tensor | None:
-        """Decode attention read in place from the pool by a kernel: query [batch, heads, d] (one
-        token per request, already written), block tables [batch, width], seq_lens [batch] ->
-        [batch, heads, d]. None (the default) when the format has no such kernel, or not for this
-        query; the caller then gathers."""
+        """Decode attention read in place from the pool by `decode_kernel`: query [batch, heads, d]
+        (one token per request, already written), block tables [batch, width], seq_lens [batch]
+        -> [batch, heads, d]. None (the default) when the format has no kernel; the caller then
+        gathers."""
         return None
 
     def rotation(self, head_dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:

@@ -17,8 +17,9 @@ import functools
 import logging
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any
 
 import torch
 
@@ -35,9 +36,31 @@ _ISA_FLAGS = {
     "AVX2": ["-mavx2", "-mfma", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
 }
 
-# (query [B, H, D], kv pool [2 * KVH, blocks, block_size, D], block tables [B, W] int64,
-#  seq_lens [B] int64, window or 0) -> attention output [B, H, D]
-DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class PagedDecodeKernel:
+    """The compiled kernel's entry points for one head_dim. Each takes the step's queries [B, H, D]
+    (one per request), the pool, block tables [B, W] int64, seq_lens [B] int64 and the sliding
+    window (None: unlimited), and returns the attention output [B, H, D] in the query dtype."""
+
+    module: Any
+    scale: float  # 1 / sqrt(head_dim)
+
+    def float_pool(self, query: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                   window: int | None) -> torch.Tensor:
+        """kv [2 * KVH, blocks, block_size, D] in the query's dtype (FullPrecisionFormat)."""
+        return self.module.paged_decode(query.contiguous(), kv, block_tables, seq_lens, window or 0, self.scale)
+
+    def code_pool(self, query: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block_tables: torch.Tensor,
+                  seq_lens: torch.Tensor, window: int | None, fp8_multiplier: int = 0, fp8_mask: int = 0,
+                  fp8_unit: float = 1.0) -> torch.Tensor:
+        """1-byte codes [2 * KVH, blocks, block_size, D] (an int8 view) with per-token scales
+        [2 * KVH, blocks, block_size] (TokenScaledFormat): fp8 bits with int8 exponents when
+        fp8_multiplier > 0 (Fp8Format.decode's shift and mask, unit = its decode_unit), else int8
+        codes with float16 scales. Queries in bfloat16 or float32."""
+        return self.module.paged_decode_codes(query.contiguous(), codes, scales, block_tables, seq_lens, window or 0,
+                                              self.scale, fp8_multiplier, fp8_mask, fp8_unit)
 
 
 @functools.cache
@@ -60,7 +83,7 @@ def _build() -> tuple[object | None, str]:
         return None, f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}"
 
 
-def paged_decode_kernel(backend: str, device: torch.device, head_dim: int) -> DecodeKernel | None:
+def paged_decode_kernel(backend: str, device: torch.device, head_dim: int) -> PagedDecodeKernel | None:
     """The decode kernel an engine uses for `--attention-backend`, or None for the torch path.
     `auto` takes the kernel on CPU when it builds; `cpu_paged` insists on it (ValueError if it
     cannot run here); `torch` never uses it."""
@@ -80,9 +103,4 @@ def paged_decode_kernel(backend: str, device: torch.device, head_dim: int) -> De
             raise ValueError(f"the CPU paged decode kernel is not available: {why}")
         logger.warning("CPU paged decode kernel unavailable (%s); decode attention uses torch ops", why)
         return None
-    scale = 1.0 / math.sqrt(head_dim)
-
-    def decode(query, kv_pool, block_tables, seq_lens, window):
-        return module.paged_decode(query, kv_pool, block_tables, seq_lens, window, scale)
-
-    return decode
+    return PagedDecodeKernel(module, 1.0 / math.sqrt(head_dim))

@@ -15,7 +15,8 @@ from kvserve.cache.formats.int4 import Int4Format
 from kvserve.cache.formats.int4_kivi import Int4KiviFormat
 from kvserve.cache.formats.int8 import Int8Format
 from kvserve.cache.kv_cache import KVFormat
-from kvserve.model.cpu_attention import DecodeKernel
+from kvserve.cache.formats.token_scaled import TokenScaledFormat
+from kvserve.model.cpu_attention import PagedDecodeKernel
 
 _FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _QUANTIZED: dict[str, Callable[[], KVFormat]] = {
@@ -30,13 +31,18 @@ _QUANTIZED: dict[str, Callable[[], KVFormat]] = {
 KV_CACHE_DTYPES = ("auto", *_FLOAT_DTYPES, *_QUANTIZED)
 
 
-def make_kv_format(kv_cache_dtype: str, model_dtype: torch.dtype, decode_kernel: DecodeKernel | None = None) -> KVFormat:
-    """The storage format for a --kv-cache-dtype value ("auto" = the model dtype). Full-precision
-    formats read decodes in place with `decode_kernel` when given; the others gather."""
+def make_kv_format(kv_cache_dtype: str, model_dtype: torch.dtype,
+                   decode_kernel: PagedDecodeKernel | None = None) -> KVFormat:
+    """The storage format for a --kv-cache-dtype value ("auto" = the model dtype). The formats the
+    CPU decode kernel reads (full precision in the model dtype; fp8 and int8 under a bfloat16 or
+    float32 model) take `decode_kernel`; the others gather."""
     if kv_cache_dtype == "auto" or _FLOAT_DTYPES.get(kv_cache_dtype) == model_dtype:
         return FullPrecisionFormat(model_dtype, decode_kernel)
     if kv_cache_dtype in _FLOAT_DTYPES:  # the kernel reads the pool in the queries' dtype
         return FullPrecisionFormat(_FLOAT_DTYPES[kv_cache_dtype])
     if kv_cache_dtype in _QUANTIZED:
-        return _QUANTIZED[kv_cache_dtype]()
+        kv_format = _QUANTIZED[kv_cache_dtype]()
+        if isinstance(kv_format, TokenScaledFormat) and model_dtype != torch.float16:
+            kv_format.decode_kernel = decode_kernel
+        return kv_format
     raise ValueError(f"unknown kv cache dtype {kv_cache_dtype!r}: choose one of {', '.join(KV_CACHE_DTYPES)}")

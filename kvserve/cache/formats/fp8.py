@@ -81,5 +81,8 @@ class Fp8Format(TokenScaledFormat):
         bits.mul_(1 << self._shift).bitwise_and_(self._mask)
         return bits.view(torch.bfloat16)
 
+    def kernel_decoding(self) -> tuple[int, int, float]:
+        return 1 << self._shift, self._mask, self.decode_unit
+
     def gather_scaled(self, pool, block_ids, batch, dtype):
         return None if dtype == torch.float16 else super().gather_scaled(pool, block_ids, batch, dtype)

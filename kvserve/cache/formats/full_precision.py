@@ -4,22 +4,18 @@ from __future__ import annotations
 import torch
 
 from kvserve.cache.kv_cache import KVCacheSpec, KVFormat, Scratch, gather_blocks
-from kvserve.model.cpu_attention import DecodeKernel
+from kvserve.model.cpu_attention import PagedDecodeKernel
 
 
 class FullPrecisionFormat(KVFormat):
     """K/V stored as-is in a float dtype (the "auto", float16, bfloat16, float32 cache dtypes).
     With a `decode_kernel` (model/cpu_attention.py) decodes read the pool in place."""
 
-    def __init__(self, dtype: torch.dtype, decode_kernel: DecodeKernel | None = None):
+    def __init__(self, dtype: torch.dtype, decode_kernel: PagedDecodeKernel | None = None):
         self.dtype = dtype
         self.name = str(dtype).removeprefix("torch.")
         self.scratch = Scratch()
         self.decode_kernel = decode_kernel
-
-    @property
-    def reads_decodes_in_place(self) -> bool:
-        return self.decode_kernel is not None
 
     def bytes_per_block(self, spec: KVCacheSpec) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
@@ -45,4 +41,4 @@ class FullPrecisionFormat(KVFormat):
     def attend_decode(self, pool, query, block_tables, seq_lens, window):
         if self.decode_kernel is None:
             return None
-        return self.decode_kernel(query.contiguous(), pool["kv"], block_tables, seq_lens, window or 0)
+        return self.decode_kernel.float_pool(query, pool["kv"], block_tables, seq_lens, window)

@@ -89,6 +89,17 @@ class TokenScaledFormat(KVFormat):
         heads = values.shape[0] // 2
         return values[:heads], values[heads:]
 
+    def kernel_decoding(self) -> tuple[int, int, float]:
+        """How the decode kernel reads the codes: (fp8 multiplier, fp8 mask, fp8 unit) as
+        PagedDecodeKernel.code_pool takes them; (0, 0, 1.0) for int8 codes."""
+        return 0, 0, 1.0
+
+    def attend_decode(self, pool, query, block_tables, seq_lens, window):
+        if self.decode_kernel is None:
+            return None
+        return self.decode_kernel.code_pool(query, pool["kv"].view(torch.int8), pool["kv_scale"], block_tables,
+                                            seq_lens, window, *self.kernel_decoding())
+
     def gather_scaled(self, pool, block_ids, batch, dtype):
         """The decoded codes and each token's factor, for the decode attention to apply to its
         scores and probabilities: a multiply over the gathered K/V is the costliest pass of a

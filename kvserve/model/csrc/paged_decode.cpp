@@ -5,12 +5,19 @@
 // Kwon et al. 2023). Work items are (request, KV head) pairs; the query heads that share a KV
 // head (GQA) are scored together, so each K and V row is read and widened to float once.
 // Scores, softmax and the weighted sum of V are float32, vectorised with ATen's Vectorized.
+//
+// Two storages: K/V as floats (bfloat16, float16, float32), or 1-byte codes with one scale per
+// token (the fp8 and int8 KV formats, kvserve/cache/formats/token_scaled.py), where a stored
+// value is code_value * token_factor: the factor multiplies a key's score and a value's
+// probability instead of every element (value = factor * codes, so q.k = factor * (q.codes)).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -28,21 +35,68 @@ inline Vec load_float(const T* src) {
   }
 }
 
+// Row readers: load(plane, block, offset, row) puts one token's K or V row (plane h < kv_heads is
+// key head h, plane kv_heads + h its values) into `row` as floats and returns its factor.
+template <typename T, int64_t kChunks>
+struct FloatRows {
+  const T* data;
+  int64_t plane_stride, block_stride, dim;
+
+  float load(int64_t plane, int64_t block, int64_t offset, Vec* row) const {
+    const T* src = data + plane * plane_stride + block * block_stride + offset * dim;
+    for (int64_t c = 0; c < kChunks; ++c) row[c] = load_float(src + c * Vec::size());
+    return 1.f;
+  }
+};
+
+// fp8 codes: the byte's sign and magnitude bits moved into a bfloat16 (Fp8Format.decode), whose
+// value times `unit` (2^(127 - fp8 bias)) times 2^exponent (the stored int8 scale) is the value.
+struct Fp8Codes {
+  int16_t multiplier, mask;
+  float unit;
+  float value(int8_t code) const {
+    const uint32_t bits = static_cast<uint32_t>(static_cast<uint16_t>(static_cast<int16_t>(code * multiplier) & mask)) << 16;
+    float out;
+    std::memcpy(&out, &bits, sizeof(out));
+    return out;
+  }
+  float factor(int8_t exponent) const { return std::ldexp(unit, exponent); }
+};
+
+// int8 codes with a float16 scale per token (Int8Format).
+struct Int8Codes {
+  float value(int8_t code) const { return static_cast<float>(code); }
+  float factor(at::Half scale) const { return static_cast<float>(scale); }
+};
+
+template <typename Codes, typename Scale, int64_t kChunks>
+struct CodeRows {
+  const int8_t* codes;
+  const Scale* scales;
+  int64_t plane_stride, block_stride, dim, scale_plane_stride, block_size;
+  Codes decoder;
+
+  float load(int64_t plane, int64_t block, int64_t offset, Vec* row) const {
+    const int8_t* src = codes + plane * plane_stride + block * block_stride + offset * dim;
+    alignas(64) float widened[kChunks * Vec::size()];
+    for (int64_t i = 0; i < kChunks * Vec::size(); ++i) widened[i] = decoder.value(src[i]);  // vectorised by the compiler
+    for (int64_t c = 0; c < kChunks; ++c) row[c] = Vec::loadu(widened + c * Vec::size());
+    return decoder.factor(scales[plane * scale_plane_stride + block * block_size + offset]);
+  }
+};
+
 // kChunks = head_dim / Vec::size(), a compile-time constant so that a row's vectors and the loops
 // over them unroll into registers (~1.5x faster than a runtime count at head_dim 64).
-template <typename T, int64_t kChunks>
-void paged_decode_kernel(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
-                         const at::Tensor& seq_lens, int64_t window, double scale, at::Tensor& out) {
+template <typename Q, int64_t kChunks, typename Rows>
+void paged_decode_kernel(const at::Tensor& query, const Rows& rows, int64_t kv_heads, int64_t block_size,
+                         const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t window, double scale,
+                         at::Tensor& out) {
   const int64_t batch = query.size(0), heads = query.size(1), dim = query.size(2);
-  const int64_t kv_heads = kv_cache.size(0) / 2, num_blocks = kv_cache.size(1), block_size = kv_cache.size(2);
   const int64_t group = heads / kv_heads, table_width = block_tables.size(1);
-  const T* q_ptr = query.data_ptr<T>();
-  const T* cache = kv_cache.data_ptr<T>();
+  const Q* q_ptr = query.data_ptr<Q>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  T* out_ptr = out.data_ptr<T>();
-  const int64_t head_stride = num_blocks * block_size * dim;  // one KV head's plane of the pool
-  const int64_t block_stride = block_size * dim;
+  Q* out_ptr = out.data_ptr<Q>();
 
   // The runner sorts decodes longest context first, so contiguous ranges of items would give one
   // thread all the long requests: each thread takes every `threads`-th item instead.
@@ -58,21 +112,18 @@ void paged_decode_kernel(const at::Tensor& query, const at::Tensor& kv_cache, co
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const int64_t n = len - first;
       const int64_t* table = tables + b * table_width;
-      const T* keys = cache + h * head_stride;
-      const T* values = cache + (kv_heads + h) * head_stride;
       for (int64_t g = 0; g < group; ++g) {
-        const T* qg = q_ptr + (b * heads + h * group + g) * dim;
+        const Q* qg = q_ptr + (b * heads + h * group + g) * dim;
         for (int64_t c = 0; c < kChunks; ++c) q[g * kChunks + c] = load_float(qg + c * Vec::size()) * Vec(scale);
       }
       scores.resize(group * n);
       // Pass 1: scores[g][t] = (q_g . k_t) * scale
       for (int64_t t = first; t < len; ++t) {
-        const T* k = keys + table[t / block_size] * block_stride + (t % block_size) * dim;
-        for (int64_t c = 0; c < kChunks; ++c) row[c] = load_float(k + c * Vec::size());
+        const float factor = rows.load(h, table[t / block_size], t % block_size, row);
         for (int64_t g = 0; g < group; ++g) {
           Vec s = q[g * kChunks] * row[0];
           for (int64_t c = 1; c < kChunks; ++c) s = at::vec::fmadd(q[g * kChunks + c], row[c], s);
-          scores[g * n + (t - first)] = s.reduce_add();
+          scores[g * n + (t - first)] = s.reduce_add() * factor;
         }
       }
       // Softmax numerators exp(s - max) in place, and 1 / their sum, per query head.
@@ -86,19 +137,18 @@ void paged_decode_kernel(const at::Tensor& query, const at::Tensor& kv_cache, co
       // Pass 2: acc[g] = sum_t p[g][t] v_t
       std::fill(acc.begin(), acc.end(), Vec(0.f));
       for (int64_t t = first; t < len; ++t) {
-        const T* v = values + table[t / block_size] * block_stride + (t % block_size) * dim;
-        for (int64_t c = 0; c < kChunks; ++c) row[c] = load_float(v + c * Vec::size());
+        const float factor = rows.load(kv_heads + h, table[t / block_size], t % block_size, row);
         for (int64_t g = 0; g < group; ++g) {
-          const Vec p(scores[g * n + (t - first)]);
+          const Vec p(scores[g * n + (t - first)] * factor);
           for (int64_t c = 0; c < kChunks; ++c) acc[g * kChunks + c] = at::vec::fmadd(p, row[c], acc[g * kChunks + c]);
         }
       }
       for (int64_t g = 0; g < group; ++g) {
-        T* o = out_ptr + (b * heads + h * group + g) * dim;
+        Q* o = out_ptr + (b * heads + h * group + g) * dim;
         float tmp[Vec::size()];
         for (int64_t c = 0; c < kChunks; ++c) {
           (acc[g * kChunks + c] * Vec(inv_sum[g])).store(tmp);
-          for (int64_t i = 0; i < Vec::size(); ++i) o[c * Vec::size() + i] = static_cast<T>(tmp[i]);
+          for (int64_t i = 0; i < Vec::size(); ++i) o[c * Vec::size() + i] = static_cast<Q>(tmp[i]);
         }
       }
     }
@@ -108,11 +158,10 @@ void paged_decode_kernel(const at::Tensor& query, const at::Tensor& kv_cache, co
 // The head_dim / Vec::size() values compiled: head_dim 16-256 in the common sizes (64, 80, 96, 128...).
 #define KVSERVE_CHUNK_COUNTS 1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 32
 
-template <typename T, int64_t... kCounts>
-bool run_compiled(int64_t chunks, const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
-                  const at::Tensor& seq_lens, int64_t window, double scale, at::Tensor& out) {
-  return ((chunks == kCounts &&
-           (paged_decode_kernel<T, kCounts>(query, kv_cache, block_tables, seq_lens, window, scale, out), true)) || ...);
+// Calls make_and_run.template operator()<kChunks>() for the compiled count equal to `chunks`.
+template <int64_t... kCounts, typename F>
+bool with_chunks(int64_t chunks, F&& make_and_run) {
+  return ((chunks == kCounts && (make_and_run.template operator()<kCounts>(), true)) || ...);
 }
 
 template <int64_t... kCounts>
@@ -122,26 +171,77 @@ bool supports_head_dim(int64_t head_dim) {
   return head_dim % Vec::size() == 0 && is_compiled<KVSERVE_CHUNK_COUNTS>(head_dim / Vec::size());
 }
 
-}  // namespace
-
-at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
-                        const at::Tensor& seq_lens, int64_t window, double scale) {
-  TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 4, "query [B, H, D], kv_cache [2*KVH, blocks, block_size, D]");
-  TORCH_CHECK(query.is_contiguous() && kv_cache.is_contiguous() && block_tables.is_contiguous() && seq_lens.is_contiguous());
-  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type(), "query and cache dtypes differ");
+void check_common(const at::Tensor& query, const at::Tensor& pool, const at::Tensor& block_tables,
+                  const at::Tensor& seq_lens) {
+  TORCH_CHECK(query.dim() == 3 && pool.dim() == 4, "query [B, H, D], pool [2*KVH, blocks, block_size, D]");
+  TORCH_CHECK(query.is_contiguous() && pool.is_contiguous() && block_tables.is_contiguous() && seq_lens.is_contiguous());
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong);
   TORCH_CHECK(supports_head_dim(query.size(2)), "head_dim ", query.size(2), " is not compiled in the paged decode kernel");
-  TORCH_CHECK(query.size(1) % (kv_cache.size(0) / 2) == 0 && query.size(1) / (kv_cache.size(0) / 2) <= 64);
+  TORCH_CHECK(query.size(1) % (pool.size(0) / 2) == 0 && query.size(1) / (pool.size(0) / 2) <= 64);
+}
+
+}  // namespace
+
+// Decode attention over a float pool [2 * kv_heads, blocks, block_size, head_dim] of the query's dtype.
+at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                        const at::Tensor& seq_lens, int64_t window, double scale) {
+  check_common(query, kv_cache, block_tables, seq_lens);
+  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type(), "query and cache dtypes differ");
   at::Tensor out = at::empty_like(query);
-  const int64_t chunks = query.size(2) / Vec::size();
-  AT_DISPATCH_SWITCH(query.scalar_type(), "paged_decode",
-      AT_DISPATCH_CASE(at::kFloat, [&] { run_compiled<float, KVSERVE_CHUNK_COUNTS>(chunks, query, kv_cache, block_tables, seq_lens, window, scale, out); })
-      AT_DISPATCH_CASE(at::kBFloat16, [&] { run_compiled<at::BFloat16, KVSERVE_CHUNK_COUNTS>(chunks, query, kv_cache, block_tables, seq_lens, window, scale, out); })
-      AT_DISPATCH_CASE(at::kHalf, [&] { run_compiled<at::Half, KVSERVE_CHUNK_COUNTS>(chunks, query, kv_cache, block_tables, seq_lens, window, scale, out); }));
+  const int64_t kv_heads = kv_cache.size(0) / 2, block_size = kv_cache.size(2), dim = query.size(2);
+  auto run = [&]<typename T>() {
+    with_chunks<KVSERVE_CHUNK_COUNTS>(dim / Vec::size(), [&]<int64_t kChunks>() {
+      const FloatRows<T, kChunks> rows{kv_cache.data_ptr<T>(), kv_cache.size(1) * block_size * dim, block_size * dim, dim};
+      paged_decode_kernel<T, kChunks>(query, rows, kv_heads, block_size, block_tables, seq_lens, window, scale, out);
+    });
+  };
+  switch (query.scalar_type()) {
+    case at::kFloat: run.template operator()<float>(); break;
+    case at::kBFloat16: run.template operator()<at::BFloat16>(); break;
+    case at::kHalf: run.template operator()<at::Half>(); break;
+    default: TORCH_CHECK(false, "paged_decode: unsupported dtype ", query.scalar_type());
+  }
+  return out;
+}
+
+// Decode attention over 1-byte codes [2 * kv_heads, blocks, block_size, head_dim] (int8 view) with
+// per-token scales [2 * kv_heads, blocks, block_size]: fp8 (fp8_multiplier > 0; int8 exponents) or
+// int8 (fp8_multiplier == 0; float16 scales).
+at::Tensor paged_decode_codes(const at::Tensor& query, const at::Tensor& codes, const at::Tensor& scales,
+                              const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t window, double scale,
+                              int64_t fp8_multiplier, int64_t fp8_mask, double fp8_unit) {
+  check_common(query, codes, block_tables, seq_lens);
+  TORCH_CHECK(codes.scalar_type() == at::kChar && scales.is_contiguous());
+  TORCH_CHECK(scales.scalar_type() == (fp8_multiplier > 0 ? at::kChar : at::kHalf), "unexpected scale dtype");
+  at::Tensor out = at::empty_like(query);
+  const int64_t kv_heads = codes.size(0) / 2, block_size = codes.size(2), dim = query.size(2);
+  const int64_t plane_stride = codes.size(1) * block_size * dim;
+  auto run = [&]<typename scalar_t>() {
+    with_chunks<KVSERVE_CHUNK_COUNTS>(dim / Vec::size(), [&]<int64_t kChunks>() {
+      if (fp8_multiplier > 0) {
+        const Fp8Codes decoder{static_cast<int16_t>(fp8_multiplier), static_cast<int16_t>(fp8_mask),
+                               static_cast<float>(fp8_unit)};
+        const CodeRows<Fp8Codes, int8_t, kChunks> rows{codes.data_ptr<int8_t>(), scales.data_ptr<int8_t>(),
+                                                      plane_stride, block_size * dim, dim, codes.size(1) * block_size, block_size, decoder};
+        paged_decode_kernel<scalar_t, kChunks>(query, rows, kv_heads, block_size, block_tables, seq_lens, window, scale, out);
+      } else {
+        const CodeRows<Int8Codes, at::Half, kChunks> rows{codes.data_ptr<int8_t>(), scales.data_ptr<at::Half>(),
+                                                         plane_stride, block_size * dim, dim, codes.size(1) * block_size, block_size,
+                                                         Int8Codes{}};
+        paged_decode_kernel<scalar_t, kChunks>(query, rows, kv_heads, block_size, block_tables, seq_lens, window, scale, out);
+      }
+    });
+  };
+  switch (query.scalar_type()) {
+    case at::kFloat: run.template operator()<float>(); break;
+    case at::kBFloat16: run.template operator()<at::BFloat16>(); break;
+    default: TORCH_CHECK(false, "paged_decode_codes: unsupported query dtype ", query.scalar_type());
+  }
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode);
+  m.def("paged_decode_codes", &paged_decode_codes);
   m.def("supports_head_dim", &supports_head_dim);
 }
