@@ -57,6 +57,7 @@ def test_single_request_decode_matches_the_padded_path_and_the_definition(dtype,
 @pytest.mark.parametrize("dtype,kv_cache_dtype", [
     (torch.float32, "auto"), (torch.bfloat16, "auto"), (torch.float16, "auto"),
     (torch.bfloat16, "fp8_e4m3"), (torch.bfloat16, "fp8_e5m2"), (torch.bfloat16, "int8"), (torch.float32, "int8"),
+    (torch.bfloat16, "int4"),
 ])
 @pytest.mark.parametrize("window", [None, 5, 36])
 def test_paged_decode_kernel_matches_the_definition_for_a_mixed_batch(dtype, kv_cache_dtype, window):
@@ -69,9 +70,10 @@ def test_paged_decode_kernel_matches_the_definition_for_a_mixed_batch(dtype, kv_
     assert fmt.reads_decodes_in_place
     pool = fmt.allocate(SPEC, 16, torch.device("cpu"))
     for name, tensor in pool.items():  # anything read beyond a request's length would swamp its output
-        if name == "kv_scale":
-            tensor.view(torch.int8 if tensor.element_size() == 1 else torch.int16).fill_(
-                7 if tensor.element_size() == 1 else 0x6000)  # a large scale: 2^7, or 512.0 in float16
+        if name == "kv_scale" and tensor.dtype == torch.int8:
+            tensor.fill_(7)  # an fp8 exponent: 2^7
+        elif tensor.dtype == torch.float16 and name != "kv":
+            tensor.fill_(512.0)  # int8's scale, int4's scale and zero
         else:
             tensor.view(torch.int8 if tensor.element_size() == 1 else tensor.dtype).fill_(100 if tensor.element_size() == 1 else 1e4)
     gen = torch.Generator().manual_seed(1)
@@ -108,11 +110,11 @@ def test_attention_backend_choice():
         paged_decode_kernel("cpu_paged", cpu, 12)
     with pytest.raises(ValueError, match="unknown attention backend"):
         paged_decode_kernel("flash", cpu, 64)
-    # int4 formats, a float cache dtype other than the model's, and fp8/int8 under a float16 model
-    # keep gathering.
+    # int4_kivi, a float cache dtype other than the model's, and quantized caches under a float16
+    # model keep gathering.
     kernel = paged_decode_kernel("cpu_paged", cpu, 64)
-    for kv_cache_dtype in ("int4", "int4_kivi", "float32"):
+    for kv_cache_dtype in ("int4_kivi", "float32"):
         assert not make_kv_format(kv_cache_dtype, torch.bfloat16, kernel).reads_decodes_in_place
     assert not make_kv_format("fp8", torch.float16, kernel).reads_decodes_in_place
-    for kv_cache_dtype in ("auto", "bfloat16", "fp8", "fp8_e5m2", "int8"):
+    for kv_cache_dtype in ("auto", "bfloat16", "fp8", "fp8_e5m2", "int8", "int4"):
         assert make_kv_format(kv_cache_dtype, torch.bfloat16, kernel).reads_decodes_in_place

@@ -62,6 +62,13 @@ class PagedDecodeKernel:
         return self.module.paged_decode_codes(query.contiguous(), codes, scales, block_tables, seq_lens, window or 0,
                                               self.scale, fp8_multiplier, fp8_mask, fp8_unit)
 
+    def int4_pool(self, query: torch.Tensor, packed: torch.Tensor, params: torch.Tensor, block_tables: torch.Tensor,
+                  seq_lens: torch.Tensor, window: int | None) -> torch.Tensor:
+        """int4 codes [2 * KVH, blocks, block_size, D / 2] (uint8, two per byte) with float16 (scale,
+        zero) per token [2 * KVH, blocks, block_size, 2] (Int4Format). Queries in bfloat16 or float32."""
+        return self.module.paged_decode_int4(query.contiguous(), packed, params, block_tables, seq_lens, window or 0,
+                                             self.scale)
+
 
 @functools.cache
 def _build() -> tuple[object | None, str]:

@@ -34,15 +34,15 @@ KV_CACHE_DTYPES = ("auto", *_FLOAT_DTYPES, *_QUANTIZED)
 def make_kv_format(kv_cache_dtype: str, model_dtype: torch.dtype,
                    decode_kernel: PagedDecodeKernel | None = None) -> KVFormat:
     """The storage format for a --kv-cache-dtype value ("auto" = the model dtype). The formats the
-    CPU decode kernel reads (full precision in the model dtype; fp8 and int8 under a bfloat16 or
-    float32 model) take `decode_kernel`; the others gather."""
+    CPU decode kernel reads (full precision in the model dtype; fp8, int8 and int4 under a bfloat16
+    or float32 model) take `decode_kernel`; the others (int4_kivi) gather."""
     if kv_cache_dtype == "auto" or _FLOAT_DTYPES.get(kv_cache_dtype) == model_dtype:
         return FullPrecisionFormat(model_dtype, decode_kernel)
     if kv_cache_dtype in _FLOAT_DTYPES:  # the kernel reads the pool in the queries' dtype
         return FullPrecisionFormat(_FLOAT_DTYPES[kv_cache_dtype])
     if kv_cache_dtype in _QUANTIZED:
         kv_format = _QUANTIZED[kv_cache_dtype]()
-        if isinstance(kv_format, TokenScaledFormat) and model_dtype != torch.float16:
+        if isinstance(kv_format, (TokenScaledFormat, Int4Format)) and model_dtype != torch.float16:
             kv_format.decode_kernel = decode_kernel
         return kv_format
     raise ValueError(f"unknown kv cache dtype {kv_cache_dtype!r}: choose one of {', '.join(KV_CACHE_DTYPES)}")

@@ -133,6 +133,11 @@ class Int4Format(KVFormat):
         heads = values.shape[0] // 2
         return values[:heads], values[heads:]
 
+    def attend_decode(self, pool, query, block_tables, seq_lens, window):
+        if self.decode_kernel is None:
+            return None
+        return self.decode_kernel.int4_pool(query, pool["kv"], pool["kv_params"], block_tables, seq_lens, window)
+
     def gather_scaled(self, pool, block_ids, batch, dtype):
         codes, params = gather_token_groups(pool["kv"], pool["kv_params"], block_ids, batch, dtype, self.scratch, "")
         scale, zero = params[..., 0].float(), params[..., 1].float()

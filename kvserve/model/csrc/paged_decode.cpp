@@ -6,10 +6,10 @@
 // head (GQA) are scored together, so each K and V row is read and widened to float once.
 // Scores, softmax and the weighted sum of V are float32, vectorised with ATen's Vectorized.
 //
-// Two storages: K/V as floats (bfloat16, float16, float32), or 1-byte codes with one scale per
-// token (the fp8 and int8 KV formats, kvserve/cache/formats/token_scaled.py), where a stored
-// value is code_value * token_factor: the factor multiplies a key's score and a value's
-// probability instead of every element (value = factor * codes, so q.k = factor * (q.codes)).
+// Storages: K/V as floats (bfloat16, float16, float32); 1-byte codes with one scale per token (the
+// fp8 and int8 KV formats, kvserve/cache/formats/token_scaled.py); 4-bit codes with a scale and a
+// zero point per token (int4.py). A token's scale and zero are applied to its score and its
+// probability (see RowScale) instead of to every element it holds.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -35,17 +35,23 @@ inline Vec load_float(const T* src) {
   }
 }
 
+// A stored row is factor * row + zero (zero: asymmetric int4 only), so q.k = factor * (q.row) +
+// zero * sum(q), and sum_t p_t v_t = sum_t (p_t factor_t) row_t + sum_t p_t zero_t.
+struct RowScale {
+  float factor, zero;
+};
+
 // Row readers: load(plane, block, offset, row) puts one token's K or V row (plane h < kv_heads is
-// key head h, plane kv_heads + h its values) into `row` as floats and returns its factor.
+// key head h, plane kv_heads + h its values) into `row` as floats and returns its RowScale.
 template <typename T, int64_t kChunks>
 struct FloatRows {
   const T* data;
   int64_t plane_stride, block_stride, dim;
 
-  float load(int64_t plane, int64_t block, int64_t offset, Vec* row) const {
+  RowScale load(int64_t plane, int64_t block, int64_t offset, Vec* row) const {
     const T* src = data + plane * plane_stride + block * block_stride + offset * dim;
     for (int64_t c = 0; c < kChunks; ++c) row[c] = load_float(src + c * Vec::size());
-    return 1.f;
+    return {1.f, 0.f};
   }
 };
 
@@ -76,12 +82,34 @@ struct CodeRows {
   int64_t plane_stride, block_stride, dim, scale_plane_stride, block_size;
   Codes decoder;
 
-  float load(int64_t plane, int64_t block, int64_t offset, Vec* row) const {
+  RowScale load(int64_t plane, int64_t block, int64_t offset, Vec* row) const {
     const int8_t* src = codes + plane * plane_stride + block * block_stride + offset * dim;
     alignas(64) float widened[kChunks * Vec::size()];
     for (int64_t i = 0; i < kChunks * Vec::size(); ++i) widened[i] = decoder.value(src[i]);  // vectorised by the compiler
     for (int64_t c = 0; c < kChunks; ++c) row[c] = Vec::loadu(widened + c * Vec::size());
-    return decoder.factor(scales[plane * scale_plane_stride + block * block_size + offset]);
+    return {decoder.factor(scales[plane * scale_plane_stride + block * block_size + offset]), 0.f};
+  }
+};
+
+// int4 codes, two per byte (channel j in the low nibble, j + head_dim/2 in the high one), with a
+// float16 (scale, zero) per token (Int4Format): value = code * scale + zero.
+template <int64_t kChunks>
+struct Int4Rows {
+  static constexpr int64_t kHalf = kChunks * Vec::size() / 2;
+  const uint8_t* packed;
+  const at::Half* params;  // [planes, blocks, block_size, 2]
+  int64_t plane_stride, block_stride, params_plane_stride, block_size;
+
+  RowScale load(int64_t plane, int64_t block, int64_t offset, Vec* row) const {
+    const uint8_t* src = packed + plane * plane_stride + block * block_stride + offset * kHalf;
+    alignas(64) float widened[2 * kHalf];
+    for (int64_t j = 0; j < kHalf; ++j) {  // vectorised by the compiler
+      widened[j] = static_cast<float>(src[j] & 0xF);
+      widened[j + kHalf] = static_cast<float>(src[j] >> 4);
+    }
+    for (int64_t c = 0; c < kChunks; ++c) row[c] = Vec::loadu(widened + c * Vec::size());
+    const at::Half* p = params + 2 * (plane * params_plane_stride + block * block_size + offset);
+    return {static_cast<float>(p[0]), static_cast<float>(p[1])};
   }
 };
 
@@ -112,18 +140,24 @@ void paged_decode_kernel(const at::Tensor& query, const Rows& rows, int64_t kv_h
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const int64_t n = len - first;
       const int64_t* table = tables + b * table_width;
+      float q_sum[64];  // for zero points
       for (int64_t g = 0; g < group; ++g) {
         const Q* qg = q_ptr + (b * heads + h * group + g) * dim;
-        for (int64_t c = 0; c < kChunks; ++c) q[g * kChunks + c] = load_float(qg + c * Vec::size()) * Vec(scale);
+        Vec sum(0.f);
+        for (int64_t c = 0; c < kChunks; ++c) {
+          q[g * kChunks + c] = load_float(qg + c * Vec::size()) * Vec(scale);
+          sum = sum + q[g * kChunks + c];
+        }
+        q_sum[g] = sum.reduce_add();
       }
       scores.resize(group * n);
       // Pass 1: scores[g][t] = (q_g . k_t) * scale
       for (int64_t t = first; t < len; ++t) {
-        const float factor = rows.load(h, table[t / block_size], t % block_size, row);
+        const RowScale k = rows.load(h, table[t / block_size], t % block_size, row);
         for (int64_t g = 0; g < group; ++g) {
           Vec s = q[g * kChunks] * row[0];
           for (int64_t c = 1; c < kChunks; ++c) s = at::vec::fmadd(q[g * kChunks + c], row[c], s);
-          scores[g * n + (t - first)] = s.reduce_add() * factor;
+          scores[g * n + (t - first)] = s.reduce_add() * k.factor + k.zero * q_sum[g];
         }
       }
       // Softmax numerators exp(s - max) in place, and 1 / their sum, per query head.
@@ -136,10 +170,12 @@ void paged_decode_kernel(const at::Tensor& query, const Rows& rows, int64_t kv_h
       }
       // Pass 2: acc[g] = sum_t p[g][t] v_t
       std::fill(acc.begin(), acc.end(), Vec(0.f));
+      float zero_acc[64] = {};
       for (int64_t t = first; t < len; ++t) {
-        const float factor = rows.load(kv_heads + h, table[t / block_size], t % block_size, row);
+        const RowScale v = rows.load(kv_heads + h, table[t / block_size], t % block_size, row);
         for (int64_t g = 0; g < group; ++g) {
-          const Vec p(scores[g * n + (t - first)] * factor);
+          zero_acc[g] += scores[g * n + (t - first)] * v.zero;
+          const Vec p(scores[g * n + (t - first)] * v.factor);
           for (int64_t c = 0; c < kChunks; ++c) acc[g * kChunks + c] = at::vec::fmadd(p, row[c], acc[g * kChunks + c]);
         }
       }
@@ -147,7 +183,7 @@ void paged_decode_kernel(const at::Tensor& query, const Rows& rows, int64_t kv_h
         Q* o = out_ptr + (b * heads + h * group + g) * dim;
         float tmp[Vec::size()];
         for (int64_t c = 0; c < kChunks; ++c) {
-          (acc[g * kChunks + c] * Vec(inv_sum[g])).store(tmp);
+          ((acc[g * kChunks + c] + Vec(zero_acc[g])) * Vec(inv_sum[g])).store(tmp);
           for (int64_t i = 0; i < Vec::size(); ++i) o[c * Vec::size() + i] = static_cast<Q>(tmp[i]);
         }
       }
@@ -240,8 +276,34 @@ at::Tensor paged_decode_codes(const at::Tensor& query, const at::Tensor& codes, 
   return out;
 }
 
+// Decode attention over int4 codes [2 * kv_heads, blocks, block_size, head_dim / 2] (uint8, two per
+// byte) with float16 (scale, zero) per token [2 * kv_heads, blocks, block_size, 2].
+at::Tensor paged_decode_int4(const at::Tensor& query, const at::Tensor& packed, const at::Tensor& params,
+                             const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t window, double scale) {
+  check_common(query, packed, block_tables, seq_lens);
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.size(3) * 2 == query.size(2));
+  TORCH_CHECK(params.scalar_type() == at::kHalf && params.is_contiguous() && params.size(3) == 2);
+  at::Tensor out = at::empty_like(query);
+  const int64_t kv_heads = packed.size(0) / 2, block_size = packed.size(2), half = packed.size(3);
+  auto run = [&]<typename scalar_t>() {
+    with_chunks<KVSERVE_CHUNK_COUNTS>(query.size(2) / Vec::size(), [&]<int64_t kChunks>() {
+      const Int4Rows<kChunks> rows{packed.data_ptr<uint8_t>(), params.data_ptr<at::Half>(),
+                                   packed.size(1) * block_size * half, block_size * half,
+                                   packed.size(1) * block_size, block_size};
+      paged_decode_kernel<scalar_t, kChunks>(query, rows, kv_heads, block_size, block_tables, seq_lens, window, scale, out);
+    });
+  };
+  switch (query.scalar_type()) {
+    case at::kFloat: run.template operator()<float>(); break;
+    case at::kBFloat16: run.template operator()<at::BFloat16>(); break;
+    default: TORCH_CHECK(false, "paged_decode_int4: unsupported query dtype ", query.scalar_type());
+  }
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode);
   m.def("paged_decode_codes", &paged_decode_codes);
+  m.def("paged_decode_int4", &paged_decode_int4);
   m.def("supports_head_dim", &supports_head_dim);
 }
