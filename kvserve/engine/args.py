@@ -57,7 +57,7 @@ class EngineArgs:
     attention_backend: str = field(default="auto", metadata=_opt(
         "decode attention: cpu_paged = a C++ kernel reading the paged pool in place (built on first use); "
         "torch = gather the blocks, then torch matmuls (the CUDA path); auto = cpu_paged on CPU when it "
-        "builds and reads the KV cache dtype (the model dtype, fp8, int8), else torch", choices=ATTENTION_BACKENDS))
+        "builds and reads the KV cache dtype (the model dtype, fp8, int8, int4), else torch", choices=ATTENTION_BACKENDS))
     seed: int = field(default=0, metadata=_opt("seed of the global random generator"))
 
     @classmethod

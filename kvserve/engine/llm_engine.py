@@ -114,7 +114,7 @@ class LLMEngine:
         decode_kernel = paged_decode_kernel(args.attention_backend, self.device, cfg.head_dim)
         self.kv_format = make_kv_format(args.kv_cache_dtype, self.dtype, decode_kernel)
         if args.attention_backend == "cpu_paged" and not self.kv_format.reads_decodes_in_place:
-            raise ValueError(f"--attention-backend cpu_paged reads a KV cache in the model dtype, or fp8/int8 under a "
+            raise ValueError(f"--attention-backend cpu_paged reads a KV cache in the model dtype, or fp8/int8/int4 under a "
                              f"bfloat16 or float32 model; not --kv-cache-dtype {args.kv_cache_dtype} with "
                              f"{str(self.dtype).removeprefix('torch.')} weights")
         logger.info("Decode attention: %s", "CPU paged kernel (in place)" if self.kv_format.reads_decodes_in_place

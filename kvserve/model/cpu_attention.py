@@ -3,11 +3,12 @@
 Decode attention in torch ops has to gather each request's blocks into one padded tensor before
 its matmuls: on CPU that copy, the padding and the mask were about a third of a decode step at
 32 concurrent requests of the default model. The kernel reads K/V in place through the block
-tables instead (what vLLM's CPU and CUDA backends do), ~3x faster per layer at that batch.
+tables instead (what vLLM's CPU and CUDA backends do): decode steps 1.25-1.39x faster at 32-128
+requests (BENCHMARKS.md). It reads the full-precision pool and the fp8, int8 and int4 codes.
 
 It is C++ compiled on first use with torch's own extension builder (`torch.utils.cpp_extension`,
 which needs a C++ compiler and ninja) for the CPU's vector ISA as torch reports it, and cached
-under torch's extensions directory (~25 s once per machine and source version). When it cannot
+under torch's extensions directory (~35 s once per machine and source version). When it cannot
 be built, `--attention-backend auto` logs why and keeps the torch path, which is also the path
 on CUDA.
 """
@@ -35,7 +36,6 @@ _ISA_FLAGS = {
                "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"],
     "AVX2": ["-mavx2", "-mfma", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
 }
-
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ class PagedDecodeKernel:
 def _build() -> tuple[object | None, str]:
     """The compiled extension module, or None and why not."""
     start = time.monotonic()
-    logger.info("Loading the CPU paged decode kernel (compiled on first use on a machine, ~30 s)")
+    logger.info("Loading the CPU paged decode kernel (compiled on first use on a machine, ~35 s)")
     try:
         from torch.utils.cpp_extension import load
 

@@ -14,8 +14,8 @@ from kvserve.cache.formats.full_precision import FullPrecisionFormat
 from kvserve.cache.formats.int4 import Int4Format
 from kvserve.cache.formats.int4_kivi import Int4KiviFormat
 from kvserve.cache.formats.int8 import Int8Format
-from kvserve.cache.kv_cache import KVFormat
 from kvserve.cache.formats.token_scaled import TokenScaledFormat
+from kvserve.cache.kv_cache import KVFormat
 from kvserve.model.cpu_attention import PagedDecodeKernel
 
 _FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
