@@ -49,21 +49,21 @@ def main() -> None:
                                                       kv_cache_memory=args.kv_cache_memory,
                                                       max_model_len=args.prompt_len + args.steps + 1),
                                            loaded_model=loaded)) for v in variants}
-    dtypes = list(engines)
-    rates: dict[str, list[float]] = {d: [] for d in dtypes}
+    names = list(engines)
+    rates: dict[str, list[float]] = {name: [] for name in names}
     for round_ in range(args.rounds):
-        for d in dtypes:
-            run = kvserve_decode(engines[d], args.concurrency, args.prompt_len, args.steps, seed=round_)
-            rates[d].append(run.tokens_per_s)
-    reference = rates[dtypes[0]]
+        for name in names:
+            run = kvserve_decode(engines[name], args.concurrency, args.prompt_len, args.steps, seed=round_)
+            rates[name].append(run.tokens_per_s)
+    reference = rates[names[0]]
     print(f"decode, {args.concurrency} sequences, prompts of {args.prompt_len} tokens, {args.steps} steps, "
           f"{args.rounds} interleaved rounds")
-    print(f"| kv cache dtype{'' if len(backends) == 1 else ', attention backend'} | decode tok/s (rounds) | best | best vs {dtypes[0]} | median of round ratios |\n"
+    print(f"| kv cache dtype{'' if len(backends) == 1 else ', attention backend'} | decode tok/s (rounds) | best | best vs {names[0]} | median of round ratios |\n"
           "|---|---|---|---|---|")
-    for d in dtypes:
-        rounds = ", ".join(f"{r:.1f}" for r in rates[d])
-        ratio = statistics.median(r / ref for r, ref in zip(rates[d], reference))
-        print(f"| {d} | {rounds} | {max(rates[d]):.1f} | {max(rates[d]) / max(reference):.2f}x | {ratio:.2f}x |")
+    for name in names:
+        rounds = ", ".join(f"{r:.1f}" for r in rates[name])
+        ratio = statistics.median(r / ref for r, ref in zip(rates[name], reference))
+        print(f"| {name} | {rounds} | {max(rates[name]):.1f} | {max(rates[name]) / max(reference):.2f}x | {ratio:.2f}x |")
 
 
 if __name__ == "__main__":

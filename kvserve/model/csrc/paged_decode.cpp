@@ -216,6 +216,28 @@ void check_common(const at::Tensor& query, const at::Tensor& pool, const at::Ten
   TORCH_CHECK(query.size(1) % (pool.size(0) / 2) == 0 && query.size(1) / (pool.size(0) / 2) <= 64);
 }
 
+// Calls attend.template operator()<Q, kChunks>() with Q the query's dtype (float16 only where
+// kHalfQueries) and kChunks its head_dim / Vec::size().
+template <bool kHalfQueries, typename F>
+void for_query(const at::Tensor& query, const char* name, F&& attend) {
+  auto run = [&]<typename Q>() {
+    with_chunks<KVSERVE_CHUNK_COUNTS>(query.size(2) / Vec::size(),
+                                      [&]<int64_t kChunks>() { attend.template operator()<Q, kChunks>(); });
+  };
+  switch (query.scalar_type()) {
+    case at::kFloat: run.template operator()<float>(); return;
+    case at::kBFloat16: run.template operator()<at::BFloat16>(); return;
+    case at::kHalf:
+      if constexpr (kHalfQueries) {
+        run.template operator()<at::Half>();
+        return;
+      }
+      break;
+    default: break;
+  }
+  TORCH_CHECK(false, name, ": unsupported query dtype ", query.scalar_type());
+}
+
 }  // namespace
 
 // Decode attention over a float pool [2 * kv_heads, blocks, block_size, head_dim] of the query's dtype.
@@ -225,18 +247,10 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& kv_cache, con
   TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type(), "query and cache dtypes differ");
   at::Tensor out = at::empty_like(query);
   const int64_t kv_heads = kv_cache.size(0) / 2, block_size = kv_cache.size(2), dim = query.size(2);
-  auto run = [&]<typename T>() {
-    with_chunks<KVSERVE_CHUNK_COUNTS>(dim / Vec::size(), [&]<int64_t kChunks>() {
-      const FloatRows<T, kChunks> rows{kv_cache.data_ptr<T>(), kv_cache.size(1) * block_size * dim, block_size * dim, dim};
-      paged_decode_kernel<T, kChunks>(query, rows, kv_heads, block_size, block_tables, seq_lens, window, scale, out);
-    });
-  };
-  switch (query.scalar_type()) {
-    case at::kFloat: run.template operator()<float>(); break;
-    case at::kBFloat16: run.template operator()<at::BFloat16>(); break;
-    case at::kHalf: run.template operator()<at::Half>(); break;
-    default: TORCH_CHECK(false, "paged_decode: unsupported dtype ", query.scalar_type());
-  }
+  for_query<true>(query, "paged_decode", [&]<typename Q, int64_t kChunks>() {
+    const FloatRows<Q, kChunks> rows{kv_cache.data_ptr<Q>(), kv_cache.size(1) * block_size * dim, block_size * dim, dim};
+    paged_decode_kernel<Q, kChunks>(query, rows, kv_heads, block_size, block_tables, seq_lens, window, scale, out);
+  });
   return out;
 }
 
@@ -251,28 +265,21 @@ at::Tensor paged_decode_codes(const at::Tensor& query, const at::Tensor& codes, 
   TORCH_CHECK(scales.scalar_type() == (fp8_multiplier > 0 ? at::kChar : at::kHalf), "unexpected scale dtype");
   at::Tensor out = at::empty_like(query);
   const int64_t kv_heads = codes.size(0) / 2, block_size = codes.size(2), dim = query.size(2);
-  const int64_t plane_stride = codes.size(1) * block_size * dim;
-  auto run = [&]<typename scalar_t>() {
-    with_chunks<KVSERVE_CHUNK_COUNTS>(dim / Vec::size(), [&]<int64_t kChunks>() {
-      if (fp8_multiplier > 0) {
-        const Fp8Codes decoder{static_cast<int16_t>(fp8_multiplier), static_cast<int16_t>(fp8_mask),
-                               static_cast<float>(fp8_unit)};
-        const CodeRows<Fp8Codes, int8_t, kChunks> rows{codes.data_ptr<int8_t>(), scales.data_ptr<int8_t>(),
-                                                      plane_stride, block_size * dim, dim, codes.size(1) * block_size, block_size, decoder};
-        paged_decode_kernel<scalar_t, kChunks>(query, rows, kv_heads, block_size, block_tables, seq_lens, window, scale, out);
-      } else {
-        const CodeRows<Int8Codes, at::Half, kChunks> rows{codes.data_ptr<int8_t>(), scales.data_ptr<at::Half>(),
-                                                         plane_stride, block_size * dim, dim, codes.size(1) * block_size, block_size,
-                                                         Int8Codes{}};
-        paged_decode_kernel<scalar_t, kChunks>(query, rows, kv_heads, block_size, block_tables, seq_lens, window, scale, out);
-      }
-    });
-  };
-  switch (query.scalar_type()) {
-    case at::kFloat: run.template operator()<float>(); break;
-    case at::kBFloat16: run.template operator()<at::BFloat16>(); break;
-    default: TORCH_CHECK(false, "paged_decode_codes: unsupported query dtype ", query.scalar_type());
-  }
+  const int64_t plane_stride = codes.size(1) * block_size * dim, scale_plane_stride = codes.size(1) * block_size;
+  for_query<false>(query, "paged_decode_codes", [&]<typename Q, int64_t kChunks>() {
+    if (fp8_multiplier > 0) {
+      const Fp8Codes decoder{static_cast<int16_t>(fp8_multiplier), static_cast<int16_t>(fp8_mask),
+                             static_cast<float>(fp8_unit)};
+      const CodeRows<Fp8Codes, int8_t, kChunks> rows{codes.data_ptr<int8_t>(), scales.data_ptr<int8_t>(), plane_stride,
+                                                    block_size * dim, dim, scale_plane_stride, block_size, decoder};
+      paged_decode_kernel<Q, kChunks>(query, rows, kv_heads, block_size, block_tables, seq_lens, window, scale, out);
+    } else {
+      const CodeRows<Int8Codes, at::Half, kChunks> rows{codes.data_ptr<int8_t>(), scales.data_ptr<at::Half>(),
+                                                       plane_stride, block_size * dim, dim, scale_plane_stride,
+                                                       block_size, Int8Codes{}};
+      paged_decode_kernel<Q, kChunks>(query, rows, kv_heads, block_size, block_tables, seq_lens, window, scale, out);
+    }
+  });
   return out;
 }
 
@@ -285,19 +292,12 @@ at::Tensor paged_decode_int4(const at::Tensor& query, const at::Tensor& packed, 
   TORCH_CHECK(params.scalar_type() == at::kHalf && params.is_contiguous() && params.size(3) == 2);
   at::Tensor out = at::empty_like(query);
   const int64_t kv_heads = packed.size(0) / 2, block_size = packed.size(2), half = packed.size(3);
-  auto run = [&]<typename scalar_t>() {
-    with_chunks<KVSERVE_CHUNK_COUNTS>(query.size(2) / Vec::size(), [&]<int64_t kChunks>() {
-      const Int4Rows<kChunks> rows{packed.data_ptr<uint8_t>(), params.data_ptr<at::Half>(),
-                                   packed.size(1) * block_size * half, block_size * half,
-                                   packed.size(1) * block_size, block_size};
-      paged_decode_kernel<scalar_t, kChunks>(query, rows, kv_heads, block_size, block_tables, seq_lens, window, scale, out);
-    });
-  };
-  switch (query.scalar_type()) {
-    case at::kFloat: run.template operator()<float>(); break;
-    case at::kBFloat16: run.template operator()<at::BFloat16>(); break;
-    default: TORCH_CHECK(false, "paged_decode_int4: unsupported query dtype ", query.scalar_type());
-  }
+  for_query<false>(query, "paged_decode_int4", [&]<typename Q, int64_t kChunks>() {
+    const Int4Rows<kChunks> rows{packed.data_ptr<uint8_t>(), params.data_ptr<at::Half>(),
+                                 packed.size(1) * block_size * half, block_size * half, packed.size(1) * block_size,
+                                 block_size};
+    paged_decode_kernel<Q, kChunks>(query, rows, kv_heads, block_size, block_tables, seq_lens, window, scale, out);
+  });
   return out;
 }
 
