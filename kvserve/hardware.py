@@ -1,0 +1,77 @@
+"""What this machine can do: CPU instruction sets, native bfloat16, memory available now.
+
+A plain helper module (it imports nothing from kvserve) so that every layer may ask it: the model
+for its linears and kernels, the engine for dtype and pool sizing, `kvserve plan` for defaults.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import platform
+
+# Set KVSERVE_CPU_BF16=0 to make kvserve decide as on a CPU without native bfloat16 (dtype auto ->
+# float32), e.g. to test that path on an AVX512-BF16 machine together with ATEN_CPU_CAPABILITY=avx2.
+CPU_BF16_ENV = "KVSERVE_CPU_BF16"
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as the kernel reports them (/proc/cpuinfo; empty where unreadable)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def machine() -> str:
+    """x86_64, aarch64, ..."""
+    return platform.machine().lower()
+
+
+def cpu_bf16_disabled() -> bool:
+    return os.environ.get(CPU_BF16_ENV, "").strip().lower() in ("0", "false", "no", "off")
+
+
+def native_bf16_missing() -> str | None:
+    """None when bfloat16 matmuls run natively on this CPU (AVX512-BF16 or AMX, usable by oneDNN);
+    otherwise the reason, for logs and errors. Without native support torch emulates bf16 and it is
+    slower than float32."""
+    import torch
+
+    if cpu_bf16_disabled():
+        return f"{CPU_BF16_ENV}=0 is set"
+    flags = cpu_flags()
+    if not ({"avx512_bf16", "amx_bf16"} & flags):
+        return "this CPU has no native bfloat16 matmul (no avx512_bf16 or amx_bf16 flag)"
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return "oneDNN's bfloat16 path is not available here (ONEDNN_MAX_CPU_ISA or the CPU limits it)"
+    return None
+
+
+def onednn_bf16_missing() -> str | None:
+    """None when oneDNN can run bf16 linears here (natively or on AVX-512 BW/VL/DQ), else why not:
+    without it, prepacked bf16 weights raise inside torch."""
+    import torch
+
+    if not torch.backends.mkldnn.is_available():
+        return "torch is built without oneDNN"
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return ("oneDNN cannot run bfloat16 here: it needs avx512bw/vl/dq or avx_ne_convert "
+                "(missing on this CPU, or masked by ONEDNN_MAX_CPU_ISA)")
+    return None
+
+
+def available_ram_bytes() -> int:
+    """Memory the OS can give us now (Linux MemAvailable; total physical memory elsewhere)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
