@@ -8,8 +8,8 @@ from torch import nn
 from kvserve.model import cpu_linear
 from kvserve.model.cpu_linear import PrepackedLinear, prepack_linears, prepacking_available
 
-pytestmark = pytest.mark.skipif(not prepacking_available(torch.device("cpu"), torch.bfloat16),
-                                reason="needs oneDNN bf16 prepacking on CPU")
+needs_prepacking = pytest.mark.skipif(not prepacking_available(torch.device("cpu"), torch.bfloat16),
+                                      reason="needs oneDNN bf16 prepacking on CPU")
 
 
 def _linear(in_features: int = 96, out_features: int = 160, bias: bool = True) -> nn.Linear:
@@ -17,6 +17,7 @@ def _linear(in_features: int = 96, out_features: int = 160, bias: bool = True) -
     return nn.Linear(in_features, out_features, bias=bias).to(torch.bfloat16)
 
 
+@needs_prepacking
 @pytest.mark.parametrize("rows", [1, 2, 7])
 @pytest.mark.parametrize("keep_plain", [True, False])
 def test_prepacked_linear_matches_float32_reference(rows, keep_plain):
@@ -29,6 +30,7 @@ def test_prepacked_linear_matches_float32_reference(rows, keep_plain):
     torch.testing.assert_close(out.float(), expected, rtol=2 ** -7, atol=1e-2)
 
 
+@needs_prepacking
 def test_single_row_takes_the_native_gemv_and_restores_onednn(monkeypatch):
     calls = []
     native = cpu_linear.native_linear
@@ -61,6 +63,7 @@ class _TiedModel(nn.Module):
         self.head.weight = self.embed.weight
 
 
+@needs_prepacking
 def test_plain_copy_is_kept_only_when_it_fits_a_quarter_of_available_ram(monkeypatch):
     proj_bytes = 64 * 64 * 2  # the tied head shares the embedding: its plain weight costs nothing
     monkeypatch.setattr(cpu_linear, "available_ram_bytes", lambda: 4 * proj_bytes)
@@ -76,3 +79,10 @@ def test_plain_copy_is_kept_only_when_it_fits_a_quarter_of_available_ram(monkeyp
     assert model.proj.plain is None and model.head.plain is None
     x = torch.randn(1, 64).to(torch.bfloat16)  # a single row still works, through the packed weights
     torch.testing.assert_close(model.proj(x).float(), x.float() @ weight.T, rtol=2 ** -7, atol=1e-2)
+
+
+def test_no_prepacking_where_onednn_cannot_run_bf16(monkeypatch):
+    """An AVX2-only CPU: torch's reorder would raise, so bf16 linears stay plain nn.Linear."""
+    monkeypatch.setattr(cpu_linear, "onednn_bf16_missing", lambda: "no avx512bw here")
+    assert not prepacking_available(torch.device("cpu"), torch.bfloat16)
+    assert not prepacking_available(torch.device("cpu"), torch.float32)

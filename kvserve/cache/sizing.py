@@ -2,10 +2,10 @@
 so the planner's prediction is the engine's allocation."""
 from __future__ import annotations
 
-import os
 import re
 
 from kvserve.cache.kv_cache import KVCacheSpec, KVFormat
+from kvserve.hardware import available_ram_bytes
 
 GiB = 1 << 30
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
@@ -42,18 +42,6 @@ def num_blocks_for_budget(budget_bytes: int, spec: KVCacheSpec, kv_format: KVFor
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
-
-
-def available_ram_bytes() -> int:
-    """Memory the OS can give us now (Linux MemAvailable; total physical memory elsewhere)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def default_cpu_budget() -> int:

@@ -26,14 +26,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.cache.sizing import available_ram_bytes, format_size
+from kvserve.cache.sizing import format_size
+from kvserve.hardware import available_ram_bytes, onednn_bf16_missing
 
 logger = logging.getLogger(__name__)
 
 
 def prepacking_available(device: torch.device, dtype: torch.dtype) -> bool:
-    return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    """Whether bf16 linears on `device` can be prepacked: only where oneDNN runs bf16 (without
+    AVX-512 BW/VL/DQ or AVX-NE-CONVERT, e.g. an AVX2-only CPU, torch raises at the reorder);
+    elsewhere the layers stay plain nn.Linear (F.linear)."""
+    return (device.type == "cpu" and dtype == torch.bfloat16 and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and onednn_bf16_missing() is None)
 
 
 def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
