@@ -14,6 +14,7 @@ SUBCOMMANDS = {
     "bench": "kvserve.bench.cli",
     "plan": "kvserve.plan.cli",
     "eval": "kvserve.eval.cli",
+    "build-kernel": "kvserve.entrypoints.build_kernel",
 }
 
 

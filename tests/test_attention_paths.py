@@ -12,7 +12,9 @@ import torch
 from kvserve.cache.formats import make_kv_format
 from kvserve.cache.kv_cache import KVCacheSpec
 from kvserve.model.attention import AttentionGroup, _decode, _decode_attention, _single_decode
-from kvserve.model.cpu_attention import paged_decode_kernel
+from kvserve.model.cpu_attention import PagedDecodeKernel, load_paged_decode_module, paged_decode_kernel
+
+pytestmark = pytest.mark.torch_path  # CI runs this module again with the kernel disabled
 
 SPEC = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=16, block_size=8)
 HEADS = 6  # three query heads per KV head
@@ -60,12 +62,17 @@ def test_single_request_decode_matches_the_padded_path_and_the_definition(dtype,
     (torch.bfloat16, "int4"),
 ])
 @pytest.mark.parametrize("window", [None, 5, 36])
-def test_paged_decode_kernel_matches_the_definition_for_a_mixed_batch(dtype, kv_cache_dtype, window):
+def test_paged_decode_kernel_matches_the_definition_for_a_mixed_batch(cpu_kernel, dtype, kv_cache_dtype, window):
     """The CPU kernel (attention backend cpu_paged) reads each request's blocks in place through its
     block table: requests of different lengths, tables in no order and padded with block 0, with the
     unused slots of the pool holding garbage it must not read. Quantized pools are compared with
     attention by hand over the values their own gather decodes (the stored, rounded K/V)."""
-    kernel = paged_decode_kernel("cpu_paged", torch.device("cpu"), SPEC.head_dim)
+    check_kernel_against_the_definition(PagedDecodeKernel(cpu_kernel, 1 / math.sqrt(SPEC.head_dim)), dtype,
+                                        kv_cache_dtype, window)
+
+
+def check_kernel_against_the_definition(kernel: PagedDecodeKernel, dtype: torch.dtype, kv_cache_dtype: str,
+                                        window: int | None) -> None:
     fmt = make_kv_format(kv_cache_dtype, dtype, kernel)
     assert fmt.reads_decodes_in_place
     pool = fmt.allocate(SPEC, 16, torch.device("cpu"))
@@ -99,10 +106,10 @@ def test_paged_decode_kernel_matches_the_definition_for_a_mixed_batch(dtype, kv_
         assert torch.allclose(got[i], expected, atol=tolerance), (i, (got[i] - expected).abs().max())
 
 
-def test_attention_backend_choice():
+def test_attention_backend_choice(cpu_kernel):
     cpu = torch.device("cpu")
     assert paged_decode_kernel("torch", cpu, 64) is None
-    assert paged_decode_kernel("auto", cpu, 64) is not None  # this machine builds it
+    assert paged_decode_kernel("auto", cpu, 64) is not None  # where the kernel runs, auto takes it
     assert paged_decode_kernel("auto", torch.device("meta"), 64) is None  # not a CPU: the torch path
     with pytest.raises(ValueError, match="CPU only"):
         paged_decode_kernel("cpu_paged", torch.device("meta"), 64)
@@ -118,3 +125,14 @@ def test_attention_backend_choice():
     assert not make_kv_format("fp8", torch.float16, kernel).reads_decodes_in_place
     for kv_cache_dtype in ("auto", "bfloat16", "fp8", "fp8_e5m2", "int8", "int4"):
         assert make_kv_format(kv_cache_dtype, torch.bfloat16, kernel).reads_decodes_in_place
+
+
+def test_without_the_kernel_auto_takes_the_torch_path_and_cpu_paged_says_why():
+    """Where the kernel cannot run (here: whenever the fixture above would skip), `auto` still
+    serves through torch ops and `cpu_paged` is a one-line error with the reason."""
+    module, why = load_paged_decode_module()
+    if module is not None:
+        pytest.skip("the kernel runs here; tests/test_kernel_build.py covers its absence")
+    assert paged_decode_kernel("auto", torch.device("cpu"), 64) is None
+    with pytest.raises(ValueError, match="not available: .+"):
+        paged_decode_kernel("cpu_paged", torch.device("cpu"), 64)

@@ -44,8 +44,12 @@ def hf_logits(model, token_ids: list[int]) -> torch.Tensor:
     ("qwen2", {}),
 ])
 @pytest.mark.parametrize("attention_backend", ["cpu_paged", "torch"])
-def test_tiny_models_match_hf_greedy_and_logits(tiny_model_factory, arch, overrides, attention_backend):
+@pytest.mark.torch_path
+def test_tiny_models_match_hf_greedy_and_logits(request, tiny_model_factory, arch, overrides, attention_backend):
     from transformers import AutoModelForCausalLM
+
+    if attention_backend == "cpu_paged":
+        request.getfixturevalue("cpu_kernel")  # skipped with the reason where the kernel cannot run
 
     path = tiny_model_factory(arch, **overrides)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -113,6 +117,7 @@ def test_split_by_length_pads_less_and_covers_the_batch():
     assert padded < lengths[0] * len(lengths) * 16 + GROUP_COST_TOKENS
 
 
+@pytest.mark.torch_path
 def test_preemption_keeps_greedy_output(tiny_llama):
     prompts = [f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(8)]
     params = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)

@@ -60,6 +60,7 @@ def test_models_health_version(tiny_server, client):
     assert httpx.get(f"{tiny_server.base_url}/version").json() == {"version": kvserve.__version__}
 
 
+@pytest.mark.torch_path
 def test_completions_greedy_equal_offline_with_exact_usage(client, offline):
     response = client.completions.create(model="tiny", prompt=PROMPTS, max_tokens=12, extra_body={"ignore_eos": True},
                                          **GREEDY)
@@ -190,6 +191,7 @@ def test_echo(client, offline):
     assert response.choices[0].text == PROMPTS[3] + generated
 
 
+@pytest.mark.torch_path
 def test_concurrent_requests_all_answered_correctly(tiny_server, offline):
     prompts = [f"{PROMPTS[i % 4]} number {i}" for i in range(24)]
     lengths = [6 + i % 7 for i in range(24)]

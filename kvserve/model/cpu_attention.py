@@ -6,36 +6,28 @@ its matmuls: on CPU that copy, the padding and the mask were about a third of a 
 tables instead (what vLLM's CPU and CUDA backends do): decode steps 1.25-1.39x faster at 32-128
 requests (BENCHMARKS.md). It reads the full-precision pool and the fp8, int8 and int4 codes.
 
-It is C++ compiled on first use with torch's own extension builder (`torch.utils.cpp_extension`,
-which needs a C++ compiler and ninja) for the CPU's vector ISA as torch reports it, and cached
-under torch's extensions directory (~35 s once per machine and source version). When it cannot
-be built, `--attention-backend auto` logs why and keeps the torch path, which is also the path
-on CUDA.
+It is C++ built for the CPU's vector ISA by `kvserve build-kernel` at set-up, or on first use
+(kernel_build.py: cached per ISA and torch version, safe when processes start at once). When it
+cannot be built or loaded, `--attention-backend auto` logs why in one line and keeps the torch
+path, which is also the path on CUDA.
 """
 from __future__ import annotations
 
 import functools
 import logging
 import math
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from kvserve.model.kernel_build import KernelBuild, current_isa, load_kernel
+
 logger = logging.getLogger(__name__)
 
 ATTENTION_BACKENDS = ("auto", "torch", "cpu_paged")
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
-
-# Compiler flags per vector ISA torch dispatches to: the same CPU_CAPABILITY macros ATen's own
-# kernels are built with, so at::vec::Vectorized is the 512- or 256-bit implementation.
-_ISA_FLAGS = {
-    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
-               "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"],
-    "AVX2": ["-mavx2", "-mfma", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
-}
 
 
 @dataclass(frozen=True)
@@ -70,24 +62,16 @@ class PagedDecodeKernel:
                                              self.scale)
 
 
-@functools.cache
-def _build() -> tuple[object | None, str]:
-    """The compiled extension module, or None and why not."""
-    start = time.monotonic()
-    logger.info("Loading the CPU paged decode kernel (compiled on first use on a machine, ~35 s)")
-    try:
-        from torch.utils.cpp_extension import load
+def kernel_build(isa: str | None = None) -> KernelBuild:
+    """The paged decode kernel built for `isa` (default: the ISA torch dispatches to here)."""
+    isa = isa or current_isa()
+    return KernelBuild(f"kvserve_paged_decode_{isa.lower()}", SOURCE, isa)
 
-        isa = torch.backends.cpu.get_cpu_capability()
-        flags = ["-O3", "-fopenmp", *_ISA_FLAGS.get(isa, [])]
-        # One module name per ISA: a cache directory shared by different machines never hands
-        # one a binary built for another's instructions.
-        module = load(name=f"kvserve_paged_decode_{isa.lower()}", sources=[str(SOURCE)],
-                      extra_cflags=flags, extra_ldflags=["-fopenmp"])  # at::parallel_for is OpenMP
-        logger.info("CPU paged decode kernel (%s) ready in %.1f s", isa, time.monotonic() - start)
-        return module, ""
-    except Exception as error:  # no compiler, no ninja, a build error: all mean "use torch ops"
-        return None, f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}"
+
+@functools.cache
+def load_paged_decode_module() -> tuple[Any | None, str]:
+    """The compiled extension module for this process, or None and why not (asked once)."""
+    return load_kernel(kernel_build())
 
 
 def paged_decode_kernel(backend: str, device: torch.device, head_dim: int) -> PagedDecodeKernel | None:
@@ -102,7 +86,7 @@ def paged_decode_kernel(backend: str, device: torch.device, head_dim: int) -> Pa
         if backend == "cpu_paged":
             raise ValueError(f"--attention-backend cpu_paged runs on CPU only, not {device}")
         return None
-    module, why = _build()
+    module, why = load_paged_decode_module()
     if module is not None and not module.supports_head_dim(head_dim):
         module, why = None, f"head_dim {head_dim} is not one the kernel is compiled for"
     if module is None:

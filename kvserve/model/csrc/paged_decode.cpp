@@ -24,6 +24,20 @@ namespace {
 
 using Vec = at::vec::Vectorized<float>;
 
+// The sum of a vector's lanes. ATen's generic (DEFAULT, e.g. aarch64) Vectorized::reduce_add does
+// not compile in torch 2.13's headers, so that build adds the lanes itself.
+inline float lane_sum(const Vec& v) {
+#if defined(CPU_CAPABILITY_DEFAULT)
+  float lanes[Vec::size()];
+  v.store(lanes);
+  float sum = 0.f;
+  for (int64_t i = 0; i < Vec::size(); ++i) sum += lanes[i];
+  return sum;
+#else
+  return v.reduce_add();
+#endif
+}
+
 template <typename T>
 inline Vec load_float(const T* src) {
   if constexpr (std::is_same_v<T, float>) {
@@ -148,7 +162,7 @@ void paged_decode_kernel(const at::Tensor& query, const Rows& rows, int64_t kv_h
           q[g * kChunks + c] = load_float(qg + c * Vec::size()) * Vec(scale);
           sum = sum + q[g * kChunks + c];
         }
-        q_sum[g] = sum.reduce_add();
+        q_sum[g] = lane_sum(sum);
       }
       scores.resize(group * n);
       // Pass 1: scores[g][t] = (q_g . k_t) * scale
@@ -157,7 +171,7 @@ void paged_decode_kernel(const at::Tensor& query, const Rows& rows, int64_t kv_h
         for (int64_t g = 0; g < group; ++g) {
           Vec s = q[g * kChunks] * row[0];
           for (int64_t c = 1; c < kChunks; ++c) s = at::vec::fmadd(q[g * kChunks + c], row[c], s);
-          scores[g * n + (t - first)] = s.reduce_add() * k.factor + k.zero * q_sum[g];
+          scores[g * n + (t - first)] = lane_sum(s) * k.factor + k.zero * q_sum[g];
         }
       }
       // Softmax numerators exp(s - max) in place, and 1 / their sum, per query head.

@@ -1,0 +1,37 @@
+"""`kvserve build-kernel`: compile the CPU paged decode kernel now (the set-up command runs it),
+so that no `kvserve` start waits for a compile. Where it cannot be built, says why and exits 0:
+kvserve then decodes with torch ops, which is slower but complete."""
+from __future__ import annotations
+
+import argparse
+import time
+
+from kvserve.model.kernel_build import ISA_LEVELS, cache_root, current_isa, load_kernel, runnable_isa_levels
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("build-kernel", help="compile the CPU paged decode kernel ahead of use")
+    parser.add_argument("--isa", default="current", choices=("current", "all", *ISA_LEVELS),
+                        help="vector ISA to build for: current = the one torch dispatches to here (default); "
+                             "all = every level this CPU can run (a cache shared with other machines)")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvserve.cli import UserError
+    from kvserve.model.cpu_attention import kernel_build
+
+    runnable = runnable_isa_levels()
+    levels = {"current": [current_isa()], "all": runnable}.get(args.isa, [args.isa])
+    if args.isa in ISA_LEVELS and args.isa not in runnable:
+        raise UserError(f"this CPU cannot run {args.isa} code (it runs {', '.join(runnable)})")
+    for isa in levels:
+        build = kernel_build(isa)
+        start = time.monotonic()
+        module, why = load_kernel(build, retry_failed=True)
+        if module is None:
+            print(f"CPU paged decode kernel ({isa}) unavailable: {why}. kvserve will decode with torch ops.")
+        else:
+            print(f"CPU paged decode kernel ({isa}) ready in {time.monotonic() - start:.1f} s: {build.library}")
+    print(f"kernel cache: {cache_root() / 'kernels'}")
+    return 0
