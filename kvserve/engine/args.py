@@ -3,12 +3,19 @@ from here, so an option added to this dataclass is a flag everywhere (vLLM's fla
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
+import torch
+
 from kvserve.cache.eviction import NO_EVICTION, POLICY_CHOICES
 from kvserve.cache.formats import KV_CACHE_DTYPES
+from kvserve.cache.sizing import parse_size
 from kvserve.model.cpu_attention import ATTENTION_BACKENDS
+
+# A --kv-cache-memory above this (1 PiB) is a typo, not a machine.
+MAX_KV_CACHE_BYTES = 1 << 50
 
 
 def _opt(help: str, **argparse_kwargs: Any) -> Any:
@@ -16,6 +23,54 @@ def _opt(help: str, **argparse_kwargs: Any) -> Any:
     return {"help": help, **argparse_kwargs}
 
 
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value: Any, minimum: int, optional: bool = False) -> None:
+    """`value` is an int >= minimum (or None when optional); ValueError naming the flag otherwise."""
+    if value is None and optional:
+        return
+    if not _is_int(value):
+        raise ValueError(f"{_flag(name)} must be an integer, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{_flag(name)} must be {'positive' if minimum == 1 else f'at least {minimum}'}, got {value}")
+
+
+def _check_device(name: Any) -> None:
+    """cpu, cuda, cuda:N or auto, and CUDA only where torch sees a GPU."""
+    expected = "--device must be cpu, cuda, cuda:N or auto"
+    if not isinstance(name, str):
+        raise ValueError(f"{expected}, got {name!r}")
+    if name == "auto":
+        return
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"{expected}, got {name!r}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{expected}, got {name!r}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {name}: CUDA is not available (torch {torch.__version__} sees no GPU)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {name}: there are {torch.cuda.device_count()} CUDA device(s)")
+
+
+def _check_size(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise ValueError(f"{_flag(name)} must be bytes or a size like 4GiB, got {value!r}")
+    try:
+        size = parse_size(value)
+    except ValueError as exc:
+        raise ValueError(f"{_flag(name)}: {exc}") from None
+    if size > MAX_KV_CACHE_BYTES:
+        raise ValueError(f"{_flag(name)} {value!r} is more than 1 PiB ({MAX_KV_CACHE_BYTES} bytes): "
+                         f"use bytes or a unit like 512MiB, 4GiB")
 
 
 @dataclass
@@ -27,7 +82,7 @@ class EngineArgs:
         choices=("auto", "float32", "bfloat16", "float16")))
     device: str = field(default="auto", metadata=_opt("cpu, cuda, cuda:N or auto"))
     block_size: int = field(default=16, metadata=_opt("tokens per KV-cache block", choices=(8, 16, 32, 64, 128)))
-    kv_cache_memory: str | None = field(default=None, metadata=_opt(
+    kv_cache_memory: str | int | None = field(default=None, metadata=_opt(
         "KV pool budget in bytes or with a unit (4GiB, 512MiB); default: CPU min(4GiB, RAM/4), "
         "CUDA from --gpu-memory-utilization after a profiling pass"))
     gpu_memory_utilization: float = field(default=0.9, metadata=_opt(
@@ -55,10 +110,38 @@ class EngineArgs:
         "newest tokens always kept under --kv-eviction (default: streaming budget - sinks; h2o half of that)",
         type=int))
     attention_backend: str = field(default="auto", metadata=_opt(
-        "decode attention: cpu_paged = a C++ kernel reading the paged pool in place (built on first use); "
+        "decode attention: cpu_paged = a C++ kernel reading the paged pool in place (kvserve build-kernel); "
         "torch = gather the blocks, then torch matmuls (the CUDA path); auto = cpu_paged on CPU when it "
         "builds and reads the KV cache dtype (the model dtype, fp8, int8, int4), else torch", choices=ATTENTION_BACKENDS))
     seed: int = field(default=0, metadata=_opt("seed of the global random generator"))
+
+    def validate(self) -> None:
+        """Check every option's type and range, touching neither the model nor the disk, so that a
+        bad value fails at once with one line (ValueError) wherever the engine is built from: the
+        CLI, `LLM(...)`, the server. Checks against the model (max-model-len, KV capacity) follow
+        in kvserve/engine/preflight.py, still before the weights load."""
+        if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
+            raise ValueError(f"--model must be a path or a hub id, got {self.model!r}")
+        _check_device(self.device)
+        for f in fields(self):
+            choices = f.metadata.get("choices")
+            value = getattr(self, f.name)
+            if choices is not None and (not isinstance(value, type(choices[0])) or isinstance(value, bool)
+                                        or value not in choices):
+                raise ValueError(f"{_flag(f.name)} must be one of {', '.join(map(str, choices))}, got {value!r}")
+        if self.kv_cache_memory is not None:
+            _check_size("kv_cache_memory", self.kv_cache_memory)
+        utilization = self.gpu_memory_utilization
+        if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0 < utilization <= 1:
+            raise ValueError(f"--gpu-memory-utilization must be a number in (0, 1], got {utilization!r}")
+        _check_int("max_model_len", self.max_model_len, 1, optional=True)
+        _check_int("max_num_seqs", self.max_num_seqs, 1)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        for name in ("kv_budget", "sink_tokens", "recent_tokens"):
+            _check_int(name, getattr(self, name), 0, optional=True)
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
+        _check_int("seed", self.seed, -(1 << 63))
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:

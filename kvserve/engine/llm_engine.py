@@ -20,54 +20,26 @@ from kvserve.cache.eviction.moves import move_tokens
 from kvserve.cache.formats import make_kv_format
 from kvserve.cache.key_basis import calibrate_key_bases
 from kvserve.cache.key_centering import calibrate_key_centers
-from kvserve.cache.kv_cache import KVCache, KVCacheSpec
+from kvserve.cache.kv_cache import KVCache
 from kvserve.cache.kv_cache_manager import KVCacheManager
-from kvserve.cache.sizing import (GiB, blocks_for_tokens, bytes_per_block, default_cpu_budget,
-                                  num_blocks_for_budget, parse_size)
+from kvserve.cache.sizing import GiB, blocks_for_tokens, bytes_per_block
 from kvserve.engine.args import EngineArgs
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.model_runner import ModelRunner
+# CapacityError, select_device and select_dtype are imported from here by the CLI, plan and benchmarks.
+from kvserve.engine.preflight import (CapacityError, emulated_bf16_warning, fit_max_model_len,  # noqa: F401
+                                      Preflight, lowered_max_model_len_warning, preflight, select_device,
+                                      select_dtype)
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
 from kvserve.model.cpu_attention import paged_decode_kernel
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import LoadedModel, load_model
+from kvserve.model.shape import ModelShape
 from kvserve.outputs import CompletionOutput, Logprob, RequestOutput
 from kvserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("kvserve")
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class CapacityError(ValueError):
-    """The KV budget cannot hold even one sequence of max-model-len."""
-
-
-def select_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def cpu_has_native_bf16() -> bool:
-    """AVX512-BF16 or AMX: bf16 matmuls run ~2x faster than fp32 on such CPUs; elsewhere bf16
-    is emulated and slower than fp32."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def select_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name != "auto":
-        return _DTYPES[name]
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if device.type == "cpu" and cpu_has_native_bf16() else torch.float32
-
 
 @dataclass
 class _Child:
@@ -94,15 +66,23 @@ class LLMEngine:
         engines (e.g. one per KV-cache dtype in `kvserve eval`) share one load; its tensors are
         only read."""
         self.args = args
+        # First, args.validate() and the checks against the model's shape: a bad option fails
+        # with one line before the weights load.
+        plan = preflight(args, ModelShape.of(loaded_model.config) if loaded_model else None)
+        self.device, self.dtype = plan.device, plan.dtype
         torch.manual_seed(args.seed)
-        self.device = select_device(args.device)
-        self.dtype = select_dtype(args.dtype, self.device)
         start = time.monotonic()
         loaded = loaded_model or load_model(args.model)
+        if ModelShape.of(loaded.config) != plan.shape:  # the quick read disagreed: check with the real config
+            plan = preflight(args, ModelShape.of(loaded.config))
+        self._log_dtype(plan)  # after the load, so that a bad model file still fails with one line
+        if plan.lowered:
+            logger.warning(lowered_max_model_len_warning(plan.max_model_len, plan.shape.max_position_embeddings,
+                                                         plan.kv_budget))
         self.model_config = loaded.config
         self.model_path = loaded.path
         self.tokenizer = loaded.tokenizer
-        self.max_model_len = self._resolve_max_model_len(args.max_model_len)
+        self.max_model_len = plan.max_model_len
         self.model = LlamaForCausalLM.from_hf_weights(
             loaded.config, loaded.weights, self.max_model_len, self.dtype, self.device)
         del loaded
@@ -119,8 +99,8 @@ class LLMEngine:
                              f"{str(self.dtype).removeprefix('torch.')} weights")
         logger.info("Decode attention: %s", "CPU paged kernel (in place)" if self.kv_format.reads_decodes_in_place
                     else "torch ops (gathered blocks)")
-        self.kv_spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, args.block_size)
-        num_blocks = self._size_kv_pool()
+        self.kv_spec = plan.kv_spec
+        num_blocks = self._size_kv_pool(plan.kv_budget)
         self.kv_cache = KVCache(self.kv_spec, self.kv_format, num_blocks, self.device)
         if self.kv_format.center_keys:
             start = time.monotonic()
@@ -145,28 +125,20 @@ class LLMEngine:
         self._ids = itertools.count()
 
     # ------------------------------------------------------------------ start-up
-    def _resolve_max_model_len(self, requested: int | None) -> int:
-        limit = self.model_config.max_position_embeddings
-        if requested is None:
-            return limit
-        if requested < 1:
-            raise ValueError(f"--max-model-len must be positive, got {requested}")
-        if requested > limit:
-            raise ValueError(f"--max-model-len {requested} exceeds the model's max_position_embeddings ({limit})")
-        return requested
+    def _log_dtype(self, plan: Preflight) -> None:
+        """The dtype decision, once at start-up: auto's choice and why, or a warning for an
+        explicit bfloat16 that this CPU only emulates."""
+        name = str(plan.dtype).removeprefix("torch.")
+        if self.args.dtype == "auto":
+            logger.info("dtype auto -> %s: %s", name, plan.dtype_reason)
+        elif (warning := emulated_bf16_warning(plan.dtype, plan.device)) is not None:
+            logger.warning(warning)
 
     def _eos_token_ids(self) -> tuple[int, ...]:
         ids = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return tuple(sorted(ids))
-
-    def _kv_budget(self) -> int:
-        if self.args.kv_cache_memory is not None:
-            return parse_size(self.args.kv_cache_memory)
-        if self.device.type == "cuda":
-            return self._profile_cuda_budget()
-        return default_cpu_budget()
 
     def _profile_cuda_budget(self) -> int:
         """vLLM's recipe: run one forward pass of the largest step with a throw-away pool, take
@@ -192,18 +164,19 @@ class LLMEngine:
                                 f"--max-num-batched-tokens")
         return budget
 
-    def _size_kv_pool(self) -> int:
-        budget = self._kv_budget()
+    def _size_kv_pool(self, budget: int | None) -> int:
+        """Blocks for `budget` bytes (None: what the CUDA profiling pass leaves). A measured budget
+        is checked here like preflight checks a known one: max-model-len is lowered to fit when the
+        user gave none, else too small a budget raises CapacityError."""
         per_block = bytes_per_block(self.kv_spec, self.kv_format)
-        num_blocks = num_blocks_for_budget(budget, self.kv_spec, self.kv_format)
         bs = self.args.block_size
-        needed = blocks_for_tokens(self.max_model_len, bs)
-        if num_blocks < needed:
-            raise CapacityError(
-                f"the KV cache budget of {budget / GiB:.3f} GiB ({budget} bytes) holds {num_blocks * bs} tokens, "
-                f"but one sequence of max-model-len {self.max_model_len} needs {needed * per_block} bytes "
-                f"({needed * per_block / GiB:.3f} GiB). Raise --kv-cache-memory or use "
-                f"--max-model-len {num_blocks * bs} or less.")
+        if budget is None:
+            budget = self._profile_cuda_budget()
+            fitted = fit_max_model_len(budget, per_block, bs, self.max_model_len, self.args.max_model_len is not None)
+            if fitted < self.max_model_len:
+                logger.warning(lowered_max_model_len_warning(fitted, self.max_model_len, budget))
+                self.max_model_len = fitted
+        num_blocks = budget // per_block
         per_token = per_block / bs
         logger.info("Available KV cache memory: %.2f GiB (%s, %.0f bytes per token)",
                     num_blocks * per_block / GiB, self.kv_format.name, per_token)

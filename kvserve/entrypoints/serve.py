@@ -63,6 +63,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.engine.preflight import preflight
     from kvserve.server.api import ServerConfig, build_app
     from kvserve.server.engine_loop import ShuttingDownError
     from kvserve.server.faults import fault_injection_enabled
@@ -77,8 +78,10 @@ def run_serve(args: argparse.Namespace) -> int:
     max_body = parse_size(args.max_request_body_bytes)
     if not args.shutdown_timeout >= 0:  # also refuses nan
         raise UserError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
+    engine_args = EngineArgs.from_cli_args(args)
+    preflight(engine_args)  # bad engine options fail before the port is taken
     sock = _bind(args.host, args.port)
-    engine = LLMEngine(EngineArgs.from_cli_args(args))
+    engine = LLMEngine(engine_args)
     names = args.served_model_name or [args.model or Path(engine.model_path).name.removesuffix(".gguf")]
     app = build_app(engine, ServerConfig(names, args.api_key, max_body,
                                          fault_injection=fault_injection_enabled()))

@@ -16,6 +16,7 @@ from typing import Any
 from kvserve.cache.sizing import GiB, bytes_per_block
 from kvserve.engine.args import EngineArgs
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.preflight import preflight
 from kvserve.eval.passkey import PasskeyConfig, PasskeyResult, make_prompts, run_passkey
 from kvserve.eval.perplexity import FidelityResult, ScoringConfig, make_windows, measure_fidelity
 from kvserve.model.loader import load_model
@@ -68,6 +69,8 @@ def evaluate(model: str | None = None, kv_cache_dtypes: tuple[str, ...] = DEFAUL
     if not kv_cache_dtypes:
         raise ValueError("give at least one KV cache dtype")
     base = EngineArgs(model=model, **engine_options)
+    for kv_cache_dtype in kv_cache_dtypes:  # every configuration's options, before the one load
+        preflight(replace(base, kv_cache_dtype=kv_cache_dtype))
     raw_text = read_text(text)
     loaded = load_model(model)
     windows = make_windows(loaded.tokenizer.encode(raw_text, add_special_tokens=False), scoring)

