@@ -1,6 +1,7 @@
 """Engine options are checked before the weights load, in one place (EngineArgs.validate, then
 preflight against the model's shape), whether the engine is built by `LLM(...)` or the CLI; dtype
-auto's choice and its reason; the model shape read without transformers."""
+auto's choice and its reason; the model shape read without transformers; the KV pool's size:
+max-model-len lowered to fit a default budget, and `generate`/`chat` sized for one sequence."""
 from __future__ import annotations
 
 import json
@@ -13,11 +14,14 @@ import sys
 import pytest
 import torch
 
+import kvserve.cache.sizing as sizing_module
 import kvserve.engine.llm_engine as llm_engine_module
+from kvserve.cli import build_parser
 from kvserve.engine import preflight as preflight_module
 from kvserve.engine.args import EngineArgs
-from kvserve.engine.llm_engine import CapacityError
+from kvserve.engine.llm_engine import CapacityError, LLMEngine
 from kvserve.engine.preflight import resolve_dtype
+from kvserve.entrypoints import offline
 from kvserve.llm import LLM
 from kvserve.model.loader import ModelLoadError, default_model_path, load_model_config
 from kvserve.model.shape import ModelShape, read_model_shape
@@ -146,7 +150,7 @@ def test_explicit_bfloat16_on_an_avx2_cpu_runs_with_one_warning(tiny_llama):
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr
     warnings = [line for line in result.stderr.splitlines() if line.startswith("WARNING")]
-    assert len(warnings) == 1 and "--dtype bfloat16 on a CPU without native bf16" in warnings[0], result.stderr
+    assert len(warnings) == 1 and "--dtype bfloat16 is emulated on this CPU" in warnings[0], result.stderr
 
 
 # ----------------------------------------------------------------------------- model shape
@@ -170,3 +174,60 @@ def test_gguf_shape_matches_the_loaders_config(tmp_path):
     cut.write_bytes(path.read_bytes()[:100])
     with pytest.raises(ModelLoadError, match="is it truncated"):
         read_model_shape(cut)
+
+
+# ----------------------------------------------------------------------------- pool sizing
+# The tiny model: max_position_embeddings 1024, 2 layers x 2 KV heads x head_dim 16; in float32 a
+# block of 16 tokens takes 2 * 2 * 2 * 16 * 16 * 4 = 8 KiB.
+BLOCK_BYTES = 8 << 10
+
+
+@pytest.fixture
+def ram(monkeypatch):
+    """ram(bytes): pretend the OS has this much memory available (the default CPU budget is a quarter)."""
+    def set_available(num_bytes: int) -> None:
+        monkeypatch.setattr(sizing_module, "available_ram_bytes", lambda: num_bytes)
+
+    return set_available
+
+
+def test_default_budget_too_small_lowers_max_model_len_with_a_warning(tiny_llama, ram, caplog):
+    ram(4 * 32 * BLOCK_BYTES)  # the default budget: 32 blocks, 512 of the model's 1024 tokens
+    with caplog.at_level(logging.WARNING, logger="kvserve"):
+        llm = LLM(str(tiny_llama), dtype="float32")
+    assert llm.engine.max_model_len == 512 and llm.engine.num_blocks == 32
+    assert any("max-model-len lowered to 512" in m for m in caplog.messages), caplog.messages
+    with pytest.raises(CapacityError, match="use --max-model-len 512 or less"):
+        LLM(str(tiny_llama), dtype="float32", max_model_len=1024)  # given: never lowered
+
+
+def test_explicit_budget_lowers_too_when_max_model_len_is_not_given(tiny_llama):
+    llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory=20 * BLOCK_BYTES + 100)
+    assert llm.engine.max_model_len == 320 and llm.engine.num_blocks == 20
+
+
+def generate_args(*argv: str):
+    return build_parser().parse_args(["generate", "Hello", "--max-tokens", "4", *argv])
+
+
+def test_generate_pool_holds_one_sequence_of_max_model_len(tiny_llama, ram):
+    ram(4 << 30)  # a default budget of 1 GiB: 8192 blocks
+    llm = offline._make_llm(generate_args("--model", str(tiny_llama), "--dtype", "float32"))
+    assert llm.engine.max_model_len == 1024 and llm.engine.num_blocks == 1024 // 16
+    llm = offline._make_llm(generate_args("--model", str(tiny_llama), "--dtype", "float32", "--max-model-len", "100"))
+    assert llm.engine.num_blocks == 7  # ceil(100 / 16)
+    llm = offline._make_llm(generate_args("--model", str(tiny_llama), "--dtype", "float32", "--kv-cache-memory", "1MiB"))
+    assert llm.engine.num_blocks == (1 << 20) // BLOCK_BYTES  # a given budget is the user's
+
+
+def test_generate_pool_is_bounded_by_the_default_budget(tiny_llama, ram):
+    ram(4 * 32 * BLOCK_BYTES)
+    llm = offline._make_llm(generate_args("--model", str(tiny_llama), "--dtype", "float32"))
+    assert llm.engine.max_model_len == 512 and llm.engine.num_blocks == 32
+
+
+def test_server_and_llm_keep_the_default_budget(tiny_llama, ram):
+    ram(4 * 256 * BLOCK_BYTES)  # the default budget: 256 blocks, four sequences of 1024
+    serve_args = build_parser().parse_args(["serve", "--model", str(tiny_llama), "--dtype", "float32"])
+    assert LLMEngine(EngineArgs.from_cli_args(serve_args)).num_blocks == 256
+    assert LLM(str(tiny_llama), dtype="float32").engine.num_blocks == 256

@@ -83,12 +83,13 @@ class EngineArgs:
     device: str = field(default="auto", metadata=_opt("cpu, cuda, cuda:N or auto"))
     block_size: int = field(default=16, metadata=_opt("tokens per KV-cache block", choices=(8, 16, 32, 64, 128)))
     kv_cache_memory: str | int | None = field(default=None, metadata=_opt(
-        "KV pool budget in bytes or with a unit (4GiB, 512MiB); default: CPU min(4GiB, RAM/4), "
-        "CUDA from --gpu-memory-utilization after a profiling pass"))
+        "KV pool budget in bytes or with a unit (4GiB, 512MiB); default: CPU min(4GiB, RAM/4) (generate "
+        "and chat: one sequence of max-model-len), CUDA from --gpu-memory-utilization after a profiling pass"))
     gpu_memory_utilization: float = field(default=0.9, metadata=_opt(
         "fraction of GPU memory kvserve may use (weights + activations + KV cache); CUDA only"))
     max_model_len: int | None = field(default=None, metadata=_opt(
-        "longest sequence (prompt + output) in tokens; default: the model's max_position_embeddings",
+        "longest sequence (prompt + output) in tokens; default: the model's max_position_embeddings, "
+        "lowered to what the KV budget holds",
         type=int))
     max_num_seqs: int = field(default=256, metadata=_opt("maximum sequences in one batch"))
     max_num_batched_tokens: int = field(default=2048, metadata=_opt(

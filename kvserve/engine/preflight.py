@@ -65,8 +65,7 @@ def emulated_bf16_warning(dtype: torch.dtype, device: torch.device) -> str | Non
     missing = native_bf16_missing()
     if missing is None:
         return None
-    return (f"--dtype bfloat16 on a CPU without native bf16 runs emulated, slower than float32 ({missing}); "
-            f"--dtype auto picks float32 here")
+    return f"--dtype bfloat16 is emulated on this CPU, slower than float32 (--dtype auto picks float32 here): {missing}"
 
 
 def resolve_max_model_len(requested: int | None, limit: int) -> int:

@@ -40,10 +40,26 @@ def register(subparsers) -> None:
     chat.set_defaults(func=run_chat)
 
 
+def one_sequence_kv_budget(engine_args: EngineArgs) -> int | None:
+    """The KV budget for a command that runs one sequence at a time (`generate`, `chat`): one
+    sequence of max-model-len, instead of the default CPU pool (up to 4 GiB) that is sized for a
+    server's many sequences. max-model-len is the model's, or what the default budget holds.
+    None (the engine's default) on CUDA, where the pool comes from a profiling pass."""
+    from kvserve.cache.sizing import blocks_for_tokens
+    from kvserve.engine.preflight import preflight
+
+    plan = preflight(engine_args)
+    if plan.device.type != "cpu":
+        return None
+    return blocks_for_tokens(plan.max_model_len, engine_args.block_size) * plan.bytes_per_block
+
+
 def _make_llm(args: argparse.Namespace):
     from kvserve.llm import LLM
 
     engine_args = EngineArgs.from_cli_args(args)
+    if engine_args.kv_cache_memory is None:
+        engine_args.kv_cache_memory = one_sequence_kv_budget(engine_args)
     return LLM(**vars(engine_args))
 
 
