@@ -127,6 +127,8 @@ class EngineArgs:
         for f in fields(self):
             choices = f.metadata.get("choices")
             value = getattr(self, f.name)
+            if f.name == "kv_eviction":  # checked with --kv-budget etc. by resolve_eviction (preflight)
+                continue
             if choices is not None and (not isinstance(value, type(choices[0])) or isinstance(value, bool)
                                         or value not in choices):
                 raise ValueError(f"{_flag(f.name)} must be one of {', '.join(map(str, choices))}, got {value!r}")
