@@ -146,5 +146,5 @@ def preflight(args: EngineArgs, shape: ModelShape | None = None) -> Preflight:
                                           given=args.max_model_len is not None)
     resolve_eviction(None, EvictionSpec(args.kv_eviction, args.kv_budget, args.sink_tokens, args.recent_tokens),
                      max_model_len, POLICIES)
-    return Preflight(device, dtype, reason, shape, max_model_len, max_model_len < shape.max_position_embeddings
-                     and args.max_model_len is None, kv_spec, per_block, budget)
+    lowered = args.max_model_len is None and max_model_len < shape.max_position_embeddings
+    return Preflight(device, dtype, reason, shape, max_model_len, lowered, kv_spec, per_block, budget)
