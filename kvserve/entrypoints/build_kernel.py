@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from kvserve.model.kernel_build import ISA_LEVELS, cache_root, current_isa, load_kernel, runnable_isa_levels
+from kvserve.model.kernel_build import ISA_LEVELS, current_isa, kernel_cache_dir, load_kernel, runnable_isa_levels
 
 
 def register(subparsers) -> None:
@@ -33,5 +33,5 @@ def run(args: argparse.Namespace) -> int:
             print(f"CPU paged decode kernel ({isa}) unavailable: {why}. kvserve will decode with torch ops.")
         else:
             print(f"CPU paged decode kernel ({isa}) ready in {time.monotonic() - start:.1f} s: {build.library}")
-    print(f"kernel cache: {cache_root() / 'kernels'}")
+    print(f"kernel cache: {kernel_cache_dir()}")
     return 0

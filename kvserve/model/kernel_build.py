@@ -6,7 +6,7 @@ and only for an ISA this CPU really has (never -march=native: a shared cache mus
 binary another CPU cannot run). `kvserve build-kernel` does it at set-up time; on first use it
 happens just in time, for users who change torch later.
 
-The cache (``$KVSERVE_CACHE_DIR/kernels``, default ``~/.cache/kvserve/kernels``) is keyed by
+The cache (``kernels/`` in kvserve's disk cache, default ``~/.cache/kvserve``) is keyed by
 kernel, ISA, platform, Python, torch version and a hash of source and flags:
 
     <key>/<name>.so     complete builds only: a build happens in <key>.build-<pid>, renamed in one step
@@ -33,11 +33,11 @@ from types import ModuleType
 
 import torch
 
+from kvserve.disk_cache import cache_root
 from kvserve.hardware import cpu_flags, machine
 
 logger = logging.getLogger(__name__)
 
-CACHE_DIR_ENV = "KVSERVE_CACHE_DIR"
 DISABLE_ENV = "KVSERVE_DISABLE_CPU_KERNEL"  # =1: never build or load; decode attention uses torch ops
 BUILD_TIMEOUT_S = 900
 
@@ -82,8 +82,10 @@ def current_isa() -> str:
     return below[0] if below else "DEFAULT"
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "kvserve")
+def kernel_cache_dir() -> Path:
+    """Where built kernels live: the disk cache's directory; with that cache turned off
+    (KVSERVE_CACHE_DIR=""), still ~/.cache/kvserve, since a kernel is not optional start-up work."""
+    return (cache_root() or Path.home() / ".cache" / "kvserve") / "kernels"
 
 
 @dataclass(frozen=True)
@@ -108,7 +110,7 @@ class KernelBuild:
 
     @property
     def directory(self) -> Path:
-        return cache_root() / "kernels" / self.key
+        return kernel_cache_dir() / self.key
 
     @property
     def library(self) -> Path:
