@@ -276,7 +276,8 @@ def test_prefix_cache_hits_reuse_quantized_blocks_and_scales(head_dim_64_model, 
 @pytest.fixture(scope="module")
 def default_model_agreement():
     """Teacher-forced top-1 agreement of each quantized cache with the full-precision ("auto")
-    cache on the default model: 512 scored positions (two windows of 256 after 256 tokens of
+    cache on the default model (128 MiB hold max-model-len in float32 too, auto on CPUs without
+    native bf16): 512 scored positions (two windows of 256 after 256 tokens of
     context), in chunks of 24 tokens so that blocks fill over several forward passes."""
     from kvserve.engine.args import EngineArgs
     from kvserve.engine.llm_engine import LLMEngine
@@ -289,7 +290,7 @@ def default_model_agreement():
     windows = make_windows(loaded.tokenizer.encode(read_text(DEFAULT_TEXT), add_special_tokens=False), scoring)
     results, reference = {}, None
     for dtype in ("auto", "fp8", "int8", "int4", "int4_kivi", "int4 uncentred"):
-        engine = LLMEngine(EngineArgs(kv_cache_dtype=dtype.split()[0], kv_cache_memory="64MiB", max_model_len=1024),
+        engine = LLMEngine(EngineArgs(kv_cache_dtype=dtype.split()[0], kv_cache_memory="128MiB", max_model_len=1024),
                            loaded_model=loaded)
         if dtype == "int4 uncentred":
             engine.model.set_key_centers(None)  # keys stored as they are (kvserve/cache/key_centering.py)
@@ -327,7 +328,7 @@ def fp8_eval_agreement():
     windows = make_windows(loaded.tokenizer.encode(read_text(DEFAULT_TEXT), add_special_tokens=False), scoring)
     results, reference = {}, None
     for dtype in ("auto", "fp8", "fp8 unfitted"):
-        engine = LLMEngine(EngineArgs(kv_cache_dtype=dtype.split()[0], kv_cache_memory="64MiB", max_model_len=2048),
+        engine = LLMEngine(EngineArgs(kv_cache_dtype=dtype.split()[0], kv_cache_memory="128MiB", max_model_len=2048),
                            loaded_model=loaded)
         if dtype == "fp8 unfitted":
             engine.model.set_key_bases(None)  # keys in the Hadamard basis alone (kvserve/cache/key_basis.py)

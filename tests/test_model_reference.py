@@ -177,6 +177,12 @@ def test_default_model_matches_hf_float32(default_fp32, hf_default_fp32):
 def test_default_model_bfloat16_top1_agreement():
     from transformers import AutoModelForCausalLM
 
+    from kvserve.hardware import native_bf16_missing
+
+    if (missing := native_bf16_missing()) is not None:
+        # Emulated bf16 rounds differently from the native kernels this agreement is measured on.
+        pytest.skip(f"bfloat16 runs emulated here: {missing}")
+
     from tiny_models import BOOK
 
     path = resolve_model_path(None)

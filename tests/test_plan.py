@@ -271,7 +271,9 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
 
 
 def test_budget_too_small(capsys):
-    err = plan_error(capsys, "llama-2-7b", "--max-model-len", "4096", "--kv-cache-memory", "1GiB")
+    # The KV dtype is explicit: `auto` would follow this CPU (bfloat16 or float32).
+    err = plan_error(capsys, "llama-2-7b", "--max-model-len", "4096", "--kv-cache-memory", "1GiB",
+                     "--kv-cache-dtype", "bfloat16")
     assert "use --max-model-len 2048 or less" in err
     assert "smaller than one block" in plan_error(capsys, "llama-2-7b", "--kv-cache-memory", "1MiB")
     assert "do not fit" in plan_error(capsys, "llama-3-70b", "--gpu-memory", "80GiB")
