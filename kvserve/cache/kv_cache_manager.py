@@ -24,16 +24,35 @@ from __future__ import annotations
 import hashlib
 import sys
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
 from kvserve.cache.block_pool import Block, BlockPool
 from kvserve.cache.eviction.compaction import plan_compaction
+from kvserve.cache.eviction.config import EvictionConfig
 from kvserve.cache.eviction.evictor import Evictor
-from kvserve.engine.request import Request
 
 # Extra key of the root hash for sequences that store keys before RoPE (evicting sequences).
 KEYS_BEFORE_ROPE = "keys-before-rope"
+
+
+class CachedSequence(Protocol):
+    """What the manager knows of a sequence (the engine's Request is one): its id, its tokens, its
+    tenant salt and eviction settings, and how much of it is in the cache. It writes only
+    `num_evicted_tokens`, when it evicts for the sequence."""
+
+    request_id: str
+    token_ids: list[int]
+    cache_salt: str | None
+    eviction: EvictionConfig | None
+    num_evicted_tokens: int
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def num_kv_tokens(self) -> int: ...
 
 
 @dataclass
@@ -56,7 +75,7 @@ class KVCacheManager:
         self._req_hashes: dict[str, list[bytes]] = {}
 
     # ------------------------------------------------------------------ hashing
-    def block_hashes(self, request: Request) -> list[bytes]:
+    def block_hashes(self, request: CachedSequence) -> list[bytes]:
         """Chained hashes of the request's full blocks, extended incrementally as tokens arrive."""
         hashes = self._req_hashes.setdefault(request.request_id, [])
         bs = self.block_size
@@ -66,12 +85,12 @@ class KVCacheManager:
             hashes.append(hashlib.sha256(parent + tokens.tobytes()).digest())
         return hashes
 
-    def _root_hash(self, request: Request) -> bytes:
+    def _root_hash(self, request: CachedSequence) -> bytes:
         layout = KEYS_BEFORE_ROPE if request.eviction is not None else ""
         return hashlib.sha256(f"{self.namespace}\x00{request.cache_salt or ''}\x00{layout}".encode()).digest()
 
     # ------------------------------------------------------------------ lookup / allocate / free
-    def find_cached_prefix(self, request: Request) -> list[Block]:
+    def find_cached_prefix(self, request: CachedSequence) -> list[Block]:
         """Longest run of cached blocks matching the request's tokens from the start. Capped so
         at least the last token is recomputed: its logits are needed to sample."""
         if not self.enable_prefix_caching:
@@ -87,14 +106,14 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
-    def blocks_needed(self, request: Request, num_new_tokens: int, cached: list[Block] = ()) -> int:
+    def blocks_needed(self, request: CachedSequence, num_new_tokens: int, cached: list[Block] = ()) -> int:
         """Free blocks an allocation would consume (new blocks plus cached ones to revive)."""
         have = len(self.req_blocks.get(request.request_id, ())) + len(cached)
         total_tokens = request.num_kv_tokens + len(cached) * self.block_size + num_new_tokens
         new = max(0, -(-total_tokens // self.block_size) - have)
         return new + sum(1 for b in cached if b.ref_cnt == 0)
 
-    def allocate(self, request: Request, num_new_tokens: int, cached: list[Block] = ()) -> bool:
+    def allocate(self, request: CachedSequence, num_new_tokens: int, cached: list[Block] = ()) -> bool:
         """Give the request room for `num_new_tokens` more tokens (after any cached prefix),
         first letting an evicting request drop tokens (`make_room`). Returns False if the pool
         cannot supply the blocks, having changed nothing but a compaction that was due anyway."""
@@ -117,7 +136,7 @@ class KVCacheManager:
         return True
 
     # ------------------------------------------------------------------ eviction
-    def max_new_tokens(self, request: Request, num_cached_tokens: int | None = None) -> int:
+    def max_new_tokens(self, request: CachedSequence, num_cached_tokens: int | None = None) -> int:
         """Most tokens the request may compute in one step: unbounded (sys.maxsize) without eviction.
         With eviction a step adds at most budget - sinks tokens (make_room evicts for them); on
         admission (`num_cached_tokens` = its prefix-cache hit) no more than fit without evicting."""
@@ -127,7 +146,7 @@ class KVCacheManager:
             return request.eviction.max_chunk
         return min(request.eviction.max_chunk, self.evictor.limit(request.eviction) - num_cached_tokens)
 
-    def make_room(self, request: Request, num_new_tokens: int) -> bool:
+    def make_room(self, request: CachedSequence, num_new_tokens: int) -> bool:
         """Called by `allocate`: if the request evicts and `num_new_tokens` more would exceed its limit,
         let its policy choose the tokens to keep and compact its blocks. Returns False, changing
         nothing, if the compaction needs a fresh block (copy-on-write) and none is free."""
@@ -163,7 +182,7 @@ class KVCacheManager:
         self.stats.queries += num_query_tokens
         self.stats.hits += num_hit_tokens
 
-    def free(self, request: Request) -> None:
+    def free(self, request: CachedSequence) -> None:
         """Release the request's blocks, tail first: the shared head of a prefix outlives its tail
         in the LRU queue."""
         blocks = self.req_blocks.pop(request.request_id, [])
