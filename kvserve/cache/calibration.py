@@ -6,17 +6,35 @@ overwritten before anything reads them. Random tokens keep the calibration indep
 text a user or an evaluation later feeds the model, and the same seed makes it deterministic,
 so the cached K/V of a prompt (and prefix-cache hits) do not depend on when the engine started.
 Used by key_centering.py (the mean key) and key_basis.py (query and key second moments).
+
+Their results are kept in the on-disk cache (kvserve/disk_cache.py), keyed by everything they
+depend on, so a later start of the same configuration loads them instead of calibrating again.
 """
 from __future__ import annotations
 
+import hashlib
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
 import torch
 
+from kvserve import disk_cache
 from kvserve.cache.kv_cache import KVCache
 from kvserve.model.attention import AttentionMetadata, PrefillChunk
 from kvserve.model.llama import LlamaForCausalLM
 
 CALIBRATION_TOKENS = 1024  # key centring: 256 gave a noisier mean (int4 perplexity +6.0% against +4.5%)
 _SEED = 0
+
+logger = logging.getLogger(__name__)
+
+
+def calibration_tokens(kv_cache: KVCache, max_tokens: int, num_tokens: int = CALIBRATION_TOKENS) -> int:
+    """How many tokens the calibration prefill runs: `num_tokens`, fewer when max-model-len or
+    the pool is smaller."""
+    return min(num_tokens, max_tokens, kv_cache.num_blocks * kv_cache.spec.block_size)
 
 
 @torch.inference_mode()
@@ -27,7 +45,7 @@ def record_projections(model: LlamaForCausalLM, kv_cache: KVCache, max_tokens: i
     in effect (centres, bases) shape the hidden states of later layers, as they do when serving."""
     config, device = model.config, kv_cache.device
     block_size = kv_cache.spec.block_size
-    num_tokens = min(num_tokens, max_tokens, kv_cache.num_blocks * block_size)
+    num_tokens = calibration_tokens(kv_cache, max_tokens, num_tokens)
     generator = torch.Generator().manual_seed(_SEED)
     input_ids = torch.randint(0, config.vocab_size, (num_tokens,), generator=generator).to(device)
     positions = torch.arange(num_tokens, device=device)
@@ -46,3 +64,53 @@ def record_projections(model: LlamaForCausalLM, kv_cache: KVCache, max_tokens: i
         for hook in hooks:
             hook.remove()
     return recorded
+
+
+def cached_calibration(kind: str, model: LlamaForCausalLM, kv_cache: KVCache, model_file: Path | None,
+                       parameters: dict[str, Any], compute: Callable[[], dict[str, Any]],
+                       valid: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+    """`compute()`'s result (a dict of tensors and numbers), from the disk cache when an entry for
+    the same inputs exists. The key: the model file's fingerprint, model dtype, device, KV format,
+    block size, `parameters` (the calibration's token count, steps, ...), the key transforms
+    already set on the model, and the torch version and source of kvserve's model and cache code.
+    Without `model_file` nothing is cached. An entry that fails `valid` is ignored with a warning."""
+    entry = None
+    if model_file is not None:
+        device = kv_cache.device
+        entry = disk_cache.entry_path(f"calibration-{kind}", {
+            "model": disk_cache.file_fingerprint(model_file),
+            "dtype": str(model.embed_tokens.weight.dtype),
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
+            "kv_format": kv_cache.format.name, "block_size": kv_cache.spec.block_size, "seed": _SEED,
+            "transforms_in_effect": _transforms_digest(model), "parameters": parameters,
+            "torch": torch.__version__, "source": disk_cache.source_digest("cache", "model")}, ".pt")
+    cached = disk_cache.load_tensors(entry)
+    if cached is not None:
+        if isinstance(cached, dict) and valid(cached):
+            logger.info("Loaded the %s calibration from %s", kind, entry)
+            return {name: _moved(value, kv_cache.device) for name, value in cached.items()}
+        logger.warning("kvserve cache: ignoring the %s calibration entry %s (not what this model needs); recomputing",
+                       kind, entry)
+    result = compute()
+    disk_cache.save_tensors(entry, {name: _moved(value, torch.device("cpu")) for name, value in result.items()})
+    return result
+
+
+def _moved(value: Any, device: torch.device) -> Any:
+    """Tensors (alone or in a list) on `device`; anything else as it is."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, list):
+        return [_moved(item, device) for item in value]
+    return value
+
+
+def _transforms_digest(model: LlamaForCausalLM) -> str:
+    """A hash of the key centres and bases the model applies now: they shape the hidden states
+    the calibration prefill records."""
+    digest = hashlib.sha256()
+    for layer in model.layers:
+        attention = layer.self_attn
+        for tensor in (attention.key_center, attention.key_basis[0] if attention.key_basis else None):
+            digest.update(b"-" if tensor is None else tensor.detach().float().cpu().numpy().tobytes())
+    return digest.hexdigest()

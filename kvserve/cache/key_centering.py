@@ -24,9 +24,12 @@ rotating k - c by another position would not subtract the same c from every key.
 """
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import torch
 
-from kvserve.cache.calibration import record_projections
+from kvserve.cache.calibration import cached_calibration, calibration_tokens, record_projections
 from kvserve.cache.kv_cache import KVCache
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.rope import apply_rotary
@@ -34,14 +37,27 @@ from kvserve.model.rope import apply_rotary
 CENTER_POSITIONS = 4096  # the mean key is averaged over RoPE at positions [0, this) (see the docstring)
 
 
-def calibrate_key_centers(model: LlamaForCausalLM, kv_cache: KVCache, max_tokens: int) -> list[torch.Tensor]:
+def calibrate_key_centers(model: LlamaForCausalLM, kv_cache: KVCache, max_tokens: int,
+                          model_file: Path | None = None) -> list[torch.Tensor]:
     """Each layer's key centre [kv_heads, head_dim]: the mean pre-RoPE key over the calibration
     prefill of random tokens (calibration.py, run with centring off), rotated by RoPE averaged
-    over positions [0, CENTER_POSITIONS)."""
+    over positions [0, CENTER_POSITIONS). Kept in the disk cache per `model_file` and options."""
     config = model.config
     model.set_key_centers(None)
-    keys = slice(config.num_heads, config.num_heads + config.num_kv_heads)
-    means = [qkv[:, keys].float().mean(dim=0) for qkv in record_projections(model, kv_cache, max_tokens)]
-    # RoPE is linear in (cos, sin), so rotating by their mean is the mean of the rotated keys.
-    cos, signed_sin = (table[:CENTER_POSITIONS].float().mean(dim=0) for table in (model.rope.cos, model.rope.signed_sin))
-    return [apply_rotary(mean[None], cos, signed_sin)[0] for mean in means]
+
+    def compute() -> dict[str, Any]:
+        keys = slice(config.num_heads, config.num_heads + config.num_kv_heads)
+        means = [qkv[:, keys].float().mean(dim=0) for qkv in record_projections(model, kv_cache, max_tokens)]
+        # RoPE is linear in (cos, sin), so rotating by their mean is the mean of the rotated keys.
+        cos, signed_sin = (table[:CENTER_POSITIONS].float().mean(dim=0)
+                           for table in (model.rope.cos, model.rope.signed_sin))
+        return {"centers": [apply_rotary(mean[None], cos, signed_sin)[0] for mean in means]}
+
+    def valid(result: dict[str, Any]) -> bool:
+        centers = result.get("centers")
+        shape = (config.num_kv_heads, config.head_dim)
+        return (isinstance(centers, list) and len(centers) == config.num_layers
+                and all(isinstance(c, torch.Tensor) and c.shape == shape and c.isfinite().all() for c in centers))
+
+    parameters = {"tokens": calibration_tokens(kv_cache, max_tokens), "center_positions": CENTER_POSITIONS}
+    return cached_calibration("key-centers", model, kv_cache, model_file, parameters, compute, valid)["centers"]

@@ -104,11 +104,11 @@ class LLMEngine:
         self.kv_cache = KVCache(self.kv_spec, self.kv_format, num_blocks, self.device)
         if self.kv_format.center_keys:
             start = time.monotonic()
-            self.model.set_key_centers(calibrate_key_centers(self.model, self.kv_cache, self.max_model_len))
+            self.model.set_key_centers(calibrate_key_centers(self.model, self.kv_cache, self.max_model_len, self.model_path))
             logger.info("Calibrated %s key centres in %.1f s", self.kv_format.name, time.monotonic() - start)
         if self.kv_format.fit_key_basis:
             start = time.monotonic()
-            bases, share = calibrate_key_bases(self.model, self.kv_cache, self.max_model_len)
+            bases, share = calibrate_key_bases(self.model, self.kv_cache, self.max_model_len, self.model_path)
             self.model.set_key_bases(bases)
             logger.info("Fitted %s key bases in %.1f s: modelled score error %.2fx of a Hadamard rotation's",
                         self.kv_format.name, time.monotonic() - start, share)

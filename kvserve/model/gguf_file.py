@@ -11,16 +11,16 @@ Format: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import mmap
 import struct
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from kvserve.torch_threads import one_thread
 
 GGUF_MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32
@@ -183,18 +183,8 @@ def dequantize(tensor: GGUFTensor) -> torch.Tensor:
 
 
 def dequantize_all(gguf_file: GGUFFile) -> dict[str, torch.Tensor]:
-    """Every tensor of the file as float32, by GGUF name. On one thread: each op is a few MB, too
-    small to split, and with a second busy core the other thread's waits made it several times
-    slower (BENCHMARKS.md, start-up)."""
-    with _one_thread():
+    """Every tensor of the file as float32, by GGUF name, on one thread (torch_threads.py: each op
+    is a few MB)."""
+    with one_thread():
         return {tensor.name: dequantize(tensor) for tensor in gguf_file.tensors}
 
-
-@contextlib.contextmanager
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
