@@ -48,7 +48,10 @@ def calibrations(monkeypatch) -> list[str]:
 
 
 def _engine(path, kv_cache_dtype: str, **options) -> LLMEngine:
-    options = {"dtype": "float32", "max_model_len": 256, "kv_cache_memory": "4MiB", **options}
+    # The torch attention path: calibration does not depend on it, and with KVSERVE_CACHE_DIR moved
+    # to a temporary directory the CPU kernel would otherwise be rebuilt there.
+    options = {"dtype": "float32", "max_model_len": 256, "kv_cache_memory": "4MiB", "attention_backend": "torch",
+               **options}
     return LLMEngine(EngineArgs(model=str(path), kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=40, **options),
                      loaded_model=load_model(str(path)))
 
