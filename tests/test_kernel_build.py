@@ -137,3 +137,12 @@ def test_disabled_kernel_gives_the_torch_path_with_the_reason(private_cache, mon
     module, why = load_kernel(paged_decode_build())
     assert module is None and DISABLE_ENV in why
     assert not (private_cache / "kernels").exists()  # nothing built, nothing locked
+
+
+def test_an_unusable_cache_directory_is_a_reason_not_a_crash(tmp_path, monkeypatch):
+    not_a_directory = tmp_path / "file"
+    not_a_directory.write_text("")
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(not_a_directory))
+    monkeypatch.delenv(DISABLE_ENV, raising=False)
+    module, why = load_kernel(paged_decode_build())
+    assert module is None and "cannot use the kernel cache" in why

@@ -17,6 +17,7 @@ kernel, ISA, platform, Python, torch version and a hash of source and flags:
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import importlib.util
 import json
@@ -102,7 +103,7 @@ class KernelBuild:
         return ["-O3", "-fopenmp", *level.compiler_flags, f"-DCPU_CAPABILITY={self.isa}",
                 f"-DCPU_CAPABILITY_{self.isa}"]
 
-    @property
+    @functools.cached_property
     def key(self) -> str:
         digest = hashlib.sha256(self.source.read_bytes() + " ".join(self.flags).encode()).hexdigest()[:16]
         py = f"py{sys.version_info.major}{sys.version_info.minor}"
@@ -132,8 +133,12 @@ def load_kernel(build: KernelBuild, compile_if_missing: bool = True, retry_faile
         return None, why
     if not compile_if_missing:
         return None, "not built"
-    build.directory.parent.mkdir(parents=True, exist_ok=True)
-    with open(build._sibling(".lock"), "a") as lock:
+    try:
+        build.directory.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(build._sibling(".lock"), "a")
+    except OSError as error:  # a read-only or misconfigured cache directory
+        return None, f"cannot use the kernel cache {build.directory.parent}: {error.strerror or error}"
+    with lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
