@@ -6,7 +6,7 @@ teacher-forced through the paged cache (prefix caching off, so each is computed 
 per configuration: mean KL divergence from the full-precision next-token distributions and top-1
 agreement over the answer positions. A configuration is a --kv-cache-dtype, or
 `fp8_e4m3:hadamard-keys` for fp8_e4m3 with its keys in the plain Hadamard basis instead of the
-fitted one (kvserve/cache/key_basis.py).
+fitted one (kvserve/engine/key_basis.py).
 
     python benchmarks/chat_fidelity.py [--configs fp8_e4m3,fp8_e4m3:hadamard-keys,int8] [--max-tokens 48]
 """

@@ -51,8 +51,8 @@ def _child(dtype: str, kv_cache_dtype: str) -> dict[str, float]:
 
     times["import torch"] = time.perf_counter() - start
     start = time.perf_counter()
-    import kvserve.cache.key_basis as key_basis
-    import kvserve.cache.key_centering as key_centering
+    import kvserve.engine.key_basis as key_basis
+    import kvserve.engine.key_centering as key_centering
     import kvserve.engine.llm_engine as llm_engine
     import kvserve.model.loader as loader
     from kvserve import LLM

@@ -1,5 +1,5 @@
 """The start-up calibrations (fp8_e4m3's key bases, int4's key centres) are kept in the disk cache
-(kvserve/disk_cache.py, kvserve/cache/calibration.py): a second engine with the same options loads
+(kvserve/disk_cache.py, kvserve/engine/calibration.py): a second engine with the same options loads
 them instead of calibrating, and serves the same greedy tokens; a changed option or model file
 calibrates again; a damaged entry is recomputed with a warning."""
 from __future__ import annotations
@@ -10,8 +10,8 @@ import os
 import pytest
 import torch
 
-import kvserve.cache.key_basis as key_basis
-import kvserve.cache.key_centering as key_centering
+import kvserve.engine.key_basis as key_basis
+import kvserve.engine.key_centering as key_centering
 from kvserve import disk_cache
 from kvserve.engine.args import EngineArgs
 from kvserve.engine.llm_engine import LLMEngine

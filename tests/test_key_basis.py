@@ -1,4 +1,4 @@
-"""Key bases (kvserve/cache/key_basis.py): keys cached as k·T with queries turned by T^-T leave the
+"""Key bases (kvserve/engine/key_basis.py): keys cached as k·T with queries turned by T^-T leave the
 model's outputs unchanged on every attention path; fp8 (e4m3) fits T at start-up, deterministically
 (keeping the Hadamard rotation when there are too few calibration tokens), and the fitted T really
 shrinks the score error of fp8 rounding."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from kvserve.cache.formats.rotation import hadamard_rotation
-from kvserve.cache.key_basis import fit_transforms, modelled_score_error
+from kvserve.engine.key_basis import fit_transforms, modelled_score_error
 from kvserve.engine.args import EngineArgs
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.model.loader import load_model

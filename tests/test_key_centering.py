@@ -1,4 +1,4 @@
-"""Key centring (kvserve/cache/key_centering.py): subtracting a constant from every cached key of a
+"""Key centring (kvserve/engine/key_centering.py): subtracting a constant from every cached key of a
 head leaves attention unchanged, the int4 cache calibrates its constants deterministically at
 start-up, and the other formats store keys as they are."""
 from __future__ import annotations

@@ -293,7 +293,7 @@ def default_model_agreement():
         engine = LLMEngine(EngineArgs(kv_cache_dtype=dtype.split()[0], kv_cache_memory="128MiB", max_model_len=1024),
                            loaded_model=loaded)
         if dtype == "int4 uncentred":
-            engine.model.set_key_centers(None)  # keys stored as they are (kvserve/cache/key_centering.py)
+            engine.model.set_key_centers(None)  # keys stored as they are (kvserve/engine/key_centering.py)
         fidelity, kept = measure_fidelity(engine, windows, scoring, reference)
         reference = reference or kept
         results[dtype] = fidelity
@@ -331,7 +331,7 @@ def fp8_eval_agreement():
         engine = LLMEngine(EngineArgs(kv_cache_dtype=dtype.split()[0], kv_cache_memory="128MiB", max_model_len=2048),
                            loaded_model=loaded)
         if dtype == "fp8 unfitted":
-            engine.model.set_key_bases(None)  # keys in the Hadamard basis alone (kvserve/cache/key_basis.py)
+            engine.model.set_key_bases(None)  # keys in the Hadamard basis alone (kvserve/engine/key_basis.py)
         fidelity, kept = measure_fidelity(engine, windows, scoring, reference)
         reference = reference or kept
         results[dtype] = fidelity

@@ -56,9 +56,9 @@ class KVFormat:
     """How K/V values are stored in the pool. Subclasses implement one storage dtype each."""
 
     name: str = "abstract"
-    # Store keys minus a per-(layer, KV head) constant calibrated at start-up (key_centering.py).
+    # Store keys minus a per-(layer, KV head) constant calibrated at start-up (engine/key_centering.py).
     center_keys: bool = False
-    # Store keys in a basis fitted at start-up to the format's relative rounding (key_basis.py).
+    # Store keys in a basis fitted at start-up to the format's relative rounding (engine/key_basis.py).
     fit_key_basis: bool = False
 
     def bytes_per_block(self, spec: KVCacheSpec) -> int:

@@ -18,8 +18,8 @@ from kvserve.cache.eviction.config import resolve_eviction
 from kvserve.cache.eviction.evictor import Evictor
 from kvserve.cache.eviction.moves import move_tokens
 from kvserve.cache.formats import make_kv_format
-from kvserve.cache.key_basis import calibrate_key_bases
-from kvserve.cache.key_centering import calibrate_key_centers
+from kvserve.engine.key_basis import calibrate_key_bases
+from kvserve.engine.key_centering import calibrate_key_centers
 from kvserve.cache.kv_cache import KVCache
 from kvserve.cache.kv_cache_manager import KVCacheManager
 from kvserve.cache.sizing import GiB, blocks_for_tokens, bytes_per_block

@@ -47,10 +47,10 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
         # [kv_heads, head_dim] subtracted from every key before it is cached, or None
-        # (kvserve/cache/key_centering.py: attention is unchanged, quantization error shrinks).
+        # (kvserve/engine/key_centering.py: attention is unchanged, quantization error shrinks).
         self.key_center: torch.Tensor | None = None
         # float32 key and query transforms T, T^-T [kv_heads, head_dim, head_dim]: keys cached as k·T, or
-        # None (kvserve/cache/key_basis.py: scores are unchanged, fp8 rounding disturbs them less).
+        # None (kvserve/engine/key_basis.py: scores are unchanged, fp8 rounding disturbs them less).
         self.key_basis: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache,

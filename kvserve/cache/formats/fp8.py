@@ -7,7 +7,7 @@ floating-point format its relative precision is the same at any magnitude, so a 
 non-power-of-two scale would buy nothing (it would only keep the smallest values out of the
 subnormal range). See token_scaled.py for the layout. What does matter is the basis the keys
 are stored in. For e4m3 the model hands them over in a basis fitted at start-up to this relative
-rounding (key_basis.py), and values are stored as they come (their relative error is the same
+rounding (engine/key_basis.py), and values are stored as they come (their relative error is the same
 in any basis): on SmolLM2-135M (`kvserve eval`) KL from the full-precision cache went 0.0086 ->
 0.0057, top-1 agreement 94.8% -> 95.4%, passkey 27/27 both. e5m2 keeps the Hadamard rotation of
 K and V (rotation.py): with the fitted basis its KL went 0.0288 -> 0.0172 and perplexity +2.35%
@@ -42,7 +42,7 @@ class Fp8Format(TokenScaledFormat):
     scale_dtype = torch.int8  # the exponent of a power-of-two scale
 
     def __init__(self, variant: str = "e4m3"):
-        # e4m3: keys in a fitted basis (key_basis.py), values as they come. e5m2: K and V in the
+        # e4m3: keys in a fitted basis (engine/key_basis.py), values as they come. e5m2: K and V in the
         # Hadamard basis; its passkey retrieval fell with the fitted basis (see the docstring).
         super().__init__(rotate=variant == "e5m2")
         self.fit_key_basis = variant == "e4m3"

@@ -13,7 +13,7 @@ so the group's whole range is covered and nothing clips. Per-token groups are qu
 when the token is written, so a block filling over many steps needs no re-encoding.
 
 Bytes per token and KV head: head_dim / 2 + 4, i.e. 36 for head_dim 64 against 128 in float16:
-3.56x the tokens. Keys are centred (key_centering.py) and K and V rotated (rotation.py) first:
+3.56x the tokens. Keys are centred (engine/key_centering.py) and K and V rotated (rotation.py) first:
 keys have outlier channels that would otherwise take most of each token's 16 levels. Per-token groups are the layout of KIVI's values and of most int4 KV caches
 (e.g. the "per-token asymmetric" scheme in Liu et al. 2024, KIVI, arXiv:2402.02750); the
 `int4_kivi` format quantizes keys per channel instead.

@@ -14,7 +14,7 @@ the full-precision cache) it halved the error of every format: fp8_e4m3 0.017 ->
 randomized Hadamard (random signs) or a random orthogonal matrix measured the same within noise.
 int8 does not rotate: its error is small either way, and the rotation's matmuls cost ~6% of
 decode speed (int8.py). fp8_e4m3 does not either: its keys are stored in a basis fitted to its
-relative rounding, starting from this rotation (kvserve/cache/key_basis.py), and its values'
+relative rounding, starting from this rotation (kvserve/engine/key_basis.py), and its values'
 relative error does not shrink in any basis. fp8_e5m2 and int4 rotate.
 """
 from __future__ import annotations

@@ -8,7 +8,7 @@ Layout of one layer's pool (keys in the first kv_heads rows, values in the next 
 K and V share one tensor so that a write or a gather is one set of ops for both. The scales are
 indexed by block id like the codes, so they are allocated, shared through the prefix cache and
 freed with their blocks. fp8_e5m2 rotates K and V before quantizing (rotation.py); fp8_e4m3
-takes its keys in a basis the model fitted for it (key_basis.py); int8 stores them as they come.
+takes its keys in a basis the model fitted for it (engine/key_basis.py); int8 stores them as they come.
 
 Why one scale per token rather than per (block, KV head): a block fills over several decode
 steps, so a block scale has to grow with the block's absmax and re-encode the block's earlier

@@ -72,8 +72,8 @@ def cached_calibration(kind: str, model: LlamaForCausalLM, kv_cache: KVCache, mo
     """`compute()`'s result (a dict of tensors and numbers), from the disk cache when an entry for
     the same inputs exists. The key: the model file's fingerprint, model dtype, device, KV format,
     block size, `parameters` (the calibration's token count, steps, ...), the key transforms
-    already set on the model, and the torch version and source of kvserve's model and cache code.
-    Without `model_file` nothing is cached. An entry that fails `valid` is ignored with a warning."""
+    already set on the model, and the torch version and source of kvserve's model, cache and
+    engine code. Without `model_file` nothing is cached. An entry that fails `valid` is ignored with a warning."""
     entry = None
     if model_file is not None:
         device = kv_cache.device
@@ -83,7 +83,7 @@ def cached_calibration(kind: str, model: LlamaForCausalLM, kv_cache: KVCache, mo
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
             "kv_format": kv_cache.format.name, "block_size": kv_cache.spec.block_size, "seed": _SEED,
             "transforms_in_effect": _transforms_digest(model), "parameters": parameters,
-            "torch": torch.__version__, "source": disk_cache.source_digest("cache", "model")}, ".pt")
+            "torch": torch.__version__, "source": disk_cache.source_digest("cache", "model", "engine")}, ".pt")
     cached = disk_cache.load_tensors(entry)
     if cached is not None:
         if isinstance(cached, dict) and valid(cached):

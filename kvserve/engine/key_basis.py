@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from kvserve.cache.calibration import cached_calibration, calibration_tokens, record_projections
+from kvserve.engine.calibration import cached_calibration, calibration_tokens, record_projections
 from kvserve.cache.formats.rotation import hadamard_rotation
 from kvserve.cache.kv_cache import KVCache
 from kvserve.model.llama import LlamaForCausalLM
