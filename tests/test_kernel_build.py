@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kvserve.model import kernel_build
-from kvserve.model.cpu_attention import PagedDecodeKernel, kernel_build as paged_decode_build
+from kvserve.model.cpu_attention import PagedDecodeKernel, paged_decode_build
 from kvserve.model.kernel_build import DISABLE_ENV, KernelBuild, current_isa, load_kernel, runnable_isa_levels
 from test_attention_paths import SPEC, check_kernel_against_the_definition
 

@@ -19,14 +19,14 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvserve.cli import UserError
-    from kvserve.model.cpu_attention import kernel_build
+    from kvserve.model.cpu_attention import paged_decode_build
 
     runnable = runnable_isa_levels()
     levels = {"current": [current_isa()], "all": runnable}.get(args.isa, [args.isa])
     if args.isa in ISA_LEVELS and args.isa not in runnable:
         raise UserError(f"this CPU cannot run {args.isa} code (it runs {', '.join(runnable)})")
     for isa in levels:
-        build = kernel_build(isa)
+        build = paged_decode_build(isa)
         start = time.monotonic()
         module, why = load_kernel(build, retry_failed=True)
         if module is None:

@@ -62,7 +62,7 @@ class PagedDecodeKernel:
                                              self.scale)
 
 
-def kernel_build(isa: str | None = None) -> KernelBuild:
+def paged_decode_build(isa: str | None = None) -> KernelBuild:
     """The paged decode kernel built for `isa` (default: the ISA torch dispatches to here)."""
     isa = isa or current_isa()
     return KernelBuild(f"kvserve_paged_decode_{isa.lower()}", SOURCE, isa)
@@ -71,7 +71,7 @@ def kernel_build(isa: str | None = None) -> KernelBuild:
 @functools.cache
 def load_paged_decode_module() -> tuple[Any | None, str]:
     """The compiled extension module for this process, or None and why not (asked once)."""
-    return load_kernel(kernel_build())
+    return load_kernel(paged_decode_build())
 
 
 def paged_decode_kernel(backend: str, device: torch.device, head_dim: int) -> PagedDecodeKernel | None:
