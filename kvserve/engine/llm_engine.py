@@ -18,13 +18,13 @@ from kvserve.cache.eviction.config import resolve_eviction
 from kvserve.cache.eviction.evictor import Evictor
 from kvserve.cache.eviction.moves import move_tokens
 from kvserve.cache.formats import make_kv_format
-from kvserve.engine.key_basis import calibrate_key_bases
-from kvserve.engine.key_centering import calibrate_key_centers
 from kvserve.cache.kv_cache import KVCache
 from kvserve.cache.kv_cache_manager import KVCacheManager
 from kvserve.cache.sizing import GiB, blocks_for_tokens, bytes_per_block
 from kvserve.engine.args import EngineArgs
 from kvserve.engine.detokenizer import IncrementalDetokenizer
+from kvserve.engine.key_basis import calibrate_key_bases
+from kvserve.engine.key_centering import calibrate_key_centers
 from kvserve.engine.model_runner import ModelRunner
 # CapacityError, select_device and select_dtype are imported from here by the CLI, plan and benchmarks.
 from kvserve.engine.preflight import (CapacityError, emulated_bf16_warning, fit_max_model_len,  # noqa: F401
