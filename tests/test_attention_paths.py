@@ -4,6 +4,7 @@ KV head h // (heads / kv_heads)), with sliding windows shorter and longer than t
 the CPU paged decode kernel against the same definition."""
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 from kvserve.cache.formats import make_kv_format
 from kvserve.cache.kv_cache import KVCacheSpec
 from kvserve.model.attention import AttentionGroup, _decode, _decode_attention, _single_decode
+from kvserve.model.attention_backend import AttentionBackend
 from kvserve.model.cpu_attention import PagedDecodeKernel, load_paged_decode_module, paged_decode_kernel
 
 pytestmark = pytest.mark.torch_path  # CI runs this module again with the kernel disabled
@@ -73,8 +75,9 @@ def test_paged_decode_kernel_matches_the_definition_for_a_mixed_batch(cpu_kernel
 
 def check_kernel_against_the_definition(kernel: PagedDecodeKernel, dtype: torch.dtype, kv_cache_dtype: str,
                                         window: int | None) -> None:
-    fmt = make_kv_format(kv_cache_dtype, dtype, kernel)
-    assert fmt.reads_decodes_in_place
+    fmt = make_kv_format(kv_cache_dtype, dtype)
+    layout = fmt.in_place_layout(dtype)
+    assert layout is not None
     pool = fmt.allocate(SPEC, 16, torch.device("cpu"))
     for name, tensor in pool.items():  # anything read beyond a request's length would swamp its output
         if name == "kv_scale" and tensor.dtype == torch.int8:
@@ -96,7 +99,8 @@ def check_kernel_against_the_definition(kernel: PagedDecodeKernel, dtype: torch.
                            context_len=width * SPEC.block_size, max_seq_len=max(seq_lens))
     q = torch.randn(len(seq_lens), 1, HEADS, SPEC.head_dim, generator=gen).to(dtype)
 
-    got = _decode(q, group, pool, fmt, window)[:, 0].float()
+    in_place = functools.partial(kernel.decode, layout)
+    got = _decode(q, group, pool, fmt, window, in_place)[:, 0].float()
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
     for i, (length, table) in enumerate(zip(seq_lens, tables)):
         # The stored K/V as the format's gather decodes them (the written values, rounded).
@@ -117,14 +121,20 @@ def test_attention_backend_choice(cpu_kernel):
         paged_decode_kernel("cpu_paged", cpu, 12)
     with pytest.raises(ValueError, match="unknown attention backend"):
         paged_decode_kernel("flash", cpu, 64)
-    # int4_kivi, a float cache dtype other than the model's, and quantized caches under a float16
-    # model keep gathering.
+    # The format describes its layout, the backend decides: int4_kivi, a float cache dtype other
+    # than the model's, and quantized caches under a float16 model keep gathering.
     kernel = paged_decode_kernel("cpu_paged", cpu, 64)
+
+    def in_place(kv_cache_dtype: str, dtype: torch.dtype, with_kernel=kernel) -> bool:
+        fmt = make_kv_format(kv_cache_dtype, dtype)
+        return AttentionBackend(fmt, SPEC, dtype, rope=None, device=cpu, kernel=with_kernel).reads_decodes_in_place
+
     for kv_cache_dtype in ("int4_kivi", "float32"):
-        assert not make_kv_format(kv_cache_dtype, torch.bfloat16, kernel).reads_decodes_in_place
-    assert not make_kv_format("fp8", torch.float16, kernel).reads_decodes_in_place
+        assert not in_place(kv_cache_dtype, torch.bfloat16)
+    assert not in_place("fp8", torch.float16)
     for kv_cache_dtype in ("auto", "bfloat16", "fp8", "fp8_e5m2", "int8", "int4"):
-        assert make_kv_format(kv_cache_dtype, torch.bfloat16, kernel).reads_decodes_in_place
+        assert in_place(kv_cache_dtype, torch.bfloat16)
+        assert not in_place(kv_cache_dtype, torch.bfloat16, with_kernel=None)
 
 
 def test_without_the_kernel_auto_takes_the_torch_path_and_cpu_paged_says_why():

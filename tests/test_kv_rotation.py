@@ -35,7 +35,7 @@ def _plain_and_rotated_engines(path, monkeypatch) -> tuple[LLMEngine, LLMEngine]
     args = EngineArgs(model=str(path), dtype="float32", kv_cache_dtype="float32", kv_cache_memory="4MiB",
                       max_model_len=256, max_num_batched_tokens=40)
     plain = LLMEngine(args, loaded_model=loaded)
-    monkeypatch.setattr(llm_engine, "make_kv_format", lambda name, dtype, decode_kernel=None: RotatedFloat32())
+    monkeypatch.setattr(llm_engine, "make_kv_format", lambda name, dtype: RotatedFloat32())
     rotated = LLMEngine(args, loaded_model=loaded)
     return plain, rotated
 

@@ -17,13 +17,7 @@ PACKAGE = Path(kvserve.__file__).parent
 LAYERS = {"cache": 0, "model": 1, "engine": 2}
 PLAIN_MODULES = {"hardware", "disk_cache", "torch_threads", "sampling_params", "outputs"}  # use `cache` at most
 
-# The KV formats still hold the model's CPU decode kernel; to go when a format only describes its
-# in-place layout and the model's attention backend picks the kernel (issue: layers and seams).
-KNOWN = {
-    ("cache/formats/__init__.py", "kvserve.model.cpu_attention"),
-    ("cache/formats/full_precision.py", "kvserve.model.cpu_attention"),
-    ("cache/kv_cache.py", "kvserve.model.cpu_attention"),
-}
+KNOWN: set[tuple[str, str]] = set()  # every import follows the rule
 
 
 def imported_modules(path: Path) -> set[str]:

@@ -57,7 +57,7 @@ def test_tiny_models_match_hf_greedy_and_logits(request, tiny_model_factory, arc
     # shorter ones are already decoding in the same batches.
     llm = LLM(str(path), dtype="float32", kv_cache_memory="8MiB", max_num_batched_tokens=16,
               enable_prefix_caching=False, attention_backend=attention_backend)
-    assert llm.engine.kv_format.reads_decodes_in_place == (attention_backend == "cpu_paged")
+    assert llm.engine.attention_backend.reads_decodes_in_place == (attention_backend == "cpu_paged")
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     for out in outputs:
         assert out.outputs[0].token_ids == hf_greedy(hf, out.prompt_token_ids, GREEDY.max_tokens), out.prompt
@@ -73,9 +73,9 @@ def test_decodes_split_into_length_groups_match_hf(tiny_model_factory, monkeypat
     decodes gather their blocks: the torch attention backend.)"""
     from transformers import AutoModelForCausalLM
 
-    import kvserve.engine.model_runner as model_runner
+    import kvserve.model.attention_backend as attention_backend
 
-    monkeypatch.setattr(model_runner, "GROUP_COST_TOKENS", 0)
+    monkeypatch.setattr(attention_backend, "GROUP_COST_TOKENS", 0)
     path = tiny_model_factory("mistral", sliding_window=8)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     llm = LLM(str(path), dtype="float32", kv_cache_memory="8MiB", enable_prefix_caching=False,
@@ -100,7 +100,7 @@ def test_same_shape_chunks_after_a_cached_prefix_match_hf(tiny_llama):
 
 
 def test_split_by_length_pads_less_and_covers_the_batch():
-    from kvserve.engine.model_runner import GROUP_COST_TOKENS, split_by_length
+    from kvserve.model.attention_backend import GROUP_COST_TOKENS, split_by_length
 
     same = [8] * 64
     assert split_by_length(same, 16) == [(0, 64)]  # nothing to save

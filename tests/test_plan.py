@@ -9,13 +9,12 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from kvserve.cache.formats import KV_CACHE_DTYPES
+from kvserve.cache.formats import KV_CACHE_DTYPES, make_kv_format
 from kvserve.cli import main
 from kvserve.engine.args import EngineArgs
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from kvserve.model.loader import load_model_config
-from kvserve.plan.calculator import VALUE_BITS
 from kvserve.plan.fragmentation import measure_waste, sharegpt_like
 from kvserve.plan.presets import PRESETS
 from kvserve.plan.source import load_arch
@@ -117,7 +116,8 @@ def test_gqa_tensor_parallel_splits_and_replicates_kv_heads(capsys):
                         "--kv-cache-memory", "4GiB", "--tensor-parallel-size", "16")["kv_cache"][0]
     assert two["layout"]["bytes_per_block"] * 2 == one["layout"]["bytes_per_block"]
     assert two["layout"]["bytes"] == one["layout"]["bytes"]
-    assert two["capacity"]["num_blocks"] == 2 * one["capacity"]["num_blocks"]
+    # Half the bytes per block: twice the blocks (each pool pays for its null block).
+    assert two["capacity"]["num_blocks"] + 1 == 2 * (one["capacity"]["num_blocks"] + 1)
     # 16 devices, 8 KV heads: each device holds one (replicated) head.
     assert sixteen["layout"]["bytes"] == 2 * one["layout"]["bytes"]
 
@@ -131,7 +131,7 @@ def test_weights_and_gpu_budget(capsys):
     assert plan["kv_budget"]["bytes"] == int(80 * 2**30 * 0.9) - weights["bytes"]
     cap = plan["kv_cache"][0]["capacity"]
     per_block = 32 * 2 * 8 * 16 * 128 * 2
-    assert cap["num_blocks"] == plan["kv_budget"]["bytes"] // per_block
+    assert cap["num_blocks"] == plan["kv_budget"]["bytes"] // per_block - 1  # the null block
     assert cap["max_concurrent_sequences"] == cap["num_blocks"] // (8192 // 16)
     assert cap["largest_max_model_len"] == cap["num_blocks"] * 16
     explicit = plan_json(capsys, "llama-3-8b", "--max-model-len", "8192", "--dtype", "float32",
@@ -140,24 +140,22 @@ def test_weights_and_gpu_budget(capsys):
     assert explicit["kv_cache"][0]["kv_cache_dtype"] == "float32"
 
 
-def test_unregistered_format_shows_values_and_marks_layout_unavailable(capsys, monkeypatch):
-    import kvserve.plan.calculator as calculator
+def test_a_format_registered_once_reaches_the_planner(capsys, monkeypatch):
+    """One registry entry is all a new format needs: the planner takes its value bits and its
+    real block bytes from the format itself."""
+    from kvserve.cache import formats
+    from kvserve.cache.formats.int4 import Int4Format
 
-    real = calculator.make_kv_format
+    class Int4Plain(Int4Format):  # a new name for the planner to find; its own value bits
+        name = "int4_plain"
 
-    def without_int4(name, dtype):
-        if name == "int4":
-            raise ValueError("unknown kv cache dtype 'int4'")
-        return real(name, dtype)
-
-    monkeypatch.setattr(calculator, "make_kv_format", without_int4)
-    plan = plan_json(capsys, "llama-2-70b", "--max-model-len", "32768", "--kv-cache-dtype", "int4",
+    monkeypatch.setitem(formats.FORMATS, "int4_plain", Int4Plain)
+    plan = plan_json(capsys, "llama-2-70b", "--max-model-len", "32768", "--kv-cache-dtype", "int4_plain",
                      "--kv-cache-memory", "8GiB")
     fp = plan["kv_cache"][0]
     assert fp["value_bytes"] == 10_737_418_240 // 4
-    assert fp["layout"] is None and "no 'int4' KV format" in fp["layout_unavailable"]
-    assert fp["capacity"]["layout"] == "formula"
-    assert fp["capacity"]["bytes_per_block"] == 16 * 80 * 2 * 8 * 128 // 2
+    assert fp["layout"]["format_name"] == "int4_plain"
+    assert fp["capacity"]["layout"] == "kvserve"
 
 
 def test_gpu_without_budget_gives_sizes_but_no_capacity(capsys):
@@ -168,7 +166,9 @@ def test_gpu_without_budget_gives_sizes_but_no_capacity(capsys):
 
 
 def test_every_kv_dtype_has_value_bits():
-    assert set(KV_CACHE_DTYPES) - {"auto"} <= set(VALUE_BITS)
+    bits = {name: make_kv_format(name, torch.bfloat16).value_bits for name in KV_CACHE_DTYPES}
+    assert bits["auto"] == bits["bfloat16"] == 16 and bits["float32"] == 32
+    assert bits["fp8"] == bits["int8"] == 8 and bits["int4"] == bits["int4_kivi"] == 4
 
 
 # --------------------------------------------------------------------------- presets
@@ -208,7 +208,8 @@ def test_prediction_equals_engine_allocation_tiny(capsys, tiny_llama, kv_dtype):
     fp = plan["kv_cache"][0]
     assert fp["capacity"]["layout"] == "kvserve"
     assert fp["capacity"]["num_blocks"] == engine.kv_cache.num_blocks
-    assert fp["capacity"]["num_blocks"] * fp["layout"]["bytes_per_block"] == engine.kv_cache.nbytes
+    # The pool holds one block more than it hands out: the null block, paid from the budget.
+    assert (fp["capacity"]["num_blocks"] + 1) * fp["layout"]["bytes_per_block"] == engine.kv_cache.nbytes
     assert fp["layout"]["format_name"] == engine.kv_format.name
 
 
@@ -222,7 +223,7 @@ def test_prediction_equals_engine_allocation_default_model(capsys):
     assert plan["model"]["source"] == "gguf" and plan["model"]["file_bytes"] > 0
     assert plan["weights"]["dtype"] == str(llm.engine.dtype).removeprefix("torch.")
     assert fp["capacity"]["num_blocks"] == llm.engine.kv_cache.num_blocks
-    assert fp["capacity"]["num_blocks"] * fp["layout"]["bytes_per_block"] == llm.engine.kv_cache.nbytes
+    assert (fp["capacity"]["num_blocks"] + 1) * fp["layout"]["bytes_per_block"] == llm.engine.kv_cache.nbytes
     assert fp["capacity"]["kv_tokens"] == llm.engine.kv_cache.num_blocks * 16
 
 
@@ -274,7 +275,7 @@ def test_budget_too_small(capsys):
     # The KV dtype is explicit: `auto` would follow this CPU (bfloat16 or float32).
     err = plan_error(capsys, "llama-2-7b", "--max-model-len", "4096", "--kv-cache-memory", "1GiB",
                      "--kv-cache-dtype", "bfloat16")
-    assert "use --max-model-len 2048 or less" in err
+    assert "use --max-model-len 2032 or less" in err  # 127 blocks of 16 beside the null block
     assert "smaller than one block" in plan_error(capsys, "llama-2-7b", "--kv-cache-memory", "1MiB")
     assert "do not fit" in plan_error(capsys, "llama-3-70b", "--gpu-memory", "80GiB")
     assert "exceed" in plan_error(capsys, "llama-3-8b", "--gpu-memory", "24GiB", "--kv-cache-memory", "10GiB")

@@ -19,6 +19,11 @@ class Block:
     block_hash: bytes | None = None
 
 
+# The pool tensors' block 0 is the null block: never allocated, never written, the target of
+# padded block-table entries (vLLM v1's null block). Blocks handed out are 1..num_blocks.
+NULL_BLOCK_ID = 0
+
+
 class OutOfBlocksError(RuntimeError):
     pass
 
@@ -27,7 +32,7 @@ class BlockPool:
     def __init__(self, num_blocks: int):
         if num_blocks < 1:
             raise ValueError("the KV pool needs at least one block")
-        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.blocks = [Block(i) for i in range(NULL_BLOCK_ID + 1, NULL_BLOCK_ID + 1 + num_blocks)]
         self.free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached: dict[bytes, Block] = {}
         self.num_evictions = 0  # cached blocks whose contents were dropped to make room

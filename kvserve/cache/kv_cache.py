@@ -17,12 +17,8 @@ are indexed by the same block ids, so they are allocated, shared and freed with 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from kvserve.model.cpu_attention import PagedDecodeKernel
 
 
 @dataclass(frozen=True)
@@ -52,10 +48,32 @@ class ScaledKV:
     value_zero: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class InPlaceLayout:
+    """How a decode kernel may read a format's pool in place (the model picks the kernel):
+
+    * "float": K/V as they are, in the queries' dtype, in pool["kv"] [2 * kv_heads, blocks, block_size, d];
+    * "codes": 1-byte codes in pool["kv"] with one scale per token in pool["kv_scale"]; fp8 bits
+      when `fp8_multiplier` > 0 (widened by multiply and mask, times `fp8_unit`), else int8;
+    * "int4": two codes a byte in pool["kv"] with a float16 (scale, zero) per token in pool["kv_params"].
+    """
+
+    kind: str
+    fp8_multiplier: int = 0
+    fp8_mask: int = 0
+    fp8_unit: float = 1.0
+
+
 class KVFormat:
-    """How K/V values are stored in the pool. Subclasses implement one storage dtype each."""
+    """How K/V values are stored in the pool: sizes, allocation, writes and reads. Subclasses
+    implement one storage dtype each; how attention consumes the pool is the model's business
+    (model/attention.py), which asks `in_place_layout` whether a kernel can read it directly."""
 
     name: str = "abstract"
+    value_bits: int  # bits per cached K or V value, scales not counted (the planner's formula)
+    # True when every pool tensor holds one row per token slot ([heads, blocks, block_size, ...]),
+    # so a token moves (eviction's compaction) by copying its rows bit for bit.
+    copies_token_rows: bool = True
     # Store keys minus a per-(layer, KV head) constant calibrated at start-up (engine/key_centering.py).
     center_keys: bool = False
     # Store keys in a basis fitted at start-up to the format's relative rounding (engine/key_basis.py).
@@ -85,20 +103,9 @@ class KVFormat:
         None (the default) when the format has no per-token factors."""
         return None
 
-    # The CPU paged decode kernel (model/cpu_attention.py) when the format's decodes use it.
-    decode_kernel: "PagedDecodeKernel | None" = None
-
-    @property
-    def reads_decodes_in_place(self) -> bool:
-        """True when `attend_decode` serves every decode (no gather, so no padding to minimise)."""
-        return self.decode_kernel is not None
-
-    def attend_decode(self, pool: dict[str, torch.Tensor], query: torch.Tensor, block_tables: torch.Tensor,
-                      seq_lens: torch.Tensor, window: int | None) -> torch.Tensor | None:
-        """Decode attention read in place from the pool by `decode_kernel`: query [batch, heads, d]
-        (one token per request, already written), block tables [batch, width], seq_lens [batch]
-        -> [batch, heads, d]. None (the default) when the format has no kernel; the caller then
-        gathers."""
+    def in_place_layout(self, query_dtype: torch.dtype) -> InPlaceLayout | None:
+        """The layout a decode kernel reads in place for queries of `query_dtype`; None (the
+        default): attention gathers through `gather`/`gather_scaled`."""
         return None
 
     def rotation(self, head_dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
@@ -145,14 +152,17 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, batch: int,
 
 
 class KVCache:
-    """All layers' pools, allocated once at start-up and never resized."""
+    """All layers' pools, allocated once at start-up and never resized. `num_blocks` is the blocks
+    the pool hands out (ids 1..num_blocks), the null block not counted."""
 
     def __init__(self, spec: KVCacheSpec, kv_format: KVFormat, num_blocks: int, device: torch.device):
         self.spec = spec
         self.format = kv_format
         self.num_blocks = num_blocks
         self.device = device
-        self.layers = [kv_format.allocate(spec, num_blocks, device) for _ in range(spec.num_layers)]
+        # One block more than the pool hands out: block_pool.NULL_BLOCK_ID, never allocated or
+        # written, where padded block-table entries point.
+        self.layers = [kv_format.allocate(spec, num_blocks + 1, device) for _ in range(spec.num_layers)]
 
     @property
     def nbytes(self) -> int:

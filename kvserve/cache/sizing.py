@@ -36,8 +36,14 @@ def bytes_per_block(spec: KVCacheSpec, kv_format: KVFormat) -> int:
     return spec.num_layers * kv_format.bytes_per_block(spec)
 
 
+def blocks_in_budget(budget_bytes: int, per_block: int) -> int:
+    """Blocks the pool hands out within `budget_bytes`: the null block (block_pool.NULL_BLOCK_ID)
+    is paid from the budget too."""
+    return max(budget_bytes // per_block - 1, 0)
+
+
 def num_blocks_for_budget(budget_bytes: int, spec: KVCacheSpec, kv_format: KVFormat) -> int:
-    return budget_bytes // bytes_per_block(spec, kv_format)
+    return blocks_in_budget(budget_bytes, bytes_per_block(spec, kv_format))
 
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from kvserve import disk_cache
+from kvserve.cache.block_pool import NULL_BLOCK_ID
 from kvserve.cache.kv_cache import KVCache
 from kvserve.model.attention import AttentionMetadata, PrefillChunk
 from kvserve.model.llama import LlamaForCausalLM
@@ -57,8 +58,10 @@ def record_projections(model: LlamaForCausalLM, kv_cache: KVCache, max_tokens: i
     hooks = [layer.self_attn.qkv_proj.register_forward_hook(record) for layer in model.layers]
     try:
         num_blocks = -(-num_tokens // block_size)
-        meta = AttentionMetadata(slot_mapping=positions, decodes=[],
-                                 prefills=[PrefillChunk(0, num_tokens, num_tokens, torch.arange(num_blocks, device=device))])
+        first = NULL_BLOCK_ID + 1  # the blocks after the null block, in order
+        meta = AttentionMetadata(slot_mapping=positions + first * block_size, decodes=[],
+                                 prefills=[PrefillChunk(0, num_tokens, num_tokens,
+                                                        torch.arange(first, first + num_blocks, device=device))])
         model(input_ids, positions, kv_cache, meta, logits_rows=positions[:0])
     finally:
         for hook in hooks:

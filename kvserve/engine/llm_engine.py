@@ -20,7 +20,7 @@ from kvserve.cache.eviction.moves import move_tokens
 from kvserve.cache.formats import make_kv_format
 from kvserve.cache.kv_cache import KVCache
 from kvserve.cache.kv_cache_manager import KVCacheManager
-from kvserve.cache.sizing import GiB, blocks_for_tokens, bytes_per_block
+from kvserve.cache.sizing import GiB, blocks_for_tokens, blocks_in_budget, bytes_per_block
 from kvserve.engine.args import EngineArgs
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.key_basis import calibrate_key_bases
@@ -32,7 +32,7 @@ from kvserve.engine.preflight import (CapacityError, emulated_bf16_warning, fit_
                                       select_dtype)
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
-from kvserve.model.cpu_attention import paged_decode_kernel
+from kvserve.model.attention_backend import make_attention_backend
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import LoadedModel, load_model
 from kvserve.model.shape import ModelShape
@@ -90,16 +90,10 @@ class LLMEngine:
                     str(self.dtype).removeprefix("torch."), self.device, time.monotonic() - start)
         self.eos_token_ids = self._eos_token_ids()
 
-        cfg = self.model_config
-        decode_kernel = paged_decode_kernel(args.attention_backend, self.device, cfg.head_dim)
-        self.kv_format = make_kv_format(args.kv_cache_dtype, self.dtype, decode_kernel)
-        if args.attention_backend == "cpu_paged" and not self.kv_format.reads_decodes_in_place:
-            raise ValueError(f"--attention-backend cpu_paged reads a KV cache in the model dtype, or fp8/int8/int4 under a "
-                             f"bfloat16 or float32 model; not --kv-cache-dtype {args.kv_cache_dtype} with "
-                             f"{str(self.dtype).removeprefix('torch.')} weights")
-        logger.info("Decode attention: %s", "CPU paged kernel (in place)" if self.kv_format.reads_decodes_in_place
-                    else "torch ops (gathered blocks)")
+        self.kv_format = make_kv_format(args.kv_cache_dtype, self.dtype)
         self.kv_spec = plan.kv_spec
+        self.attention_backend = make_attention_backend(args.attention_backend, self.kv_format, self.kv_spec,
+                                                        self.dtype, self.model.rope, self.device)
         num_blocks = self._size_kv_pool(plan.kv_budget)
         self.kv_cache = KVCache(self.kv_spec, self.kv_format, num_blocks, self.device)
         if self.kv_format.center_keys:
@@ -119,7 +113,7 @@ class LLMEngine:
                                          namespace=self.kv_format.name, evictor=self.evictor)
         self.scheduler = Scheduler(
             SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len), self.kv_manager)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.evictor)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.attention_backend, self.evictor)
         self._parents: dict[str, _Parent] = {}
         self._children: dict[str, tuple[_Parent, _Child]] = {}
         self._ids = itertools.count()
@@ -149,8 +143,8 @@ class LLMEngine:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         probe = Request("profile", [0] * tokens, SamplingParams(max_tokens=1))
-        runner = ModelRunner(self.model, scratch, self.device)
-        runner.execute([ScheduledRequest(probe, tokens)], {"profile": list(range(scratch.num_blocks))})
+        runner = ModelRunner(self.model, scratch, self.attention_backend)
+        runner.execute([ScheduledRequest(probe, tokens)], {"profile": list(range(1, scratch.num_blocks + 1))})
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - scratch.nbytes
         del scratch, runner
@@ -176,7 +170,7 @@ class LLMEngine:
             if fitted < self.max_model_len:
                 logger.warning(lowered_max_model_len_warning(fitted, self.max_model_len, budget))
                 self.max_model_len = fitted
-        num_blocks = budget // per_block
+        num_blocks = blocks_in_budget(budget, per_block)
         per_token = per_block / bs
         logger.info("Available KV cache memory: %.2f GiB (%s, %.0f bytes per token)",
                     num_blocks * per_block / GiB, self.kv_format.name, per_token)

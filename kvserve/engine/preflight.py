@@ -16,7 +16,7 @@ from kvserve.cache.eviction import POLICIES, EvictionSpec
 from kvserve.cache.eviction.config import resolve_eviction
 from kvserve.cache.formats import make_kv_format
 from kvserve.cache.kv_cache import KVCacheSpec
-from kvserve.cache.sizing import GiB, blocks_for_tokens, bytes_per_block, default_cpu_budget, parse_size
+from kvserve.cache.sizing import GiB, blocks_for_tokens, blocks_in_budget, bytes_per_block, default_cpu_budget, parse_size
 from kvserve.engine.args import EngineArgs
 from kvserve.hardware import available_ram_bytes, cpu_flags, native_bf16_missing
 from kvserve.model.shape import ModelShape, read_model_shape
@@ -80,7 +80,7 @@ def resolve_max_model_len(requested: int | None, limit: int) -> int:
 def fit_max_model_len(budget: int, per_block: int, block_size: int, max_model_len: int, given: bool) -> int:
     """max_model_len when one sequence of it fits in `budget`; else, when the user did not give it,
     the longest multiple of block_size that fits. Raises CapacityError when neither works."""
-    num_blocks = budget // per_block
+    num_blocks = blocks_in_budget(budget, per_block)
     needed = blocks_for_tokens(max_model_len, block_size)
     if num_blocks >= needed:
         return max_model_len
@@ -89,8 +89,8 @@ def fit_max_model_len(budget: int, per_block: int, block_size: int, max_model_le
     fix = f" or use --max-model-len {num_blocks * block_size} or less" if num_blocks > 0 else ""
     raise CapacityError(
         f"the KV cache budget of {budget / GiB:.3f} GiB ({budget} bytes) holds {num_blocks * block_size} tokens, "
-        f"but one sequence of max-model-len {max_model_len} needs {needed * per_block} bytes "
-        f"({needed * per_block / GiB:.3f} GiB). Raise --kv-cache-memory{fix}.")
+        f"but one sequence of max-model-len {max_model_len} needs {(needed + 1) * per_block} bytes "
+        f"({(needed + 1) * per_block / GiB:.3f} GiB, the null block included). Raise --kv-cache-memory{fix}.")
 
 
 def lowered_max_model_len_warning(max_model_len: int, limit: int, budget: int) -> str:

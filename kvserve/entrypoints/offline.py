@@ -51,7 +51,7 @@ def one_sequence_kv_budget(engine_args: EngineArgs) -> int | None:
     plan = preflight(engine_args)
     if plan.device.type != "cpu":
         return None
-    return blocks_for_tokens(plan.max_model_len, engine_args.block_size) * plan.bytes_per_block
+    return (blocks_for_tokens(plan.max_model_len, engine_args.block_size) + 1) * plan.bytes_per_block  # + the null block
 
 
 def _make_llm(args: argparse.Namespace):

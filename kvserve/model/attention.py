@@ -3,15 +3,16 @@
 The runner packs every scheduled token of every request into one flat batch (no padding in the
 linear layers). Attention then needs, per request: where its new K/V go (`slot_mapping`), which
 physical blocks hold its context (`block_tables`), how many tokens its context has (`seq_lens`)
-and which packed rows are its queries. The runner packs decodes first, then prefill chunks.
+and which packed rows are its queries. The runner packs decodes first, then prefill chunks;
+the attention backend (attention_backend.py) builds this metadata.
 
 * decodes (one query each): with a format that reads them in place (the CPU kernel,
   model/cpu_attention.py), one kernel call over all of them. Otherwise vectorised over the
   requests with padding and a mask:
   grouped-query matmuls, queries of a KV head batched together, softmax in float32. On CPU this
   is ~10x faster than SDPA with a length-1 query. Decode time is mostly reading K/V (gather, then
-  the matmuls), so the runner splits decodes of very different context lengths into a few groups
-  padded separately (model_runner.split_by_length). A group of one request needs no padding:
+  the matmuls), so the backend splits decodes of very different context lengths into a few groups
+  padded separately (attention_backend.split_by_length). A group of one request needs no padding:
   its exact context goes to one SDPA call, the KV head's query heads as its query rows.
 * prefill chunks (several queries each), one `scaled_dot_product_attention` call per chunk at
   its exact context length (a step holds only a few chunks; padding them to a common length and
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -121,6 +123,12 @@ class AttentionMetadata:
     prefills: list[PrefillChunk]
     evicting_decode: AttentionGroup | None = None  # decodes of evicting requests, right after `decodes`'
     unrotated_key_rows: torch.Tensor | None = None  # packed rows whose keys are stored before RoPE
+    # Reads all of `decodes` in place (pool, queries [B, H, d], block tables [B, W], seq_lens, window),
+    # or None: they are gathered. Set by the backend when a kernel reads the format's layout.
+    decode_in_place: Callable[..., torch.Tensor] | None = None
+    # (request id, [seq_len] float32) attention received by each cached token this step, summed
+    # over layers and heads, for sequences whose eviction policy scores by it.
+    attention_sums: list[tuple[str, torch.Tensor]] = field(default_factory=list)
 
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pool: dict,
@@ -134,7 +142,7 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     parts, start = [], 0
     for group in meta.decodes:
         q = query[start: start + group.num_requests].unsqueeze(1)
-        parts.append(_decode(q, group, pool, kv_format, window).view(-1, heads, dim))
+        parts.append(_decode(q, group, pool, kv_format, window, meta.decode_in_place).view(-1, heads, dim))
         start += group.num_requests
     if meta.evicting_decode is not None:
         group = meta.evicting_decode
@@ -180,15 +188,14 @@ def _prefills(query: torch.Tensor, chunks: list[PrefillChunk], pool: dict, kv_fo
     return outputs
 
 
-def _decode(q: torch.Tensor, group: AttentionGroup, pool: dict, kv_format: KVFormat,
-            window: int | None) -> torch.Tensor:
-    """Attend in place when the format has a kernel for it; otherwise gather the decodes' context
-    and attend. Quantized formats that have per-token factors hand over their codes (ScaledKV),
-    saving a dequantizing pass over the gathered K/V."""
+def _decode(q: torch.Tensor, group: AttentionGroup, pool: dict, kv_format: KVFormat, window: int | None,
+            decode_in_place: Callable[..., torch.Tensor] | None) -> torch.Tensor:
+    """Attend in place when the backend has a kernel for the format; otherwise gather the decodes'
+    context and attend. Quantized formats that have per-token factors hand over their codes
+    (ScaledKV), saving a dequantizing pass over the gathered K/V."""
     batch, _, heads, dim = q.shape
-    out = kv_format.attend_decode(pool, q.view(batch, heads, dim), group.block_ids.view(batch, -1),
-                                  group.seq_lens, window)
-    if out is not None:
+    if decode_in_place is not None:
+        out = decode_in_place(pool, q.view(batch, heads, dim), group.block_ids.view(batch, -1), group.seq_lens, window)
         return out.view(batch, 1, heads, dim)
     if group.num_requests == 1:
         return _single_decode(q, group, pool, kv_format, window)

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from kvserve.cache.kv_cache import InPlaceLayout
 from kvserve.model.kernel_build import KernelBuild, current_isa, load_kernel
 
 logger = logging.getLogger(__name__)
@@ -38,6 +39,18 @@ class PagedDecodeKernel:
 
     module: Any
     scale: float  # 1 / sqrt(head_dim)
+
+    def decode(self, layout: InPlaceLayout, pool: dict[str, torch.Tensor], query: torch.Tensor,
+               block_tables: torch.Tensor, seq_lens: torch.Tensor, window: int | None) -> torch.Tensor:
+        """Decode attention over a layer's pool stored in `layout` (the format's description)."""
+        if layout.kind == "float":
+            return self.float_pool(query, pool["kv"], block_tables, seq_lens, window)
+        if layout.kind == "codes":
+            return self.code_pool(query, pool["kv"].view(torch.int8), pool["kv_scale"], block_tables, seq_lens,
+                                  window, layout.fp8_multiplier, layout.fp8_mask, layout.fp8_unit)
+        if layout.kind == "int4":
+            return self.int4_pool(query, pool["kv"], pool["kv_params"], block_tables, seq_lens, window)
+        raise ValueError(f"the paged decode kernel cannot read a {layout.kind!r} pool")
 
     def float_pool(self, query: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                    window: int | None) -> torch.Tensor:

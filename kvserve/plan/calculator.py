@@ -18,16 +18,13 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.cache.formats import make_kv_format
+from kvserve.cache.formats import FORMATS, KV_CACHE_DTYPES, make_kv_format
 from kvserve.cache.kv_cache import KVCacheSpec, KVFormat
 from kvserve.cache.sizing import blocks_for_tokens, bytes_per_block, num_blocks_for_budget
 from kvserve.engine.llm_engine import CapacityError
 from kvserve.plan.arch import AttentionLayer, ConfigError, ModelArch
 
-# Bits per cached value of each --kv-cache-dtype ("auto" takes the weight dtype's).
-VALUE_BITS = {"float32": 32, "float16": 16, "bfloat16": 16, "fp8": 8, "fp8_e4m3": 8, "fp8_e5m2": 8,
-              "int8": 8, "int4": 4, "int4_kivi": 4}
-PLAN_KV_CACHE_DTYPES = ("auto", *VALUE_BITS)
+PLAN_KV_CACHE_DTYPES = KV_CACHE_DTYPES  # the engine's formats: each says its own value_bits
 
 
 @dataclass(frozen=True)
@@ -110,7 +107,7 @@ class KVFootprint:
 def resolve_kv_dtype(name: str, weight_dtype: torch.dtype) -> str:
     if name == "auto":
         return str(weight_dtype).removeprefix("torch.")
-    if name not in VALUE_BITS:
+    if name not in FORMATS:
         raise ValueError(f"unknown kv cache dtype {name!r}: choose from {', '.join(PLAN_KV_CACHE_DTYPES)}")
     return name
 
@@ -190,20 +187,16 @@ def _capacity(layout_name: str, per_block: int, num_blocks: int, inputs: PlanInp
 
 def footprint(arch: ModelArch, kv_cache_dtype: str, inputs: PlanInputs, budget: Budget | None) -> KVFootprint:
     kv_dtype = resolve_kv_dtype(kv_cache_dtype, inputs.weight_dtype)
-    bits = VALUE_BITS[kv_dtype]
+    kv_format = make_kv_format(kv_dtype, inputs.weight_dtype)
+    bits = kv_format.value_bits
     seq, batch, tp = inputs.max_model_len, inputs.batch_size, inputs.tensor_parallel_size
     spec = kvserve_spec(arch, inputs.block_size, tp)
     layout, unavailable, capacity = None, spec if isinstance(spec, str) else None, None
     if isinstance(spec, KVCacheSpec):
-        try:
-            kv_format = make_kv_format(kv_dtype, inputs.weight_dtype)
-        except ValueError:  # a quantized format not (yet) registered in kvserve.cache.formats
-            unavailable = f"kvserve has no {kv_dtype!r} KV format"
-        else:
-            layout = _layout(spec, kv_format, bits, inputs)
-            if budget is not None:  # exactly the engine's sizing (LLMEngine._size_kv_pool)
-                num_blocks = num_blocks_for_budget(budget.bytes, spec, kv_format)
-                capacity = _capacity("kvserve", layout.bytes_per_block, num_blocks, inputs)
+        layout = _layout(spec, kv_format, bits, inputs)
+        if budget is not None:  # exactly the engine's sizing (pool sizing in the engine)
+            num_blocks = num_blocks_for_budget(budget.bytes, spec, kv_format)
+            capacity = _capacity("kvserve", layout.bytes_per_block, num_blocks, inputs)
     if layout is not None:
         pool_bytes = layout.bytes_per_device
     else:

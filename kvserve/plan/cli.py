@@ -16,8 +16,8 @@ examples:
   kvserve plan llama-3-70b --gpu-memory 80GiB --tensor-parallel-size 2 --max-model-len 8192
   kvserve plan --kv-cache-memory 1GiB --json          (the bundled default model)"""
 
-# Engine options that do not change KV sizes; --kv-cache-dtype is the planner's own (it also
-# accepts quantized dtypes kvserve has no storage format for yet) and MODEL is positional.
+# Engine options that do not change KV sizes; --kv-cache-dtype is the planner's own (a
+# comma-separated list of the engine's formats) and MODEL is positional.
 _SKIPPED_ENGINE_ARGS = ("model", "kv_cache_dtype", "max_num_seqs", "max_num_batched_tokens",
                         "enable_prefix_caching", "seed")
 
@@ -117,10 +117,11 @@ def run_plan(args: argparse.Namespace) -> int:
     short = [fp for fp in plan.footprints if fp.capacity is not None and fp.capacity.max_concurrent_sequences == 0]
     if short and (kv_cache_memory is not None or gpu_memory is not None):
         fp = short[0]
-        need = fp.capacity.blocks_per_sequence * fp.capacity.bytes_per_block
+        null_block = 1 if fp.capacity.layout == "kvserve" else 0  # kvserve's pool pays for its null block
+        need = (fp.capacity.blocks_per_sequence + null_block) * fp.capacity.bytes_per_block
         if fp.capacity.num_blocks == 0:
             raise CapacityError(f"the KV budget of {plan.budget.bytes:,} bytes is smaller than one block of "
-                                f"{fp.kv_cache_dtype} ({fp.capacity.bytes_per_block:,} bytes)")
+                                f"{fp.kv_cache_dtype} ({fp.capacity.bytes_per_block:,} bytes) beside the null block")
         raise CapacityError(
             f"the KV budget of {plan.budget.bytes:,} bytes holds {fp.capacity.kv_tokens:,} tokens of "
             f"{fp.kv_cache_dtype}, but one sequence of max-model-len {inputs.max_model_len:,} needs {need:,} bytes: "

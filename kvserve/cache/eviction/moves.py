@@ -1,10 +1,10 @@
 """Carrying out a compaction's token copies on the pool tensors, in every layer.
 
-A format whose every pool tensor holds one row per token slot ([heads, blocks, block_size,
-...]: full precision, int4, per-token-scaled fp8/int8) is copied row by row, bit for bit.
-Otherwise (a scale or range shared by the tokens of a block, e.g. int4_kivi's per-channel key
-ranges) the tokens are read back through the format (dequantized, un-rotated) and written
-again at their destination, which re-quantizes them once with the destination block's range.
+A format whose every pool tensor holds one row per token slot (`KVFormat.copies_token_rows`:
+full precision, int4, per-token-scaled fp8/int8) is copied row by row, bit for bit. Otherwise
+(a scale or range shared by the tokens of a block, e.g. int4_kivi's per-channel key ranges) the
+tokens are read back through the format (dequantized, un-rotated) and written again at their
+destination, which re-quantizes them once with the destination block's range.
 Every read of a layer happens before any write, so sources and destinations may overlap.
 """
 from __future__ import annotations
@@ -23,13 +23,13 @@ def move_tokens(kv_cache: KVCache, src_slots: list[int], dst_slots: list[int]) -
     device = next(iter(kv_cache.layers[0].values())).device
     src = torch.tensor(src_slots, dtype=torch.long, device=device)
     dst = torch.tensor(dst_slots, dtype=torch.long, device=device)
-    block_size, num_blocks = kv_cache.spec.block_size, kv_cache.num_blocks
+    block_size = kv_cache.spec.block_size
     for pool in kv_cache.layers:
-        if all(t.dim() >= 3 and t.shape[1] == num_blocks and t.shape[2] == block_size for t in pool.values()):
+        if kv_cache.format.copies_token_rows:
             for tensor in pool.values():
                 # Integer view: index_select/index_copy_ do not take float8 on every device.
                 as_int = tensor.view(_INT_OF_SIZE[tensor.element_size()])
-                rows = as_int.view(tensor.shape[0], num_blocks * block_size, -1)
+                rows = as_int.view(tensor.shape[0], tensor.shape[1] * block_size, -1)
                 rows.index_copy_(1, dst, rows.index_select(1, src))
         else:
             key, value = read_slots(kv_cache.format, pool, src, block_size)

@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 
 from kvserve.cache.formats.token_scaled import TokenScaledFormat
+from kvserve.cache.kv_cache import InPlaceLayout
 
 _MIN_AMAX = 1e-6  # an all-zero token still gets a finite scale
 
@@ -81,8 +82,10 @@ class Fp8Format(TokenScaledFormat):
         bits.mul_(1 << self._shift).bitwise_and_(self._mask)
         return bits.view(torch.bfloat16)
 
-    def kernel_decoding(self) -> tuple[int, int, float]:
-        return 1 << self._shift, self._mask, self.decode_unit
+    def in_place_layout(self, query_dtype):
+        if query_dtype == torch.float16:
+            return None
+        return InPlaceLayout("codes", fp8_multiplier=1 << self._shift, fp8_mask=self._mask, fp8_unit=self.decode_unit)
 
     def gather_scaled(self, pool, block_ids, batch, dtype):
         return None if dtype == torch.float16 else super().gather_scaled(pool, block_ids, batch, dtype)

@@ -3,19 +3,17 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.cache.kv_cache import KVCacheSpec, KVFormat, Scratch, gather_blocks
-from kvserve.model.cpu_attention import PagedDecodeKernel
+from kvserve.cache.kv_cache import InPlaceLayout, KVCacheSpec, KVFormat, Scratch, gather_blocks
 
 
 class FullPrecisionFormat(KVFormat):
-    """K/V stored as-is in a float dtype (the "auto", float16, bfloat16, float32 cache dtypes).
-    With a `decode_kernel` (model/cpu_attention.py) decodes read the pool in place."""
+    """K/V stored as-is in a float dtype (the "auto", float16, bfloat16, float32 cache dtypes)."""
 
-    def __init__(self, dtype: torch.dtype, decode_kernel: PagedDecodeKernel | None = None):
+    def __init__(self, dtype: torch.dtype):
         self.dtype = dtype
         self.name = str(dtype).removeprefix("torch.")
+        self.value_bits = 8 * torch.empty((), dtype=dtype).element_size()
         self.scratch = Scratch()
-        self.decode_kernel = decode_kernel
 
     def bytes_per_block(self, spec: KVCacheSpec) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
@@ -38,7 +36,5 @@ class FullPrecisionFormat(KVFormat):
         heads = both.shape[0] // 2
         return both[:heads], both[heads:]
 
-    def attend_decode(self, pool, query, block_tables, seq_lens, window):
-        if self.decode_kernel is None:
-            return None
-        return self.decode_kernel.float_pool(query, pool["kv"], block_tables, seq_lens, window)
+    def in_place_layout(self, query_dtype):
+        return InPlaceLayout("float") if query_dtype == self.dtype else None

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from kvserve.cache.formats.rotation import hadamard_rotation
-from kvserve.cache.kv_cache import KVCacheSpec, KVFormat, ScaledKV, Scratch, gather_blocks
+from kvserve.cache.kv_cache import InPlaceLayout, KVCacheSpec, KVFormat, ScaledKV, Scratch, gather_blocks
 
 LEVELS = 15  # the largest 4-bit code
 _FP16_MAX = 65504.0
@@ -101,6 +101,7 @@ def gather_token_groups(packed: torch.Tensor, params: torch.Tensor, block_ids: t
 
 class Int4Format(KVFormat):
     name = "int4"
+    value_bits = 4
     center_keys = True  # the keys' shared offset would take most of a token's 16 levels
 
     def __init__(self, rotate: bool = True):
@@ -133,10 +134,8 @@ class Int4Format(KVFormat):
         heads = values.shape[0] // 2
         return values[:heads], values[heads:]
 
-    def attend_decode(self, pool, query, block_tables, seq_lens, window):
-        if self.decode_kernel is None:
-            return None
-        return self.decode_kernel.int4_pool(query, pool["kv"], pool["kv_params"], block_tables, seq_lens, window)
+    def in_place_layout(self, query_dtype):
+        return None if query_dtype == torch.float16 else InPlaceLayout("int4")
 
     def gather_scaled(self, pool, block_ids, batch, dtype):
         codes, params = gather_token_groups(pool["kv"], pool["kv_params"], block_ids, batch, dtype, self.scratch, "")

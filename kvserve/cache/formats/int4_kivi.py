@@ -38,6 +38,9 @@ from kvserve.cache.kv_cache import KVCacheSpec, KVFormat, Scratch, gather_blocks
 
 class Int4KiviFormat(KVFormat):
     name = "int4_kivi"
+    value_bits = 4
+    # A block's key channel ranges are shared by its tokens: a moved token is re-encoded.
+    copies_token_rows = False
 
     def __init__(self) -> None:
         self.scratch = Scratch()

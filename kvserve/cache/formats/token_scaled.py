@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from kvserve.cache.formats.rotation import hadamard_rotation
-from kvserve.cache.kv_cache import KVCacheSpec, KVFormat, ScaledKV, Scratch, gather_blocks
+from kvserve.cache.kv_cache import InPlaceLayout, KVCacheSpec, KVFormat, ScaledKV, Scratch, gather_blocks
 
 
 class TokenScaledFormat(KVFormat):
@@ -36,6 +36,7 @@ class TokenScaledFormat(KVFormat):
     index_dtype: torch.dtype = torch.int8  # an integer view of it that index_select / index_copy_ accept
     scale_dtype: torch.dtype  # dtype of the stored scales
     decode_unit: float = 1.0  # decode(codes) * decode_unit * scale is the stored value
+    value_bits = 8
 
     def __init__(self, rotate: bool = False):
         self.rotate = rotate  # store K·H and V·H (rotation.py): outlier channels spread before quantizing
@@ -89,16 +90,10 @@ class TokenScaledFormat(KVFormat):
         heads = values.shape[0] // 2
         return values[:heads], values[heads:]
 
-    def kernel_decoding(self) -> tuple[int, int, float]:
-        """How the decode kernel reads the codes: (fp8 multiplier, fp8 mask, fp8 unit) as
-        PagedDecodeKernel.code_pool takes them; (0, 0, 1.0) for int8 codes."""
-        return 0, 0, 1.0
-
-    def attend_decode(self, pool, query, block_tables, seq_lens, window):
-        if self.decode_kernel is None:
-            return None
-        return self.decode_kernel.code_pool(query, pool["kv"].view(torch.int8), pool["kv_scale"], block_tables,
-                                            seq_lens, window, *self.kernel_decoding())
+    def in_place_layout(self, query_dtype):
+        """Codes with per-token scales, for bfloat16 or float32 queries; int8 codes unless a
+        subclass says how its bits widen (fp8)."""
+        return None if query_dtype == torch.float16 else InPlaceLayout("codes")
 
     def gather_scaled(self, pool, block_ids, batch, dtype):
         """The decoded codes and each token's factor, for the decode attention to apply to its

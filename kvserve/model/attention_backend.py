@@ -1,0 +1,196 @@
+"""The attention backend, chosen once at start-up, and the per-step metadata it builds.
+
+vLLM v1's split: the runner packs the step's tokens and hands over, per sequence, its rows of
+the packed batch, its context length and its block table (`StepSequence`), plus every token's
+pool slot. The backend decides the rest: whether a kernel reads decodes in place (the KV format
+says how its pool is laid out; `cpu_attention` has the kernel), how decodes are grouped and
+padded, where padding points (the null block), and what sequences under KV eviction need.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvserve.cache.block_pool import NULL_BLOCK_ID
+from kvserve.cache.kv_cache import KVCacheSpec, KVFormat
+from kvserve.model.attention import AttentionGroup, AttentionMetadata, PrefillChunk
+from kvserve.model.cpu_attention import ATTENTION_BACKENDS, PagedDecodeKernel, paged_decode_kernel
+from kvserve.model.rope import RotaryEmbedding
+
+logger = logging.getLogger("kvserve")
+
+# A decode group's fixed cost (its gather, matmuls, softmax and mask in every layer), in padded
+# context tokens it is worth: grouping decodes of similar lengths pays off beyond this.
+GROUP_COST_TOKENS = 1024
+
+
+@dataclass
+class StepSequence:
+    """One sequence's share of a step: packed rows [row_start, row_start + num_queries), a
+    context of `seq_len` tokens once they are written, the block table holding it."""
+
+    request_id: str
+    row_start: int
+    num_queries: int
+    seq_len: int
+    block_table: np.ndarray  # int64 block ids
+    keys_before_rope: bool = False  # under KV eviction: keys stored unrotated, rotated when read
+    sums_attention: bool = False  # under an eviction policy that scores by the attention tokens receive
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_queries == 1
+
+
+def packing_order(is_decode: bool, keys_before_rope: bool, context_len: int) -> tuple:
+    """Sort key of a sequence in the packed batch: decodes first (each attention group then owns
+    one run of rows), sequences under eviction after the others, decodes longest first (so that
+    similar lengths are neighbours)."""
+    return (not is_decode, keys_before_rope, -context_len if is_decode else 0)
+
+
+def split_by_length(num_blocks: list[int], block_size: int) -> list[tuple[int, int]]:
+    """Cut decodes sorted by context length (longest first, in blocks) into [start, end) runs
+    padded separately, minimising padded context tokens + GROUP_COST_TOKENS per run (dynamic
+    programming over the sorted lengths: a run's cost is its first length times its size)."""
+    n = len(num_blocks)
+    if n == 0:
+        return []
+    padded = np.asarray(num_blocks, dtype=np.float64) * block_size
+    best = np.zeros(n + 1)  # best[j]: cheapest cut of the first j decodes
+    cut = np.zeros(n + 1, dtype=np.int64)  # start of the last run in that cut
+    for j in range(1, n + 1):
+        starts = np.arange(j)
+        costs = best[:j] + GROUP_COST_TOKENS + padded[:j] * (j - starts)
+        cut[j] = int(np.argmin(costs))
+        best[j] = costs[cut[j]]
+    runs, end = [], n
+    while end > 0:
+        runs.append((int(cut[end]), end))
+        end = int(cut[end])
+    return runs[::-1]
+
+
+class AttentionBackend:
+    """How this engine's attention reads the pool: in place through `kernel` when the format's
+    layout allows it (`kv_format.in_place_layout`), else gathered by torch ops."""
+
+    def __init__(self, kv_format: KVFormat, spec: KVCacheSpec, query_dtype: torch.dtype, rope: RotaryEmbedding,
+                 device: torch.device, kernel: PagedDecodeKernel | None = None):
+        self.layout = kv_format.in_place_layout(query_dtype) if kernel is not None else None
+        self.kernel = kernel if self.layout is not None else None
+        self.spec = spec
+        self.rope = rope
+        self.device = device
+
+    @property
+    def block_size(self) -> int:
+        return self.spec.block_size
+
+    @property
+    def reads_decodes_in_place(self) -> bool:
+        return self.kernel is not None
+
+    @property
+    def description(self) -> str:
+        return "CPU paged kernel (in place)" if self.reads_decodes_in_place else "torch ops (gathered blocks)"
+
+    def decode_in_place(self, pool: dict[str, torch.Tensor], query: torch.Tensor, block_tables: torch.Tensor,
+                        seq_lens: torch.Tensor, window: int | None) -> torch.Tensor:
+        return self.kernel.decode(self.layout, pool, query, block_tables, seq_lens, window)
+
+    # ------------------------------------------------------------------ metadata
+    def build(self, sequences: list[StepSequence], slot_mapping: torch.Tensor) -> AttentionMetadata:
+        """The step's metadata; `sequences` in packed order (`packing_order`). Sequences that sum
+        the attention their tokens receive get a zeroed [seq_len] float32 view each, listed in
+        `AttentionMetadata.attention_sums` for the caller to collect after the forward pass."""
+        decode = [s for s in sequences if s.is_decode and not s.keys_before_rope]
+        evicting_decode = [s for s in sequences if s.is_decode and s.keys_before_rope]
+        sums: list[tuple[str, torch.Tensor]] = []
+        chunks = []
+        for seq in sequences:
+            if seq.is_decode:
+                continue
+            chunk = PrefillChunk(seq.row_start, seq.num_queries, seq.seq_len, self._tensor(seq.block_table))
+            if seq.keys_before_rope:
+                chunk.key_rope = self._key_rope(seq.seq_len)
+            if seq.sums_attention:
+                chunk.received_attention = torch.zeros(seq.seq_len, dtype=torch.float32, device=self.device)
+                sums.append((seq.request_id, chunk.received_attention))
+            chunks.append(chunk)
+        rows = [r for s in sequences if s.keys_before_rope for r in range(s.row_start, s.row_start + s.num_queries)]
+        return AttentionMetadata(
+            slot_mapping=slot_mapping,
+            decodes=[self._decode_group(decode[a:b]) for a, b in self._decode_runs(decode)],
+            prefills=chunks,
+            evicting_decode=self._evicting_decode_group(evicting_decode, sums),
+            unrotated_key_rows=self._tensor(rows) if rows else None,
+            decode_in_place=self.decode_in_place if self.reads_decodes_in_place else None,
+            attention_sums=sums,
+        )
+
+    def _tensor(self, array) -> torch.Tensor:
+        return torch.as_tensor(array, dtype=torch.long).to(self.device, non_blocking=True)
+
+    def _decode_runs(self, decode: list[StepSequence]) -> list[tuple[int, int]]:
+        """[start, end) runs of the decodes that attend together: one run when the pool is read in
+        place (nothing is padded), else runs of similar lengths (split_by_length)."""
+        if self.reads_decodes_in_place:
+            return [(0, len(decode))] if decode else []
+        return split_by_length([-(-s.seq_len // self.block_size) for s in decode], self.block_size)
+
+    def _decode_group(self, members: list[StepSequence]) -> AttentionGroup | None:
+        """Pad the decodes' block tables to a common length with the null block."""
+        if not members:
+            return None
+        needed = [-(-s.seq_len // self.block_size) for s in members]
+        max_blocks = max(needed)
+        block_ids = np.full((len(members), max_blocks), NULL_BLOCK_ID, dtype=np.int64)
+        for i, (s, n) in enumerate(zip(members, needed)):
+            block_ids[i, :n] = s.block_table[:n]
+        return AttentionGroup(block_ids=self._tensor(block_ids.reshape(-1)),
+                              seq_lens=self._tensor([s.seq_len for s in members]),
+                              context_len=max_blocks * self.block_size,
+                              max_seq_len=max(s.seq_len for s in members))
+
+    def _evicting_decode_group(self, members: list[StepSequence],
+                               sums: list[tuple[str, torch.Tensor]]) -> AttentionGroup | None:
+        """The decode group of sequences under eviction: keys rotated by cache index when gathered,
+        and an attention sum when one of them scores by it."""
+        group = self._decode_group(members)
+        if group is None:
+            return None
+        group.key_rope = self._key_rope(group.context_len)
+        scored = [i for i, s in enumerate(members) if s.sums_attention]
+        if scored:
+            group.received_attention = torch.zeros(len(members), group.context_len, dtype=torch.float32,
+                                                   device=self.device)
+            sums.extend((members[i].request_id, group.received_attention[i, : members[i].seq_len]) for i in scored)
+        return group
+
+    def _key_rope(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin [length, head_dim] of positions 0..length-1, as
+        positions.rope_gathered_keys takes them. Past the table's end (a padded block beyond
+        max-model-len) the last row repeats: those keys are masked anyway."""
+        cos, signed_sin = self.rope.cos, self.rope.signed_sin
+        index = torch.arange(length, device=cos.device).clamp_(max=cos.shape[0] - 1)
+        return cos[index], signed_sin[index]
+
+
+def make_attention_backend(name: str, kv_format: KVFormat, spec: KVCacheSpec, query_dtype: torch.dtype,
+                           rope: RotaryEmbedding, device: torch.device) -> AttentionBackend:
+    """`--attention-backend`: `auto` reads decodes in place with the CPU kernel where it builds
+    and the format's layout allows it; `cpu_paged` insists (ValueError otherwise); `torch` gathers."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}: choose one of {', '.join(ATTENTION_BACKENDS)}")
+    kernel = paged_decode_kernel(name, device, spec.head_dim)
+    backend = AttentionBackend(kv_format, spec, query_dtype, rope, device, kernel)
+    if name == "cpu_paged" and not backend.reads_decodes_in_place:
+        raise ValueError(f"--attention-backend cpu_paged reads a KV cache in the model dtype, or fp8/int8/int4 under "
+                         f"a bfloat16 or float32 model; not a {kv_format.name} KV cache with "
+                         f"{str(query_dtype).removeprefix('torch.')} weights")
+    logger.info("Decode attention: %s", backend.description)
+    return backend
