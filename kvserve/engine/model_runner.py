@@ -37,7 +37,7 @@ class ModelInputs:
 
 # A decode group's fixed cost (its gather, matmuls, softmax and mask in every layer) is about
 # that of attending to this many more padded context tokens on CPU (estimated from a profile of
-# the default model: ~2.4 ms of per-op overhead a group vs ~2 us per context token over 30 layers).
+# the default model: BENCHMARKS.md, "Offline throughput").
 GROUP_COST_TOKENS = 1024
 
 
