@@ -32,8 +32,9 @@ from kvserve.cache.sizing import bytes_per_block
 from kvserve.engine.args import EngineArgs
 from kvserve.engine.llm_engine import select_device, select_dtype
 from kvserve.model.loader import load_model_config
-from kvserve.server.scenarios import (BackgroundPoller, HealthMonitor, Prompt, ScenarioResult, aborts, book_prompts,
-                                      overload, pool_state, read_metrics, wait_drained)
+
+from scenarios import (BackgroundPoller, HealthMonitor, Prompt, ScenarioResult, aborts,  # benchmarks/scenarios.py
+                       book_prompts, overload, pool_state, read_metrics, wait_drained)
 
 
 @dataclass

@@ -1,16 +1,33 @@
 """Sampling parameters with vLLM's names, defaults and validation."""
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvserve.cache.eviction.config import EvictionSpec
+
+if TYPE_CHECKING:
+    import torch
 
 MAX_STOP_STRINGS = 64
 MAX_LOGPROBS = 20
 # Integers handed to torch (seeds, top_k) must fit in int64.
 INT64_MIN, INT64_MAX = -2 ** 63, 2 ** 63 - 1
+
+
+class LogitsProcessor(Protocol):
+    """Reshapes one request's next-token logits (vLLM's per-request logits processor).
+
+    Called once per generated token with the token ids generated so far (a fresh list, prompt
+    excluded) and that request's float32 logits row [vocab] (the model's vocabulary, which may be
+    padded past the tokenizer's); returns the row, modified in place or a new tensor of the same
+    shape. Set -inf to ban a token. Runs before penalties, min_tokens, temperature and top-k/top-p/
+    min-p, so a banned token stays banned whatever the other settings (vLLM v0's order).
+    """
+
+    def __call__(self, output_token_ids: list[int], logits: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass
@@ -22,6 +39,12 @@ class SamplingParams:
     the model's raw distribution (before penalties and temperature), like vLLM v1.
     `kv_eviction` overrides the engine's KV eviction settings for this request: a dict with any of
     policy, budget, sink_tokens, recent_tokens (or just a policy name, e.g. "none").
+    `logits_processors` (Python only, not an API field) run in order on this request's logits
+    before any other transformation; logprobs stay those of the raw distribution. A processor
+    that raises fails its request (finish reason "error"), not the batch. With n > 1 every sample
+    gets its own deep copy of the list, so a processor may keep per-sequence state (define
+    `__deepcopy__` to share heavy read-only parts, e.g. a compiled grammar); with n == 1 the
+    objects given are used as they are.
     """
 
     n: int = 1
@@ -42,9 +65,11 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     kv_eviction: EvictionSpec | dict[str, Any] | str | None = None
+    logits_processors: list[LogitsProcessor] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.kv_eviction = EvictionSpec.parse(self.kv_eviction)
+        self.logits_processors = list(self.logits_processors or [])
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -92,12 +117,22 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty strings.")
         if self.seed is not None and (not isinstance(self.seed, int) or not INT64_MIN <= self.seed <= INT64_MAX):
             raise ValueError(f"seed must be a 64-bit integer, got {self.seed!r}.")
+        if any(not callable(p) for p in self.logits_processors):
+            raise ValueError("logits_processors must be callables (output_token_ids, logits) -> logits.")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
     def for_child(self, index: int) -> "SamplingParams":
-        """The parameters of the index-th of n samples: one sample each, seeds kept distinct."""
+        """The parameters of the index-th of n samples: one sample each, seeds kept distinct, and
+        with n > 1 a copy of the logits processors of its own (they may keep per-sequence state)."""
         seed = None if self.seed is None else self.seed + index
-        return replace(self, n=1, seed=seed)
+        processors = self.logits_processors
+        if self.n > 1 and processors:
+            try:
+                processors = copy.deepcopy(processors)
+            except Exception as exc:
+                raise ValueError(f"n={self.n} gives each sample its own copy of logits_processors, but they "
+                                 f"cannot be deep-copied ({type(exc).__name__}: {exc}).") from exc
+        return replace(self, n=1, seed=seed, logits_processors=processors)

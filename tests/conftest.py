@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# benchmarks/scenarios.py: the HTTP load scenarios the reliability tests share with benchmarks/soak.py.
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import kvserve.engine.llm_engine as llm_engine_module  # noqa: E402
 from tiny_models import build_tiny_model, build_tokenizer  # noqa: E402

@@ -19,7 +19,7 @@ from kvserve.engine.llm_engine import LLMEngine
 from kvserve.server.api import ServerConfig, build_app
 from kvserve.server.engine_loop import MAX_CONSECUTIVE_FAILED_STEPS
 from kvserve.server.faults import FAULT_INJECTION_ENV, fault_injection_enabled
-from kvserve.server.scenarios import book_prompts, pool_state, read_metrics, wait_drained
+from scenarios import book_prompts, pool_state, read_metrics, wait_drained
 
 FAULTS_ON = {FAULT_INJECTION_ENV: "1"}
 TINY = ("--dtype", "float32", "--kv-cache-memory", "8MiB", "--served-model-name", "tiny")

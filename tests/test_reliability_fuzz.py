@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
-from kvserve.server.scenarios import pool_state
+from scenarios import pool_state
 
 TIMEOUT_S = 30
 MAX_EXAMPLES = 30  # per route and mode; derandomized, so CI runs the same cases every time

@@ -12,7 +12,7 @@ import asyncio
 import httpx
 import pytest
 
-from kvserve.server.scenarios import HealthMonitor, aborts, book_prompts, overload, read_metrics, wait_drained
+from scenarios import HealthMonitor, aborts, book_prompts, overload, read_metrics, wait_drained
 
 SERVER_ARGS = ("--dtype", "float32", "--kv-cache-memory", "832KiB", "--max-model-len", "128",
                "--served-model-name", "tiny")

@@ -9,8 +9,8 @@
   matmul weights once, so tokens/s cannot exceed bandwidth / weight bytes per token.
 
 Single-stream kvserve and HF alternate over a few rounds and the kvserve/HF ratio is the median
-of the rounds' ratios: one measurement is ~1-3 s, short enough for a neighbour's burst on a
-shared machine to move it by a third, and a burst then hits one round, not the result.
+of the rounds' ratios: one measurement lasts seconds, short enough for a neighbour's burst on
+a shared machine to move it a lot, and a burst then hits one round, not the result.
 """
 from __future__ import annotations
 

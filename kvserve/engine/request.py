@@ -47,7 +47,7 @@ class Request:
     # Tokens of this request found in the prefix cache when it was first scheduled.
     num_cached_tokens: int = 0
     stop_reason: int | str | None = None
-    error: str | None = None
+    error: str | None = None  # why it failed, set by the sampler when a logits processor raised
     eviction: EvictionConfig | None = None  # resolved by the engine on arrival; None: no eviction
     num_evicted_tokens: int = 0
 

@@ -1,16 +1,21 @@
-"""Batched token sampling: penalties, temperature, top-k, top-p, min-p, greedy, seeds, logprobs.
+"""Batched token sampling: logits processors, penalties, temperature, top-k, top-p, min-p,
+greedy, seeds, logprobs.
 
 Every transformation is a tensor op over the whole batch; per-request values arrive as
 [batch] tensors. Only seeded requests draw their noise one by one (each owns a generator, so its
-output does not depend on what else is in the batch).
+output does not depend on what else is in the batch), and only requests with logits processors
+(SamplingParams.logits_processors) have their row handed to Python code.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from kvserve.engine.request import Request
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -39,9 +44,11 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
         """logits: float32 [batch, vocab] (vocab may exceed the tokenizer's; padded rows are real
-        logits of the checkpoint and stay eligible only if the model gives them mass)."""
+        logits of the checkpoint and stay eligible only if the model gives them mass).
+        A request whose logits processor fails gets `error` set; its token is to be discarded."""
         params = [r.params for r in requests]
         raw = logits
+        logits = self._apply_processors(logits, requests)
         logits = self._apply_penalties(logits, requests)
         logits = self._mask_min_tokens(logits, requests)
 
@@ -58,6 +65,31 @@ class Sampler:
         return SampleResult(token_list, self._logprobs(raw, token_list, params))
 
     # ------------------------------------------------------------------ transformations
+    def _apply_processors(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """Each request's logits processors, in order, on a copy of its row (the model's logits
+        stay as they were, for logprobs). A processor that raises or returns something else than
+        a row fails only its request: `request.error` says why and its row is left unprocessed."""
+        rows = [(i, r) for i, r in enumerate(requests) if r.params.logits_processors]
+        if not rows:
+            return logits
+        processed = logits.clone()
+        for i, r in rows:
+            row = processed[i]
+            for processor in r.params.logits_processors:
+                try:
+                    row = processor(r.output_token_ids, row)
+                    if not isinstance(row, torch.Tensor) or row.shape != logits[i].shape:
+                        raise TypeError(f"returned {_describe(row)}, expected a tensor of shape "
+                                        f"{tuple(logits[i].shape)}")
+                except Exception as exc:
+                    r.error = f"logits processor {_name(processor)} failed: {type(exc).__name__}: {exc}"
+                    logger.warning("request %s: %s", r.request_id, r.error, exc_info=exc)
+                    processed[i] = logits[i]
+                    break
+            else:
+                processed[i] = row
+        return processed
+
     def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         params = [r.params for r in requests]
         if all(p.repetition_penalty == 1 and p.presence_penalty == 0 and p.frequency_penalty == 0
@@ -139,3 +171,13 @@ class Sampler:
             top = list(zip(top_ids[i, :w].tolist(), top_vals[i, :w].tolist())) if w else []
             result.append((chosen[i], top))
         return result
+
+
+def _name(processor) -> str:
+    return getattr(processor, "__qualname__", None) or type(processor).__qualname__
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return f"{type(value).__name__}"

@@ -120,13 +120,18 @@ class Scheduler:
 
     def update(self, scheduled: list[ScheduledRequest], sampled: dict[str, int]) -> list[Request]:
         """Advance requests after the forward pass; append sampled tokens; return the requests
-        that finished (their blocks are already back in the pool)."""
+        that finished (their blocks are already back in the pool). A request the sampler failed
+        (`error` set) finishes with status error and without the token."""
         finished = []
         for item in scheduled:
             request = item.request
             request.num_computed_tokens += item.num_new_tokens
             token = sampled.get(request.request_id)
             if token is None:
+                continue
+            if request.error is not None:  # the sampler failed it (a logits processor raised)
+                self.finish(request, RequestStatus.FINISHED_ERROR)
+                finished.append(request)
                 continue
             request.append_token(token)
             status = request.check_stop(self.config.max_model_len)

@@ -9,14 +9,14 @@ the attention backend (attention_backend.py) builds this metadata.
 * decodes (one query each): with a format that reads them in place (the CPU kernel,
   model/cpu_attention.py), one kernel call over all of them. Otherwise vectorised over the
   requests with padding and a mask:
-  grouped-query matmuls, queries of a KV head batched together, softmax in float32. On CPU this
-  is ~10x faster than SDPA with a length-1 query. Decode time is mostly reading K/V (gather, then
+  grouped-query matmuls, queries of a KV head batched together, softmax in float32: on CPU much
+  faster than SDPA with a length-1 query. Decode time is mostly reading K/V (gather, then
   the matmuls), so the backend splits decodes of very different context lengths into a few groups
   padded separately (attention_backend.split_by_length). A group of one request needs no padding:
   its exact context goes to one SDPA call, the KV head's query heads as its query rows.
 * prefill chunks (several queries each), one `scaled_dot_product_attention` call per chunk at
   its exact context length (a step holds only a few chunks; padding them to a common length and
-  masking cost 3x more on CPU), or one batched call for chunks of the same shape. A chunk with
+  masking cost more on CPU), or one batched call for chunks of the same shape. A chunk with
   no earlier context is plain causal attention (`is_causal`, the fused kernel's fast path);
   otherwise its mask is causal aligned to the end of the context.
 
@@ -107,7 +107,7 @@ class PrefillChunk:
 
     def bias(self, window: int | None, dtype: torch.dtype) -> torch.Tensor | None:
         """`mask` as an additive [queries, context] tensor in `dtype` (0 or -inf): CPU SDPA runs
-        ~2x faster with it than with the bool mask (measured at 65 queries over 1,088 keys)."""
+        faster with it than with the bool mask."""
         key = (window, dtype)
         if key not in self._biases:
             allowed = self.mask(window)
@@ -161,7 +161,7 @@ def _prefills(query: torch.Tensor, chunks: list[PrefillChunk], pool: dict, kv_fo
               rotation: torch.Tensor | None, window: int | None) -> list[torch.Tensor]:
     """Each chunk's attention output [num_queries, H, d], in chunk order. Chunks of the same shape
     (queries, context) share one batched SDPA call: e.g. questions after a cached system prompt,
-    ~1.5x faster on CPU than a call per chunk. Chunks under eviction go one by one."""
+    faster on CPU than a call per chunk. Chunks under eviction go one by one."""
     outputs: list[torch.Tensor | None] = [None] * len(chunks)
     same_shape: dict[tuple[int, int, int], list[int]] = {}  # (queries, context, blocks) -> chunk indices
     for i, chunk in enumerate(chunks):
@@ -210,8 +210,8 @@ def _single_decode(q: torch.Tensor, group: AttentionGroup, pool: dict, kv_format
                    window: int | None) -> torch.Tensor:
     """One request's decode: its context sliced to its exact length (and window), so nothing is
     masked and one fused SDPA call does the work, the query heads that share a KV head taken as
-    that head's query rows. At batch 1 on CPU this measured ~20 us a layer against ~110 us for
-    the padded matmul path (whose two small bfloat16 matmuls alone take ~50 us)."""
+    that head's query rows: at batch 1 on CPU much cheaper than the padded matmul path
+    (BENCHMARKS.md, "Offline throughput")."""
     _, _, heads, dim = q.shape
     k_ctx, v_ctx = kv_format.gather(pool, group.block_ids, 1, q.dtype)  # [kvh, 1, padded, d]
     end = group.max_seq_len

@@ -22,8 +22,9 @@ from kvserve.model.rope import RotaryEmbedding
 
 logger = logging.getLogger("kvserve")
 
-# A decode group's fixed cost (its gather, matmuls, softmax and mask in every layer), in padded
-# context tokens it is worth: grouping decodes of similar lengths pays off beyond this.
+# A decode group's fixed cost (its gather, matmuls, softmax and mask in every layer) is about
+# that of attending to this many more padded context tokens on CPU (estimated from a profile of
+# the default model: BENCHMARKS.md, "Offline throughput").
 GROUP_COST_TOKENS = 1024
 
 

@@ -1,10 +1,10 @@
 """The CPU paged decode kernel (csrc/paged_decode.cpp): build, load, choose.
 
 Decode attention in torch ops has to gather each request's blocks into one padded tensor before
-its matmuls: on CPU that copy, the padding and the mask were about a third of a decode step at
-32 concurrent requests of the default model. The kernel reads K/V in place through the block
-tables instead (what vLLM's CPU and CUDA backends do): decode steps 1.25-1.39x faster at 32-128
-requests (BENCHMARKS.md). It reads the full-precision pool and the fp8, int8 and int4 codes.
+its matmuls: on CPU that copy, the padding and the mask were a large share of a decode step at
+32 concurrent requests. The kernel reads K/V in place through the block
+tables instead (what vLLM's CPU and CUDA backends do; BENCHMARKS.md, "Offline throughput",
+"Latest"). It reads the full-precision pool and the fp8, int8 and int4 codes.
 
 It is C++ built for the CPU's vector ISA by `kvserve build-kernel` at set-up, or on first use
 (kernel_build.py: cached per ISA and torch version, safe when processes start at once). When it

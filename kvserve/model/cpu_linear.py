@@ -4,14 +4,12 @@ own GEMV for a single row.
 `F.linear` on a plain bf16 weight lets oneDNN reorder the weight into its blocked layout on
 every call; for a decode step, which is one pass over all weights, that reorder is a large share
 of the memory traffic. Reordering once at load time (what torch.compile's freezing pass does)
-measured 1.3x faster at batch 1 and 1.5x at batch 32 on a 2-core AVX512-BF16 machine, with
-bitwise-identical results.
+is faster at every batch size, with bitwise-identical results.
 
 A single row (batch-1 decode, the LM head of a prefill) is a matrix-vector product, and there
-oneDNN's prepacked kernel reads the weights at ~15-24 GB/s against ~24-31 GB/s for torch's
-native bf16 GEMV over the plain row-major weight (float32 accumulation in both), measured on the
-default model's shapes: 171 vs 128 us for gate/up, 96 vs 61 us for down, 2.4 vs 1.8 ms for the
-LM head. From two rows on, the prepacked kernel wins (at 32 rows gate/up: 338 vs 2,985 us). So
+torch's native bf16 GEMV over the plain row-major weight reads the weights faster than oneDNN's
+prepacked kernel (float32 accumulation in both); from two rows on, the prepacked kernel wins
+(BENCHMARKS.md, "Offline throughput", "Before"). So
 each layer also keeps its plain weight when memory allows (a second copy of the linear weights,
 see `prepack_linears`) and sends single rows to the native kernel. torch picks oneDNN for any
 large bf16 matmul while oneDNN is enabled, so the flag is switched off around that one call;

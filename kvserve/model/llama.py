@@ -27,8 +27,8 @@ class RMSNorm(nn.Module):
             # One row (batch-1 decode): layer_norm over [x, -x], whose mean is 0 and variance
             # mean(x^2), is RMSNorm in one fused kernel (float32 inside, rounded once to x's
             # dtype, as below). torch's rms_norm runs as several small ops, which at one row cost
-            # more than the arithmetic: ~5% of a batch-1 decode step on CPU. At 32 rows the
-            # doubled width made it 2x slower, so batches keep rms_norm.
+            # more than the arithmetic (BENCHMARKS.md, "Offline throughput"). At 32 rows the
+            # doubled width made it slower, so batches keep rms_norm.
             size = x.shape[-1]
             normed = F.layer_norm(torch.cat((x, -x), dim=-1), (2 * size,), None, None, self.eps)
             return self.weight * normed[..., :size]
@@ -75,7 +75,7 @@ class Attention(nn.Module):
 
     def _change_key_basis(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [tokens, heads, d] -> q·T^-T and k [tokens, kv_heads, d] -> k·T, per KV head, as one
-        float32 bmm each over [kv_heads, rows, d] (on CPU ~2x faster than einsum or bfloat16)."""
+        float32 bmm each over [kv_heads, rows, d] (on CPU faster than einsum or bfloat16)."""
         key_transform, query_transform = self.key_basis
         tokens, kv_heads, dim = q.shape[0], self.num_kv_heads, self.head_dim
         grouped = q.float().view(tokens, kv_heads, -1, dim).transpose(0, 1).reshape(kv_heads, -1, dim)

@@ -46,6 +46,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -
     """Rotate x [tokens, heads, head_dim] (rotate-half convention): the reference's
     x * cos + rotate_half(x) * sin, where rotate_half(x) = [-x2, x1], is computed as
     x * cos + [x2, x1] * [-sin1, sin2]. The products are the same numbers (negation is exact),
-    and swapping the halves is one `roll` instead of two slices, a negation and a concatenation:
-    about 2% of a batch-1 decode step on CPU."""
+    and swapping the halves is one `roll` instead of two slices, a negation and a concatenation
+    (fewer ops matter at batch 1 on CPU; BENCHMARKS.md, "Offline throughput")."""
     return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin

@@ -1,4 +1,4 @@
-"""Fault injection, for tests and soak runs against a real server process. Off unless the
+"""Fault injection, for the reliability tests against a real server process. Off unless the
 environment variable KVSERVE_FAULT_INJECTION is set (to anything but "" or "0"): only then does
 `POST /debug/faults` exist, and only then are the engine's methods wrapped.
 

@@ -1,33 +1,19 @@
-"""fp8 KV cache: `fp8` / `fp8_e4m3` (OCP e4m3fn, max 448, 3 mantissa bits) and `fp8_e5m2`
-(max 57344, 2 mantissa bits), one byte per value in torch float8 tensors.
+"""fp8 KV cache: `fp8` / `fp8_e4m3` (OCP e4m3fn, max 448) and `fp8_e5m2` (max 57344), one byte
+per value (Micikevicius et al. 2022, "FP8 Formats for Deep Learning", arXiv:2209.05433).
 
-Scales: one per (token, KV head), a power of two chosen so the token's absmax lands in
-(fmax/2, fmax], stored as its 1-byte exponent. Nothing saturates, and because fp8 is a
-floating-point format its relative precision is the same at any magnitude, so a finer or
-non-power-of-two scale would buy nothing (it would only keep the smallest values out of the
-subnormal range). See token_scaled.py for the layout. What does matter is the basis the keys
-are stored in. For e4m3 the model hands them over in a basis fitted at start-up to this relative
-rounding (engine/key_basis.py), and values are stored as they come (their relative error is the same
-in any basis): on SmolLM2-135M (`kvserve eval`) KL from the full-precision cache went 0.0086 ->
-0.0057, top-1 agreement 94.8% -> 95.4%, passkey 27/27 both. e5m2 keeps the Hadamard rotation of
-K and V (rotation.py): with the fitted basis its KL went 0.0288 -> 0.0172 and perplexity +2.35%
--> +0.67%, but passkey retrieval 27/27 -> 23/27 (17/18 at 2,048-4,096 tokens run on its own, with
-or without the basis: two mantissa bits leave it on a cliff), against a target of one miss.
+One power-of-two scale per (token, KV head) puts the token's absmax in (fmax/2, fmax], stored as
+its 1-byte exponent (layout: token_scaled.py); fp8's relative precision is the same at any
+magnitude, so a finer scale would buy nothing. What matters is the keys' basis: e4m3 takes them in
+a basis fitted at start-up to its relative rounding (engine/key_basis.py); e5m2 rotates K and V
+(rotation.py), which kept its passkey score where a fitted basis did not (BENCHMARKS.md,
+"KV-cache dtypes").
 
-Decoding avoids torch's float8 -> bfloat16 cast, which is an unvectorised loop on CPU (~15 ms
-for 3M values, 40x slower than an int8 cast). An fp8 byte s|e|m is moved bitwise into the sign,
-low exponent and high mantissa bits of a bfloat16 (whose exponent bias is 127 instead of 7 or
-15); the bias difference, 2^120 or 2^112, is folded into the scale. fp8 subnormals land on
-bfloat16 subnormals, so the mapping is exact for every finite code, and no code decodes to inf
-or NaN (0x7f, e4m3fn's NaN, would read as 480), so unwritten slots stay finite.
-
-Decode attention keeps the decoded values at ~2^-120 and applies decode_unit * scale to its
-scores and probabilities (`gather_scaled`): a multiply over every gathered value measured ~300
-us a layer on CPU (32 x 272 tokens), twice the bitwise decode. The small values are normal
-bfloat16 numbers and their products with queries are accumulated in float32, so the matmuls
-lose nothing, except that bfloat16 dot-product instructions may read the subnormal ones (fp8
-subnormals: below 2^-13 of the token's absmax) as zero, far under the rounding error of its
-large values. float16 cannot hold them at all: a float16 model scales the values first.
+Decoding avoids torch's float8 -> bfloat16 cast (an unvectorised loop on CPU): the byte s|e|m is
+moved bitwise into a bfloat16, whose different exponent bias (2^120 or 2^112) is folded into the
+scale. This is exact for every finite code and never yields inf or NaN. Decode attention keeps
+the values at ~2^-120 and applies decode_unit * scale to its scores and probabilities
+(`gather_scaled`) rather than to every gathered value; a float16 model scales the values first,
+since float16 cannot hold them.
 """
 from __future__ import annotations
 
@@ -78,7 +64,7 @@ class Fp8Format(TokenScaledFormat):
     def decode(self, codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         bits = self.scratch.get("bits", codes.shape, torch.int16, codes.device)
         bits.copy_(codes)  # sign-extends: a negative code's high byte is all ones
-        # The shift, as a multiply (|code| <= 128 cannot overflow int16): ~30% faster on CPU.
+        # The shift, as a multiply (|code| <= 128 cannot overflow int16): faster on CPU.
         bits.mul_(1 << self._shift).bitwise_and_(self._mask)
         return bits.view(torch.bfloat16)
 

@@ -13,8 +13,8 @@ Layout of one layer's pool::
     value         [kv_head, block, offset, head_dim // 2]   uint8, per-token groups as in int4.py
     value_params  [kv_head, block, offset, 2]               float16 (scale, zero) per token
 
-No rotation: per-channel ranges are the point, and a rotation would mix the channels (measured:
-rotating both K and V moved KL vs the full-precision cache from 0.0179 to 0.0163, within noise).
+No rotation: per-channel ranges are the point, and a rotation would mix the channels (rotating
+K and V changed its error within noise: BENCHMARKS.md, "KV-cache dtypes").
 
 KIVI keeps the newest (not yet full) key group in full precision until it fills. A paged pool
 has no per-sequence storage for such a residual, so here a block's channel ranges grow as it

@@ -7,10 +7,9 @@ the code range is symmetric. See token_scaled.py for the layout.
 Decode attention takes the codes (exact in bfloat16) and applies the scales to its scores and
 probabilities (`gather_scaled`), so a gathered value costs one int8 -> bfloat16 conversion.
 
-No Hadamard rotation (rotation.py), unlike fp8_e5m2 and int4: int8 needs none to stay near lossless,
-and its three small matmuls a layer (queries, output, the write) cost ~6% of decode speed on CPU.
-On the default model (`kvserve eval`, 2,048 tokens) rotating took KL vs the full-precision cache
-from 0.0032 to 0.0021, with the same perplexity (-0.20%) and top-1 agreement (97.2% / 97.0%).
+No Hadamard rotation (rotation.py), unlike fp8_e5m2 and int4: int8 stays near lossless without
+one, and its three small matmuls a layer (queries, output, the write) cost decode speed on CPU for
+no change in perplexity (BENCHMARKS.md, "KV-cache dtypes").
 """
 from __future__ import annotations
 

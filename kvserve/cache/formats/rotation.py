@@ -8,13 +8,10 @@ channels (QuaRot: Ashkboos et al. 2024, arXiv:2404.00456): absmax / rms of a blo
 the error that remains is spread evenly instead of aligned with the queries. Attention is
 unchanged because q.k = (qH).(kH) and softmax(s) (VH) H^T = softmax(s) V; the attention layer
 rotates the queries and un-rotates its output (two small matmuls), so the cached K/V are
-never turned back. On SmolLM2-135M (1,024 tokens scored through the cache, KL divergence from
-the full-precision cache) it halved the error of every format: fp8_e4m3 0.017 -> 0.0084, fp8_e5m2
-0.070 -> 0.031, int8 0.0044 -> 0.0028, int4 0.163 -> 0.078 (perplexity +18.6% -> +6.4%). A
-randomized Hadamard (random signs) or a random orthogonal matrix measured the same within noise.
-int8 does not rotate: its error is small either way, and the rotation's matmuls cost ~6% of
-decode speed (int8.py). fp8_e4m3 does not either: its keys are stored in a basis fitted to its
-relative rounding, starting from this rotation (kvserve/engine/key_basis.py), and its values'
+never turned back. It halved every format's KL from the full-precision cache; a randomized
+Hadamard or a random orthogonal matrix did no better (BENCHMARKS.md, "KV-cache dtypes").
+int8 does not rotate: its error is small either way, and the matmuls cost decode speed (int8.py).
+fp8_e4m3 does not either: its keys are stored in a basis fitted to its relative rounding, starting from this rotation (kvserve/engine/key_basis.py), and its values'
 relative error does not shrink in any basis. fp8_e5m2 and int4 rotate.
 """
 from __future__ import annotations

@@ -12,12 +12,11 @@ takes its keys in a basis the model fitted for it (engine/key_basis.py); int8 st
 
 Why one scale per token rather than per (block, KV head): a block fills over several decode
 steps, so a block scale has to grow with the block's absmax and re-encode the block's earlier
-tokens whenever it does. That was built and measured first; per-token scales won. They never
-change once written, so a write is about a dozen ops instead of ~25 (on CPU the write of a decode
-step is mostly per-op overhead), nothing is rounded twice, and the range is that of 64 values,
-not 1,024: int8's relative error on keys with outlier channels was 0.58% per token against 0.77%
-per block written at once and 0.93% per block filled one token at a time (random keys with
-graded channel magnitudes and an outlier channel). The price is the scale bytes: fp8 stores its power-of-two
+tokens whenever it does. That was built first; per-token scales won (BENCHMARKS.md, "KV-cache
+dtypes"). They never change once written, so a write is about a dozen ops instead of ~25 (on CPU
+the write of a decode step is mostly per-op overhead), nothing is rounded twice, and the range is
+that of 64 values, not 1,024, which gives keys with outlier channels a smaller relative error.
+The price is the scale bytes: fp8 stores its power-of-two
 scale as a 1-byte exponent (65 bytes per token and head against 128 in float16: 1.97x the
 tokens), int8 a float16 scale (66 bytes: 1.94x), against 1.99x for per-block scales.
 """
@@ -97,8 +96,8 @@ class TokenScaledFormat(KVFormat):
 
     def gather_scaled(self, pool, block_ids, batch, dtype):
         """The decoded codes and each token's factor, for the decode attention to apply to its
-        scores and probabilities: a multiply over the gathered K/V is the costliest pass of a
-        quantized decode on CPU (~300 us a layer at 32 x 272 tokens, more than the decode itself)."""
+        scores and probabilities: a multiply over the gathered K/V would be the costliest pass of
+        a quantized decode on CPU (BENCHMARKS.md, "KV-cache dtypes")."""
         values, factor = self._gather_decoded(pool, block_ids, batch, dtype)
         values = values.to(dtype)
         heads = values.shape[0] // 2

@@ -1,6 +1,7 @@
 """Load scenarios that check the server's guarantees from the outside, over HTTP. The reliability
-tests (tests/test_reliability_*.py) run them at CI size, benchmarks/soak.py at full size for
-minutes.
+tests (tests/test_reliability_*.py, which put this folder on sys.path in tests/conftest.py) run them
+at CI size, benchmarks/soak.py at full size for minutes. Not part of the package: they only drive
+a server.
 
 - `overload`: every request at once (rate inf), ignore_eos; each must finish with exactly
   max_tokens tokens: no failure, no 5xx, whatever the KV pool's size.
@@ -18,12 +19,12 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-BOOK = Path(__file__).resolve().parent.parent / "data" / "pride-and-prejudice.txt"
+from kvserve.bench.datasets import BOOK_PATH as BOOK
+
 MAX_FAILURES_KEPT = 20
 Prompt = str | list[int]  # text, or token ids
 
