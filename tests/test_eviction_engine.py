@@ -106,7 +106,7 @@ def test_h2o_received_attention_matches_transformers(tiny_llama, book_ids):
     for chunk in (7, 1):  # the prefill path (explicit probabilities) and the decode path
         received = {}
         forget = eng.evictor.forget
-        eng.evictor.forget = lambda rid: received.setdefault("v", eng.evictor.received_attention(rid).clone())
+        eng.evictor.forget = lambda rid: received.setdefault("v", eng.evictor.policy(rid).received.clone())
         list(eng.score_chunks(tokens, chunk, kv_eviction={"policy": "h2o", "budget": 200}))
         eng.evictor.forget = forget
         torch.testing.assert_close(received["v"][:40], expected, rtol=1e-4, atol=1e-4)

@@ -5,7 +5,7 @@ packed batch of all scheduled tokens.
 
 A request under KV eviction (kvserve/cache/eviction) takes positions from its cache index
 (`num_computed_tokens - num_evicted_tokens`), stores keys before RoPE and attends in groups of
-its own; after the forward pass the attention its tokens received goes to the evictor (H2O).
+its own; the attention rows its policy observes are handed to the evictor after the forward pass.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from kvserve.cache.eviction.evictor import Evictor
 from kvserve.cache.kv_cache import KVCache
 from kvserve.engine.sampler import SampleResult, Sampler
 from kvserve.engine.scheduler import ScheduledRequest
-from kvserve.model.attention import AttentionGroup, AttentionMetadata, PrefillChunk
+from kvserve.model.attention import AttentionGroup, AttentionMetadata, ObservedAttention, PrefillChunk
 from kvserve.model.llama import LlamaForCausalLM
 
 
@@ -30,9 +30,9 @@ class ModelInputs:
     meta: AttentionMetadata
     logits_rows: torch.Tensor
     sampled: list[ScheduledRequest]  # requests that get a token this step, in logits-row order
-    # Evicting requests whose policy scores by received attention: (request id, config, the
-    # [seq_len] attention its cached tokens receive this step, filled by the forward pass).
-    received_attention: list[tuple[str, EvictionConfig, torch.Tensor]] = field(default_factory=list)
+    # Evicting requests whose policy observes attention: (request id, config, the [rows, seq_len]
+    # attention rows its policy asked for, filled by the forward pass).
+    observed_attention: list[tuple[str, EvictionConfig, torch.Tensor]] = field(default_factory=list)
 
 
 # A decode group's fixed cost (its gather, matmuls, softmax and mask in every layer) is about
@@ -111,21 +111,24 @@ class ModelRunner:
         def tensor(array, dtype=torch.long) -> torch.Tensor:
             return torch.as_tensor(array, dtype=dtype).to(self.device, non_blocking=True)
 
-        received: list[tuple[str, EvictionConfig, torch.Tensor]] = []
+        observed: list[tuple[str, EvictionConfig, torch.Tensor]] = []
         chunks = []
         for offset, n, seq_len, table, r in prefill:
             chunk = PrefillChunk(offset, n, seq_len, tensor(table))
             if r is not None:
                 chunk.key_rope = self._key_rope(seq_len)
-                if self.evictor.uses_attention(r.eviction):
-                    chunk.received_attention = torch.zeros(seq_len, dtype=torch.float32, device=self.device)
-                    received.append((r.request_id, r.eviction, chunk.received_attention))
+                span = self.evictor.observed_rows(r.eviction, n)
+                if span is not None:
+                    first, num_rows, summed = span
+                    rows = torch.zeros(num_rows, seq_len, dtype=torch.float32, device=self.device)
+                    chunk.observed_attention = ObservedAttention(rows, first, summed)
+                    observed.append((r.request_id, r.eviction, rows))
             chunks.append(chunk)
         meta = AttentionMetadata(
             slot_mapping=tensor(np.concatenate(slot_chunks)),
             decodes=[self._decode_group(decode[a:b], tensor) for a, b in self._decode_runs(decode)],
             prefills=chunks,
-            evicting_decode=self._evicting_decode_group(evicting_decode, tensor, received),
+            evicting_decode=self._evicting_decode_group(evicting_decode, tensor, observed),
             unrotated_key_rows=tensor(evicting_rows) if evicting_rows else None,
         )
         return ModelInputs(
@@ -134,7 +137,7 @@ class ModelRunner:
             meta=meta,
             logits_rows=tensor(logits_rows),
             sampled=sampled,
-            received_attention=received,
+            observed_attention=observed,
         )
 
     def _decode_runs(self, decode: list[tuple]) -> list[tuple[int, int]]:
@@ -159,18 +162,18 @@ class ModelRunner:
                               max_seq_len=max(m[2] for m in members))
 
     def _evicting_decode_group(self, members: list[tuple], tensor,
-                               received: list[tuple[str, EvictionConfig, torch.Tensor]]) -> AttentionGroup | None:
+                               observed: list[tuple[str, EvictionConfig, torch.Tensor]]) -> AttentionGroup | None:
         """The decode group of requests under eviction: keys rotated by cache index when gathered,
-        and a received-attention sum when one of them scores by it."""
+        and their attention observed (one row each, the decode's query) when a policy asks."""
         group = self._decode_group(members, tensor)
         if group is None:
             return None
         group.key_rope = self._key_rope(group.context_len)
-        scored = [(i, m[4]) for i, m in enumerate(members) if self.evictor.uses_attention(m[4].eviction)]
+        scored = [(i, m[4]) for i, m in enumerate(members) if self.evictor.observed_rows(m[4].eviction, 1)]
         if scored:
-            group.received_attention = torch.zeros(len(members), group.context_len, dtype=torch.float32,
+            group.observed_attention = torch.zeros(len(members), group.context_len, dtype=torch.float32,
                                                    device=self.device)
-            received.extend((r.request_id, r.eviction, group.received_attention[i, : members[i][2]])
+            observed.extend((r.request_id, r.eviction, group.observed_attention[i: i + 1, : members[i][2]])
                             for i, r in scored)
         return group
 
@@ -184,8 +187,8 @@ class ModelRunner:
 
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
         logits = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta, inputs.logits_rows)
-        for request_id, config, attention in inputs.received_attention:
-            self.evictor.add_received_attention(request_id, config, attention)
+        for request_id, config, attention in inputs.observed_attention:
+            self.evictor.observe(request_id, config, attention)
         return logits
 
     def execute(self, scheduled: list[ScheduledRequest], block_tables: dict[str, list[int]]
