@@ -32,14 +32,14 @@ def test_protocol_report(tiny_llama, tmp_path):
                                passkey_depths=(0.1, 0.9), passkey_trials=1)
     report = evaluate_long_context(str(tiny_llama), BOOK, config, **OPTIONS)
     curves = {c.config: c for c in report.curves}
-    assert list(curves) == ["dense", "window", "streaming", "h2o"]
+    evicting = ["window", "streaming", "h2o", "snapkv", "tova"]  # by default every registered policy
+    assert list(curves) == ["dense", *evicting]
     assert curves["dense"].num_tokens == 255 and curves["dense"].perplexity_beyond is None
-    for name in ("window", "streaming", "h2o"):
+    for name in evicting:
         assert curves[name].num_tokens == 599 and math.isfinite(curves[name].perplexity_beyond)
         assert len(curves[name].segment_perplexity) == 6
     assert [(r.config, r.budget) for r in report.passkey] == [
-        ("dense", None), ("window", 24), ("window", 48), ("streaming", 24), ("streaming", 48), ("h2o", 24),
-        ("h2o", 48)]
+        ("dense", None), *((name, budget) for name in evicting for budget in (24, 48))]
     assert all(r.total == 2 and set(r.by_depth) == {0.1, 0.9} for r in report.passkey)
     assert len(render_tables(report)) == 2
     assert plot(report, tmp_path / "long.png").stat().st_size > 0

@@ -13,8 +13,8 @@ from kvserve.cache.eviction import POLICIES, EvictionConfig, EvictionSpec
 from kvserve.cache.eviction.compaction import plan_compaction
 from kvserve.cache.eviction.config import resolve_eviction
 from kvserve.cache.eviction.evictor import Evictor
-from kvserve.cache.eviction.h2o import H2OPolicy
-from kvserve.cache.eviction.streaming import StreamingPolicy
+from kvserve.cache.eviction.policies.h2o import H2OPolicy
+from kvserve.cache.eviction.policies.streaming import StreamingPolicy
 from kvserve.cache.kv_cache_manager import KVCacheManager
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.scheduler import Scheduler, SchedulerConfig
@@ -33,13 +33,15 @@ def h2o(budget: int = 16, sinks: int = 2, recent: int = 4) -> EvictionConfig:
 
 # ---------------------------------------------------------------------------- policies
 def test_streaming_keeps_sinks_and_the_newest_tokens():
-    scores = StreamingPolicy().score(40, None)
+    scores = StreamingPolicy().score(40)
     assert StreamingPolicy().select(scores, 24, sink=4, recent=10) == [0, 1, 2, 3, *range(20, 40)]
 
 
 def test_h2o_evicts_the_lowest_scores_outside_sinks_and_recent_window():
     received = torch.tensor([0.0, 0.0, 5.0, 0.1, 9.0, 0.2, 7.0, 0.3, 0.0, 0.0])
-    scores = H2OPolicy().score(10, received)
+    h2o_policy = H2OPolicy(10)
+    h2o_policy.observe(received[None])
+    scores = h2o_policy.score(10)
     # sinks 0-1 and recent 8-9 stay although they scored nothing; of 2..7 the best three stay.
     assert H2OPolicy().select(scores, 7, sink=2, recent=2) == [0, 1, 2, 4, 6, 8, 9]
     # Ties go to the older token.
@@ -76,12 +78,12 @@ def test_evictor_counts_the_new_chunk_in_the_recent_window():
 def test_received_attention_follows_compaction():
     ev = Evictor(BS, max_model_len=1000)
     cfg = h2o()
-    ev.add_received_attention("r", cfg, torch.arange(8.0))
-    ev.add_received_attention("r", cfg, torch.ones(4))
+    ev.observe("r", cfg, torch.arange(8.0)[None])
+    ev.observe("r", cfg, torch.ones(1, 4))
     ev.compacted("r", [0, 2, 5])
-    assert ev.received_attention("r")[:4].tolist() == [1.0, 3.0, 5.0, 0.0]
+    assert ev.policy("r").received[:4].tolist() == [1.0, 3.0, 5.0, 0.0]
     ev.forget("r")
-    assert ev.received_attention("r") is None
+    assert ev.policy("r") is None
 
 
 # ---------------------------------------------------------------------------- compaction

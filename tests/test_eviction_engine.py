@@ -106,7 +106,7 @@ def test_h2o_received_attention_matches_transformers(tiny_llama, book_ids):
     for chunk in (7, 1):  # the prefill path (explicit probabilities) and the decode path
         received = {}
         forget = eng.evictor.forget
-        eng.evictor.forget = lambda rid: received.setdefault("v", eng.evictor.received_attention(rid).clone())
+        eng.evictor.forget = lambda rid: received.setdefault("v", eng.evictor.policy(rid).received.clone())
         list(eng.score_chunks(tokens, chunk, kv_eviction={"policy": "h2o", "budget": 200}))
         eng.evictor.forget = forget
         torch.testing.assert_close(received["v"][:40], expected, rtol=1e-4, atol=1e-4)
@@ -209,3 +209,42 @@ def test_prefix_cache_shares_blocks_only_within_a_layout(tiny_llama, book_ids):
         hits = outputs[rid].num_cached_tokens
         assert hits == {"plain": 0, "evicting": 0, "evicting-again": 56}[rid], rid
     assert eng.scheduler.running == [] and eng.num_free_blocks == eng.num_blocks
+
+
+# ---------------------------------------------------------------------------- other policies
+@pytest.mark.parametrize("policy", ["tova", "snapkv"])
+def test_observed_query_rows_match_transformers(tiny_llama, book_ids, policy):
+    """The rows a policy observes are the attention of the sequence's latest queries, summed over
+    layers and heads: TOVA's the last query's, SnapKV's the last 32 (across chunk boundaries)."""
+    from transformers import AutoModelForCausalLM
+
+    tokens = book_ids[:40]
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, attn_implementation="eager", torch_dtype=torch.float32)
+    with torch.no_grad():
+        attentions = hf(torch.tensor([tokens]), output_attentions=True).attentions
+    rows = sum(a[0].sum(dim=0) for a in attentions)  # [queries, keys]
+    expected = rows[-1:] if policy == "tova" else rows[-32:]
+    eng = engine(tiny_llama)
+    for chunk in (7, 1):  # the prefill path (explicit probabilities) and the decode path
+        seen = {}
+        forget = eng.evictor.forget
+        eng.evictor.forget = lambda rid: seen.setdefault("policy", eng.evictor.policy(rid))
+        list(eng.score_chunks(tokens, chunk, kv_eviction={"policy": policy, "budget": 200}))
+        eng.evictor.forget = forget
+        state = seen["policy"].latest[None] if policy == "tova" else seen["policy"].rows
+        torch.testing.assert_close(state[:, :40], expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("policy, kv_dtype", [("snapkv", "auto"), ("snapkv", "int8"), ("tova", "auto"),
+                                              ("tova", "int4_kivi")])
+def test_snapkv_and_tova_run_past_max_model_len_with_bounded_blocks(tiny_llama, book_ids, kv_dtype, policy):
+    eng = engine(tiny_llama, kv_cache_dtype=kv_dtype, max_model_len=128, kv_eviction=policy, kv_budget=48,
+                 max_num_batched_tokens=64)
+    eng.add_request(book_ids[:200], greedy(100), "a")  # longer than max-model-len
+    eng.add_request(book_ids[500:520], SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=120,
+                                                      ignore_eos=True), "b")
+    outputs, most = run(eng)
+    assert [len(c.token_ids) for c in outputs["a"].outputs] == [100]
+    assert [len(c.token_ids) for c in outputs["b"].outputs] == [120, 120]
+    assert most <= math.ceil(48 / BS) + 2
+    assert eng.num_free_blocks == eng.num_blocks

@@ -34,3 +34,12 @@ def test_bad_kv_eviction_is_a_400(tiny_server, kv_eviction, fragment):
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and fragment in error["message"], error
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "tova"])
+def test_every_registered_policy_is_accepted(tiny_server, policy):
+    body = {"prompt": "It is a truth universally acknowledged", "max_tokens": 200, "ignore_eos": True,
+            "temperature": 0, "kv_eviction": {"policy": policy, "budget": 64, "sink_tokens": 2}}
+    response = post(tiny_server, body)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 200

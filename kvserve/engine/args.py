@@ -100,15 +100,16 @@ class EngineArgs:
         "reuse the KV cache of shared prompt prefixes (automatic prefix caching)",
         action=argparse.BooleanOptionalAction))
     kv_eviction: str = field(default=NO_EVICTION, metadata=_opt(
-        "KV eviction policy: none; streaming (StreamingLLM: sink tokens + recent window); h2o (heavy "
-        "hitters + recent window). With a policy a sequence holds at most --kv-budget tokens (+ one block) "
-        "and may run past max-model-len", choices=POLICY_CHOICES))
+        f"KV eviction policy: {', '.join(POLICY_CHOICES)} (one module each in kvserve/cache/eviction/policies). "
+        "A policy keeps sink tokens, a recent window and the tokens it scores highest; with one a sequence "
+        "holds at most --kv-budget tokens (+ one block) and may run past max-model-len", choices=POLICY_CHOICES))
     kv_budget: int | None = field(default=None, metadata=_opt(
         "tokens a sequence under --kv-eviction may hold, sinks included (<= max-model-len)", type=int))
     sink_tokens: int | None = field(default=None, metadata=_opt(
         "first tokens always kept under --kv-eviction (default 4)", type=int))
     recent_tokens: int | None = field(default=None, metadata=_opt(
-        "newest tokens always kept under --kv-eviction (default: streaming budget - sinks; h2o half of that)",
+        "newest tokens always kept under --kv-eviction (default: the policy's own, given in its module's "
+        "docstring; budget - sinks for a policy that only keeps sinks and recent tokens)",
         type=int))
     attention_backend: str = field(default="auto", metadata=_opt(
         "decode attention: cpu_paged = a C++ kernel reading the paged pool in place (kvserve build-kernel); "

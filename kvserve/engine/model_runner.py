@@ -6,7 +6,7 @@ The forward pass sees one packed batch of all scheduled tokens.
 
 A request under KV eviction (kvserve/cache/eviction) takes positions from its cache index
 (`num_computed_tokens - num_evicted_tokens`), stores keys before RoPE and attends in groups of
-its own; after the forward pass the attention its tokens received goes to the evictor (H2O).
+its own; the attention rows its policy observes are handed to the evictor after the forward pass.
 """
 from __future__ import annotations
 
@@ -32,9 +32,9 @@ class ModelInputs:
     meta: AttentionMetadata
     logits_rows: torch.Tensor
     sampled: list[ScheduledRequest]  # requests that get a token this step, in logits-row order
-    # Evicting requests whose policy scores by received attention: (request id, config, the
-    # [seq_len] attention its cached tokens receive this step, filled by the forward pass).
-    received_attention: list[tuple[str, EvictionConfig, torch.Tensor]] = field(default_factory=list)
+    # Evicting requests whose policy observes attention: (request id, config, the [rows, seq_len]
+    # attention rows its policy asked for, filled by the forward pass).
+    observed_attention: list[tuple[str, EvictionConfig, torch.Tensor]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -67,7 +67,7 @@ class ModelRunner:
             slot_chunks.append(table[positions // bs] * bs + positions % bs)
             evicting = r.eviction is not None
             sequences.append(StepSequence(r.request_id, offset, n, cache_start + n, table, keys_before_rope=evicting,
-                                          sums_attention=evicting and self.evictor.uses_attention(r.eviction)))
+                                          observed_rows=self.evictor.observed_rows(r.eviction, n) if evicting else None))
             if all_logits:
                 logits_rows.extend(range(offset, offset + n))
             elif item.samples:
@@ -86,13 +86,13 @@ class ModelRunner:
             meta=meta,
             logits_rows=tensor(logits_rows),
             sampled=sampled,
-            received_attention=[(rid, eviction[rid], sums) for rid, sums in meta.attention_sums],
+            observed_attention=[(rid, eviction[rid], rows) for rid, rows in meta.observed_attention],
         )
 
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
         logits = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta, inputs.logits_rows)
-        for request_id, config, attention in inputs.received_attention:
-            self.evictor.add_received_attention(request_id, config, attention)
+        for request_id, config, attention in inputs.observed_attention:
+            self.evictor.observe(request_id, config, attention)
         return logits
 
     def execute(self, scheduled: list[ScheduledRequest], block_tables: dict[str, list[int]]

@@ -113,11 +113,12 @@ def add_long_context_args(p: argparse.ArgumentParser) -> None:
     d = LongContextConfig()
     g = p.add_argument_group(
         "long-context protocol (--long-context): KV eviction policies on long text, StreamingLLM's perplexity "
-        "protocol and passkey retrieval; the budget, sinks and h2o's recent window come from --kv-budget "
-        f"(default {d.budget}), --sink-tokens ({d.sink_tokens}) and --recent-tokens")
+        "protocol and passkey retrieval; the budget, sinks and the scored policies' recent window come from "
+        f"--kv-budget (default {d.budget}), --sink-tokens ({d.sink_tokens}) and --recent-tokens")
     g.add_argument("--long-context", action="store_true", help="run this protocol instead of the KV dtype comparison")
     g.add_argument("--long-configs", type=lambda t: tuple(x.strip() for x in t.split(",") if x.strip()),
-                   default=d.configs, help=f"configurations (default: {','.join(CONFIGS)})")
+                   default=d.configs, help=f"configurations: dense, window (no sinks) and the registered KV "
+                                           f"eviction policies (default: all of them, {','.join(CONFIGS)})")
     g.add_argument("--long-tokens", type=int, default=d.num_tokens, help="tokens fed (default: %(default)s)")
     g.add_argument("--long-chunk-size", type=int, default=d.chunk_size,
                    help="tokens per forward pass while feeding (default: %(default)s)")

@@ -4,16 +4,19 @@ chunks, score every next token, and compare at the same KV budget
 
 * dense: the full cache, up to max-model-len (the model's trained context);
 * window: the most recent tokens only (streaming without sinks);
-* streaming: 4 sink tokens + the recent window (StreamingLLM);
-* h2o: sinks + heavy hitters by received attention + a recent window (H2O, arXiv:2306.14048);
+* every registered eviction policy (kvserve/cache/eviction/policies), by name: streaming (4 sink
+  tokens + the recent window, StreamingLLM), h2o (sinks + heavy hitters by accumulated attention
+  + a recent window, arXiv:2306.14048), snapkv, tova, ... each with its own default recent window;
 
-with the evicting ones continued past max-model-len. Perplexity is reported per range (the
+with the evicting ones continued past max-model-len. The default run is all of them (`CONFIGS`);
+--long-configs picks some. Perplexity is reported per range (the
 trained context and beyond) and per segment for a plot. Chunks of `chunk_size` tokens stand in
 for the paper's token-by-token feeding: within a chunk the later tokens see up to chunk_size - 1
 more tokens than the budget.
 
 Passkey retrieval (passkey.py's prompts) at budgets that are fractions of the prompt length:
-StreamingLLM can only find keys that are still inside its window; H2O may keep them.
+StreamingLLM can only find keys that are still inside its window; attention-scored policies may
+keep them.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvserve.cache.eviction import POLICIES
 from kvserve.engine.args import EngineArgs
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.eval.passkey import PasskeyConfig, make_prompts
@@ -37,7 +41,7 @@ from kvserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("kvserve.eval")
 
-CONFIGS = ("dense", "window", "streaming", "h2o")
+CONFIGS = ("dense", "window", *POLICIES)  # dense, window-only, then every registered policy
 _KEY = re.compile(r"\d{5}")  # as passkey.py: the first 5-digit number generated must be the key
 
 
@@ -46,7 +50,7 @@ class LongContextConfig:
     num_tokens: int = 16_384  # tokens fed through each evicting sequence (dense stops at max-model-len)
     budget: int = 1024  # KV tokens per sequence for window / streaming / h2o
     sink_tokens: int = 4
-    recent_tokens: int | None = None  # h2o's recent window (default: half of budget - sinks)
+    recent_tokens: int | None = None  # recent window of the scored policies (default: each policy's own)
     chunk_size: int = 16
     segment: int = 512  # perplexity per segment of this many tokens (the plot)
     configs: tuple[str, ...] = CONFIGS
@@ -80,7 +84,7 @@ class LongContextConfig:
         if name == "window":
             return {"policy": "streaming", "budget": budget, "sink_tokens": 0}
         spec = {"policy": name, "budget": budget, "sink_tokens": self.sink_tokens}
-        if name == "h2o" and self.recent_tokens is not None:
+        if POLICIES[name].scored_share and self.recent_tokens is not None:
             spec["recent_tokens"] = self.recent_tokens
         return spec
 

@@ -24,8 +24,9 @@ New K/V are written into the pool before the context is gathered, so a chunk att
 
 Sequences under KV eviction (kvserve/cache/eviction) store their keys before RoPE and take
 their own paths: their decodes form a second decode group packed after the others, and their
-gathered keys are rotated by cache index (`key_rope`); H2O's received attention is accumulated
-from their attention probabilities (`received_attention`). Other requests never pay for it.
+gathered keys are rotated by cache index (`key_rope`). Their eviction policy may ask to observe
+the attention probabilities of some of their query rows (`observed_attention`), summed over
+layers and heads into tensors the runner hands in. Other requests never pay for it.
 """
 from __future__ import annotations
 
@@ -50,10 +51,10 @@ class AttentionGroup:
     context_len: int  # blocks_per_seq * block_size
     max_seq_len: int  # the longest of seq_lens (a group of one request: its exact length)
     # Evicting requests only: cos and signed sin [context_len, head_dim] to rotate their keys
-    # (stored before RoPE) by cache index (positions.py); a [requests, context_len] float32 sum
-    # of the attention each key receives (H2O).
+    # (stored before RoPE) by cache index (positions.py); a [requests, context_len] float32
+    # tensor that each layer adds its attention probabilities to, summed over query heads.
     key_rope: tuple[torch.Tensor, torch.Tensor] | None = None
-    received_attention: torch.Tensor | None = None
+    observed_attention: torch.Tensor | None = None
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
@@ -75,6 +76,18 @@ class AttentionGroup:
 
 
 @dataclass
+class ObservedAttention:
+    """Where a chunk reports the attention of its queries [first, num_queries) (what a KV
+    eviction policy observes): every layer adds their softmax probabilities, summed over query
+    heads, into `rows` [num_queries - first, context_len], one row per query, or with `summed`
+    into `rows` [1, context_len], summed over those queries too."""
+
+    rows: torch.Tensor
+    first: int = 0
+    summed: bool = False
+
+
+@dataclass
 class PrefillChunk:
     """One request's chunk of several queries: packed rows [row_start, row_start + num_queries),
     attending to a context of `context_len` tokens (earlier ones and the chunk itself)."""
@@ -83,9 +96,9 @@ class PrefillChunk:
     num_queries: int
     context_len: int
     block_ids: torch.Tensor  # [blocks] the request's block table
-    # As in AttentionGroup, for a request under eviction (received_attention: [context_len]).
+    # As in AttentionGroup, for a request under eviction.
     key_rope: tuple[torch.Tensor, torch.Tensor] | None = None
-    received_attention: torch.Tensor | None = None
+    observed_attention: ObservedAttention | None = None
     _masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict, repr=False)
     _biases: dict[tuple[int | None, torch.dtype], torch.Tensor | None] = field(default_factory=dict, repr=False)
 
@@ -126,9 +139,9 @@ class AttentionMetadata:
     # Reads all of `decodes` in place (pool, queries [B, H, d], block tables [B, W], seq_lens, window),
     # or None: they are gathered. Set by the backend when a kernel reads the format's layout.
     decode_in_place: Callable[..., torch.Tensor] | None = None
-    # (request id, [seq_len] float32) attention received by each cached token this step, summed
-    # over layers and heads, for sequences whose eviction policy scores by it.
-    attention_sums: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    # (request id, [rows, seq_len] float32): the attention rows a sequence's eviction policy
+    # observes, summed over layers and heads; filled by the forward pass.
+    observed_attention: list[tuple[str, torch.Tensor]] = field(default_factory=list)
 
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pool: dict,
@@ -165,7 +178,7 @@ def _prefills(query: torch.Tensor, chunks: list[PrefillChunk], pool: dict, kv_fo
     outputs: list[torch.Tensor | None] = [None] * len(chunks)
     same_shape: dict[tuple[int, int, int], list[int]] = {}  # (queries, context, blocks) -> chunk indices
     for i, chunk in enumerate(chunks):
-        if chunk.key_rope is None and chunk.received_attention is None:
+        if chunk.key_rope is None and chunk.observed_attention is None:
             same_shape.setdefault((chunk.num_queries, chunk.context_len, chunk.block_ids.shape[0]), []).append(i)
             continue
         q = query[chunk.row_start: chunk.row_start + chunk.num_queries]
@@ -173,8 +186,8 @@ def _prefills(query: torch.Tensor, chunks: list[PrefillChunk], pool: dict, kv_fo
         k_ctx, v_ctx = k_ctx[:, 0, : chunk.context_len], v_ctx[:, 0, : chunk.context_len]
         if chunk.key_rope is not None:
             k_ctx = rope_gathered_keys(k_ctx, *chunk.key_rope, rotation)
-        if chunk.received_attention is not None:
-            outputs[i] = _prefill_attention_received(q, k_ctx, v_ctx, chunk.mask(window), chunk.received_attention)
+        if chunk.observed_attention is not None:
+            outputs[i] = _prefill_attention_observed(q, k_ctx, v_ctx, chunk.mask(window), chunk.observed_attention)
         else:
             outputs[i] = _prefill_attention(q[None], k_ctx[:, None], v_ctx[:, None], chunk.bias(window, query.dtype))[0]
     for (num_queries, context_len, _), members in same_shape.items():
@@ -231,8 +244,8 @@ def _decode_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor,
     q = q.view(batch, kv_heads, heads // kv_heads, dim).transpose(0, 1)
     scores = torch.matmul(q, k_ctx.transpose(-1, -2)).float().mul_(1.0 / math.sqrt(dim))
     probs = torch.softmax(scores.add_(group.mask_bias(window)), dim=-1)
-    if group.received_attention is not None:  # H2O: summed over KV heads and the query heads of each
-        group.received_attention += probs.sum(dim=(0, 2))
+    if group.observed_attention is not None:  # summed over KV heads and the query heads of each
+        group.observed_attention += probs.sum(dim=(0, 2))
     out = torch.matmul(probs.to(v_ctx.dtype), v_ctx)  # [kvh, B, group, d]
     return out.transpose(0, 1).reshape(batch, 1, heads, dim)
 
@@ -264,10 +277,10 @@ def _prefill_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor
     return out.transpose(1, 2)
 
 
-def _prefill_attention_received(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, mask: torch.Tensor | None,
-                                received: torch.Tensor) -> torch.Tensor:
-    """_prefill_attention with explicit probabilities (SDPA does not expose them), adding the
-    attention each key receives, summed over heads and queries, into `received` [L] (H2O)."""
+def _prefill_attention_observed(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, mask: torch.Tensor | None,
+                                observed: ObservedAttention) -> torch.Tensor:
+    """_prefill_attention with explicit probabilities (SDPA does not expose them), adding those
+    of the observed queries, summed over heads, into `observed.rows`."""
     queries, heads, dim = q.shape
     kv_heads, length, _ = k_ctx.shape
     q = q.view(queries, kv_heads, heads // kv_heads, dim).permute(1, 2, 0, 3)  # [kvh, group, Q, d]
@@ -275,6 +288,9 @@ def _prefill_attention_received(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: tor
     if mask is None:  # causal over the chunk itself (Q == L)
         mask = torch.ones(queries, length, dtype=torch.bool, device=q.device).tril_()
     probs = torch.softmax(scores.masked_fill_(~mask, float("-inf")), dim=-1)  # [kvh, group, Q, L]
-    received += probs.sum(dim=(0, 1, 2))
+    if observed.summed:
+        observed.rows[0] += probs[:, :, observed.first:].sum(dim=(0, 1, 2))
+    else:
+        observed.rows += probs[:, :, observed.first:].sum(dim=(0, 1))
     out = torch.matmul(probs.to(v_ctx.dtype), v_ctx.unsqueeze(1))  # [kvh, group, Q, d]
     return out.permute(2, 0, 1, 3).reshape(queries, heads, dim)

@@ -16,7 +16,7 @@ import torch
 
 from kvserve.cache.block_pool import NULL_BLOCK_ID
 from kvserve.cache.kv_cache import KVCacheSpec, KVFormat
-from kvserve.model.attention import AttentionGroup, AttentionMetadata, PrefillChunk
+from kvserve.model.attention import AttentionGroup, AttentionMetadata, ObservedAttention, PrefillChunk
 from kvserve.model.cpu_attention import ATTENTION_BACKENDS, PagedDecodeKernel, paged_decode_kernel
 from kvserve.model.rope import RotaryEmbedding
 
@@ -39,7 +39,9 @@ class StepSequence:
     seq_len: int
     block_table: np.ndarray  # int64 block ids
     keys_before_rope: bool = False  # under KV eviction: keys stored unrotated, rotated when read
-    sums_attention: bool = False  # under an eviction policy that scores by the attention tokens receive
+    # Under an eviction policy that observes attention: (first observed query row, rows
+    # reported, whether they are summed into one), as Evictor.observed_rows gives it.
+    observed_rows: tuple[int, int, bool] | None = None
 
     @property
     def is_decode(self) -> bool:
@@ -105,12 +107,12 @@ class AttentionBackend:
 
     # ------------------------------------------------------------------ metadata
     def build(self, sequences: list[StepSequence], slot_mapping: torch.Tensor) -> AttentionMetadata:
-        """The step's metadata; `sequences` in packed order (`packing_order`). Sequences that sum
-        the attention their tokens receive get a zeroed [seq_len] float32 view each, listed in
-        `AttentionMetadata.attention_sums` for the caller to collect after the forward pass."""
+        """The step's metadata; `sequences` in packed order (`packing_order`). Sequences whose
+        eviction policy observes attention get zeroed [rows, seq_len] float32 tensors, listed in
+        `AttentionMetadata.observed_attention` for the caller to collect after the forward pass."""
         decode = [s for s in sequences if s.is_decode and not s.keys_before_rope]
         evicting_decode = [s for s in sequences if s.is_decode and s.keys_before_rope]
-        sums: list[tuple[str, torch.Tensor]] = []
+        observed: list[tuple[str, torch.Tensor]] = []
         chunks = []
         for seq in sequences:
             if seq.is_decode:
@@ -118,19 +120,21 @@ class AttentionBackend:
             chunk = PrefillChunk(seq.row_start, seq.num_queries, seq.seq_len, self._tensor(seq.block_table))
             if seq.keys_before_rope:
                 chunk.key_rope = self._key_rope(seq.seq_len)
-            if seq.sums_attention:
-                chunk.received_attention = torch.zeros(seq.seq_len, dtype=torch.float32, device=self.device)
-                sums.append((seq.request_id, chunk.received_attention))
+            if seq.observed_rows is not None:
+                first, num_rows, summed = seq.observed_rows
+                rows = torch.zeros(num_rows, seq.seq_len, dtype=torch.float32, device=self.device)
+                chunk.observed_attention = ObservedAttention(rows, first, summed)
+                observed.append((seq.request_id, rows))
             chunks.append(chunk)
         rows = [r for s in sequences if s.keys_before_rope for r in range(s.row_start, s.row_start + s.num_queries)]
         return AttentionMetadata(
             slot_mapping=slot_mapping,
             decodes=[self._decode_group(decode[a:b]) for a, b in self._decode_runs(decode)],
             prefills=chunks,
-            evicting_decode=self._evicting_decode_group(evicting_decode, sums),
+            evicting_decode=self._evicting_decode_group(evicting_decode, observed),
             unrotated_key_rows=self._tensor(rows) if rows else None,
             decode_in_place=self.decode_in_place if self.reads_decodes_in_place else None,
-            attention_sums=sums,
+            observed_attention=observed,
         )
 
     def _tensor(self, array) -> torch.Tensor:
@@ -158,18 +162,19 @@ class AttentionBackend:
                               max_seq_len=max(s.seq_len for s in members))
 
     def _evicting_decode_group(self, members: list[StepSequence],
-                               sums: list[tuple[str, torch.Tensor]]) -> AttentionGroup | None:
+                               observed: list[tuple[str, torch.Tensor]]) -> AttentionGroup | None:
         """The decode group of sequences under eviction: keys rotated by cache index when gathered,
-        and an attention sum when one of them scores by it."""
+        and their attention observed (one row each, the decode's query) when a policy asks."""
         group = self._decode_group(members)
         if group is None:
             return None
         group.key_rope = self._key_rope(group.context_len)
-        scored = [i for i, s in enumerate(members) if s.sums_attention]
+        scored = [i for i, s in enumerate(members) if s.observed_rows is not None]
         if scored:
-            group.received_attention = torch.zeros(len(members), group.context_len, dtype=torch.float32,
+            group.observed_attention = torch.zeros(len(members), group.context_len, dtype=torch.float32,
                                                    device=self.device)
-            sums.extend((members[i].request_id, group.received_attention[i, : members[i].seq_len]) for i in scored)
+            observed.extend((members[i].request_id, group.observed_attention[i: i + 1, : members[i].seq_len])
+                            for i in scored)
         return group
 
     def _key_rope(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:

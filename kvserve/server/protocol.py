@@ -12,6 +12,7 @@ from typing import Any, Callable, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
+from kvserve.cache.eviction import POLICY_CHOICES
 from kvserve.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 
 # Prompts x n in one HTTP request: bounds the work one request can queue.
@@ -98,7 +99,7 @@ class KVEvictionField(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    policy: str | None = Field(default=None, description="none, streaming or h2o")
+    policy: str | None = Field(default=None, description=f"one of {', '.join(POLICY_CHOICES)}")
     budget: int | None = Field(default=None, description="tokens the sequence may hold, sinks included")
     sink_tokens: int | None = Field(default=None, description="first tokens always kept")
     recent_tokens: int | None = Field(default=None, description="newest tokens always kept")

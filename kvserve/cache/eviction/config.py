@@ -76,10 +76,10 @@ def resolve_eviction(request: EvictionSpec | None, engine: EvictionSpec, max_mod
                      policies: Mapping[str, Any]) -> EvictionConfig | None:
     """The request's spec over the engine's, checked; None when the policy is "none".
 
-    `policies` maps names to policy classes. One without a scored share (`scored_share` False:
-    streaming) keeps sinks and a recent window of budget - sinks. One with a scored share
-    defaults its recent window to half of budget - sinks (H2O's even split between heavy
-    hitters and recent tokens, Zhang et al. 2023, section 5)."""
+    `policies` maps names to policy classes (policy.EvictionPolicy). One without a scored share
+    (`scored_share` False: streaming) keeps sinks and a recent window of budget - sinks. One with
+    a scored share defaults its recent window to its `default_recent(budget - sinks)` (H2O: half,
+    its even split between heavy hitters and recent tokens)."""
     spec = request.over(engine) if request is not None else engine
     name = spec.policy or NO_EVICTION
     if name != NO_EVICTION and name not in policies:
@@ -96,13 +96,14 @@ def resolve_eviction(request: EvictionSpec | None, engine: EvictionSpec, max_mod
         raise ValueError(f"the KV budget must be more than sink_tokens ({sinks}) and at most max-model-len "
                          f"({max_model_len}), got {spec.budget}")
     room = spec.budget - sinks
+    default_recent = policies[name].default_recent(room)
     if not policies[name].scored_share:
-        recent = room if spec.recent_tokens is None else spec.recent_tokens
+        recent = default_recent if spec.recent_tokens is None else spec.recent_tokens
         if recent != room:
             raise ValueError(f"{name} keeps sink_tokens + recent_tokens = budget: recent_tokens is {room} "
                              f"here, got {recent} (change the budget instead)")
     else:
-        recent = room // 2 if spec.recent_tokens is None else spec.recent_tokens
+        recent = default_recent if spec.recent_tokens is None else spec.recent_tokens
         if not 0 <= recent <= room:
             raise ValueError(f"recent_tokens must be in [0, budget - sink_tokens] = [0, {room}], got {recent}")
     return EvictionConfig(name, spec.budget, sinks, recent)

@@ -10,8 +10,9 @@ chunk of n tokens keeps max(recent - n, 0) older recent tokens; a chunk is at mo
 budget - sinks tokens. Held tokens never exceed min(budget + block_size, max-model-len), so a
 sequence holds at most ceil(budget / block_size) + 1 blocks.
 
-Per-request state: for policies that score by received attention (H2O), the attention each
-cached token has received, indexed by cache index and permuted when the cache is compacted.
+Per-request state: each evicting sequence has its own policy object (policy.py), created on
+first use, fed the attention the model observed for it each step (`observe`), compacted with
+the cache and dropped when the request leaves.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch
 
 from kvserve.cache.eviction import POLICIES
 from kvserve.cache.eviction.config import EvictionConfig
+from kvserve.cache.eviction.policy import EvictionPolicy
 
 
 class Evictor:
@@ -26,15 +28,20 @@ class Evictor:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.device = torch.device(device)
-        self.policies = {name: cls() for name, cls in POLICIES.items()}
-        self._received: dict[str, torch.Tensor] = {}
+        self._policies: dict[str, EvictionPolicy] = {}  # request id -> its policy and state
 
     def limit(self, config: EvictionConfig) -> int:
         """Most tokens a sequence with this config holds at any time."""
         return min(config.budget + self.block_size, self.max_model_len)
 
-    def uses_attention(self, config: EvictionConfig) -> bool:
-        return self.policies[config.policy].uses_attention
+    def observed_rows(self, config: EvictionConfig, num_queries: int) -> tuple[int, int, bool] | None:
+        """What the model must report for a step of `num_queries` queries of a sequence with this
+        config: (first observed query row, rows reported, whether they are summed into one), or
+        None when its policy observes nothing."""
+        observes = POLICIES[config.policy].observes
+        if observes is None:
+            return None
+        return (*observes.span(num_queries), observes.summed)
 
     def num_to_keep(self, config: EvictionConfig, cache_len: int, num_new: int) -> int | None:
         """How many of `cache_len` cached tokens to keep before `num_new` are written (None: all)."""
@@ -52,31 +59,26 @@ class Evictor:
         if keep is None:
             return None
         recent = min(max(config.recent_tokens - num_new, 0), keep - config.sink_tokens)
-        policy = self.policies[config.policy]
-        received = self._received_vector(request_id, config)[:cache_len] if policy.uses_attention else None
-        return policy.select(policy.score(cache_len, received), keep, config.sink_tokens, recent)
+        policy = self.policy(request_id, config)
+        return policy.select(policy.score(cache_len), keep, config.sink_tokens, recent)
 
-    # ------------------------------------------------------------------ received attention (H2O)
-    def _received_vector(self, request_id: str, config: EvictionConfig) -> torch.Tensor:
-        vector = self._received.get(request_id)
-        if vector is None:
-            vector = torch.zeros(self.limit(config), dtype=torch.float32, device=self.device)
-            self._received[request_id] = vector
-        return vector
+    def policy(self, request_id: str, config: EvictionConfig | None = None) -> EvictionPolicy | None:
+        """The request's policy object (created with `config` if it has none yet; None without)."""
+        policy = self._policies.get(request_id)
+        if policy is None and config is not None:
+            policy = POLICIES[config.policy](self.limit(config), self.device)
+            self._policies[request_id] = policy
+        return policy
 
-    def add_received_attention(self, request_id: str, config: EvictionConfig, attention: torch.Tensor) -> None:
-        """Add one step's received attention [seq_len] (cache indices 0..seq_len-1)."""
-        self._received_vector(request_id, config)[: attention.shape[0]] += attention
-
-    def received_attention(self, request_id: str) -> torch.Tensor | None:
-        return self._received.get(request_id)
+    def observe(self, request_id: str, config: EvictionConfig, attention: torch.Tensor) -> None:
+        """One step's observed attention [rows, seq_len] (cache indices 0..seq_len-1)."""
+        self.policy(request_id, config).observe(attention)
 
     def compacted(self, request_id: str, kept: list[int]) -> None:
         """The cache now holds `kept` (old cache indices) at indices 0..len(kept)-1."""
-        vector = self._received.get(request_id)
-        if vector is not None:
-            moved = vector[torch.tensor(kept, dtype=torch.long, device=vector.device)]
-            vector.zero_()[: len(kept)] = moved
+        policy = self._policies.get(request_id)
+        if policy is not None:
+            policy.compacted(torch.tensor(kept, dtype=torch.long, device=self.device))
 
     def forget(self, request_id: str) -> None:
-        self._received.pop(request_id, None)
+        self._policies.pop(request_id, None)
