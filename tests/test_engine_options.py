@@ -89,7 +89,7 @@ def test_checks_against_the_model_happen_before_the_weights_load(no_weights, tin
     # The tiny model: max_position_embeddings 1024; float32 KV 512 bytes per token.
     with pytest.raises(ValueError, match=r"--max-model-len 4096 exceeds the model's max_position_embeddings \(1024\)"):
         LLM(str(tiny_llama), max_model_len=4096)
-    with pytest.raises(CapacityError, match="use --max-model-len 256 or less"):
+    with pytest.raises(CapacityError, match="use --max-model-len 240 or less"):  # 128 KiB: 15 blocks + the null block
         LLM(str(tiny_llama), dtype="float32", kv_cache_memory="128KiB", max_model_len=1024)
     with pytest.raises(ValueError, match=r"at most max-model-len \(512\)"):
         LLM(str(tiny_llama), max_model_len=512, kv_eviction="h2o", kv_budget=600)
@@ -192,7 +192,7 @@ def ram(monkeypatch):
 
 
 def test_default_budget_too_small_lowers_max_model_len_with_a_warning(tiny_llama, ram, caplog):
-    ram(4 * 32 * BLOCK_BYTES)  # the default budget: 32 blocks, 512 of the model's 1024 tokens
+    ram(4 * 33 * BLOCK_BYTES)  # the default budget: 32 blocks and the null block, 512 of the model's 1024 tokens
     with caplog.at_level(logging.WARNING, logger="kvserve"):
         llm = LLM(str(tiny_llama), dtype="float32")
     assert llm.engine.max_model_len == 512 and llm.engine.num_blocks == 32
@@ -202,7 +202,7 @@ def test_default_budget_too_small_lowers_max_model_len_with_a_warning(tiny_llama
 
 
 def test_explicit_budget_lowers_too_when_max_model_len_is_not_given(tiny_llama):
-    llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory=20 * BLOCK_BYTES + 100)
+    llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory=21 * BLOCK_BYTES + 100)  # 20 and the null block
     assert llm.engine.max_model_len == 320 and llm.engine.num_blocks == 20
 
 
@@ -217,17 +217,17 @@ def test_generate_pool_holds_one_sequence_of_max_model_len(tiny_llama, ram):
     llm = offline._make_llm(generate_args("--model", str(tiny_llama), "--dtype", "float32", "--max-model-len", "100"))
     assert llm.engine.num_blocks == 7  # ceil(100 / 16)
     llm = offline._make_llm(generate_args("--model", str(tiny_llama), "--dtype", "float32", "--kv-cache-memory", "1MiB"))
-    assert llm.engine.num_blocks == (1 << 20) // BLOCK_BYTES  # a given budget is the user's
+    assert llm.engine.num_blocks == (1 << 20) // BLOCK_BYTES - 1  # a given budget is the user's (null block in it)
 
 
 def test_generate_pool_is_bounded_by_the_default_budget(tiny_llama, ram):
-    ram(4 * 32 * BLOCK_BYTES)
+    ram(4 * 33 * BLOCK_BYTES)
     llm = offline._make_llm(generate_args("--model", str(tiny_llama), "--dtype", "float32"))
     assert llm.engine.max_model_len == 512 and llm.engine.num_blocks == 32
 
 
 def test_server_and_llm_keep_the_default_budget(tiny_llama, ram):
-    ram(4 * 256 * BLOCK_BYTES)  # the default budget: 256 blocks, four sequences of 1024
+    ram(4 * 257 * BLOCK_BYTES)  # the default budget: 256 blocks (and the null block), four sequences of 1024
     serve_args = build_parser().parse_args(["serve", "--model", str(tiny_llama), "--dtype", "float32"])
     assert LLMEngine(EngineArgs.from_cli_args(serve_args)).num_blocks == 256
     assert LLM(str(tiny_llama), dtype="float32").engine.num_blocks == 256

@@ -157,8 +157,8 @@ def test_generation_runs_past_max_model_len_with_bounded_blocks(tiny_llama, book
 
 
 def test_preemption_under_eviction_recomputes_and_finishes(tiny_llama, book_ids):
-    # 12 blocks of 8: two sequences of up to 7 blocks cannot both run.
-    eng = engine(tiny_llama, kv_cache_memory=str(12 * 2 * 2 * 2 * BS * 16 * 4), max_model_len=96,
+    # 12 blocks of 8 (and the null block): two sequences of up to 7 blocks cannot both run.
+    eng = engine(tiny_llama, kv_cache_memory=str(13 * 2 * 2 * 2 * BS * 16 * 4), max_model_len=96,
                  kv_eviction="streaming", kv_budget=48, enable_prefix_caching=False)
     assert eng.num_blocks == 12
     for i in range(2):
