@@ -53,7 +53,8 @@ def _child(dtype: str, kv_cache_dtype: str) -> dict[str, float]:
     start = time.perf_counter()
     import kvserve.engine.key_basis as key_basis
     import kvserve.engine.key_centering as key_centering
-    import kvserve.engine.llm_engine as llm_engine
+    import kvserve.engine.key_transforms as key_transforms
+    import kvserve.engine.loading as loading
     import kvserve.model.loader as loader
     from kvserve import LLM
     from kvserve.model.llama import LlamaForCausalLM
@@ -70,13 +71,13 @@ def _child(dtype: str, kv_cache_dtype: str) -> dict[str, float]:
         wrap(gguf, "GGUFReader", "GGUF header")
         wrap(gguf.quants, "dequantize", "dequantize")
         wrap(transformers.AutoTokenizer, "from_pretrained", "tokenizer")
-    wrap(llm_engine, "load_model", "load_model")
+    wrap(loading, "load_model", "load_model")
     wrap(LlamaForCausalLM, "from_hf_weights", "model build")  # a bound classmethod stays bound
     wrap(key_basis, "record_projections", "calibration prefill")
     wrap(key_centering, "record_projections", "calibration prefill")
     wrap(key_basis, "fit_transforms", "fit")
-    wrap(llm_engine, "calibrate_key_bases", "calibration")
-    wrap(llm_engine, "calibrate_key_centers", "calibration")
+    wrap(key_transforms, "calibrate_key_bases", "calibration")
+    wrap(key_transforms, "calibrate_key_centers", "calibration")
     start = time.perf_counter()
     LLM(kv_cache_memory="256MiB", dtype=dtype, kv_cache_dtype=kv_cache_dtype)
     times["LLM()"] = time.perf_counter() - start

@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # benchmarks/scenarios.py: the HTTP load scenarios the reliability tests share with benchmarks/soak.py.
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
-import kvserve.engine.llm_engine as llm_engine_module  # noqa: E402
+import kvserve.engine.loading as loading_module  # noqa: E402
 from tiny_models import build_tiny_model, build_tokenizer  # noqa: E402
 
 
@@ -20,10 +20,10 @@ from tiny_models import build_tiny_model, build_tokenizer  # noqa: E402
 def _load_each_model_once():
     """Engines in one test session reuse a checkpoint's tensors and tokenizer instead of reading
     and dequantizing the file again (the default GGUF takes ~10 s to load)."""
-    original = llm_engine_module.load_model
-    llm_engine_module.load_model = functools.lru_cache(maxsize=4)(original)
+    original = loading_module.load_model
+    loading_module.load_model = functools.lru_cache(maxsize=4)(original)
     yield
-    llm_engine_module.load_model = original
+    loading_module.load_model = original
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,7 @@ import torch
 
 import kvserve.cache.sizing as sizing_module
 import kvserve.engine.llm_engine as llm_engine_module
+import kvserve.engine.loading as loading_module
 from kvserve.cli import build_parser
 from kvserve.engine import preflight as preflight_module
 from kvserve.engine.args import EngineArgs
@@ -35,7 +36,7 @@ def no_weights(monkeypatch):
     def load_model(model):
         raise AssertionError("weights were loaded before the options were checked")
 
-    monkeypatch.setattr(llm_engine_module, "load_model", load_model)
+    monkeypatch.setattr(loading_module, "load_model", load_model)
 
 
 def has_default_gguf() -> bool:

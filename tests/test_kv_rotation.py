@@ -8,7 +8,7 @@ import torch
 
 from kvserve.cache.formats.full_precision import FullPrecisionFormat
 from kvserve.cache.formats.rotation import hadamard_rotation
-from kvserve.engine import llm_engine
+from kvserve.engine import loading
 from kvserve.engine.args import EngineArgs
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.model.loader import load_model
@@ -35,7 +35,7 @@ def _plain_and_rotated_engines(path, monkeypatch) -> tuple[LLMEngine, LLMEngine]
     args = EngineArgs(model=str(path), dtype="float32", kv_cache_dtype="float32", kv_cache_memory="4MiB",
                       max_model_len=256, max_num_batched_tokens=40)
     plain = LLMEngine(args, loaded_model=loaded)
-    monkeypatch.setattr(llm_engine, "make_kv_format", lambda name, dtype: RotatedFloat32())
+    monkeypatch.setattr(loading, "make_kv_format", lambda name, dtype: RotatedFloat32())
     rotated = LLMEngine(args, loaded_model=loaded)
     return plain, rotated
 

@@ -109,6 +109,9 @@ def test_a_failing_processor_fails_only_its_request(llm, caplog):
     assert first.finish_reason == "error" and first.token_ids == alone[0][:3]
     assert third.finish_reason == "error" and third.token_ids == []
     assert second.finish_reason == "length" and second.token_ids == alone[1]
+    # The text holds only the tokens kept, and the output says why the request failed.
+    assert first.text == generate(llm, PROMPTS[0], params(max_tokens=3))[0].outputs[0].text and third.text == ""
+    assert "explode failed" in batch[0].error and "wrong_shape failed" in batch[2].error and batch[1].error is None
     messages = " ".join(r.getMessage() for r in caplog.records)
     assert "explode failed: RuntimeError: grammar has no state for this token" in messages
     assert "wrong_shape failed: TypeError: returned a tensor of shape (10,)" in messages

@@ -1,8 +1,9 @@
 """The start-up calibration pass that quantized formats learn their key transforms from.
 
-One prefill of random tokens runs through the (still empty) pool's first blocks; every layer's
-fused q/k/v projection output is recorded. Those blocks are free again afterwards and are
-overwritten before anything reads them. Random tokens keep the calibration independent of any
+One prefill of random tokens runs through the (still empty) pool's first blocks, prepared and run
+by the engine's ModelRunner like any serving step; every layer's fused q/k/v projection output is
+recorded. Those blocks are free again afterwards and are overwritten before anything reads them.
+Random tokens keep the calibration independent of any
 text a user or an evaluation later feeds the model, and the same seed makes it deterministic,
 so the cached K/V of a prompt (and prefix-cache hits) do not depend on when the engine started.
 Used by key_centering.py (the mean key) and key_basis.py (query and key second moments).
@@ -23,8 +24,12 @@ import torch
 from kvserve import disk_cache
 from kvserve.cache.block_pool import NULL_BLOCK_ID
 from kvserve.cache.kv_cache import KVCache
-from kvserve.model.attention import AttentionMetadata, PrefillChunk
+from kvserve.cache.sizing import blocks_for_tokens
+from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.request import Request
+from kvserve.engine.scheduler import ScheduledRequest
 from kvserve.model.llama import LlamaForCausalLM
+from kvserve.sampling_params import SamplingParams
 
 CALIBRATION_TOKENS = 1024  # key centring: 256 gave a noisier mean (int4 perplexity +6.0% against +4.5%)
 _SEED = 0
@@ -39,17 +44,19 @@ def calibration_tokens(kv_cache: KVCache, max_tokens: int, num_tokens: int = CAL
 
 
 @torch.inference_mode()
-def record_projections(model: LlamaForCausalLM, kv_cache: KVCache, max_tokens: int,
-                       num_tokens: int = CALIBRATION_TOKENS) -> list[torch.Tensor]:
+def record_projections(runner: ModelRunner, max_tokens: int, num_tokens: int = CALIBRATION_TOKENS) -> list[torch.Tensor]:
     """Each layer's q/k/v heads [tokens, heads + 2 * kv_heads, head_dim], before RoPE and any key
-    centring, over one prefill of random tokens at positions 0, 1, ... The model's key transforms
-    in effect (centres, bases) shape the hidden states of later layers, as they do when serving."""
-    config, device = model.config, kv_cache.device
-    block_size = kv_cache.spec.block_size
+    centring, over one prefill of random tokens at positions 0, 1, ..., run by `runner` like any
+    step (the pool's first blocks as its block table). The model's key transforms in effect
+    (centres, bases) shape the hidden states of later layers, as they do when serving."""
+    model, kv_cache = runner.model, runner.kv_cache
+    config = model.config
     num_tokens = calibration_tokens(kv_cache, max_tokens, num_tokens)
     generator = torch.Generator().manual_seed(_SEED)
-    input_ids = torch.randint(0, config.vocab_size, (num_tokens,), generator=generator).to(device)
-    positions = torch.arange(num_tokens, device=device)
+    token_ids = torch.randint(0, config.vocab_size, (num_tokens,), generator=generator).tolist()
+    request = Request("calibration", token_ids, SamplingParams(max_tokens=1))
+    first = NULL_BLOCK_ID + 1  # the pool's first blocks after the null block
+    block_table = list(range(first, first + blocks_for_tokens(num_tokens, kv_cache.spec.block_size)))
     recorded: list[torch.Tensor] = []
 
     def record(_module, _inputs, qkv: torch.Tensor) -> None:
@@ -57,12 +64,7 @@ def record_projections(model: LlamaForCausalLM, kv_cache: KVCache, max_tokens: i
 
     hooks = [layer.self_attn.qkv_proj.register_forward_hook(record) for layer in model.layers]
     try:
-        num_blocks = -(-num_tokens // block_size)
-        first = NULL_BLOCK_ID + 1  # the blocks after the null block, in order
-        meta = AttentionMetadata(slot_mapping=positions + first * block_size, decodes=[],
-                                 prefills=[PrefillChunk(0, num_tokens, num_tokens,
-                                                        torch.arange(first, first + num_blocks, device=device))])
-        model(input_ids, positions, kv_cache, meta, logits_rows=positions[:0])
+        runner.forward(runner.prepare([ScheduledRequest(request, num_tokens)], {request.request_id: block_table}))
     finally:
         for hook in hooks:
             hook.remove()

@@ -36,8 +36,7 @@ import torch
 
 from kvserve.engine.calibration import cached_calibration, calibration_tokens, record_projections
 from kvserve.cache.formats.rotation import hadamard_rotation
-from kvserve.cache.kv_cache import KVCache
-from kvserve.model.llama import LlamaForCausalLM
+from kvserve.engine.model_runner import ModelRunner
 from kvserve.model.rope import apply_rotary
 from kvserve.torch_threads import one_thread
 
@@ -90,12 +89,13 @@ def _error_gradient(transform: torch.Tensor, query_moment: torch.Tensor, key_mom
                 - inverse.mT @ (key_side[..., :, None] * inverse_query) @ inverse.mT)
 
 
-def calibrate_key_bases(model: LlamaForCausalLM, kv_cache: KVCache, max_tokens: int,
+def calibrate_key_bases(runner: ModelRunner, max_tokens: int,
                         model_file: Path | None = None) -> tuple[list[torch.Tensor], float]:
     """Each layer's key transform T [kv_heads, d, d] for the model (`set_key_bases`), fitted from
     the Hadamard rotation, and the fitted bases' modelled score error as a share of that
     rotation's (mean over layers and heads). For formats that store the keys they are given as
     they are (no rotation of their own). Kept in the disk cache per `model_file` and options."""
+    model, kv_cache = runner.model, runner.kv_cache
     config = model.config
     model.set_key_bases(None)
     shape = (config.num_kv_heads, config.head_dim, config.head_dim)
@@ -108,15 +108,16 @@ def calibrate_key_bases(model: LlamaForCausalLM, kv_cache: KVCache, max_tokens: 
     parameters = {"tokens": calibration_tokens(kv_cache, max_tokens, CALIBRATION_TOKENS), "steps": FIT_STEPS,
                   "learning_rate": _LEARNING_RATE, "min_tokens_per_dim": MIN_TOKENS_PER_DIM}
     result = cached_calibration("key-bases", model, kv_cache, model_file, parameters,
-                                lambda: _fit_key_bases(model, kv_cache, max_tokens), valid)
+                                lambda: _fit_key_bases(runner, max_tokens), valid)
     return result["bases"], result["share"]
 
 
-def _fit_key_bases(model: LlamaForCausalLM, kv_cache: KVCache, max_tokens: int) -> dict[str, Any]:
+def _fit_key_bases(runner: ModelRunner, max_tokens: int) -> dict[str, Any]:
     """{"bases": T per layer, "share": the modelled error against the Hadamard rotation}."""
-    config, device = model.config, kv_cache.device
+    model, device = runner.model, runner.kv_cache.device
+    config = model.config
     heads, kv_heads, dim = config.num_heads, config.num_kv_heads, config.head_dim
-    recorded = record_projections(model, kv_cache, max_tokens, CALIBRATION_TOKENS)
+    recorded = record_projections(runner, max_tokens, CALIBRATION_TOKENS)
     positions = torch.arange(recorded[0].shape[0], device=device)
     hadamard = hadamard_rotation(dim, torch.float32, device)
     if positions.shape[0] < MIN_TOKENS_PER_DIM * dim:  # too few tokens (a short max-model-len or pool)

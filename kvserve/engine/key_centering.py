@@ -30,24 +30,23 @@ from typing import Any
 import torch
 
 from kvserve.engine.calibration import cached_calibration, calibration_tokens, record_projections
-from kvserve.cache.kv_cache import KVCache
-from kvserve.model.llama import LlamaForCausalLM
+from kvserve.engine.model_runner import ModelRunner
 from kvserve.model.rope import apply_rotary
 
 CENTER_POSITIONS = 4096  # the mean key is averaged over RoPE at positions [0, this) (see the docstring)
 
 
-def calibrate_key_centers(model: LlamaForCausalLM, kv_cache: KVCache, max_tokens: int,
-                          model_file: Path | None = None) -> list[torch.Tensor]:
+def calibrate_key_centers(runner: ModelRunner, max_tokens: int, model_file: Path | None = None) -> list[torch.Tensor]:
     """Each layer's key centre [kv_heads, head_dim]: the mean pre-RoPE key over the calibration
     prefill of random tokens (calibration.py, run with centring off), rotated by RoPE averaged
     over positions [0, CENTER_POSITIONS). Kept in the disk cache per `model_file` and options."""
+    model, kv_cache = runner.model, runner.kv_cache
     config = model.config
     model.set_key_centers(None)
 
     def compute() -> dict[str, Any]:
         keys = slice(config.num_heads, config.num_heads + config.num_kv_heads)
-        means = [qkv[:, keys].float().mean(dim=0) for qkv in record_projections(model, kv_cache, max_tokens)]
+        means = [qkv[:, keys].float().mean(dim=0) for qkv in record_projections(runner, max_tokens)]
         # RoPE is linear in (cos, sin), so rotating by their mean is the mean of the rotated keys.
         cos, signed_sin = (table[:CENTER_POSITIONS].float().mean(dim=0)
                            for table in (model.rope.cos, model.rope.signed_sin))

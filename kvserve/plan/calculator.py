@@ -194,7 +194,7 @@ def footprint(arch: ModelArch, kv_cache_dtype: str, inputs: PlanInputs, budget: 
     layout, unavailable, capacity = None, spec if isinstance(spec, str) else None, None
     if isinstance(spec, KVCacheSpec):
         layout = _layout(spec, kv_format, bits, inputs)
-        if budget is not None:  # exactly the engine's sizing (pool sizing in the engine)
+        if budget is not None:  # exactly the engine's sizing (engine/pool_sizing.size_kv_pool)
             num_blocks = num_blocks_for_budget(budget.bytes, spec, kv_format)
             capacity = _capacity("kvserve", layout.bytes_per_block, num_blocks, inputs)
     if layout is not None:

@@ -1,0 +1,95 @@
+"""Start-up, first part: from the options to a built model and the KV format it will cache in.
+
+`load_engine_model` checks the options (preflight.py) before the weights load, reads the
+checkpoint, builds `LlamaForCausalLM` in the chosen dtype on the chosen device, and collects
+what the engine needs next to it (tokenizer, EOS ids, max-model-len). `select_attention` picks
+the cache's storage format and the attention backend that reads it. Both log their
+decisions once, as users read them at start-up.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvserve.cache.formats import make_kv_format
+from kvserve.cache.kv_cache import KVFormat
+from kvserve.engine.args import EngineArgs
+from kvserve.engine.preflight import Preflight, emulated_bf16_warning, lowered_max_model_len_warning, preflight
+from kvserve.model.config import ModelConfig
+from kvserve.model.attention_backend import AttentionBackend, make_attention_backend
+from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.loader import LoadedModel, load_model
+from kvserve.model.shape import ModelShape
+
+logger = logging.getLogger("kvserve")
+
+
+@dataclass
+class EngineModel:
+    """A built model and what comes with it. `plan.max_model_len` may still be lowered by the
+    CUDA profiling pass (pool_sizing.py)."""
+
+    plan: Preflight
+    model: LlamaForCausalLM
+    config: ModelConfig
+    path: Path
+    tokenizer: Any
+    eos_token_ids: tuple[int, ...]
+
+
+def load_engine_model(args: EngineArgs, loaded_model: LoadedModel | None = None) -> EngineModel:
+    """Preflight, load (unless `loaded_model` is given: a checkpoint already read by
+    `load_model(args.model)`, whose tensors are only read) and build the model. Raises ValueError
+    (CapacityError) for a bad option before the weights load."""
+    # First, args.validate() and the checks against the model's shape: a bad option fails
+    # with one line before the weights load.
+    plan = preflight(args, ModelShape.of(loaded_model.config) if loaded_model else None)
+    torch.manual_seed(args.seed)
+    start = time.monotonic()
+    loaded = loaded_model or load_model(args.model)
+    if ModelShape.of(loaded.config) != plan.shape:  # the quick read disagreed: check with the real config
+        plan = preflight(args, ModelShape.of(loaded.config))
+    _log_dtype(args, plan)  # after the load, so that a bad model file still fails with one line
+    if plan.lowered:
+        logger.warning(lowered_max_model_len_warning(plan.max_model_len, plan.shape.max_position_embeddings,
+                                                     plan.kv_budget))
+    model = LlamaForCausalLM.from_hf_weights(loaded.config, loaded.weights, plan.max_model_len, plan.dtype,
+                                             plan.device)
+    logger.info("Loaded %s (%s, %s, %s) in %.1f s", loaded.path, loaded.config.architecture,
+                str(plan.dtype).removeprefix("torch."), plan.device, time.monotonic() - start)
+    return EngineModel(plan, model, loaded.config, loaded.path, loaded.tokenizer,
+                       _eos_token_ids(loaded.config, loaded.tokenizer))
+
+
+def _log_dtype(args: EngineArgs, plan: Preflight) -> None:
+    """The dtype decision, once at start-up: auto's choice and why, or a warning for an
+    explicit bfloat16 that this CPU only emulates."""
+    name = str(plan.dtype).removeprefix("torch.")
+    if args.dtype == "auto":
+        logger.info("dtype auto -> %s: %s", name, plan.dtype_reason)
+    elif (warning := emulated_bf16_warning(plan.dtype, plan.device)) is not None:
+        logger.warning(warning)
+
+
+def _eos_token_ids(config: ModelConfig, tokenizer: Any) -> tuple[int, ...]:
+    """The model's EOS ids and the tokenizer's, sorted."""
+    ids = set(config.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return tuple(sorted(ids))
+
+
+def select_attention(args: EngineArgs, built: EngineModel) -> tuple[KVFormat, AttentionBackend]:
+    """The KV cache's storage format (--kv-cache-dtype) and the attention backend that reads it
+    (--attention-backend: the CPU decode kernel where it builds and the format's layout allows it)
+    for the built model; the backend logs which decode path runs."""
+    plan = built.plan
+    kv_format = make_kv_format(args.kv_cache_dtype, plan.dtype)
+    backend = make_attention_backend(args.attention_backend, kv_format, plan.kv_spec, plan.dtype, built.model.rope,
+                                     plan.device)
+    return kv_format, backend

@@ -1,0 +1,83 @@
+"""Start-up, second part: how many KV blocks the pool gets.
+
+A known budget (--kv-cache-memory, or the CPU default preflight.py computed) is divided into
+blocks. On CUDA without one, the budget is measured the way vLLM does it: one forward pass of
+the largest step through the model runner, with a throw-away pool, gives the peak memory the
+model and its activations need; the pool gets what is left of --gpu-memory-utilization.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.cache.block_pool import NULL_BLOCK_ID
+from kvserve.cache.kv_cache import KVCache, KVCacheSpec, KVFormat
+from kvserve.cache.sizing import GiB, blocks_for_tokens, blocks_in_budget, bytes_per_block
+from kvserve.engine.args import EngineArgs
+from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.preflight import CapacityError, fit_max_model_len, lowered_max_model_len_warning
+from kvserve.engine.request import Request
+from kvserve.engine.scheduler import ScheduledRequest
+from kvserve.model.attention_backend import AttentionBackend
+from kvserve.model.llama import LlamaForCausalLM
+from kvserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("kvserve")
+
+
+@dataclass(frozen=True)
+class PoolSize:
+    num_blocks: int
+    max_model_len: int  # lowered from the preflight's when a measured budget holds less
+
+
+def size_kv_pool(args: EngineArgs, model: LlamaForCausalLM, kv_spec: KVCacheSpec, kv_format: KVFormat,
+                 backend: AttentionBackend, max_model_len: int, budget: int | None) -> PoolSize:
+    """Blocks for `budget` bytes (None: what the CUDA profiling pass leaves). A measured budget
+    is checked here like preflight checks a known one: max-model-len is lowered to fit when the
+    user gave none, else too small a budget raises CapacityError. Logs the pool's size."""
+    per_block = bytes_per_block(kv_spec, kv_format)
+    bs = args.block_size
+    if budget is None:
+        budget = profile_cuda_budget(args, model, kv_spec, kv_format, backend, max_model_len)
+        fitted = fit_max_model_len(budget, per_block, bs, max_model_len, args.max_model_len is not None)
+        if fitted < max_model_len:
+            logger.warning(lowered_max_model_len_warning(fitted, max_model_len, budget))
+            max_model_len = fitted
+    num_blocks = blocks_in_budget(budget, per_block)
+    per_token = per_block / bs
+    logger.info("Available KV cache memory: %.2f GiB (%s, %.0f bytes per token)",
+                num_blocks * per_block / GiB, kv_format.name, per_token)
+    logger.info("KV cache size: %s tokens (%d blocks of %d)", f"{num_blocks * bs:,}", num_blocks, bs)
+    logger.info("Maximum concurrency for %s tokens per request: %.2fx", f"{max_model_len:,}",
+                num_blocks * bs / max_model_len)
+    return PoolSize(num_blocks, max_model_len)
+
+
+def profile_cuda_budget(args: EngineArgs, model: LlamaForCausalLM, kv_spec: KVCacheSpec, kv_format: KVFormat,
+                        backend: AttentionBackend, max_model_len: int) -> int:
+    """vLLM's recipe: run one forward pass of the largest step with a throw-away pool, take
+    the peak memory it needed, and give the KV pool what is left of the utilisation target."""
+    device = backend.device
+    tokens = min(args.max_num_batched_tokens, max_model_len)
+    scratch = KVCache(kv_spec, kv_format, blocks_for_tokens(tokens, args.block_size), device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    probe = Request("profile", [0] * tokens, SamplingParams(max_tokens=1))
+    runner = ModelRunner(model, scratch, backend)
+    first = NULL_BLOCK_ID + 1
+    runner.execute([ScheduledRequest(probe, tokens)], {"profile": list(range(first, first + scratch.num_blocks))})
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - scratch.nbytes
+    del scratch, runner
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(device).total_memory
+    budget = int(total * args.gpu_memory_utilization) - peak
+    if budget <= 0:
+        raise CapacityError(f"no memory left for the KV cache: the model and activations peak at "
+                            f"{peak / GiB:.2f} GiB of a {args.gpu_memory_utilization:.0%} target of "
+                            f"{total / GiB:.2f} GiB; raise --gpu-memory-utilization or lower "
+                            f"--max-num-batched-tokens")
+    return budget

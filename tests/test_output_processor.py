@@ -1,0 +1,63 @@
+"""The output processor (kvserve/engine/output_processor.py) without a model: the sequences of an
+n > 1 request are reported together, a stop string ends its sequence with finish reason "stop"
+and the string held back, and a request is forgotten (with its sequences' sampler state) once
+every sequence finished."""
+from __future__ import annotations
+
+from kvserve.engine.output_processor import OutputProcessor
+from kvserve.engine.request import Request, RequestStatus
+from kvserve.engine.sampler import SampleResult
+from kvserve.engine.scheduler import ScheduledRequest
+from kvserve.sampling_params import SamplingParams
+
+
+def _processor(tokenizer):
+    finished: list[tuple[str, RequestStatus]] = []
+    forgotten: list[str] = []
+
+    def finish(request: Request, status: RequestStatus) -> None:  # as Scheduler.finish does
+        request.status = status
+        finished.append((request.request_id, status))
+
+    return OutputProcessor(tokenizer, finish, forgotten.append), finished, forgotten
+
+
+def _step(processor, sequences, tokens):
+    """Append one token to each sequence (as Scheduler.update would) and process the step."""
+    for request, token in zip(sequences, tokens):
+        request.append_token(token)
+    items = [ScheduledRequest(r, 1) for r in sequences]
+    return processor.process(items, SampleResult(list(tokens), [None] * len(tokens)))
+
+
+def test_two_sequences_report_together_and_a_stop_string_ends_one(tiny_tokenizer):
+    processor, finished, forgotten = _processor(tiny_tokenizer)
+    prompt = tiny_tokenizer.encode("It is a truth")
+    params = SamplingParams(n=2, max_tokens=8, stop=[" wife"])
+    sequences = [Request(f"{i}_r", prompt, params.for_child(i)) for i in range(2)]
+    for r in sequences:
+        r.status = RequestStatus.RUNNING
+    processor.add("r", "It is a truth", prompt, sequences)
+    assert "r" in processor and processor.sequences("r") == sequences
+
+    first = tiny_tokenizer.encode(" universally acknowledged")
+    second = tiny_tokenizer.encode(" in want of a wife")
+    steps = max(len(first), len(second))
+    outputs = []
+    for i in range(steps):
+        live = [(r, t[i]) for r, t in zip(sequences, (first, second)) if i < len(t) and not r.status.finished]
+        outputs = _step(processor, [r for r, _ in live], [t for _, t in live])
+        assert [o.request_id for o in outputs] == ["r"]  # one output gathering both sequences
+    [out] = outputs
+    assert [c.index for c in out.outputs] == [0, 1]
+    assert finished == [("1_r", RequestStatus.FINISHED_STOPPED)]
+    stopped = out.outputs[1]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == " wife"
+    assert stopped.text == " in want of a"
+    assert set(forgotten) == {"1_r"} and not out.finished and "r" in processor
+
+    sequences[0].status = RequestStatus.FINISHED_LENGTH
+    last = processor.output("r")
+    assert last.finished and last.outputs[0].finish_reason == "length"
+    assert set(forgotten) == {"0_r", "1_r"}
+    assert "r" not in processor and processor.output("r") is None and processor.sequences("r") == []
