@@ -16,13 +16,8 @@ smaller still, by gradient descent from that rotation on the moments of one pref
 tokens (calibration.py). Integer formats (int8, int4) round to an absolute step instead, an
 error this model does not describe.
 
-Measured on SmolLM2-135M (`kvserve eval` protocol, 2,048 teacher-forced positions of the novel,
-fp8_e4m3 against the bfloat16 cache, emulated in float storage first): almost all of fp8's error
-came from the keys (K alone quantized: KL 0.0076, top-1 95.0%; V alone: KL 0.0022, 97.6%). With
-1,024 calibration tokens, a general T modelled 0.23x the Hadamard basis' score error on the
-calibration moments and 0.49x on moments taken from the novel, and measured KL 0.0053 (Hadamard:
-0.0081); an orthogonal T, fitted likewise, 0.27x / 0.53x and KL 0.0064. Centring fp8's keys as
-well (key_centering.py) changed nothing measurable. BENCHMARKS.md has the shipped numbers.
+Almost all of fp8's error comes from the keys, and a general T beat both the Hadamard basis and
+an orthogonal T on this model (BENCHMARKS.md, "fp8_e4m3's fitted key basis").
 
 Rows of requests under KV eviction store their keys before RoPE, which does not commute with T;
 those rows keep the plain basis (the model restores their queries), like key centring.

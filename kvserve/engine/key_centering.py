@@ -12,12 +12,8 @@ RoPE averaged over positions 0..4,095: the offset that survives at the positions
 KVQuant (Hooper et al. 2024, arXiv:2401.18079) and KIVI quantize keys per channel for the same
 reason; centring keeps int4's per-token layout.
 
-Measured on SmolLM2-135M (`kvserve eval`: 2,048 scored tokens at positions < 1,024, passkey at
-1,024-4,096 tokens), int4 against the full-precision cache: no centring KL 0.074, perplexity
-+8.1%, passkey 18/27; the mean post-RoPE key of the calibration positions (0..1,023) KL 0.050,
-+4.6%, 25/27 (lost at 4,096 tokens); RoPE averaged over 0..4,095 KL 0.051, +4.7%, 27/27; over
-0..8,191 KL 0.060, +6.4%, 23/27. fp8 and int8 gained nothing measurable (their KL moved within
-noise), so only formats with `center_keys` use it.
+Which centre (and which RoPE averaging) was measured with `kvserve eval` (BENCHMARKS.md,
+"KV-cache dtypes"); fp8 and int8 gained nothing from it, so only formats with `center_keys` use it.
 
 Keys stored before RoPE (requests under KV eviction, rotated when gathered) are not centred:
 rotating k - c by another position would not subtract the same c from every key.

@@ -13,14 +13,11 @@ kvserve uses (a). (b) re-writes every key after the first evicted one at each ev
 (one per block of decoding), so a key is re-rotated and re-rounded once per event over its life
 in the cache: ~budget / block_size times (64 for 1,024 tokens in blocks of 16). In bfloat16 that
 is a random walk of roundings; in a quantized cache each re-rotation is a fresh quantization of
-a rotated vector, whose error adds up the same way. Measured on SmolLM2-135M's keys (all 30
-layers, 1,024 tokens of the novel, moved 1,024 positions down: `benchmarks/eviction_positions.py`,
-BENCHMARKS.md), relative RMS error vs the exact float32 key, (a) stored once vs (b) re-rotated
-64 times: bfloat16 0% vs 4.0% (the keys were bfloat16 to begin with), int8 1.1% vs 24%, fp8
-2.7% vs 21%, int4 8.6% vs 85%. (a) is exact up to one storage rounding in every format, and
-moves nothing for streaming but the tail of the sink block; its cost is a rotation of the
-gathered keys of evicting sequences in every layer and step (their own attention path: requests
-without eviction run exactly as before), measured in the same script.
+a rotated vector, whose error adds up the same way (`benchmarks/eviction_positions.py` measures
+both: BENCHMARKS.md, "Positions by cache index"). (a) is exact up to one storage rounding in
+every format, and moves nothing for streaming but the tail of the sink block; its cost is a
+rotation of the gathered keys of evicting sequences in every layer and step (their own attention
+path: requests without eviction run exactly as before).
 
 Keys stored before RoPE are a different layout from everyone else's, so evicting sequences hash
 their blocks in their own prefix-cache namespace (kv_cache_manager.KEYS_BEFORE_ROPE).
@@ -42,8 +39,8 @@ def rope_gathered_keys(keys: torch.Tensor, cos: torch.Tensor, signed_sin: torch.
 
     The same formula as the model's `apply_rotary`, with the second product and the sum fused
     into one `addcmul`: apply_rotary keeps the reference's separate roundings (it must match HF
-    transformers bit for bit), which these keys, already rounded by storage, do not need. On CPU
-    ~1.4x faster than writing the halves separately."""
+    transformers bit for bit), which these keys, already rounded by storage, do not need, and
+    it is faster on CPU than writing the halves separately."""
     if basis is not None:
         keys = keys @ basis.T
     half = keys.shape[-1] // 2
