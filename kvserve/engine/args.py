@@ -11,7 +11,7 @@ import torch
 
 from kvserve.cache.eviction import NO_EVICTION, POLICY_CHOICES
 from kvserve.cache.formats import KV_CACHE_DTYPES
-from kvserve.cache.sizing import parse_size
+from kvserve.units import parse_size
 from kvserve.model.cpu_attention import ATTENTION_BACKENDS
 
 # A --kv-cache-memory above this (1 PiB) is a typo, not a machine.

@@ -54,5 +54,7 @@ def calibrate_key_centers(runner: ModelRunner, max_tokens: int, model_file: Path
         return (isinstance(centers, list) and len(centers) == config.num_layers
                 and all(isinstance(c, torch.Tensor) and c.shape == shape and c.isfinite().all() for c in centers))
 
-    parameters = {"tokens": calibration_tokens(kv_cache, max_tokens), "center_positions": CENTER_POSITIONS}
+    # The RoPE table is max-model-len long: a shorter one averages over fewer positions.
+    parameters = {"tokens": calibration_tokens(kv_cache, max_tokens),
+                  "center_positions": min(CENTER_POSITIONS, model.rope.cos.shape[0])}
     return cached_calibration("key-centers", model, kv_cache, model_file, parameters, compute, valid)["centers"]

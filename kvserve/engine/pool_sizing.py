@@ -14,7 +14,7 @@ import torch
 
 from kvserve.cache.block_pool import NULL_BLOCK_ID
 from kvserve.cache.kv_cache import KVCache, KVCacheSpec, KVFormat
-from kvserve.cache.sizing import GiB, blocks_for_tokens, blocks_in_budget, bytes_per_block
+from kvserve.cache.sizing import blocks_for_tokens, blocks_in_budget, bytes_per_block
 from kvserve.engine.args import EngineArgs
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.preflight import CapacityError, fit_max_model_len, lowered_max_model_len_warning
@@ -23,6 +23,7 @@ from kvserve.engine.scheduler import ScheduledRequest
 from kvserve.model.attention_backend import AttentionBackend
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.sampling_params import SamplingParams
+from kvserve.units import GiB
 
 logger = logging.getLogger("kvserve")
 

@@ -16,10 +16,11 @@ from kvserve.cache.eviction import POLICIES, EvictionSpec
 from kvserve.cache.eviction.config import resolve_eviction
 from kvserve.cache.formats import make_kv_format
 from kvserve.cache.kv_cache import KVCacheSpec
-from kvserve.cache.sizing import GiB, blocks_for_tokens, blocks_in_budget, bytes_per_block, default_cpu_budget, parse_size
+from kvserve.cache.sizing import blocks_for_tokens, blocks_in_budget, bytes_per_block, default_cpu_budget
 from kvserve.engine.args import EngineArgs
 from kvserve.hardware import available_ram_bytes, cpu_flags, native_bf16_missing
 from kvserve.model.shape import ModelShape, read_model_shape
+from kvserve.units import GiB, parse_size
 
 logger = logging.getLogger("kvserve")
 

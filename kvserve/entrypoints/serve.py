@@ -11,7 +11,7 @@ import os
 import socket
 from pathlib import Path
 
-from kvserve.cache.sizing import parse_size
+from kvserve.units import parse_size
 from kvserve.cli import UserError
 from kvserve.engine.args import EngineArgs
 

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from kvserve.cache.sizing import GiB, bytes_per_block
+from kvserve.cache.sizing import bytes_per_block
+from kvserve.units import GiB
 from kvserve.engine.args import EngineArgs
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.preflight import preflight

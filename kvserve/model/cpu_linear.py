@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.cache.sizing import format_size
+from kvserve.units import format_size
 from kvserve.hardware import available_ram_bytes, onednn_bf16_missing
 
 logger = logging.getLogger(__name__)

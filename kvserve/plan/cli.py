@@ -61,7 +61,7 @@ def _planning_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def _size_arg(value: str | None, flag: str) -> int | None:
-    from kvserve.cache.sizing import parse_size
+    from kvserve.units import parse_size
 
     if value is None:
         return None

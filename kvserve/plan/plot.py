@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from kvserve.cache.sizing import GiB
+from kvserve.units import GiB
 from kvserve.plan.calculator import Plan, footprint
 
 NUM_POINTS = 200

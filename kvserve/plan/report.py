@@ -27,7 +27,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from kvserve.cache.sizing import GiB
+from kvserve.units import GiB
 from kvserve.plan.calculator import KVFootprint, Plan
 
 
