@@ -84,6 +84,17 @@ def test_a_changed_option_calibrates_again(tiny_llama, cache_dir, calibrations, 
     assert len(list(cache_dir.glob("calibration-key-bases/*.pt"))) == 2
 
 
+def test_key_centres_of_a_shorter_context_are_its_own(tiny_model_factory, cache_dir, calibrations):
+    """RoPE is averaged over positions [0, 4096) when computing a key centre, or over the whole
+    table when max-model-len is shorter: at 2,048 the centres differ from 8,192's and must not be
+    loaded from its entry (both calibrate 1,024 tokens)."""
+    path = tiny_model_factory("llama", max_position_embeddings=8192)
+    long = _engine(path, "int4", max_model_len=8192, kv_cache_memory="16MiB")
+    short = _engine(path, "int4", max_model_len=2048, kv_cache_memory="16MiB")
+    assert calibrations == ["centers", "centers"]
+    assert not all(torch.equal(a, b) for a, b in zip(_transforms(long, "int4"), _transforms(short, "int4")))
+
+
 def test_a_changed_model_file_calibrates_again(tiny_llama, cache_dir, calibrations):
     _engine(tiny_llama, "int4")
     weights = tiny_llama / "model.safetensors"
