@@ -54,12 +54,14 @@ class LLMEngine:
                             built.plan.max_model_len, built.plan.kv_budget)
         self.max_model_len = pool.max_model_len
         self.kv_cache = KVCache(self.kv_spec, self.kv_format, pool.num_blocks, self.device)
-        self.evictor = Evictor(args.block_size, self.max_model_len, self.device)
+        # block_size is the pool's (KVCacheSpec, made once by preflight from --block-size); the
+        # block manager and its evictor count in the same blocks.
+        self.evictor = Evictor(self.kv_spec.block_size, self.max_model_len, self.device)
         self.runner = ModelRunner(self.model, self.kv_cache, self.attention_backend, self.evictor)
         calibrate_key_transforms(self.runner, self.max_model_len, self.model_path)
         self.eviction_defaults = EvictionSpec(args.kv_eviction, args.kv_budget, args.sink_tokens, args.recent_tokens)
         self.resolve_eviction(None)  # bad --kv-eviction flags fail at start-up
-        self.kv_manager = KVCacheManager(pool.num_blocks, args.block_size, args.enable_prefix_caching,
+        self.kv_manager = KVCacheManager(pool.num_blocks, self.kv_spec.block_size, args.enable_prefix_caching,
                                          namespace=self.kv_format.name, evictor=self.evictor)
         self.scheduler = Scheduler(
             SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len), self.kv_manager)

@@ -40,7 +40,7 @@ def size_kv_pool(args: EngineArgs, model: LlamaForCausalLM, kv_spec: KVCacheSpec
     is checked here like preflight checks a known one: max-model-len is lowered to fit when the
     user gave none, else too small a budget raises CapacityError. Logs the pool's size."""
     per_block = bytes_per_block(kv_spec, kv_format)
-    bs = args.block_size
+    bs = kv_spec.block_size
     if budget is None:
         budget = profile_cuda_budget(args, model, kv_spec, kv_format, backend, max_model_len)
         fitted = fit_max_model_len(budget, per_block, bs, max_model_len, args.max_model_len is not None)
@@ -63,7 +63,7 @@ def profile_cuda_budget(args: EngineArgs, model: LlamaForCausalLM, kv_spec: KVCa
     the peak memory it needed, and give the KV pool what is left of the utilisation target."""
     device = backend.device
     tokens = min(args.max_num_batched_tokens, max_model_len)
-    scratch = KVCache(kv_spec, kv_format, blocks_for_tokens(tokens, args.block_size), device)
+    scratch = KVCache(kv_spec, kv_format, blocks_for_tokens(tokens, kv_spec.block_size), device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     probe = Request("profile", [0] * tokens, SamplingParams(max_tokens=1))
