@@ -141,7 +141,9 @@ def test_moved_tokens_read_back_as_they_were(kv_dtype):
 
 # ---------------------------------------------------------------------------- long runs
 @pytest.mark.parametrize("policy, kv_dtype", [("streaming", "auto"), ("streaming", "fp8"), ("streaming", "int4_kivi"),
-                                              ("h2o", "auto"), ("h2o", "int8"), ("h2o", "int4")])
+                                              ("h2o", "auto"), ("h2o", "int8"), ("h2o", "int4"),
+                                              ("snapkv", "auto"), ("snapkv", "int8"), ("tova", "auto"),
+                                              ("tova", "int4_kivi")])
 def test_generation_runs_past_max_model_len_with_bounded_blocks(tiny_llama, book_ids, kv_dtype, policy):
     eng = engine(tiny_llama, kv_cache_dtype=kv_dtype, max_model_len=128, kv_eviction=policy, kv_budget=48,
                  max_num_batched_tokens=64)
@@ -233,18 +235,3 @@ def test_observed_query_rows_match_transformers(tiny_llama, book_ids, policy):
         eng.evictor.forget = forget
         state = seen["policy"].latest[None] if policy == "tova" else seen["policy"].rows
         torch.testing.assert_close(state[:, :40], expected, rtol=1e-4, atol=1e-4)
-
-
-@pytest.mark.parametrize("policy, kv_dtype", [("snapkv", "auto"), ("snapkv", "int8"), ("tova", "auto"),
-                                              ("tova", "int4_kivi")])
-def test_snapkv_and_tova_run_past_max_model_len_with_bounded_blocks(tiny_llama, book_ids, kv_dtype, policy):
-    eng = engine(tiny_llama, kv_cache_dtype=kv_dtype, max_model_len=128, kv_eviction=policy, kv_budget=48,
-                 max_num_batched_tokens=64)
-    eng.add_request(book_ids[:200], greedy(100), "a")  # longer than max-model-len
-    eng.add_request(book_ids[500:520], SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=120,
-                                                      ignore_eos=True), "b")
-    outputs, most = run(eng)
-    assert [len(c.token_ids) for c in outputs["a"].outputs] == [100]
-    assert [len(c.token_ids) for c in outputs["b"].outputs] == [120, 120]
-    assert most <= math.ceil(48 / BS) + 2
-    assert eng.num_free_blocks == eng.num_blocks
