@@ -127,6 +127,8 @@ CASES = {
     "too many stop strings": (b'{"prompt": "x", "stop": [' + b",".join([b'"s"'] * 65) + b"]}", "stop"),
     "empty stop string": (b'{"prompt": "x", "stop": [""]}', "stop"),
     "logprobs 10^9": (b'{"prompt": "x", "logprobs": 1000000000}', "logprobs"),
+    "stream_options without stream": (b'{"prompt": "x", "stream_options": {"include_usage": true}}',
+                                      "Stream options can only be defined when `stream=True`."),
 }
 
 CHAT_CASES = {
@@ -138,6 +140,8 @@ CHAT_CASES = {
         b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udc00"}]}]}', "surrogate"),
     "max_completion_tokens 10^9": (b'{"messages": [{"role": "user", "content": "x"}], '
                                    b'"max_completion_tokens": 1000000000}', "maximum context length"),
+    "stream_options without stream": (b'{"messages": [{"role": "user", "content": "x"}], "stream": false, '
+                                      b'"stream_options": {"include_usage": true}}', "only be defined when `stream=True`"),
     "top_logprobs 10^6": (b'{"messages": [{"role": "user", "content": "x"}], "logprobs": true, '
                           b'"top_logprobs": 1000000}', "logprobs"),
     "messages not a list": (b'{"messages": {"role": "user"}}', "messages"),

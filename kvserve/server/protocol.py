@@ -131,6 +131,12 @@ class SamplingFields(OpenAIModel):
                                    "the same salt share cached blocks.")
     kv_eviction: KVEvictionField | None = None
 
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> "SamplingFields":
+        if self.stream_options is not None and not self.stream:  # vLLM's check and text
+            raise ValueError("Stream options can only be defined when `stream=True`.")
+        return self
+
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises ValueError (a 400) for values out of range."""
         given = {name: getattr(self, name) for name in (
