@@ -50,6 +50,13 @@ def test_greedy_and_top_k_1_agree_and_seeds_reproduce(llm):
     assert len(draws) > 1, "different seeds should give different samples at temperature 1.5"
 
 
+def test_tiny_temperatures_are_greedy_not_nan(llm):
+    """Logits divided by 1e-38 overflow; vLLM samples greedily below 1e-5, and so does kvserve."""
+    greedy = tokens(llm, temperature=0)
+    for temperature in (1e-38, 1e-40, 1e-6):
+        assert tokens(llm, temperature=temperature, seed=1) == greedy
+
+
 def test_seeded_request_does_not_depend_on_its_batch(llm):
     alone = tokens(llm, temperature=1.2, seed=11)
     params = [SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.2, seed=11)] + \
@@ -67,6 +74,8 @@ def test_invalid_request_is_rejected_before_it_is_queued(llm):
         llm.generate([PROMPT], SamplingParams(stop_token_ids=[-1]), use_tqdm=False)
     with pytest.raises(ValueError, match="empty"):
         llm.generate([{"prompt_token_ids": []}], SamplingParams(), use_tqdm=False)
+    with pytest.raises(ValueError, match="min_tokens must be less than or equal to max_tokens="):
+        llm.generate([PROMPT], SamplingParams(max_tokens=None, min_tokens=10 ** 12), use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
 
 

@@ -99,13 +99,17 @@ class LLMEngine:
         if self.resolve_eviction(params.kv_eviction) is not None:
             # Under eviction max-model-len bounds the cache, not the sequence; "up to the context
             # limit" (no max_tokens) then means max-model-len new tokens.
-            return params.max_tokens if params.max_tokens is not None else self.max_model_len
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
-        if n + max_tokens > self.max_model_len or max_tokens < 1:
-            raise ValueError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{n + max(max_tokens, 1)} tokens ({n} in the messages, {max(max_tokens, 1)} in the completion). "
-                f"Please reduce the length of the messages or completion.")
+            max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len
+        else:
+            max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
+            if n + max_tokens > self.max_model_len or max_tokens < 1:
+                raise ValueError(
+                    f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                    f"{n + max(max_tokens, 1)} tokens ({n} in the messages, {max(max_tokens, 1)} in the completion). "
+                    f"Please reduce the length of the messages or completion.")
+        if params.min_tokens > max_tokens:  # without max_tokens, SamplingParams could not check it
+            raise ValueError(f"min_tokens must be less than or equal to max_tokens={max_tokens}, "
+                             f"got {params.min_tokens}.")
         return max_tokens
 
     def add_request(self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str | None = None,

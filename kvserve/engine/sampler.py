@@ -17,6 +17,9 @@ from kvserve.engine.request import Request
 
 logger = logging.getLogger(__name__)
 
+# Temperatures below this sample greedily, as in vLLM: dividing logits by them overflows to inf.
+SAMPLING_EPS = 1e-5
+
 
 @dataclass
 class SampleResult:
@@ -53,7 +56,7 @@ class Sampler:
         logits = self._mask_min_tokens(logits, requests)
 
         temperature = torch.tensor([p.temperature for p in params], device=logits.device)
-        greedy = temperature == 0
+        greedy = temperature < SAMPLING_EPS
         tokens = logits.argmax(dim=-1)
         if not bool(greedy.all()):
             scaled = logits / torch.where(greedy, 1.0, temperature).unsqueeze(1)
