@@ -60,6 +60,12 @@ def test_models_health_version(tiny_server, client):
     assert httpx.get(f"{tiny_server.base_url}/version").json() == {"version": kvserve.__version__}
 
 
+def test_no_redirect_takes_its_host_from_the_request(tiny_server):
+    response = httpx.get(f"{tiny_server.base_url}/health/", headers={"Host": "evil.example"})
+    assert response.status_code == 404 and "location" not in response.headers
+    assert "evil.example" not in response.text
+
+
 @pytest.mark.torch_path
 def test_completions_greedy_equal_offline_with_exact_usage(client, offline):
     response = client.completions.create(model="tiny", prompt=PROMPTS, max_tokens=12, extra_body={"ignore_eos": True},

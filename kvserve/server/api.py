@@ -68,7 +68,9 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
             async_engine.shutdown()
             tokens.shutdown()
 
-    app = FastAPI(title="kvserve", version=__version__, lifespan=lifespan)
+    # No trailing-slash redirects: Starlette builds their Location from the request's Host header,
+    # an open redirect (/health/ with Host: evil.example -> http://evil.example/health).
+    app = FastAPI(title="kvserve", version=__version__, lifespan=lifespan, redirect_slashes=False)
     app.state.engine = async_engine
     install_error_handlers(app)
 
