@@ -277,6 +277,7 @@ def test_disconnect_mid_stream_returns_every_block(tiny_server):
 
 
 def test_disconnect_while_waiting_for_a_non_streaming_answer_aborts(tiny_server):
+    log_start = len(tiny_server.log_path.read_bytes())
     before = tiny_server.metrics()
     request = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 1000, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
@@ -285,3 +286,6 @@ def test_disconnect_while_waiting_for_a_non_streaming_answer_aborts(tiny_server)
     after = wait_for(lambda: (m := tiny_server.metrics())[abort] > before.get(abort, 0.0) and m)
     assert after, "the request was not aborted"
     assert after["kvserve:num_requests_running"] == 0 and after["kvserve:kv_cache_usage_perc"] == 0.0
+    time.sleep(0.5)  # the handler's last lines, after the abort
+    new_log = tiny_server.log_path.read_bytes()[log_start:].decode(errors="replace")
+    assert "Traceback" not in new_log and "InvalidStateError" not in new_log, new_log[-3000:]

@@ -6,6 +6,7 @@ pool at once instead of after the last token nobody will read.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from typing import AsyncIterator, Awaitable, Callable, TypeVar
 
@@ -64,8 +65,13 @@ async def unless_disconnected(work: Awaitable[T], request: Request) -> T:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
-        if not task.done():
+        left = not task.done()
+        if left:
             task.cancel()
-    if task.cancelled():
+    if left or task.cancelled():
+        # A cancelled task is only done once it has run again: wait for that (its outcome has
+        # no one to go to), then report.
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
         raise ClientDisconnected()
     return task.result()
