@@ -17,7 +17,7 @@ import torch
 from kvserve.cache.block_pool import NULL_BLOCK_ID
 from kvserve.cache.kv_cache import KVCacheSpec, KVFormat
 from kvserve.model.attention import AttentionGroup, AttentionMetadata, ObservedAttention, PrefillChunk
-from kvserve.model.cpu_attention import ATTENTION_BACKENDS, PagedDecodeKernel, paged_decode_kernel
+from kvserve.model.cpu_attention import PagedDecodeKernel, paged_decode_kernel
 from kvserve.model.rope import RotaryEmbedding
 
 logger = logging.getLogger("kvserve")
@@ -190,9 +190,7 @@ def make_attention_backend(name: str, kv_format: KVFormat, spec: KVCacheSpec, qu
                            rope: RotaryEmbedding, device: torch.device) -> AttentionBackend:
     """`--attention-backend`: `auto` reads decodes in place with the CPU kernel where it builds
     and the format's layout allows it; `cpu_paged` insists (ValueError otherwise); `torch` gathers."""
-    if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}: choose one of {', '.join(ATTENTION_BACKENDS)}")
-    kernel = paged_decode_kernel(name, device, spec.head_dim)
+    kernel = paged_decode_kernel(name, device, spec.head_dim)  # checks the name
     backend = AttentionBackend(kv_format, spec, query_dtype, rope, device, kernel)
     if name == "cpu_paged" and not backend.reads_decodes_in_place:
         raise ValueError(f"--attention-backend cpu_paged reads a KV cache in the model dtype, or fp8/int8/int4 under "
