@@ -24,6 +24,12 @@ class Block:
 NULL_BLOCK_ID = 0
 
 
+def leading_block_ids(count: int) -> list[int]:
+    """The first `count` block ids after the null block: the block table of work that runs on a
+    pool no request uses yet (start-up calibration, the CUDA profiling pass)."""
+    return list(range(NULL_BLOCK_ID + 1, NULL_BLOCK_ID + 1 + count))
+
+
 class OutOfBlocksError(RuntimeError):
     pass
 

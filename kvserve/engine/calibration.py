@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from kvserve import disk_cache
-from kvserve.cache.block_pool import NULL_BLOCK_ID
+from kvserve.cache.block_pool import leading_block_ids
 from kvserve.cache.kv_cache import KVCache
 from kvserve.cache.sizing import blocks_for_tokens
 from kvserve.engine.model_runner import ModelRunner
@@ -55,8 +55,7 @@ def record_projections(runner: ModelRunner, max_tokens: int, num_tokens: int = C
     generator = torch.Generator().manual_seed(_SEED)
     token_ids = torch.randint(0, config.vocab_size, (num_tokens,), generator=generator).tolist()
     request = Request("calibration", token_ids, SamplingParams(max_tokens=1))
-    first = NULL_BLOCK_ID + 1  # the pool's first blocks after the null block
-    block_table = list(range(first, first + blocks_for_tokens(num_tokens, kv_cache.spec.block_size)))
+    block_table = leading_block_ids(blocks_for_tokens(num_tokens, kv_cache.spec.block_size))
     recorded: list[torch.Tensor] = []
 
     def record(_module, _inputs, qkv: torch.Tensor) -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.cache.block_pool import NULL_BLOCK_ID
+from kvserve.cache.block_pool import leading_block_ids
 from kvserve.cache.kv_cache import KVCache, KVCacheSpec, KVFormat
 from kvserve.cache.sizing import blocks_for_tokens, blocks_in_budget, bytes_per_block
 from kvserve.engine.args import EngineArgs
@@ -68,8 +68,7 @@ def profile_cuda_budget(args: EngineArgs, model: LlamaForCausalLM, kv_spec: KVCa
     torch.cuda.reset_peak_memory_stats(device)
     probe = Request("profile", [0] * tokens, SamplingParams(max_tokens=1))
     runner = ModelRunner(model, scratch, backend)
-    first = NULL_BLOCK_ID + 1
-    runner.execute([ScheduledRequest(probe, tokens)], {"profile": list(range(first, first + scratch.num_blocks))})
+    runner.execute([ScheduledRequest(probe, tokens)], {"profile": leading_block_ids(scratch.num_blocks)})
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - scratch.nbytes
     del scratch, runner
