@@ -65,8 +65,7 @@ class LLMEngine:
                                          namespace=self.kv_format.name, evictor=self.evictor)
         self.scheduler = Scheduler(
             SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len), self.kv_manager)
-        self.output_processor = OutputProcessor(self.tokenizer, self.scheduler.finish,
-                                                lambda request_id: self.runner.sampler.forget(request_id))
+        self.output_processor = OutputProcessor(self.tokenizer, self.scheduler.finish, self.runner.sampler.forget)
         self._ids = itertools.count()
 
     # ------------------------------------------------------------------ requests
