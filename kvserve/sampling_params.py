@@ -31,6 +31,21 @@ class LogitsProcessor(Protocol):
 
 
 @dataclass
+class StructuredOutputsParams:
+    """Constrain the output (vLLM's structured outputs): to a JSON schema (`json`), a regular
+    expression (`regex`), one of a list of strings (`choice`), a grammar (`grammar`: Lark or GBNF
+    text) or any JSON object (`json_object`). Exactly one is set. `disable_any_whitespace` (on by
+    default) lets JSON carry no free whitespace, so a small model cannot pad until max_tokens."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    disable_any_whitespace: bool = True
+
+
+@dataclass
 class SamplingParams:
     """What to generate for one prompt. Greedy when temperature is 0.
 
@@ -66,6 +81,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     kv_eviction: EvictionSpec | dict[str, Any] | str | None = None
     logits_processors: list[LogitsProcessor] = field(default_factory=list)
+    structured_outputs: StructuredOutputsParams | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self.kv_eviction = EvictionSpec.parse(self.kv_eviction)
