@@ -26,20 +26,27 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for every prompt, batched by the scheduler; results in prompt order."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # one prompt (a wrong type is refused when it is tokenized)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, sampling_params)]
+        ids: list[str] = []
+        try:
+            for prompt, params in zip(prompts, sampling_params):
+                ids.append(self.engine.add_request(prompt, params))
+        except Exception:
+            for request_id in ids:  # all or nothing: no orphans left queued for the next call
+                self.engine.abort_request(request_id)
+            raise
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[Message] | list[list[Message]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to each conversation, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [{"prompt_token_ids": self.engine.apply_chat_template(c, add_generation_prompt)}
+        prompts = [{"prompt_token_ids": self.engine.apply_chat_template(_checked(c), add_generation_prompt)}
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
@@ -52,3 +59,16 @@ class LLM:
                         results[output.request_id] = output
                         bar.update(1)
         return [results[i] for i in request_ids]
+
+
+def _checked(conversation: list[Message]) -> list[Message]:
+    """The conversation with `content: None` read as empty text (as the server does); a message
+    that is not a dict with a string role is a ValueError, not a template error."""
+    if not isinstance(conversation, list) or not conversation:
+        raise ValueError("a conversation is a non-empty list of messages")
+    result = []
+    for i, message in enumerate(conversation):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ValueError(f"message {i} must be a dict with a string 'role', got {message!r:.80}")
+        result.append({**message, "content": message.get("content") or ""})
+    return result

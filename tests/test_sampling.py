@@ -128,6 +128,17 @@ def test_top_p_and_min_p_cut_the_tail():
         assert _sample(logits, temperature=1.0, min_p=0.4, seed=seed) in (0, 1)
 
 
+def test_extreme_repetition_penalties_stay_finite():
+    """1e-308 is 0 in float32 (a division by zero gave inf logits and NaN probabilities); every
+    accepted penalty must still give its meaning: below 1 favours seen tokens, above 1 avoids them."""
+    logits = torch.tensor([-1.0, 0.5, 1.5, 2.0])  # the prompt is [0, 1]
+    for seed in range(5):
+        assert _sample(logits, temperature=1.0, repetition_penalty=1e-308, seed=seed) == 1
+        assert _sample(logits, temperature=1.0, repetition_penalty=1e308, seed=seed) in range(4)
+    assert _sample(logits, temperature=0, repetition_penalty=1e-308) == 1
+    assert _sample(logits, temperature=0, repetition_penalty=1e308) == 3
+
+
 def test_penalties_push_away_from_seen_tokens():
     logits = torch.tensor([2.0, 0.5, 1.5, -1.0])
     assert _sample(logits, temperature=0) == 0

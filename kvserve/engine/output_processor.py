@@ -42,9 +42,17 @@ def tokenize(tokenizer: Any, prompt: str | list[int] | dict) -> tuple[str | None
     """(text or None, token ids) of a prompt given as text, token ids or {"prompt_token_ids": [...]}
     / {"prompt": text}."""
     if isinstance(prompt, dict):
+        if "prompt_token_ids" not in prompt and "prompt" not in prompt:
+            raise ValueError(f"a prompt dict needs a 'prompt' or 'prompt_token_ids' key, got keys {sorted(prompt)}")
         prompt = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt["prompt"]
     if isinstance(prompt, str):
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"the prompt is not valid Unicode text (a lone surrogate at index {exc.start})") from None
         return prompt, tokenizer.encode(prompt)
+    if not isinstance(prompt, (list, tuple)):
+        raise ValueError(f"a prompt is text, a list of token ids or a dict, got {type(prompt).__name__}")
     return None, list(prompt)
 
 

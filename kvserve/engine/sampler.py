@@ -106,9 +106,13 @@ class Sampler:
             out = torch.tensor(r.output_token_ids, dtype=torch.long, device=dev)
             out_counts[i].index_add_(0, out, torch.ones(len(out), device=dev))
             seen[i, torch.tensor(r.token_ids, dtype=torch.long, device=dev)] = True
+        # float32 turns penalties below its smallest normal number into 0 (a division by zero) and
+        # huge ones into overflow; both are clamped so every accepted value stays finite.
+        finite = torch.finfo(logits.dtype)
         rep = torch.tensor([p.repetition_penalty for p in params], device=dev).unsqueeze(1)
+        rep = rep.clamp(min=finite.tiny, max=finite.max)
         # Repetition penalty (Keskar et al. 2019, as in HF/vLLM) over prompt and output tokens.
-        penalised = torch.where(logits > 0, logits / rep, logits * rep)
+        penalised = torch.where(logits > 0, logits / rep, logits * rep).clamp(min=-finite.max, max=finite.max)
         logits = torch.where(seen, penalised, logits)
         freq = torch.tensor([p.frequency_penalty for p in params], device=dev).unsqueeze(1)
         pres = torch.tensor([p.presence_penalty for p in params], device=dev).unsqueeze(1)
