@@ -1,11 +1,15 @@
-"""Bad model input for `kvserve serve` (issue 9, #6): a missing file, truncated safetensors and GGUF
-files, a config of an architecture kvserve does not serve, a tokenizer larger than the model's
-vocabulary. Each must end in exactly one line on stderr naming the file and the problem, with
-exit status 2 and no traceback. The commands run two at a time (each imports torch)."""
+"""Bad model input for `kvserve serve` (issue 9, #6; issue 22, item 2): a missing file, truncated
+safetensors and GGUF files, a config of an architecture kvserve does not serve, a tokenizer larger
+than the model's vocabulary, a config.json that disagrees with its weights or holds impossible
+values, GGUF metadata that would size tables past memory or poison RoPE. Each must end in exactly
+one line on stderr naming the file and the problem, with exit status 2, no traceback, and within a
+2 GiB address space. The commands run two at a time (each imports torch)."""
 from __future__ import annotations
 
 import json
+import resource
 import shutil
+import struct
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +35,33 @@ def truncated_copy(source: Path, target: Path, size: int) -> Path:
 
 def copy_of(model_dir: Path, target: Path) -> Path:
     return Path(shutil.copytree(model_dir, target))
+
+
+def with_config(tiny: Path, target: Path, **changes) -> Path:
+    """A copy of the tiny checkpoint whose config.json has `changes` (its weights unchanged)."""
+    model = copy_of(tiny, target)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, **changes}))
+    return model
+
+
+def patched_gguf(source: Path, target: Path, key: str, fmt: str, value) -> Path:
+    """A copy of `source` whose metadata `key` (a scalar of struct format `fmt`) holds `value`."""
+    data = bytearray(source.read_bytes())
+    name = key.encode()
+    at = bytes(data).index(struct.pack("<Q", len(name)) + name) + 8 + len(name) + 4  # after the value type
+    struct.pack_into("<" + fmt, data, at, value)
+    target.write_bytes(data)
+    return target
+
+
+# The address space each `kvserve serve` may use: a file whose metadata would size a table beyond
+# it must be refused before the allocation, not by the kernel's OOM killer.
+MEMORY_LIMIT_BYTES = 2 * 2 ** 30
+
+
+def limit_memory() -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT_BYTES, MEMORY_LIMIT_BYTES))
 
 
 def build_cases(tmp: Path, tiny: Path, mismatched: Path) -> dict[str, tuple[Path, str, str]]:
@@ -65,12 +96,35 @@ def build_cases(tmp: Path, tiny: Path, mismatched: Path) -> dict[str, tuple[Path
     text.write_text("not a model")
     cases["not a model"] = (text, str(text), "not a model")
 
+    # config.json values that disagree with the weights, or that no model can have (issue 22, item 2).
+    hidden = config["hidden_size"]
+    for name, changes, problem in (
+        ("config hidden_size wrong", {"hidden_size": hidden * 2}, "model.embed_tokens.weight has shape"),
+        ("config intermediate_size wrong", {"intermediate_size": config["intermediate_size"] + 8},
+         "mlp.gate_proj.weight has shape"),
+        ("config num_key_value_heads wrong", {"num_key_value_heads": 1}, "self_attn.k_proj.weight has shape"),
+        ("config one layer too many", {"num_hidden_layers": config["num_hidden_layers"] + 1},
+         f"no model.layers.{config['num_hidden_layers']}."),
+        ("config max_position_embeddings 0", {"max_position_embeddings": 0}, "max_position_embeddings = 0"),
+        ("config max_position_embeddings -5", {"max_position_embeddings": -5}, "max_position_embeddings = -5"),
+    ):
+        model = with_config(tiny, tmp / name.replace(" ", "-"), **changes)
+        cases[name] = (model, str(model / "config.json"), problem)
+
     gguf = default_gguf()
     if gguf is not None:
         size = gguf.stat().st_size
         for name, cut in (("GGUF cut inside its header", 100), ("GGUF cut inside its tensor data", size // 2)):
             target = truncated_copy(gguf, tmp / f"cut-{cut}.gguf", cut)
             cases[name] = (target, str(target), "truncated")
+        for name, key, fmt, value, problem in (
+            ("GGUF context_length 2^32-1", "llama.context_length", "I", 2 ** 32 - 1,
+             "max_position_embeddings (context length) = 4294967295"),
+            ("GGUF rope.freq_base NaN", "llama.rope.freq_base", "f", float("nan"), "rope_theta = nan"),
+            ("GGUF one layer too many", "llama.block_count", "I", 31, "no model.layers.30."),
+        ):
+            target = patched_gguf(gguf, tmp / f"{name.replace(' ', '-')}.gguf", key, fmt, value)
+            cases[name] = (target, str(target), problem)
     return cases
 
 
@@ -82,7 +136,7 @@ def outcomes(tmp_path_factory, tiny_llama, tiny_model_factory):
 
     def serve(model: Path) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "kvserve.cli", "serve", str(model), "--port", "0"],
-                              capture_output=True, text=True, timeout=300)
+                              capture_output=True, text=True, timeout=300, preexec_fn=limit_memory)
 
     with ThreadPoolExecutor(2) as pool:
         results = dict(zip(cases, pool.map(serve, [model for model, _, _ in cases.values()])))
@@ -92,7 +146,10 @@ def outcomes(tmp_path_factory, tiny_llama, tiny_model_factory):
 CASE_NAMES = ["missing file", "truncated safetensors", "unsupported architecture",
               "architecture transformers does not know", "malformed config.json",
               "tokenizer larger than the vocabulary", "not a model", "GGUF cut inside its header",
-              "GGUF cut inside its tensor data"]
+              "GGUF cut inside its tensor data", "config hidden_size wrong", "config intermediate_size wrong",
+              "config num_key_value_heads wrong", "config one layer too many", "config max_position_embeddings 0",
+              "config max_position_embeddings -5", "GGUF context_length 2^32-1", "GGUF rope.freq_base NaN",
+              "GGUF one layer too many"]
 
 
 @pytest.mark.parametrize("name", CASE_NAMES)

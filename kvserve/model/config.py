@@ -1,6 +1,7 @@
 """The architecture facts kvserve needs from a Hugging Face config, in one plain dataclass."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -10,8 +11,45 @@ SUPPORTED_ARCHITECTURES = {"llama", "mistral", "qwen2"}
 SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3", "yarn", "longrope"}
 
 
+# More positions than any model is trained for: a context length above it is a corrupt file, and
+# tables sized from it (RoPE, the KV pool) would exhaust memory before any other check.
+MAX_CONTEXT_LENGTH = 2 ** 30
+
+
 class UnsupportedModelError(ValueError):
     """The model cannot be served by kvserve; the message says why."""
+
+
+def _given(value: Any, default: Any) -> Any:
+    """`value` unless it is missing (None): a 0 read from a file is kept, to be refused."""
+    return default if value is None else value
+
+
+def _check_values(cfg: Any, num_heads: Any, head_dim: Any, rope_theta: float, rope: dict) -> None:
+    """The config's numbers are ones a model can have: positive counts whose divisions hold, a
+    context length below MAX_CONTEXT_LENGTH and finite, positive RoPE and norm parameters. Checked
+    before anything is sized from them; the message names the field and its value."""
+    counts = {"vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+              "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_hidden_layers,
+              "num_attention_heads": num_heads, "head_dim": head_dim,
+              "num_key_value_heads": _given(getattr(cfg, "num_key_value_heads", None), num_heads),
+              "max_position_embeddings": cfg.max_position_embeddings}
+    for name, value in counts.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise UnsupportedModelError(f"invalid config: {name} = {value!r} (must be a positive integer)")
+    if counts["max_position_embeddings"] > MAX_CONTEXT_LENGTH:
+        raise UnsupportedModelError(f"invalid config: max_position_embeddings (context length) = "
+                                    f"{counts['max_position_embeddings']} is more than {MAX_CONTEXT_LENGTH} tokens")
+    if num_heads % counts["num_key_value_heads"]:
+        raise UnsupportedModelError(f"invalid config: num_key_value_heads = {counts['num_key_value_heads']} does not "
+                                    f"divide num_attention_heads = {num_heads}")
+    if head_dim % 2:
+        raise UnsupportedModelError(f"invalid config: head_dim = {head_dim} is odd (RoPE rotates pairs)")
+    floats = {"rope_theta": rope_theta, "rms_norm_eps": cfg.rms_norm_eps,
+              **{f"rope_scaling.{k}": v for k, v in rope.items() if k in ("factor", "original_max_position_embeddings")}}
+    for name, value in floats.items():
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+            raise UnsupportedModelError(f"invalid config: {name} = {value!r} (must be a finite positive number)")
 
 
 @dataclass(frozen=True)
@@ -79,6 +117,7 @@ class ModelConfig:
 
         eos = getattr(cfg, "eos_token_id", None)
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        _check_values(cfg, num_heads, head_dim, rope_theta, rope)
         return cls(
             architecture=model_type,
             vocab_size=cfg.vocab_size,
@@ -86,7 +125,7 @@ class ModelConfig:
             intermediate_size=cfg.intermediate_size,
             num_layers=num_layers,
             num_heads=num_heads,
-            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or num_heads,
+            num_kv_heads=_given(getattr(cfg, "num_key_value_heads", None), num_heads),
             head_dim=head_dim,
             rms_norm_eps=cfg.rms_norm_eps,
             max_position_embeddings=cfg.max_position_embeddings,

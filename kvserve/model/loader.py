@@ -19,6 +19,7 @@ import torch
 from kvserve import disk_cache
 from kvserve.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedModelError
 from kvserve.model.gguf_file import GGUFFile, dequantize_all, read_gguf
+from kvserve.model.weight_check import check_weights
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +132,13 @@ def _check_config_json(path: Path) -> None:
                                     f"{sorted(SUPPORTED_ARCHITECTURES)}")
 
 
+def _check_weights(file: Path, config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+    try:
+        check_weights(config, weights)
+    except ValueError as exc:
+        raise ModelLoadError(f"{file}: weights do not match the config: {exc}") from None
+
+
 def _check_tokenizer(path: Path, tokenizer: Any, config: ModelConfig) -> None:
     if len(tokenizer) > config.vocab_size:
         raise ModelLoadError(f"{path}: tokenizer mismatch: the tokenizer has {len(tokenizer)} tokens but "
@@ -153,6 +161,7 @@ def _load_hf_dir(path: Path) -> LoadedModel:
             weights.update(load_file(file))
         except Exception as exc:
             raise ModelLoadError(f"{file}: cannot read safetensors file ({exc}); is it truncated?") from None
+    _check_weights(path / "config.json", config, weights)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as exc:
@@ -231,11 +240,11 @@ def _load_gguf(path: Path) -> LoadedModel:
         raise ModelLoadError(f"{path}: cannot read GGUF file ({type(exc).__name__}: {exc}); is it truncated?") from None
     names = {t.name for t in gguf_file.tensors}
     config = ModelConfig.from_hf(_gguf_hf_config(gguf_file, has_output="output.weight" in names))
-    weights = {}
-    for name, value in dequantize_all(gguf_file).items():
-        if config.architecture == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
-            value = _unpermute_rope(value, config.num_heads if "attn_q" in name else config.num_kv_heads)
-        weights[_gguf_tensor_name(name)] = value
+    weights = {_gguf_tensor_name(name): value for name, value in dequantize_all(gguf_file).items()}
+    _check_weights(path, config, weights)
+    if config.architecture == "llama":
+        for name in [n for n in weights if n.endswith(("q_proj.weight", "k_proj.weight"))]:
+            weights[name] = _unpermute_rope(weights[name], config.num_heads if "q_proj" in name else config.num_kv_heads)
     try:
         tokenizer = _gguf_tokenizer(path, gguf_file)
     except Exception as exc:

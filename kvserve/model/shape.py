@@ -12,7 +12,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from kvserve.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from kvserve.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedModelError
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,10 @@ def _gguf_config(path: Path) -> ModelConfig:
     except Exception as exc:
         raise ModelLoadError(f"{path}: cannot read GGUF file ({type(exc).__name__}: {exc}); is it truncated?") from None
     has_output = any(t.name == "output.weight" for t in gguf_file.tensors)
-    return ModelConfig.from_hf(_gguf_hf_config(gguf_file, has_output))
+    try:
+        return ModelConfig.from_hf(_gguf_hf_config(gguf_file, has_output))
+    except UnsupportedModelError as exc:
+        raise UnsupportedModelError(f"{path}: {exc}") from None
 
 
 def _config_json_shape(path: Path) -> ModelShape | None:
