@@ -36,6 +36,15 @@ def register(subparsers) -> None:
     group.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                        help="on SIGTERM or Ctrl-C, how long requests in flight may take to finish before "
                             "they are failed; a second signal exits at once (default: %(default)s)")
+    group.add_argument("--timeout-header", type=float, default=10.0, metavar="SECONDS",
+                       help="close a connection whose request head is not complete this long after it opened or "
+                            "after its previous response (default: %(default)s)")
+    group.add_argument("--timeout-body", type=float, default=30.0, metavar="SECONDS",
+                       help="close a connection whose request body pauses longer than this (default: %(default)s)")
+    group.add_argument("--max-connections", type=int, default=None, metavar="N",
+                       help="open connections at most; at the limit a new one closes the oldest connection that "
+                            "sent no request, so /health stays reachable (default: the file-descriptor limit "
+                            "minus a reserve)")
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(func=run_serve)
 
@@ -59,12 +68,25 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _max_connections(given: int | None) -> int:
+    from kvserve.server.connections import RESERVED_FDS, default_max_connections, raise_fd_limit
+
+    if given is None:
+        return default_max_connections()
+    available = raise_fd_limit() - RESERVED_FDS
+    if not 1 <= given <= available:
+        raise UserError(f"--max-connections must be in 1..{available} (the file-descriptor limit minus "
+                        f"{RESERVED_FDS} kept back), got {given}")
+    return given
+
+
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvserve.engine.llm_engine import LLMEngine
     from kvserve.engine.preflight import preflight
     from kvserve.server.api import ServerConfig, build_app
+    from kvserve.server.connections import ConnectionLimits, guarded_protocol
     from kvserve.server.engine_loop import ShuttingDownError
     from kvserve.server.faults import fault_injection_enabled
     from kvserve.server.lifecycle import EXIT_ENGINE_DEAD, ServingServer
@@ -78,6 +100,10 @@ def run_serve(args: argparse.Namespace) -> int:
     max_body = parse_size(args.max_request_body_bytes)
     if not args.shutdown_timeout >= 0:  # also refuses nan
         raise UserError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
+    for flag, value in (("--timeout-header", args.timeout_header), ("--timeout-body", args.timeout_body)):
+        if not 0 < value < float("inf"):  # also refuses nan
+            raise UserError(f"{flag} must be a positive number of seconds, got {value}")
+    limits = ConnectionLimits(args.timeout_header, args.timeout_body, _max_connections(args.max_connections))
     engine_args = EngineArgs.from_cli_args(args)
     preflight(engine_args)  # bad engine options fail before the port is taken
     sock = _bind(args.host, args.port)
@@ -86,7 +112,8 @@ def run_serve(args: argparse.Namespace) -> int:
     app = build_app(engine, ServerConfig(names, args.api_key, max_body,
                                          fault_injection=fault_injection_enabled()))
     async_engine = app.state.engine
-    config = uvicorn.Config(app, log_level=args.log_level.lower(), timeout_keep_alive=5)
+    config = uvicorn.Config(app, log_level=args.log_level.lower(), timeout_keep_alive=5,
+                            http=guarded_protocol(limits))
     server = ServingServer(config, args.shutdown_timeout, on_grace_expired=lambda: async_engine.fail_all(
         ShuttingDownError("the server is shutting down and its grace period (--shutdown-timeout) ended")))
     async_engine.on_dead = lambda exc: server.stop(EXIT_ENGINE_DEAD)
