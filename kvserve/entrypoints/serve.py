@@ -33,6 +33,9 @@ def register(subparsers) -> None:
                             f"/version (default: ${API_KEY_ENV})")
     group.add_argument("--max-request-body-bytes", default="32MiB",
                        help="larger request bodies get a 413 (bytes or with a unit; default: %(default)s)")
+    group.add_argument("--max-body-bytes-in-flight", default=None,
+                       help="request bodies the requests in flight may hold together; past it a new one gets a 503 "
+                            "(bytes or with a unit; default: 4x --max-request-body-bytes)")
     group.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                        help="on SIGTERM or Ctrl-C, how long requests in flight may take to finish before "
                             "they are failed; a second signal exits at once (default: %(default)s)")
@@ -98,6 +101,9 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.api_key is not None and not args.api_key.strip():
         raise UserError("--api-key must not be empty")
     max_body = parse_size(args.max_request_body_bytes)
+    in_flight = parse_size(args.max_body_bytes_in_flight) if args.max_body_bytes_in_flight is not None else 4 * max_body
+    if in_flight < max_body:
+        raise UserError(f"--max-body-bytes-in-flight ({in_flight}) must be at least --max-request-body-bytes ({max_body})")
     if not args.shutdown_timeout >= 0:  # also refuses nan
         raise UserError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     for flag, value in (("--timeout-header", args.timeout_header), ("--timeout-body", args.timeout_body)):
@@ -109,13 +115,18 @@ def run_serve(args: argparse.Namespace) -> int:
     sock = _bind(args.host, args.port)
     engine = LLMEngine(engine_args)
     names = args.served_model_name or [args.model or Path(engine.model_path).name.removesuffix(".gguf")]
-    app = build_app(engine, ServerConfig(names, args.api_key, max_body,
+    app = build_app(engine, ServerConfig(names, args.api_key, max_body, max_body_bytes_in_flight=in_flight,
                                          fault_injection=fault_injection_enabled()))
     async_engine = app.state.engine
     config = uvicorn.Config(app, log_level=args.log_level.lower(), timeout_keep_alive=5,
                             http=guarded_protocol(limits))
-    server = ServingServer(config, args.shutdown_timeout, on_grace_expired=lambda: async_engine.fail_all(
-        ShuttingDownError("the server is shutting down and its grace period (--shutdown-timeout) ended")))
+    ending = "the server is shutting down and its grace period (--shutdown-timeout) ended"
+
+    def on_grace_expired() -> None:
+        async_engine.fail_all(ShuttingDownError(ending))
+        app.state.tokens.fail_pending(f"The server cannot take requests: {ending}.")
+
+    server = ServingServer(config, args.shutdown_timeout, on_grace_expired=on_grace_expired)
     async_engine.on_dead = lambda exc: server.stop(EXIT_ENGINE_DEAD)
     server.run(sockets=[sock])
     return server.exit_code

@@ -44,6 +44,7 @@ class ServerConfig:
     served_model_names: list[str]
     api_key: str | None = None
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_body_bytes_in_flight: int | None = None  # None: 4 x max_request_body_bytes
     log_interval_s: float = 5.0
     fault_injection: bool = False  # POST /debug/faults (kvserve/server/faults.py); tests only
 
@@ -72,6 +73,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     # an open redirect (/health/ with Host: evil.example -> http://evil.example/health).
     app = FastAPI(title="kvserve", version=__version__, lifespan=lifespan, redirect_slashes=False)
     app.state.engine = async_engine
+    app.state.tokens = tokens
     install_error_handlers(app)
 
     @app.exception_handler(ClientDisconnected)
@@ -124,7 +126,8 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
 
     if config.fault_injection:
         add_fault_injection(app, engine)
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_request_body_bytes)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_request_body_bytes,
+                       max_bytes_in_flight=config.max_body_bytes_in_flight)
     if config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)  # outermost: before the body is read
     return app

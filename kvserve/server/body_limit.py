@@ -1,6 +1,8 @@
-"""Request body size limit (`--max-request-body-bytes`) as pure ASGI middleware: a body over the
-limit gets a 413 with an OpenAI error body before any JSON parsing. The body is read here (at
-most the limit) and replayed to the app, so the limit holds for chunked uploads too."""
+"""Request body size limits as pure ASGI middleware: a body over `--max-request-body-bytes` gets a
+413 with an OpenAI error body before any JSON parsing, and while the bodies of the requests in
+flight already hold `--max-body-bytes-in-flight` bytes, another large one gets a 503 instead of
+growing the process (memory per queued request is bounded, and so is their sum). The body is
+read here (at most the limit) and replayed to the app, so the limits hold for chunked uploads too."""
 from __future__ import annotations
 
 import asyncio
@@ -47,17 +49,40 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
 
 
 class BodySizeLimitMiddleware:
-    def __init__(self, app: ASGIApp, max_bytes: int):
+    def __init__(self, app: ASGIApp, max_bytes: int, max_bytes_in_flight: int | None = None):
         self.app = app
         self.max_bytes = max_bytes
+        self.max_bytes_in_flight = max_bytes_in_flight or 4 * max_bytes
+        self.bytes_in_flight = 0  # the bodies of the requests being read or handled
 
     def _too_large(self) -> str:
         return f"Request body too large: the limit is {self.max_bytes} bytes (--max-request-body-bytes)."
+
+    def _too_many(self) -> str:
+        return (f"The server is busy: the requests in flight already hold {self.bytes_in_flight} bytes of request "
+                f"bodies (--max-body-bytes-in-flight {self.max_bytes_in_flight}); retry later.")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        held = 0
+
+        def hold(size: int) -> bool:
+            """Count `size` more bytes of this body; False when the in-flight budget cannot take them."""
+            nonlocal held
+            if size > 0 and self.bytes_in_flight + size > self.max_bytes_in_flight:
+                return False
+            self.bytes_in_flight += size
+            held += size
+            return True
+
+        try:
+            await self._read_and_handle(scope, receive, send, hold)
+        finally:
+            self.bytes_in_flight -= held
+
+    async def _read_and_handle(self, scope: Scope, receive: Receive, send: Send, hold) -> None:
         declared = _header(scope, b"content-length")
         if declared is not None:
             if not declared.strip().isdigit():
@@ -67,6 +92,10 @@ class BodySizeLimitMiddleware:
                 if _header(scope, b"expect") is None:  # a client waiting for "100 Continue" sends nothing
                     await _drain(receive)
                 await _send_error(send, 413, self._too_large())
+                return
+            if not hold(int(declared)):
+                await _drain(receive)
+                await _send_error(send, 503, self._too_many())
                 return
         chunks, size = [], 0
         while True:
@@ -79,6 +108,11 @@ class BodySizeLimitMiddleware:
                 if message.get("more_body", False):
                     await _drain(receive)
                 await _send_error(send, 413, self._too_large())
+                return
+            if declared is None and not hold(len(chunk)):
+                if message.get("more_body", False):
+                    await _drain(receive)
+                await _send_error(send, 503, self._too_many())
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):

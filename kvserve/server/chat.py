@@ -18,7 +18,7 @@ from kvserve.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoi
                                      ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, DeltaMessage,
                                      TokenLogprob, TopLogprob)
 from kvserve.server.serving import ServingContext, StreamState, usage
-from kvserve.server.streaming import DONE, EventStreamResponse, sse, sse_error
+from kvserve.server.streaming import DONE, EventStreamResponse, sse, sse_error, unless_disconnected
 
 
 def chat_logprobs(tokens: Tokenization, entries: list[Logprob]) -> ChatLogprobs:
@@ -52,7 +52,8 @@ class ChatServing:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         # No max_tokens: up to the rest of the context (vLLM's default for chat).
         params = ctx.sampling_params(body, max_tokens, requested_logprobs(body), 1)
-        prompt_ids = await ctx.tokens.chat_prompt(messages, body.add_generation_prompt)
+        # A client that leaves while its prompt waits for the tokenizer drops the job.
+        prompt_ids = await unless_disconnected(ctx.tokens.chat_prompt(messages, body.add_generation_prompt), request)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = await ctx.submit([PromptSpec(prompt_ids, params, body.cache_salt)], request_id)
         created = int(time.time())

@@ -15,7 +15,7 @@ from kvserve.server.errors import APIError
 from kvserve.server.prompts import Prompt, Tokenization
 from kvserve.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
 from kvserve.server.serving import ServingContext, StreamState, usage
-from kvserve.server.streaming import DONE, EventStreamResponse, sse, sse_error
+from kvserve.server.streaming import DONE, EventStreamResponse, sse, sse_error, unless_disconnected
 
 
 def completion_logprobs(tokens: Tokenization, entries: list[Logprob], text_offset: int) -> CompletionLogprobs:
@@ -45,7 +45,8 @@ class CompletionServing:
         if body.echo and body.logprobs is not None:
             raise APIError(400, "echo together with logprobs is not supported (kvserve does not compute "
                                 "prompt logprobs).", param="echo")
-        prompts = await ctx.tokens.completion_prompts(body.prompt)
+        # A client that leaves while its prompt waits for the tokenizer drops the job.
+        prompts = await unless_disconnected(ctx.tokens.completion_prompts(body.prompt), request)
         params = ctx.sampling_params(body, body.max_tokens, body.logprobs, len(prompts))
         if body.echo:
             for prompt in prompts:

@@ -1,9 +1,15 @@
 """Turning request bodies into token ids (and token ids into text) on the HTTP side.
 
-Tokenizing runs in one worker thread so a long prompt never stalls the event loop, and the
-engine thread only ever receives token ids. `LLMEngine.tokenize` and `apply_chat_template` are
-used so prompts tokenize exactly as in the offline `LLM`; both only read the tokenizer, which is
-why calling them off the engine thread is safe.
+Tokenizing runs in worker threads so a long prompt never stalls the event loop, and the engine
+thread only ever receives token ids. `LLMEngine.tokenize` and `apply_chat_template` are used so
+prompts tokenize exactly as in the offline `LLM`; both only read the tokenizer, which is why
+calling them off the engine thread is safe.
+
+The work is bounded and fair. Text longer than max-model-len times the vocabulary's longest
+token cannot fit in the context, so it is refused before tokenizing, which bounds every job.
+Small jobs and large ones run in separate threads (the tokenizer releases the GIL), so a small
+request never queues behind large ones; a queued job whose client left is dropped unstarted
+(its handler is cancelled), and at shutdown the jobs still pending answer 503.
 """
 from __future__ import annotations
 
@@ -55,19 +61,56 @@ def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return result
 
 
+# Jobs over this many characters run in the large-job thread.
+SMALL_JOB_CHARS = 16_384
+
+
 class Tokenization:
     def __init__(self, engine: LLMEngine):
         self._engine = engine
         self.tokenizer = engine.tokenizer
         self.vocab_size = engine.model_config.vocab_size
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvserve-tokenizer")
+        self.max_model_len = engine.max_model_len
+        self.longest_token_chars = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
+        self.max_prompt_chars = self.max_model_len * self.longest_token_chars
+        self._small = ThreadPoolExecutor(1, thread_name_prefix="kvserve-tokenizer")
+        self._large = ThreadPoolExecutor(1, thread_name_prefix="kvserve-tokenizer-large")
+        self._pending: set[asyncio.Future] = set()
         self._token_texts: dict[int, str] = {}
 
-    async def _run(self, fn: Callable, *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+    async def _run(self, chars: int, fn: Callable, *args: Any) -> Any:
+        """fn(*args) in the thread for its size. Cancelling the caller drops a job not yet started;
+        `fail_pending` makes the caller raise instead of waiting for it."""
+        executor = self._small if chars <= SMALL_JOB_CHARS else self._large
+        job = asyncio.wrap_future(executor.submit(fn, *args))
+        failed = asyncio.get_running_loop().create_future()
+        self._pending.add(failed)
+        try:
+            await asyncio.wait({job, failed}, return_when=asyncio.FIRST_COMPLETED)
+            return job.result() if job.done() else failed.result()
+        finally:
+            self._pending.discard(failed)
+            job.cancel()  # no-op when done; drops the job if it has not started
+
+    def check_length(self, chars: int, param: str) -> None:
+        """Text of `chars` characters that cannot fit in max-model-len tokens is a 400 now,
+        before any tokenizing (vLLM's context-length message)."""
+        if chars > self.max_prompt_chars:
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                                f"your prompt has {chars} characters, more than {self.max_model_len} tokens can hold "
+                                f"(this vocabulary's longest token has {self.longest_token_chars} characters). "
+                                f"Please reduce the length of the input.", param=param,
+                           code="context_length_exceeded")
+
+    def fail_pending(self, message: str) -> None:
+        """At shutdown: every request still waiting for its tokens gets a 503 with `message`."""
+        for failed in list(self._pending):
+            if not failed.done():
+                failed.set_exception(APIError(503, message))
 
     def shutdown(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        for executor in (self._small, self._large):
+            executor.shutdown(wait=False, cancel_futures=True)
 
     async def completion_prompts(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[Prompt]:
         """`prompt` as OpenAI allows it: a string, strings, token ids, or lists of token ids."""
@@ -79,7 +122,12 @@ class Tokenization:
             items = [prompt]
         else:
             items = list(prompt)
-        return await self._run(self._tokenize_all, items)
+        chars = 0
+        for i, item in enumerate(items):
+            if isinstance(item, str):
+                self.check_length(len(item), "prompt" if len(items) == 1 else f"prompt[{i}]")
+                chars += len(item)
+        return await self._run(chars, self._tokenize_all, items)
 
     def _tokenize_all(self, items: list[str | list[int]]) -> list[Prompt]:
         prompts = []
@@ -91,6 +139,9 @@ class Tokenization:
         return prompts
 
     async def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
+        chars = sum(len(str(m.get("content") or "")) for m in messages)
+        self.check_length(chars, "messages")
+
         def render() -> list[int]:
             try:
                 return self._engine.apply_chat_template(messages, add_generation_prompt)
@@ -98,14 +149,15 @@ class Tokenization:
                 raise APIError(400, str(exc), param="messages") from exc
             except Exception as exc:  # a Jinja error raised by the template itself
                 raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from exc
-        return await self._run(render)
+        return await self._run(chars, render)
 
     async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        return await self._run(lambda: self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        self.check_length(len(text), "prompt")
+        return await self._run(len(text), lambda: self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     async def decode(self, token_ids: list[int]) -> str:
         self.check_token_ids(token_ids, "tokens")
-        return await self._run(lambda: self.tokenizer.decode(token_ids))
+        return await self._run(len(token_ids), lambda: self.tokenizer.decode(token_ids))
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
         bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
