@@ -100,12 +100,15 @@ def test_echo_with_logprobs_streamed_equals_non_streamed(tiny_server, client):
     assert values[0] is None and values[1:] == pytest.approx(whole.logprobs.token_logprobs[1:], abs=CLOSE)
 
 
-def test_max_tokens_zero_with_echo_returns_the_prompt_alone(client, offline):
+def test_max_tokens_zero_with_echo_returns_the_prompt_alone(tiny_server, client, offline):
     ids, expected = offline_prompt_logprobs(offline, PROMPT, 0)
+    before = tiny_server.metrics()
     response = client.completions.create(model="tiny", prompt=[PROMPT, "Mr. Darcy"], max_tokens=0, echo=True)
     assert [c.text for c in response.choices] == [PROMPT, "Mr. Darcy"]
     assert {c.finish_reason for c in response.choices} == {"length"}
     assert response.usage.completion_tokens == 0 and response.choices[0].logprobs is None
+    after = tiny_server.metrics()  # the prompts were computed: counted, though no token came
+    assert after["kvserve:prompt_tokens_total"] - before["kvserve:prompt_tokens_total"] == response.usage.prompt_tokens
     scored = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=0, echo=True, logprobs=0).choices[0]
     assert scored.text == PROMPT and len(scored.logprobs.tokens) == len(ids)
     assert scored.logprobs.token_logprobs[1:] == pytest.approx([expected[i][ids[i]].logprob

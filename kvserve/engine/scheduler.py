@@ -7,6 +7,10 @@ requests then join while the budget, `max_num_seqs` and free blocks allow. When 
 dry, the most recently admitted running request is preempted by recompute: its blocks are freed
 and it goes back to the front of the waiting queue (vLLM's policy; never an OOM).
 
+A request that asks for prompt logprobs takes no prefix-cache hit until they are computed (the
+skipped positions would have no logits); a request with max_tokens 0 finishes with "length" once
+its prompt is computed, without a token sampled.
+
 A request under KV eviction advances at most budget - sinks tokens per step, and allocating its
 blocks first lets its policy drop tokens (`KVCacheManager.make_room`, kvserve/cache/eviction). A
 preempted one is recomputed from its whole token history with the policy applied again
