@@ -76,14 +76,17 @@ def hf_loglikelihood(model, context: list[int], continuation: list[int]) -> floa
 
 
 def hf_greedy(model, tokenizer, prompt: list[int], until: list[str], max_new_tokens: int) -> str:
-    """Greedy decoding with a full forward pass per token, cut at the first stop string (as
-    lm-eval cuts the server's answer, which stops on them)."""
+    """Greedy decoding with a full forward pass per token, ending at EOS or cut at the first stop
+    string (as the server does, which also leaves special tokens out of the text)."""
     ids = list(prompt)
     text = ""
     with torch.no_grad():
         for _ in range(max_new_tokens):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-            text = tokenizer.decode(ids[len(prompt):])
+            token = int(model(torch.tensor([ids])).logits[0, -1].argmax())
+            if token == tokenizer.eos_token_id:
+                break
+            ids.append(token)
+            text = tokenizer.decode(ids[len(prompt):], skip_special_tokens=True)
             if any(stop in text for stop in until):
                 break
     for stop in until:
