@@ -110,6 +110,20 @@ def test_preempted_request_reports_each_prompt_logprob_once(tiny_llama, tiny_hf)
         check_against_hf(out.prompt_logprobs, prompt, hf_log_softmax(tiny_hf, prompt), 0)
 
 
+def test_prompt_logprobs_under_kv_eviction(tiny_llama, tiny_hf):
+    """An evicting request scores its prompt against what its cache keeps: every entry is there,
+    and the first chunk (budget - sinks tokens, nothing evicted yet) matches HF."""
+    llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory="8MiB", enable_prefix_caching=False)
+    prompt = list(range(10, 90))
+    params = SamplingParams(max_tokens=2, prompt_logprobs=0, kv_eviction={"policy": "streaming", "budget": 32})
+    [out] = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    assert len(out.prompt_logprobs) == len(prompt) and len(out.outputs[0].token_ids) == 2
+    first_chunk = 32 - 4
+    check_against_hf(out.prompt_logprobs[:first_chunk + 1], prompt[:first_chunk + 1],
+                     hf_log_softmax(tiny_hf, prompt[:first_chunk + 1]), 0)
+    assert llm.engine.num_free_blocks == llm.engine.num_blocks
+
+
 def test_max_logprobs_bounds_both_kinds(tiny_llama):
     llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory="8MiB", max_logprobs=3)
     with pytest.raises(ValueError, match="Requested prompt logprobs of 4, which is greater than max allowed: 3"):

@@ -83,21 +83,23 @@ def test_lm_eval_harness_request_shape(tiny_server, offline):
 
 
 def test_echo_with_logprobs_streamed_equals_non_streamed(tiny_server, client):
-    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "echo": True, "logprobs": 1, "temperature": 0}
-    whole = client.completions.create(**body, extra_body={"ignore_eos": True}).choices[0]
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "echo": True, "logprobs": 1, "temperature": 0, "n": 2}
+    whole = client.completions.create(**body, extra_body={"ignore_eos": True}).choices
     body["ignore_eos"] = True
     response = httpx.post(f"{tiny_server.base_url}/v1/completions", json={**body, "stream": True}, timeout=60)
     chunks = [json.loads(e) for e in sse_events(response) if e != "[DONE]"]
-    text, tokens, values, offsets = "", [], [], []
-    for chunk in chunks:
-        for c in chunk["choices"]:
+    for index in (0, 1):  # each sample's first chunk carries the echoed prompt and its logprobs
+        text, tokens, values, offsets = "", [], [], []
+        for c in (c for chunk in chunks for c in chunk["choices"] if c["index"] == index):
             text += c["text"]
             if c["logprobs"]:
                 tokens += c["logprobs"]["tokens"]
                 values += c["logprobs"]["token_logprobs"]
                 offsets += c["logprobs"]["text_offset"]
-    assert text == whole.text and tokens == whole.logprobs.tokens and offsets == whole.logprobs.text_offset
-    assert values[0] is None and values[1:] == pytest.approx(whole.logprobs.token_logprobs[1:], abs=CLOSE)
+        expected = whole[index]
+        assert text == expected.text and tokens == expected.logprobs.tokens
+        assert offsets == expected.logprobs.text_offset
+        assert values[0] is None and values[1:] == pytest.approx(expected.logprobs.token_logprobs[1:], abs=CLOSE)
 
 
 def test_max_tokens_zero_with_echo_returns_the_prompt_alone(tiny_server, client, offline):
