@@ -13,6 +13,22 @@ class Logprob:
 
 
 @dataclass
+class RankedLogprob:
+    """A prompt token's log-probability (given the tokens before it), its rank in that
+    distribution (1 = most likely) and its text: vLLM's `Logprob`."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+# vLLM's prompt-logprobs shape: one entry per prompt token, None for the first (nothing precedes
+# it); else {token id: RankedLogprob} holding the prompt's own token first, then the top k
+# (prompt_logprobs=k) by rank, the prompt token appearing once if it is among them.
+PromptLogprobs = list[dict[int, RankedLogprob] | None]
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
@@ -35,3 +51,5 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None
+    # With SamplingParams.prompt_logprobs: every prompt token's entry, once the prompt is computed.
+    prompt_logprobs: PromptLogprobs | None = None

@@ -12,7 +12,8 @@ if TYPE_CHECKING:
     import torch
 
 MAX_STOP_STRINGS = 64
-MAX_LOGPROBS = 20
+# vLLM's --max-logprobs default: the most `logprobs` / `prompt_logprobs` a request may ask for.
+DEFAULT_MAX_LOGPROBS = 20
 # Integers handed to torch (seeds, top_k) must fit in int64.
 INT64_MIN, INT64_MAX = -2 ** 63, 2 ** 63 - 1
 
@@ -52,6 +53,11 @@ class SamplingParams:
     Defaults follow vLLM: max_tokens 16, temperature 1.0, top_p 1.0, top_k 0 (off), min_p 0.0.
     `logprobs=k` returns the chosen token's log-probability plus the k most likely, computed on
     the model's raw distribution (before penalties and temperature), like vLLM v1.
+    `prompt_logprobs=k` returns every prompt token's log-probability given the tokens before it,
+    plus the k most likely there (RequestOutput.prompt_logprobs); such a request recomputes its
+    whole prompt (no prefix-cache hit). Both are bounded by the engine's --max-logprobs.
+    `max_tokens=0` (a kvserve extension; vLLM wants at least 1) computes the prompt only, e.g. for
+    its prompt logprobs, and finishes with "length" without sampling a token.
     `kv_eviction` overrides the engine's KV eviction settings for this request: a dict with any of
     policy, budget, sink_tokens, recent_tokens (or just a policy name, e.g. "none").
     `logits_processors` (Python only, not an API field) run in order on this request's logits
@@ -119,15 +125,18 @@ class SamplingParams:
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
         if finite("repetition_penalty") <= 0:
             raise ValueError(f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 0):
+            raise ValueError(f"max_tokens must be at least 0 (0: the prompt only), got {self.max_tokens}.")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise ValueError(f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
                              f"got {self.min_tokens}.")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}.")
+        # The upper bound is the engine's (--max-logprobs), checked when the request is added.
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise ValueError(f"{name} must be non-negative, got {value!r}.")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}.")
         if any(not isinstance(s, str) or not s for s in self.stop):

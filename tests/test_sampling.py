@@ -20,8 +20,8 @@ def test_defaults_match_vllm():
 
 @pytest.mark.parametrize("kwargs", [
     dict(temperature=-0.1), dict(temperature=math.nan), dict(top_p=0), dict(top_p=1.5), dict(n=0),
-    dict(max_tokens=0), dict(top_k=-2), dict(min_p=2), dict(presence_penalty=3), dict(repetition_penalty=0),
-    dict(logprobs=100), dict(stop=[""]), dict(stop=["x"] * 65), dict(seed=2 ** 64), dict(top_k=2 ** 64),
+    dict(max_tokens=-1), dict(top_k=-2), dict(min_p=2), dict(presence_penalty=3), dict(repetition_penalty=0),
+    dict(logprobs=-1), dict(prompt_logprobs=-1), dict(stop=[""]), dict(stop=["x"] * 65), dict(seed=2 ** 64), dict(top_k=2 ** 64),
     dict(min_tokens=5, max_tokens=2),
 ])
 def test_invalid_values_raise_value_error(kwargs):

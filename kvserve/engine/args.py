@@ -115,6 +115,8 @@ class EngineArgs:
         "decode attention: cpu_paged = a C++ kernel reading the paged pool in place (kvserve build-kernel); "
         "torch = gather the blocks, then torch matmuls (the CUDA path); auto = cpu_paged on CPU when it "
         "builds and reads the KV cache dtype (the model dtype, fp8, int8, int4), else torch", choices=ATTENTION_BACKENDS))
+    max_logprobs: int = field(default=20, metadata=_opt(
+        "most logprobs (per generated token) and prompt_logprobs a request may ask for; -1: no limit"))
     seed: int = field(default=0, metadata=_opt("seed of the global random generator"))
 
     def validate(self) -> None:
@@ -145,6 +147,7 @@ class EngineArgs:
             _check_int(name, getattr(self, name), 0, optional=True)
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
+        _check_int("max_logprobs", self.max_logprobs, -1)
         _check_int("seed", self.seed, -(1 << 63))
 
     @classmethod

@@ -100,12 +100,16 @@ class LLMEngine:
             # limit" (no max_tokens) then means max-model-len new tokens.
             max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len
         else:
-            max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
-            if n + max_tokens > self.max_model_len or max_tokens < 1:
+            max_tokens = params.max_tokens if params.max_tokens is not None else max(self.max_model_len - n, 1)
+            if n + max_tokens > self.max_model_len:
                 raise ValueError(
                     f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                    f"{n + max(max_tokens, 1)} tokens ({n} in the messages, {max(max_tokens, 1)} in the completion). "
+                    f"{n + max_tokens} tokens ({n} in the messages, {max_tokens} in the completion). "
                     f"Please reduce the length of the messages or completion.")
+        limit = self.args.max_logprobs if self.args.max_logprobs >= 0 else vocab
+        for kind, wanted in (("sample", params.logprobs), ("prompt", params.prompt_logprobs)):
+            if wanted is not None and wanted > limit:  # vLLM's text
+                raise ValueError(f"Requested {kind} logprobs of {wanted}, which is greater than max allowed: {limit}")
         if params.min_tokens > max_tokens:  # without max_tokens, SamplingParams could not check it
             raise ValueError(f"min_tokens must be less than or equal to max_tokens={max_tokens}, "
                              f"got {params.min_tokens}.")
@@ -124,6 +128,8 @@ class LLMEngine:
         for index in range(params.n):  # n > 1: one sequence per sample, sharing the prompt
             child_params = params.for_child(index)
             child_params.max_tokens = max_tokens
+            if index > 0:  # the first sample computes the prompt logprobs for all
+                child_params.prompt_logprobs = None
             child_id = request_id if params.n == 1 else f"{index}_{request_id}"
             sequences.append(Request(child_id, token_ids, child_params, self.eos_token_ids, cache_salt,
                                      eviction=eviction))
@@ -157,10 +163,11 @@ class LLMEngine:
         if not scheduled:
             return []
         tables = {s.request.request_id: self.kv_manager.block_ids(s.request.request_id) for s in scheduled}
-        sampled_items, result = self.runner.execute(scheduled, tables)
-        self.scheduler.update(scheduled, {item.request.request_id: token
-                                          for item, token in zip(sampled_items, result.token_ids)})
-        return self.output_processor.process(sampled_items, result)
+        step = self.runner.execute(scheduled, tables)
+        finished = self.scheduler.update(scheduled, {item.request.request_id: token
+                                                     for item, token in zip(step.sampled, step.result.token_ids)})
+        prefill_only = [r for r in finished if r.max_tokens == 0]
+        return self.output_processor.process(step.sampled, step.result, step.prompt_logprobs, prefill_only)
 
     # ------------------------------------------------------------------ scoring
     def score(self, token_ids: list[int], chunk_size: int | None = None) -> torch.Tensor:

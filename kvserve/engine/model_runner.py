@@ -7,6 +7,10 @@ The forward pass sees one packed batch of all scheduled tokens.
 A request under KV eviction (kvserve/cache/eviction) takes positions from its cache index
 (`num_computed_tokens - num_evicted_tokens`), stores keys before RoPE and attends in groups of
 its own; the attention rows its policy observes are handed to the evictor after the forward pass.
+
+A request asking for prompt logprobs also has the final hidden state of every prompt position
+in its chunk kept (except the last prompt position, which is sampled); the LM head then scores
+the next prompt token from them a slice of rows at a time (kvserve/engine/logprobs.py).
 """
 from __future__ import annotations
 
@@ -18,11 +22,41 @@ import torch
 from kvserve.cache.eviction.config import EvictionConfig
 from kvserve.cache.eviction.evictor import Evictor
 from kvserve.cache.kv_cache import KVCache
+from kvserve.engine.logprobs import TokenLogprobs, prompt_token_logprobs
+from kvserve.engine.request import Request
 from kvserve.engine.sampler import SampleResult, Sampler
 from kvserve.engine.scheduler import ScheduledRequest
 from kvserve.model.attention import AttentionMetadata
 from kvserve.model.attention_backend import AttentionBackend, StepSequence, packing_order
 from kvserve.model.llama import LlamaForCausalLM
+
+
+@dataclass
+class PromptRows:
+    """Prompt positions [start, start + len(targets)) of `request` in this step, whose next tokens
+    (`targets`) get prompt logprobs; `first_row` is the first one's row in the packed batch."""
+
+    request: Request
+    start: int
+    first_row: int
+    targets: list[int]
+
+
+@dataclass
+class PromptLogprobsChunk:
+    """Prompt logprobs of `request`'s prompt tokens [first_token, first_token + len(targets))."""
+
+    request: Request
+    first_token: int
+    targets: list[int]
+    logprobs: TokenLogprobs
+
+
+@dataclass
+class StepResult:
+    sampled: list[ScheduledRequest]  # requests that got a token, in `result`'s order
+    result: SampleResult
+    prompt_logprobs: list[PromptLogprobsChunk] = field(default_factory=list)
 
 
 @dataclass
@@ -35,6 +69,7 @@ class ModelInputs:
     # Evicting requests whose policy observes attention: (request id, config, the [rows, seq_len]
     # attention rows its policy asked for, filled by the forward pass).
     observed_attention: list[tuple[str, EvictionConfig, torch.Tensor]] = field(default_factory=list)
+    prompt_rows: list[PromptRows] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -54,7 +89,7 @@ class ModelRunner:
         scheduled = sorted(scheduled, key=lambda item: packing_order(
             item.num_new_tokens == 1, item.request.eviction is not None, item.request.num_computed_tokens))
         token_chunks, position_chunks, slot_chunks, sequences = [], [], [], []
-        logits_rows, sampled = [], []
+        logits_rows, sampled, prompt_rows = [], [], []
         offset = 0
         for item in scheduled:
             r, n = item.request, item.num_new_tokens
@@ -70,9 +105,16 @@ class ModelRunner:
                                           observed_rows=self.evictor.observed_rows(r.eviction, n) if evicting else None))
             if all_logits:
                 logits_rows.extend(range(offset, offset + n))
-            elif item.samples:
-                logits_rows.append(offset + n - 1)
-                sampled.append(item)
+            else:
+                if item.samples:
+                    logits_rows.append(offset + n - 1)
+                    sampled.append(item)
+                if r.params.prompt_logprobs is not None:
+                    # Position p scores prompt token p + 1; the last prompt position is sampled instead.
+                    first, end = max(start, r.prompt_logprobs_done), min(start + n, r.num_prompt_tokens - 1)
+                    if end > first:
+                        prompt_rows.append(PromptRows(r, first, offset + first - start,
+                                                      r.token_ids[first + 1:end + 1]))
             offset += n
 
         def tensor(array, dtype=torch.long) -> torch.Tensor:
@@ -87,18 +129,39 @@ class ModelRunner:
             logits_rows=tensor(logits_rows),
             sampled=sampled,
             observed_attention=[(rid, eviction[rid], rows) for rid, rows in meta.observed_attention],
+            prompt_rows=prompt_rows,
         )
 
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
-        logits = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta, inputs.logits_rows)
+        """Float32 logits of `inputs.logits_rows` (prompt rows are not scored)."""
+        return self.run(inputs)[0]
+
+    def run(self, inputs: ModelInputs) -> tuple[torch.Tensor, list[PromptLogprobsChunk]]:
+        """The forward pass: logits of `inputs.logits_rows`, and the prompt logprobs of
+        `inputs.prompt_rows` (each request's `prompt_logprobs_done` advanced past them)."""
+        rows = inputs.logits_rows
+        if inputs.prompt_rows:
+            extra = np.concatenate([np.arange(p.first_row, p.first_row + len(p.targets)) for p in inputs.prompt_rows])
+            rows = torch.cat([rows, torch.as_tensor(extra, dtype=torch.long).to(self.device, non_blocking=True)])
+        hidden = self.model.final_hidden(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta, rows)
         for request_id, config, attention in inputs.observed_attention:
             self.evictor.observe(request_id, config, attention)
-        return logits
+        num_logits = inputs.logits_rows.shape[0]
+        logits = self.model.compute_logits(hidden[:num_logits])
+        chunks, cursor = [], num_logits
+        for p in inputs.prompt_rows:
+            n = len(p.targets)
+            found = prompt_token_logprobs(hidden[cursor:cursor + n], p.targets, p.request.params.prompt_logprobs,
+                                          self.model.compute_logits, self.model.config.vocab_size)
+            chunks.append(PromptLogprobsChunk(p.request, p.start + 1, p.targets, found))
+            p.request.prompt_logprobs_done = p.start + n
+            cursor += n
+        return logits, chunks
 
-    def execute(self, scheduled: list[ScheduledRequest], block_tables: dict[str, list[int]]
-                ) -> tuple[list[ScheduledRequest], SampleResult]:
+    def execute(self, scheduled: list[ScheduledRequest], block_tables: dict[str, list[int]]) -> StepResult:
         inputs = self.prepare(scheduled, block_tables)
-        logits = self.forward(inputs)
+        logits, prompt_logprobs = self.run(inputs)
         if not inputs.sampled:
-            return [], SampleResult([], [])
-        return inputs.sampled, self.sampler(logits, [item.request for item in inputs.sampled])
+            return StepResult([], SampleResult([], []), prompt_logprobs)
+        return StepResult(inputs.sampled, self.sampler(logits, [item.request for item in inputs.sampled]),
+                          prompt_logprobs)

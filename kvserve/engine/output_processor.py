@@ -2,8 +2,9 @@
 
 In: a prompt is tokenized (or rendered with the chat template first), and a request with n > 1
 fans out into n sequences (`Request`s) that share the prompt, one detokenizer each. Out: after
-each step the sampled tokens are detokenized (stop strings found), logprobs collected, and every
-request that advanced is reported as one `RequestOutput` gathering its sequences. vLLM v1 keeps
+each step the sampled tokens are detokenized (stop strings found), logprobs and prompt logprobs
+collected, and every request that advanced is reported as one `RequestOutput` gathering its
+sequences. vLLM v1 keeps
 the same split (its OutputProcessor), so that the engine itself only schedules and runs.
 """
 from __future__ import annotations
@@ -13,10 +14,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.engine.detokenizer import IncrementalDetokenizer
+from kvserve.engine.model_runner import PromptLogprobsChunk
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.sampler import SampleResult
 from kvserve.engine.scheduler import ScheduledRequest
-from kvserve.outputs import CompletionOutput, Logprob, RequestOutput
+from kvserve.outputs import CompletionOutput, Logprob, PromptLogprobs, RankedLogprob, RequestOutput
 
 
 @dataclass
@@ -32,10 +34,17 @@ class _Parent:
     prompt: str | None
     prompt_token_ids: list[int]
     children: list[_Child] = field(default_factory=list)
+    # Entries so far (the first sequence computes them for all); None when not asked for.
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def finished(self) -> bool:
         return all(c.request.status.finished for c in self.children)
+
+    @property
+    def complete_prompt_logprobs(self) -> PromptLogprobs | None:
+        entries = self.prompt_logprobs
+        return entries if entries is not None and len(entries) == len(self.prompt_token_ids) else None
 
 
 def tokenize(tokenizer: Any, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
@@ -79,6 +88,7 @@ class OutputProcessor:
         self._forget = forget
         self._parents: dict[str, _Parent] = {}
         self._children: dict[str, tuple[_Parent, _Child]] = {}
+        self._token_texts: dict[int, str] = {}
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._parents
@@ -87,6 +97,8 @@ class OutputProcessor:
             sequences: list[Request]) -> None:
         """Track a request and its sequences (one per sample, ids as the engine named them)."""
         parent = _Parent(request_id, prompt, prompt_token_ids)
+        if sequences and sequences[0].params.prompt_logprobs is not None:
+            parent.prompt_logprobs = [None]
         for request in sequences:
             params = request.params
             detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop,
@@ -101,11 +113,19 @@ class OutputProcessor:
         parent = self._parents.get(request_id)
         return [] if parent is None else [c.request for c in parent.children]
 
-    def process(self, sampled: list[ScheduledRequest], result: SampleResult) -> list[RequestOutput]:
+    def process(self, sampled: list[ScheduledRequest], result: SampleResult,
+                prompt_logprobs: list[PromptLogprobsChunk] = (), finished: list[Request] = ()) -> list[RequestOutput]:
         """After a step: each sequence's sampled token (`result`, in `sampled`'s order) detokenized,
-        a stop string ending its sequence; returns one output per request that advanced, in the
-        order first seen."""
+        a stop string ending its sequence; prompt logprobs collected; `finished`: sequences the
+        scheduler ended without sampling (prefill only). Returns one output per request that
+        advanced, in the order first seen."""
+        for chunk in prompt_logprobs:
+            self._add_prompt_logprobs(chunk)
         touched: dict[str, _Parent] = {}
+        for request in finished:
+            if request.request_id in self._children:
+                parent = self._children[request.request_id][0]
+                touched[parent.request_id] = parent
         for item, token, logprob in zip(sampled, result.token_ids, result.logprobs):
             parent, child = self._children[item.request.request_id]
             request = child.request
@@ -119,6 +139,25 @@ class OutputProcessor:
                 request.stop_reason = child.detokenizer.stop_string
                 self._finish(request, RequestStatus.FINISHED_STOPPED)
         return [self._output(parent) for parent in touched.values()]
+
+    def _add_prompt_logprobs(self, chunk: PromptLogprobsChunk) -> None:
+        entry = self._children.get(chunk.request.request_id)
+        parent = entry[0] if entry else None
+        if parent is None or parent.prompt_logprobs is None or len(parent.prompt_logprobs) != chunk.first_token:
+            return  # not tracked, or entries this request already has (never expected: the runner skips them)
+        found, k = chunk.logprobs, chunk.request.params.prompt_logprobs
+        for j, target in enumerate(chunk.targets):
+            ranked = {target: RankedLogprob(found.logprobs[j], found.ranks[j], self._token_text(target))}
+            for rank, (token, logprob) in enumerate(zip(found.top_ids[j][:k], found.top_logprobs[j][:k]), 1):
+                if token not in ranked:
+                    ranked[token] = RankedLogprob(logprob, rank, self._token_text(token))
+            parent.prompt_logprobs.append(ranked)
+
+    def _token_text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     def output(self, request_id: str) -> RequestOutput | None:
         """The request's state now (None for an unknown id); a finished request is then forgotten."""
@@ -147,4 +186,5 @@ class OutputProcessor:
                 self._children.pop(child.request.request_id, None)
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outputs, finished,
                              num_cached_tokens=parent.children[0].request.num_cached_tokens,
-                             error=next((c.request.error for c in parent.children if c.request.error), None))
+                             error=next((c.request.error for c in parent.children if c.request.error), None),
+                             prompt_logprobs=parent.complete_prompt_logprobs)

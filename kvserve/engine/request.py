@@ -50,6 +50,15 @@ class Request:
     error: str | None = None  # why it failed, set by the sampler when a logits processor raised
     eviction: EvictionConfig | None = None  # resolved by the engine on arrival; None: no eviction
     num_evicted_tokens: int = 0
+    # With params.prompt_logprobs: prompt positions [0, this) have had the logprob of the token
+    # after them computed (kept across preemption, so a recompute does not report them twice).
+    prompt_logprobs_done: int = 0
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """True while prompt logprobs are asked for and not all computed: such a request takes no
+        prefix-cache hit (a cached position would have no logits), as in vLLM."""
+        return self.params.prompt_logprobs is not None and self.prompt_logprobs_done < self.num_prompt_tokens - 1
 
     @property
     def num_kv_tokens(self) -> int:

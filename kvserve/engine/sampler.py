@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.engine.logprobs import token_logprobs
 from kvserve.engine.request import Request
 
 logger = logging.getLogger(__name__)
@@ -164,19 +165,16 @@ class Sampler:
 
     def _logprobs(self, raw: torch.Tensor, tokens: list[int], params) -> list:
         wanted = [p.logprobs for p in params]
-        if all(w is None for w in wanted):
+        rows = [i for i, w in enumerate(wanted) if w is not None]
+        if not rows:
             return [None] * len(tokens)
-        logprobs = raw.log_softmax(dim=-1)
-        k = max(w or 0 for w in wanted)
-        top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
-        chosen = logprobs[torch.arange(len(tokens), device=raw.device), torch.tensor(tokens, device=raw.device)].tolist()
-        result = []
-        for i, w in enumerate(wanted):
-            if w is None:
-                result.append(None)
-                continue
-            top = list(zip(top_ids[i, :w].tolist(), top_vals[i, :w].tolist())) if w else []
-            result.append((chosen[i], top))
+        index = torch.tensor(rows, device=raw.device)
+        found = token_logprobs(raw.index_select(0, index), torch.tensor(tokens, device=raw.device)[index],
+                               max(wanted[i] for i in rows))
+        result: list = [None] * len(tokens)
+        for j, i in enumerate(rows):
+            w = wanted[i]
+            result[i] = (found.logprobs[j], list(zip(found.top_ids[j][:w], found.top_logprobs[j][:w])))
         return result
 
 

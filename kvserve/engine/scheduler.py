@@ -7,6 +7,10 @@ requests then join while the budget, `max_num_seqs` and free blocks allow. When 
 dry, the most recently admitted running request is preempted by recompute: its blocks are freed
 and it goes back to the front of the waiting queue (vLLM's policy; never an OOM).
 
+A request that asks for prompt logprobs takes no prefix-cache hit until they are computed (the
+skipped positions would have no logits); a request with max_tokens 0 finishes with "length" once
+its prompt is computed, without a token sampled.
+
 A request under KV eviction advances at most budget - sinks tokens per step, and allocating its
 blocks first lets its policy drop tokens (`KVCacheManager.make_room`, kvserve/cache/eviction). A
 preempted one is recomputed from its whole token history with the policy applied again
@@ -35,9 +39,10 @@ class ScheduledRequest:
 
     @property
     def samples(self) -> bool:
-        """True if this step reaches the end of the request's known tokens (a token is sampled)."""
+        """True if this step reaches the end of the request's known tokens (a token is sampled);
+        never for a prefill-only request (max_tokens 0)."""
         r = self.request
-        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens and r.max_tokens != 0
 
 
 class Scheduler:
@@ -102,13 +107,16 @@ class Scheduler:
         # take blocks the preempted (older) requests need to resume.
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            cached = self.kv.find_cached_prefix(request)
+            # A request that still needs prompt logprobs recomputes its whole prompt; the blocks it
+            # writes are still published for others.
+            cached = [] if request.needs_prompt_logprobs else self.kv.find_cached_prefix(request)
             num_cached = len(cached) * self.kv.block_size
             num_new = min(request.num_tokens - num_cached, budget, self.kv.max_new_tokens(request, num_cached))
             if not self.kv.allocate(request, num_new, cached):
                 break
             self.waiting.popleft()
-            if request.num_preemptions == 0:  # recomputing its own blocks is not a cache hit
+            if request.num_preemptions == 0 and not request.needs_prompt_logprobs:
+                # (recomputing its own blocks is not a cache hit; a prompt-logprobs request looked nothing up)
                 request.num_cached_tokens = num_cached
                 self.kv.record_lookup(request.num_tokens, num_cached)
             request.num_computed_tokens = num_cached
@@ -128,6 +136,9 @@ class Scheduler:
             request.num_computed_tokens += item.num_new_tokens
             token = sampled.get(request.request_id)
             if token is None:
+                if request.max_tokens == 0 and request.num_computed_tokens == request.num_tokens:
+                    self.finish(request, RequestStatus.FINISHED_LENGTH)  # prefill only: the prompt is computed
+                    finished.append(request)
                 continue
             if request.error is not None:  # the sampler failed it (a logits processor raised)
                 self.finish(request, RequestStatus.FINISHED_ERROR)

@@ -141,12 +141,23 @@ class LlamaForCausalLM(nn.Module):
 
         Only the rows that will be sampled go through the LM head (a prefill chunk needs none
         or one): for a 135M model the head is a fifth of the weights."""
+        return self.compute_logits(self.final_hidden(input_ids, positions, kv_cache, meta, logits_rows))
+
+    @torch.inference_mode()
+    def final_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
+                     meta: AttentionMetadata, rows: torch.Tensor) -> torch.Tensor:
+        """The decoder stack over the packed batch: the final-normed hidden states of `rows`
+        [len(rows), hidden] (the LM head's input), so a caller can take logits a slice at a time."""
         x = self.embed_tokens(input_ids)
         rope = self.rope(positions)
         for layer in self.layers:
             x = layer(x, rope, kv_cache, meta)
-        x = self.norm(x[logits_rows])
-        return self.lm_head(x).float()
+        return self.norm(x[rows])
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [rows, hidden] -> float32 logits [rows, vocab]."""
+        return self.lm_head(hidden).float()
 
     def set_key_centers(self, centers: list[torch.Tensor] | None) -> None:
         """One [kv_heads, head_dim] vector per layer to subtract from the keys it caches, or None."""

@@ -13,6 +13,7 @@ from starlette.responses import Response
 from kvserve.outputs import Logprob
 from kvserve.server.engine_loop import EngineError, PromptSpec, RequestStream
 from kvserve.server.errors import APIError
+from kvserve.server.prompt_logprobs import prompt_logprobs_field
 from kvserve.server.prompts import Tokenization, conversation
 from kvserve.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                      ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, DeltaMessage,
@@ -68,7 +69,8 @@ class ChatServing:
                               finish_reason=c.finish_reason, stop_reason=c.stop_reason) for c in output.outputs]
         response = ChatCompletionResponse(
             id=request_id, created=created, model=ctx.model_name, choices=choices,
-            usage=usage([len(prompt_ids)], sum(len(c.token_ids) for c in output.outputs), output.num_cached_tokens))
+            usage=usage([len(prompt_ids)], sum(len(c.token_ids) for c in output.outputs), output.num_cached_tokens),
+            prompt_logprobs=prompt_logprobs_field(output.prompt_logprobs))
         return Response(response.model_dump_json(), media_type="application/json")
 
     async def _events(self, body: ChatCompletionRequest, prompt_len: int, stream: RequestStream,

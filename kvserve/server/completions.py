@@ -1,5 +1,9 @@
 """POST /v1/completions: one engine request per prompt, `n` samples each; JSON or SSE chunks in
-OpenAI's `text_completion` format with its legacy logprobs (parallel lists per token)."""
+OpenAI's `text_completion` format with its legacy logprobs (parallel lists per token).
+
+`echo` puts the prompt before the generated text; with `logprobs` the prompt's tokens' logprobs
+come first too (computed as prompt logprobs, as vLLM does), and `max_tokens: 0` with `echo`
+returns the prompt alone (the engine computes the prompt and samples nothing)."""
 from __future__ import annotations
 
 import time
@@ -12,6 +16,7 @@ from starlette.responses import Response
 from kvserve.outputs import Logprob
 from kvserve.server.engine_loop import EngineError, PromptSpec, RequestStream
 from kvserve.server.errors import APIError
+from kvserve.server.prompt_logprobs import echoed_prompt_logprobs, prompt_logprobs_field
 from kvserve.server.prompts import Prompt, Tokenization
 from kvserve.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
 from kvserve.server.serving import ServingContext, StreamState, usage
@@ -35,6 +40,12 @@ def completion_logprobs(tokens: Tokenization, entries: list[Logprob], text_offse
     return result
 
 
+def joined(first: CompletionLogprobs, second: CompletionLogprobs) -> CompletionLogprobs:
+    return CompletionLogprobs(text_offset=first.text_offset + second.text_offset,
+                              token_logprobs=first.token_logprobs + second.token_logprobs,
+                              tokens=first.tokens + second.tokens, top_logprobs=first.top_logprobs + second.top_logprobs)
+
+
 class CompletionServing:
     def __init__(self, ctx: ServingContext):
         self.ctx = ctx
@@ -42,12 +53,12 @@ class CompletionServing:
     async def create(self, body: CompletionRequest, request: Request) -> Response:
         ctx = self.ctx
         ctx.check_fields(body)
-        if body.echo and body.logprobs is not None:
-            raise APIError(400, "echo together with logprobs is not supported (kvserve does not compute "
-                                "prompt logprobs).", param="echo")
         # A client that leaves while its prompt waits for the tokenizer drops the job.
         prompts = await unless_disconnected(ctx.tokens.completion_prompts(body.prompt), request)
-        params = ctx.sampling_params(body, body.max_tokens, body.logprobs, len(prompts))
+        # As in vLLM: echo with logprobs computes the prompt's logprobs (k = logprobs).
+        echo_logprobs = body.echo and body.logprobs is not None
+        params = ctx.sampling_params(body, body.max_tokens, body.logprobs, len(prompts),
+                                     prompt_logprobs=body.logprobs if echo_logprobs else None, prompt_only=body.echo)
         if body.echo:
             for prompt in prompts:
                 if prompt.text is None:
@@ -65,9 +76,14 @@ class CompletionServing:
         for p, (prompt, out) in enumerate(zip(prompts, outputs)):
             prefix = prompt.text if body.echo else ""
             for c in out.outputs:
-                logprobs = (completion_logprobs(ctx.tokens, c.logprobs, 0) if c.logprobs is not None else None)
+                logprobs = (completion_logprobs(ctx.tokens, c.logprobs, len(prefix)) if c.logprobs is not None
+                            else None)
+                if echo_logprobs:
+                    echoed = echoed_prompt_logprobs(ctx.tokens, prompt.token_ids, out.prompt_logprobs, body.logprobs)
+                    logprobs = joined(echoed, logprobs or CompletionLogprobs())
                 choices.append(CompletionChoice(index=p * body.n + c.index, text=prefix + c.text, logprobs=logprobs,
-                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                                prompt_logprobs=prompt_logprobs_field(out.prompt_logprobs)))
         response = CompletionResponse(
             id=request_id, created=created, model=ctx.model_name, choices=choices,
             usage=usage([len(p.token_ids) for p in prompts], sum(len(c.token_ids) for o in outputs for c in o.outputs),
@@ -80,6 +96,7 @@ class CompletionServing:
         state = StreamState(body.n)
         prompt_lengths = [len(p.token_ids) for p in prompts]
         offsets: dict[int, int] = {}  # choice index -> text offset of its next logprob token
+        echo_logprobs = body.echo and body.logprobs is not None
 
         def chunk(choices: list[CompletionChoice], with_usage: bool) -> str:
             u = (usage(prompt_lengths, state.completion_tokens(), sum(state.cached_tokens.values()))
@@ -94,6 +111,8 @@ class CompletionServing:
                     for c in out.outputs:
                         index, choice = state.choice(p, c.index)
                         echo = body.echo and not choice.started
+                        if echo and echo_logprobs and out.prompt_logprobs is None and c.finish_reason is None:
+                            continue  # the first chunk waits for the prompt's logprobs (another sample computes them)
                         delta = (prompts[p].text if echo else "") + c.text[choice.chars_sent:]
                         choice.started = True
                         new_logprobs = c.logprobs[choice.tokens_sent:] if c.logprobs is not None else None
@@ -102,9 +121,14 @@ class CompletionServing:
                         if not (delta or new_logprobs or finishing):
                             continue
                         logprobs = None
+                        if echo and echo_logprobs:
+                            logprobs = echoed_prompt_logprobs(ctx.tokens, prompts[p].token_ids, out.prompt_logprobs,
+                                                              body.logprobs)
+                            offsets[index] = len(prompts[p].text)
                         if new_logprobs is not None:
-                            logprobs = completion_logprobs(ctx.tokens, new_logprobs, offsets.get(index, 0))
-                            offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs.tokens)
+                            generated = completion_logprobs(ctx.tokens, new_logprobs, offsets.get(index, 0))
+                            offsets[index] = offsets.get(index, 0) + sum(len(t) for t in generated.tokens)
+                            logprobs = joined(logprobs, generated) if logprobs is not None else generated
                             choice.tokens_sent = len(c.logprobs)
                         choice.finished = c.finish_reason is not None
                         yield chunk([CompletionChoice(index=index, text=delta, logprobs=logprobs,

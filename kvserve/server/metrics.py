@@ -125,6 +125,10 @@ class ServerMetrics:
                 self.generation_tokens.inc(new)
                 self._interval.generation_tokens += new
                 times.num_tokens, times.last_token = num_tokens, now
+            if out.finished and times.first_token is None and all(c.finish_reason == "length" for c in out.outputs):
+                # Prefill only (max_tokens 0): its prompt was computed though no token came.
+                self.prompt_tokens.inc(len(out.prompt_token_ids))
+                self._interval.prompt_tokens += len(out.prompt_token_ids)
             if out.finished:
                 self.e2e.observe(now - times.arrival)
                 for completion in out.outputs:

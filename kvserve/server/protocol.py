@@ -29,7 +29,6 @@ _UNSUPPORTED_COMMON: dict[str, Callable[[Any], bool]] = {
     "response_format": lambda v: _off(v) or v == {"type": "text"},
     "guided_json": _off, "guided_regex": _off, "guided_choice": _off, "guided_grammar": _off,
     "structured_outputs": _off,
-    "prompt_logprobs": _off,
     "chat_template_kwargs": _off,
     "lora_request": _off,
 }
@@ -130,6 +129,8 @@ class SamplingFields(OpenAIModel):
     cache_salt: str | None = Field(default=None, description="Prefix-cache namespace: only requests with "
                                    "the same salt share cached blocks.")
     kv_eviction: KVEvictionField | None = None
+    prompt_logprobs: int | None = Field(default=None, description="Return the log-probability of every prompt "
+                                        "token given the ones before it, with the k most likely tokens there.")
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> "SamplingFields":
@@ -137,7 +138,19 @@ class SamplingFields(OpenAIModel):
             raise ValueError("Stream options can only be defined when `stream=True`.")
         return self
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    @model_validator(mode="after")
+    def _prompt_logprobs_not_streamed(self) -> "SamplingFields":
+        # vLLM's texts; a streamed response has nowhere to put them (echo + logprobs has: the
+        # first chunk of each completion choice).
+        if self.prompt_logprobs is not None:
+            if self.stream:
+                raise ValueError("`prompt_logprobs` are not available when `stream=True`.")
+            if self.prompt_logprobs < 0:
+                raise ValueError("`prompt_logprobs` must be a non-negative value.")
+        return self
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         """Raises ValueError (a 400) for values out of range."""
         given = {name: getattr(self, name) for name in (
             "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
@@ -145,6 +158,7 @@ class SamplingFields(OpenAIModel):
         return SamplingParams(
             n=self.n, max_tokens=max_tokens, stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
             seed=self.seed, ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs if prompt_logprobs is not None else self.prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             kv_eviction=self.kv_eviction.model_dump(exclude_none=True) if self.kv_eviction else None, **given)
@@ -220,12 +234,25 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's entry for one token at one prompt position."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's `prompt_logprobs`: per prompt token, null for the first, else {token id: entry}.
+PromptLogprobsField = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobsField | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -271,6 +298,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobsField | None = None
 
 
 class DeltaMessage(BaseModel):

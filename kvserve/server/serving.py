@@ -47,7 +47,11 @@ class ServingContext:
             logger.warning("The following fields were present in the request but ignored: %s", ignored)
 
     def sampling_params(self, body: SamplingFields, max_tokens: int | None, logprobs: int | None,
-                        num_prompts: int) -> SamplingParams:
+                        num_prompts: int, prompt_logprobs: int | None = None,
+                        prompt_only: bool = False) -> SamplingParams:
+        """`prompt_only`: max_tokens 0 is allowed (completions with echo: the prompt alone)."""
+        if max_tokens is not None and max_tokens < 1 and not (prompt_only and max_tokens == 0):
+            raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens")
         if num_prompts * body.n > MAX_CHOICES_PER_REQUEST:
             raise APIError(400, f"At most {MAX_CHOICES_PER_REQUEST} completions per request (prompts x n), "
                                 f"got {num_prompts} x {body.n}.", param="n")
@@ -55,7 +59,7 @@ class ServingContext:
         # fail the whole engine step, not just this request.
         self.tokens.check_token_ids(body.stop_token_ids or [], "stop_token_ids")
         try:
-            return body.sampling_params(max_tokens, logprobs)
+            return body.sampling_params(max_tokens, logprobs, prompt_logprobs)
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
 

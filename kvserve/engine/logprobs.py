@@ -1,0 +1,59 @@
+"""Log-probabilities of given tokens under the model's raw distribution, with their ranks and the
+top-k alternatives: what the sampler reports for a sampled token and what prompt logprobs
+report for every prompt token (vLLM's `logprobs` and `prompt_logprobs`).
+
+Prompt logprobs need a row per prompt token; `prompt_token_logprobs` takes them from the final
+hidden states a slice of rows at a time, so a long prefill chunk never holds its whole
+[tokens, vocab] float32 logits (nor their log-softmax) at once.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+# Logits elements per slice of prompt rows (each slice holds its float32 logits and log-softmax).
+SLICE_ELEMENTS = 1 << 22
+
+
+@dataclass
+class TokenLogprobs:
+    """Per row: the given token's logprob and rank (1 = most likely), and the top k (best first)."""
+
+    logprobs: list[float]
+    ranks: list[int]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> TokenLogprobs:
+    """`logits` float32 [rows, vocab], `token_ids` [rows] on the same device: row i's log-softmax
+    at token_ids[i], that token's rank, and the k largest entries (k = 0: none)."""
+    logprobs = logits.log_softmax(dim=-1)
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    rows = logits.shape[0]
+    if k:
+        top_vals, top_ids = logprobs.topk(min(k, logits.shape[1]), dim=-1)
+        top_ids_list, top_vals_list = top_ids.tolist(), top_vals.tolist()
+    else:
+        top_ids_list, top_vals_list = [[] for _ in range(rows)], [[] for _ in range(rows)]
+    return TokenLogprobs(chosen.squeeze(1).tolist(), ranks.tolist(), top_ids_list, top_vals_list)
+
+
+def prompt_token_logprobs(hidden: torch.Tensor, targets: list[int], k: int,
+                          compute_logits: Callable[[torch.Tensor], torch.Tensor],
+                          vocab_size: int) -> TokenLogprobs:
+    """Row i of `hidden` (the final hidden state at some position) scores `targets[i]` (the token
+    that follows it): the LM head and log-softmax run on slices of at most SLICE_ELEMENTS logits."""
+    step = max(1, SLICE_ELEMENTS // vocab_size)
+    target_tensor = torch.as_tensor(targets, dtype=torch.long).to(hidden.device, non_blocking=True)
+    result = TokenLogprobs([], [], [], [])
+    for start in range(0, len(targets), step):
+        part = token_logprobs(compute_logits(hidden[start:start + step]), target_tensor[start:start + step], k)
+        result.logprobs += part.logprobs
+        result.ranks += part.ranks
+        result.top_ids += part.top_ids
+        result.top_logprobs += part.top_logprobs
+    return result
