@@ -15,7 +15,6 @@ from starlette.responses import Response
 
 from kvserve.outputs import Logprob
 from kvserve.server.engine_loop import EngineError, PromptSpec, RequestStream
-from kvserve.server.errors import APIError
 from kvserve.server.prompt_logprobs import echoed_prompt_logprobs, prompt_logprobs_field
 from kvserve.server.prompts import Prompt, Tokenization
 from kvserve.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
