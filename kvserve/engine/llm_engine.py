@@ -75,10 +75,12 @@ class LLMEngine:
     def tokenize(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
         return tokenize(self.tokenizer, prompt)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Render a conversation with the tokenizer's chat template, then tokenize it (the template
-        already holds the special tokens, so none are added)."""
-        return apply_chat_template(self.tokenizer, messages, add_generation_prompt)
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> list[int]:
+        """Render a conversation (and tool definitions, for templates that use them) with the
+        tokenizer's chat template, then tokenize it (the template already holds the special
+        tokens, so none are added)."""
+        return apply_chat_template(self.tokenizer, messages, add_generation_prompt, tools)
 
     def resolve_eviction(self, spec: EvictionSpec | None) -> EvictionConfig | None:
         """A request's KV eviction settings (its `kv_eviction` over the engine's flags), checked;

@@ -48,12 +48,14 @@ def tokenize(tokenizer: Any, prompt: str | list[int] | dict) -> tuple[str | None
     return None, list(prompt)
 
 
-def apply_chat_template(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-    """Render a conversation with the tokenizer's chat template, then tokenize it (the template
-    already holds the special tokens, so none are added)."""
+def apply_chat_template(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True,
+                        tools: list[dict] | None = None) -> list[int]:
+    """Render a conversation (with `tools` for templates that use them) with the tokenizer's chat
+    template, then tokenize it (the template already holds the special tokens, so none are added)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template; use the completions API")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt)
     return tokenizer.encode(text, add_special_tokens=False)
 
 

@@ -36,8 +36,33 @@ def register(subparsers) -> None:
     group.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                        help="on SIGTERM or Ctrl-C, how long requests in flight may take to finish before "
                             "they are failed; a second signal exits at once (default: %(default)s)")
+    tools = parser.add_argument_group("tool calling")
+    tools.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='answer `tool_choice: "auto"` (and requests with `tools` but no `tool_choice`): the '
+                            "model decides, --tool-call-parser reads its calls (named and \"required\" tool "
+                            "choice need neither flag)")
+    tools.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                       help=f"the format the model writes tool calls in: {', '.join(_tool_parser_names())}")
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(func=run_serve)
+
+
+def _tool_parser_names() -> list[str]:
+    from kvserve.server.tool_parsers import TOOL_PARSERS
+
+    return sorted(TOOL_PARSERS)
+
+
+def tool_call_parser(args: argparse.Namespace) -> str | None:
+    """The parser for auto tool choice, or None when it is off; checks the two flags (vLLM's)."""
+    names = _tool_parser_names()
+    if args.tool_call_parser is not None and args.tool_call_parser not in names:
+        raise UserError(f"invalid tool call parser: {args.tool_call_parser} (chose from {{ {','.join(names)} }})")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise UserError("--enable-auto-tool-choice requires --tool-call-parser")
+    if args.tool_call_parser is not None and not args.enable_auto_tool_choice:
+        raise UserError("--tool-call-parser is only used with --enable-auto-tool-choice; add that flag")
+    return args.tool_call_parser if args.enable_auto_tool_choice else None
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -76,6 +101,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.api_key is not None and not args.api_key.strip():
         raise UserError("--api-key must not be empty")
     max_body = parse_size(args.max_request_body_bytes)
+    parser_name = tool_call_parser(args)
     if not args.shutdown_timeout >= 0:  # also refuses nan
         raise UserError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     engine_args = EngineArgs.from_cli_args(args)
@@ -83,8 +109,8 @@ def run_serve(args: argparse.Namespace) -> int:
     sock = _bind(args.host, args.port)
     engine = LLMEngine(engine_args)
     names = args.served_model_name or [args.model or Path(engine.model_path).name.removesuffix(".gguf")]
-    app = build_app(engine, ServerConfig(names, args.api_key, max_body,
-                                         fault_injection=fault_injection_enabled()))
+    app = build_app(engine, ServerConfig(names, args.api_key, max_body, fault_injection=fault_injection_enabled(),
+                                         tool_call_parser=parser_name))
     async_engine = app.state.engine
     config = uvicorn.Config(app, log_level=args.log_level.lower(), timeout_keep_alive=5)
     server = ServingServer(config, args.shutdown_timeout, on_grace_expired=lambda: async_engine.fail_all(

@@ -46,6 +46,7 @@ class ServerConfig:
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     log_interval_s: float = 5.0
     fault_injection: bool = False  # POST /debug/faults (kvserve/server/faults.py); tests only
+    tool_call_parser: str | None = None  # reads `tool_choice: "auto"` replies (--enable-auto-tool-choice)
 
 
 def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
@@ -56,7 +57,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     async_engine = AsyncEngine(engine, metrics)
     tokens = Tokenization(engine)
     ctx = ServingContext(async_engine, tokens, list(config.served_model_names), engine.max_model_len)
-    completions, chat = CompletionServing(ctx), ChatServing(ctx)
+    completions, chat = CompletionServing(ctx), ChatServing(ctx, config.tool_call_parser)
     created = int(time.time())
 
     @asynccontextmanager

@@ -40,8 +40,6 @@ UNSUPPORTED_COMPLETION_FIELDS = {
 }
 UNSUPPORTED_CHAT_FIELDS = {
     **_UNSUPPORTED_COMMON,
-    "tools": _off,
-    "tool_choice": lambda v: _off(v) or v == "none",
     "functions": _off,
     "function_call": lambda v: _off(v) or v == "none",
     "audio": _off,
@@ -172,10 +170,37 @@ class ContentPart(OpenAIModel):
     text: str | None = None
 
 
+class FunctionCallParam(OpenAIModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI's API sends it
+
+
+class ToolCallParam(OpenAIModel):
+    """A call in an assistant message of the conversation (what an earlier response returned)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
 class ChatMessage(OpenAIModel):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages
+
+
+class FunctionDefinition(OpenAIModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; none means no arguments
+    strict: bool | None = None
+
+
+class ChatTool(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -185,6 +210,10 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    tools: list[ChatTool] | None = None
+    # "none", "auto", "required" or {"type": "function", "function": {"name": ...}}; checked in
+    # kvserve/server/tools.py with vLLM's messages.
+    tool_choice: str | dict[str, Any] | None = None
 
     unsupported_fields: ClassVar[dict[str, Callable[[Any], bool]]] = UNSUPPORTED_CHAT_FIELDS
 
@@ -251,9 +280,29 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_no_calls(self, handler: Any) -> dict:
+        """`tool_calls` appears only on a message that has calls (OpenAI's shape)."""
+        data = handler(self)
+        if data.get("tool_calls") is None:
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatChoice(BaseModel):
@@ -273,9 +322,32 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
+class _Sparse(BaseModel):
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler: Any) -> dict:
+        """OpenAI's deltas carry only what changed: no `"name": null`."""
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunctionCall(_Sparse):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_Sparse):
+    """A piece of one tool call in a stream: the first carries `id`, `type` and the function's
+    name; the following ones add fragments of `arguments`; `index` says which call."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _omit_unset(self, handler: Any) -> dict:
