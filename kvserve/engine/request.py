@@ -4,15 +4,19 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvserve.cache.eviction.config import EvictionConfig
 from kvserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvserve.engine.structured_output import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
-    FINISHED_STOPPED = "stop"  # EOS, a stop token or a stop string
+    FINISHED_STOPPED = "stop"  # EOS, a stop token, a stop string or a completed grammar
     FINISHED_LENGTH = "length"  # max_tokens or the context limit
     FINISHED_ABORTED = "abort"
     FINISHED_ERROR = "error"
@@ -50,6 +54,9 @@ class Request:
     error: str | None = None  # why it failed, set by the sampler when a logits processor raised
     eviction: EvictionConfig | None = None  # resolved by the engine on arrival; None: no eviction
     num_evicted_tokens: int = 0
+    # Structured outputs: this sequence's place in its grammar (set by the engine on arrival); the
+    # sampler masks its logits and advances it with each sampled token.
+    grammar: GrammarMatcher | None = None
 
     @property
     def num_kv_tokens(self) -> int:
@@ -83,6 +90,8 @@ class Request:
         """After a token was appended: the finishing status, if generation must stop."""
         n_out = self.num_output_tokens
         last = self.token_ids[-1]
+        if self.grammar is not None and self.grammar.finished:  # the output is complete
+            return RequestStatus.FINISHED_STOPPED
         if n_out >= self.params.min_tokens:
             if not self.params.ignore_eos and last in self.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED

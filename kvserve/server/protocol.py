@@ -13,7 +13,7 @@ from typing import Any, Callable, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from kvserve.cache.eviction import POLICY_CHOICES
-from kvserve.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
+from kvserve.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, StructuredOutputsParams
 
 # Prompts x n in one HTTP request: bounds the work one request can queue.
 MAX_CHOICES_PER_REQUEST = 128
@@ -26,9 +26,8 @@ def _off(value: Any) -> bool:
 # field -> test that its value asks for nothing kvserve would have to ignore
 _UNSUPPORTED_COMMON: dict[str, Callable[[Any], bool]] = {
     "logit_bias": _off,
-    "response_format": lambda v: _off(v) or v == {"type": "text"},
-    "guided_json": _off, "guided_regex": _off, "guided_choice": _off, "guided_grammar": _off,
-    "structured_outputs": _off,
+    "guided_whitespace_pattern": _off,
+    "guided_decoding_backend": _off,
     "prompt_logprobs": _off,
     "chat_template_kwargs": _off,
     "lora_request": _off,
@@ -103,6 +102,38 @@ class KVEvictionField(BaseModel):
     recent_tokens: int | None = Field(default=None, description="newest tokens always kept")
 
 
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's `response_format.json_schema`: a named schema (`strict` is accepted; the grammar
+    always enforces the schema)."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: text (no constraint), any JSON object, or a JSON schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(BaseModel):
+    """vLLM's `structured_outputs` request field (exactly one constraint)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = True
+
+
 class SamplingFields(OpenAIModel):
     """The sampling fields shared by completions and chat (vLLM's extras included)."""
 
@@ -128,6 +159,14 @@ class SamplingFields(OpenAIModel):
     cache_salt: str | None = Field(default=None, description="Prefix-cache namespace: only requests with "
                                    "the same salt share cached blocks.")
     kv_eviction: KVEvictionField | None = None
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
+    # guided_* spellings; more than one constraint in all is a 400.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> "SamplingFields":
@@ -145,7 +184,34 @@ class SamplingFields(OpenAIModel):
             seed=self.seed, ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            kv_eviction=self.kv_eviction.model_dump(exclude_none=True) if self.kv_eviction else None, **given)
+            kv_eviction=self.kv_eviction.model_dump(exclude_none=True) if self.kv_eviction else None,
+            structured_outputs=self.structured_outputs_params(), **given)
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The one output constraint the request asks for, from whichever field it used; None
+        without one. Raises ValueError (a 400) for two constraints or a malformed one."""
+        constraints: dict[str, Any] = {}
+        whitespace = True
+        if self.structured_outputs is not None:
+            so = self.structured_outputs
+            whitespace = so.disable_any_whitespace
+            constraints.update({k: v for k, v in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
+                                                  ("grammar", so.grammar), ("json_object", so.json_object))
+                                if v is not None and v is not False})
+        for kind, value in (("json", self.guided_json), ("regex", self.guided_regex),
+                            ("choice", self.guided_choice), ("grammar", self.guided_grammar)):
+            if value is not None:
+                _add_constraint(constraints, kind, value)
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            _add_constraint(constraints, "json_object", True)
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+                raise ValueError("response_format of type json_schema needs json_schema.schema (the JSON schema).")
+            _add_constraint(constraints, "json", fmt.json_schema.json_schema)
+        if not constraints:
+            return None
+        return StructuredOutputsParams(**constraints, disable_any_whitespace=whitespace)
 
     @property
     def include_usage(self) -> bool:
@@ -154,6 +220,13 @@ class SamplingFields(OpenAIModel):
     @property
     def continuous_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+
+def _add_constraint(constraints: dict[str, Any], kind: str, value: Any) -> None:
+    if constraints:  # vLLM's text
+        raise ValueError(f"You can only use one kind of structured outputs constraint but multiple are "
+                         f"specified: {', '.join([*constraints, kind])}.")
+    constraints[kind] = value
 
 
 class CompletionRequest(SamplingFields):
