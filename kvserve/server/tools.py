@@ -2,7 +2,8 @@
 
 - `"none"`: the tools are shown to the model, the reply is plain text.
 - a named function (`{"type": "function", "function": {"name": ...}}`): the output is constrained
-  by structured outputs to that function's parameters schema and returned as its one call.
+  by structured outputs to that function's parameters schema (objects closed to undeclared keys,
+  see `closed_schema`) and returned as its one call.
 - `"required"`: the output is constrained to a JSON array of `{"name": <a tool>, "parameters":
   <that tool's schema>}` objects, at least one; each becomes a call.
 - `"auto"` (the default when `tools` is given): the model writes calls in its own format, which
@@ -23,9 +24,6 @@ from kvserve.server.tool_parsers import TOOL_PARSERS, ToolParser
 from kvserve.server.tool_parsers.forced import NamedCallReader, RequiredCallsReader
 
 _USAGE = 'Correct usage: `{"type": "function", "function": {"name": "my_function"}}`'
-# Request fields that ask for structured outputs of their own (a request is held to one grammar).
-_STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                      "guided_grammar")
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
 
@@ -55,7 +53,7 @@ class ToolPlan:
 
     def _parameters(self, name: str) -> dict:
         function = next(t["function"] for t in self.tools if t["function"]["name"] == name)
-        return function.get("parameters") or EMPTY_PARAMETERS
+        return closed_schema(function.get("parameters") or EMPTY_PARAMETERS)
 
     def finish_reason(self, finish_reason: str | None, called: bool) -> str | None:
         """vLLM's (and OpenAI's) rule: "tool_calls" when auto produced calls or a required reply
@@ -67,6 +65,33 @@ class ToolPlan:
         return finish_reason
 
 
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_VALUES = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
+
+
+def closed_schema(schema: Any) -> Any:
+    """A copy of `schema` where objects that list `properties` and say nothing about
+    `additionalProperties` allow no other keys (xgrammar's strict mode, vLLM's default backend):
+    a function's arguments are the parameters it declares, and a small model left free to add
+    keys may add them until max_tokens."""
+    if not isinstance(schema, dict):
+        return schema
+    result = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(result.get(key), dict):
+            result[key] = {name: closed_schema(sub) for name, sub in result[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(result.get(key), list):
+            result[key] = [closed_schema(sub) for sub in result[key]]
+    for key in _SCHEMA_VALUES:
+        if key in result:
+            result[key] = closed_schema(result[key])
+    if "properties" in result and "additionalProperties" not in result:
+        result["additionalProperties"] = False
+    return result
+
+
 def required_schema(tools: list[dict[str, Any]]) -> dict:
     """vLLM's schema for `tool_choice: "required"`: an array of at least one call, each naming a
     tool (an enum of one) with that tool's parameters. `$defs` of the tools move to the top, where
@@ -75,7 +100,7 @@ def required_schema(tools: list[dict[str, Any]]) -> dict:
     alternatives = []
     for tool in tools:
         function = tool["function"]
-        parameters = copy.deepcopy(function.get("parameters") or EMPTY_PARAMETERS)
+        parameters = closed_schema(copy.deepcopy(function.get("parameters") or EMPTY_PARAMETERS))
         for name, schema in parameters.pop("$defs", {}).items():
             if definitions.get(name, schema) != schema:
                 raise APIError(400, f"Tool definition '{name}' has multiple schemas, which is not supported.",
@@ -90,22 +115,11 @@ def required_schema(tools: list[dict[str, Any]]) -> dict:
     return schema
 
 
-def _given(body: ChatCompletionRequest, name: str) -> Any:
-    value = getattr(body, name, None)
-    if value is None:
-        value = (body.model_extra or {}).get(name)
-    return value
-
-
 def _asks_for_structure(body: ChatCompletionRequest) -> bool:
-    for name in _STRUCTURED_FIELDS:
-        value = _given(body, name)
-        if hasattr(value, "model_dump"):
-            value = value.model_dump(exclude_none=True)
-        if value in (None, False, [], {}, "") or (name == "response_format" and value == {"type": "text"}):
-            continue
-        return True
-    return False
+    try:
+        return body.structured_outputs_params() is not None
+    except ValueError:  # a malformed constraint: sampling_params() reports it
+        return False
 
 
 def plan_tools(body: ChatCompletionRequest, auto_parser: str | None) -> ToolPlan | None:
