@@ -112,7 +112,8 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "Give exactly one of `prompt` and `messages`.")
         if body.messages is not None:
-            ids = await tokens.chat_prompt(conversation(body.messages), body.add_generation_prompt)
+            tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+            ids = await tokens.chat_prompt(conversation(body.messages), body.add_generation_prompt, tools)
         else:
             ids = await tokens.encode(body.prompt, body.add_special_tokens)
         strs = [tokens.token_text(t) for t in ids] if body.return_token_strs else None

@@ -295,6 +295,7 @@ class TokenizeRequest(OpenAIModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ChatTool] | None = None  # rendered with the messages, as chat renders them
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False
