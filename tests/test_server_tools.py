@@ -154,6 +154,20 @@ def test_auto_hermes_parses_the_generated_tool_call(tiny_client):
     assert plain.choices[0].message.tool_calls is None and plain.choices[0].finish_reason == "stop"
 
 
+def test_parallel_tool_calls_false_gives_one_call(tiny_client):
+    required = tiny_client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Time?"}], tools=TINY_TOOLS, tool_choice="required",
+        parallel_tool_calls=False, max_tokens=200, temperature=0).choices[0]
+    assert required.finish_reason == "tool_calls" and len(required.message.tool_calls) == 1  # the grammar's maxItems
+    two_calls = HERMES_CALL + "\n" + HERMES_CALL
+    request = dict(model="tiny", messages=[{"role": "user", "content": "Weather?"}], tools=TINY_TOOLS,
+                   max_tokens=300, temperature=0, extra_body={"structured_outputs": {"regex": two_calls}})
+    assert len(tiny_client.chat.completions.create(**request).choices[0].message.tool_calls) == 2
+    auto = tiny_client.chat.completions.create(**request, parallel_tool_calls=False).choices[0]
+    assert len(auto.message.tool_calls) == 1
+    assert len(reassemble(tiny_client.chat.completions.create(**request, parallel_tool_calls=False, stream=True))[1]) == 1
+
+
 def test_auto_llama3_json_parser(server_factory, tiny_llama):
     server = server_factory(str(tiny_llama), *TINY_SERVER_ARGS, "--enable-auto-tool-choice",
                             "--tool-call-parser", "llama3_json")
@@ -338,9 +352,9 @@ def test_langchain_bind_tools_and_function_calling_structured_output(default_ser
         city: str = Field(description="the city", max_length=40)
         celsius: int = Field(ge=-60, le=60)
 
-    llm = langchain_openai.ChatOpenAI(base_url=default_server.base_url + "/v1", api_key="unused", model="default",
-                                      temperature=0, max_tokens=100, max_retries=0)
-    llm.model_name = model_id(openai.OpenAI(base_url=default_server.base_url + "/v1", api_key="unused"))
+    base_url = default_server.base_url + "/v1"
+    llm = langchain_openai.ChatOpenAI(base_url=base_url, api_key="unused", temperature=0, max_tokens=100, max_retries=0,
+                                      model=model_id(openai.OpenAI(base_url=base_url, api_key="unused")))
     reply = llm.bind_tools([Weather], tool_choice="Weather").invoke("It is 21 degrees in Rome.")
     [call] = reply.tool_calls
     assert call["name"] == "Weather" and Weather(**call["args"])

@@ -51,7 +51,8 @@ def assistant_message(plan: ToolPlan | None, output: CompletionOutput) -> tuple[
     reader = plan.reader() if plan is not None else None
     if reader is None:
         return AssistantMessage(content=output.text), output.finish_reason
-    message = final_message(reader, output.text, forced=plan.choice in ("named", "required"))
+    message = final_message(reader, output.text, forced=plan.choice in ("named", "required"),
+                            max_calls=None if plan.parallel else 1)
     return (AssistantMessage(content=message.content, tool_calls=message.tool_calls or None),
             plan.finish_reason(output.finish_reason, bool(message.tool_calls)))
 
@@ -118,7 +119,7 @@ class ChatServing:
                         finish_reason, calls = c.finish_reason, []
                         reader = plan.reader() if plan is not None and index not in tool_deltas else None
                         if reader is not None:
-                            tool_deltas[index] = ToolDeltas(reader)
+                            tool_deltas[index] = ToolDeltas(reader, None if plan.parallel else 1)
                         if index in tool_deltas:
                             tracker = tool_deltas[index]
                             delta, calls = tracker.step(c.text, final=c.finish_reason is not None)

@@ -287,6 +287,7 @@ class ChatCompletionRequest(SamplingFields):
     # "none", "auto", "required" or {"type": "function", "function": {"name": ...}}; checked in
     # kvserve/server/tools.py with vLLM's messages.
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # False: at most one call per reply
 
     unsupported_fields: ClassVar[dict[str, Callable[[Any], bool]]] = UNSUPPORTED_CHAT_FIELDS
 

@@ -27,14 +27,15 @@ class ToolMessage:
     tool_calls: list[ToolCall]
 
 
-def final_message(parser: ToolParser, text: str, forced: bool) -> ToolMessage:
+def final_message(parser: ToolParser, text: str, forced: bool, max_calls: int | None = None) -> ToolMessage:
     """The message for a finished choice. `forced` (named or required tool choice): content is ""
-    as vLLM returns it; otherwise content is None when there are calls and nothing before them."""
+    as vLLM returns it; otherwise content is None when there are calls and nothing before them.
+    `max_calls`: the calls after the first ones are dropped (`parallel_tool_calls: false`)."""
     parse = parser.parse(text, final=True)
     if not parse.valid:
         return ToolMessage(text, [])
     calls = [ToolCall(id=tool_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
-             for c in parse.calls]
+             for c in parse.calls[:max_calls]]
     if forced:
         return ToolMessage("", calls)
     return ToolMessage(parse.content or (None if calls else ""), calls)
@@ -45,6 +46,7 @@ class ToolDeltas:
     """What one streamed choice has sent so far, and the next deltas to send."""
 
     parser: ToolParser
+    max_calls: int | None = None
     content_sent: int = 0
     call_ids: list[str] = field(default_factory=list)
     arguments_sent: list[int] = field(default_factory=list)
@@ -64,7 +66,7 @@ class ToolDeltas:
         content_delta = content[self.content_sent:]
         self.content_sent = max(self.content_sent, len(content))
         deltas: list[DeltaToolCall] = []
-        for index, call in enumerate(parse.calls):
+        for index, call in enumerate(parse.calls[:self.max_calls]):
             if call.name is None or index > len(self.call_ids):
                 break
             if index == len(self.call_ids):

@@ -33,6 +33,7 @@ class ToolPlan:
     choice: str  # "none" | "auto" | "required" | "named"
     function_name: str | None = None  # the named function
     parser_name: str | None = None  # auto: the server's --tool-call-parser
+    parallel: bool = True  # parallel_tool_calls; False keeps one call (required: the grammar allows one)
 
     def reader(self) -> ToolParser | None:
         """What reads this request's output into tool calls (None: plain text)."""
@@ -48,7 +49,7 @@ class ToolPlan:
         if self.choice == "named":
             return StructuredOutputsParams(json=self._parameters(self.function_name))
         if self.choice == "required":
-            return StructuredOutputsParams(json=required_schema(self.tools))
+            return StructuredOutputsParams(json=required_schema(self.tools, self.parallel))
         return None
 
     def _parameters(self, name: str) -> dict:
@@ -92,10 +93,10 @@ def closed_schema(schema: Any) -> Any:
     return result
 
 
-def required_schema(tools: list[dict[str, Any]]) -> dict:
-    """vLLM's schema for `tool_choice: "required"`: an array of at least one call, each naming a
-    tool (an enum of one) with that tool's parameters. `$defs` of the tools move to the top, where
-    their `#/$defs/...` references resolve."""
+def required_schema(tools: list[dict[str, Any]], parallel: bool = True) -> dict:
+    """vLLM's schema for `tool_choice: "required"`: an array of at least one call (exactly one
+    without `parallel`), each naming a tool (an enum of one) with that tool's parameters. `$defs`
+    of the tools move to the top, where their `#/$defs/...` references resolve."""
     definitions: dict[str, Any] = {}
     alternatives = []
     for tool in tools:
@@ -110,6 +111,8 @@ def required_schema(tools: list[dict[str, Any]]) -> dict:
                                             "parameters": parameters},
                              "required": ["name", "parameters"]})
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": alternatives}}
+    if not parallel:
+        schema["maxItems"] = 1
     if definitions:
         schema["$defs"] = definitions
     return schema
@@ -154,6 +157,7 @@ def plan_tools(body: ChatCompletionRequest, auto_parser: str | None) -> ToolPlan
     else:
         raise APIError(400, f'Invalid value for `tool_choice`: {choice}! Only named tools, "none", "auto" or '
                             f'"required" are supported.', param="tool_choice")
+    plan.parallel = body.parallel_tool_calls is not False
     if plan.choice == "auto":
         if auto_parser is None:
             raise APIError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
