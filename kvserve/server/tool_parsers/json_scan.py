@@ -6,14 +6,20 @@ scanner walks strings (with escapes), nested objects and arrays and bare scalars
 materialising anything; it reports `None` where the text ends before a value does and raises
 `JSONSyntaxError` where the prefix can no longer become JSON. Complete values are checked again
 with `json.loads` by the parsers, so the scanner only has to be exact about where values end.
+A stream re-reads its text after every step, so the scanner jumps over string bodies and the text
+between brackets with regular expressions (C loops) instead of stepping through it in Python.
 """
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass, field
 
 WHITESPACE = " \t\r\n"
 _SCALAR_CHARS = frozenset("0123456789+-.eEtruefalsn")
 _CLOSING = {"{": "}", "[": "]"}
+_STRING_BODY = re.compile(r'(?:[^"\\]+|\\.)*', re.DOTALL)  # up to the closing quote (or the end)
+_STRUCTURAL = re.compile(r'[{}\[\]"]')
 
 
 class JSONSyntaxError(ValueError):
@@ -32,16 +38,8 @@ def skip_whitespace(text: str, i: int) -> int:
 
 def _string_end(text: str, i: int) -> int | None:
     """`text[i]` is an opening quote: one past the closing quote, or None if the text ends first."""
-    i += 1
-    while i < len(text):
-        char = text[i]
-        if char == "\\":
-            i += 2
-            continue
-        if char == '"':
-            return i + 1
-        i += 1
-    return None
+    j = _STRING_BODY.match(text, i + 1).end()
+    return j + 1 if j < len(text) and text[j] == '"' else None
 
 
 def value_end(text: str, i: int) -> int | None:
@@ -56,8 +54,8 @@ def value_end(text: str, i: int) -> int | None:
     if char in _CLOSING:
         stack = [_CLOSING[char]]
         j = i + 1
-        while j < len(text):
-            char = text[j]
+        while (found := _STRUCTURAL.search(text, j)) is not None:
+            j, char = found.start(), found.group()
             if char == '"':
                 end = _string_end(text, j)
                 if end is None:
@@ -105,8 +103,6 @@ class ObjectScan:
 
 def scan_object(text: str, i: int) -> ObjectScan:
     """The members of the object whose `{` is at `text[i]`, as far as the text goes."""
-    import json
-
     if text[i] != "{":
         raise JSONSyntaxError(i, "expected '{'")
     scan = ObjectScan()
