@@ -151,7 +151,7 @@ def test_auto_hermes_parses_the_generated_tool_call(tiny_client):
         model="tiny", messages=[{"role": "user", "content": "Hi"}], tools=TINY_TOOLS, max_tokens=20, temperature=0,
         extra_body={"structured_outputs": {"choice": ["It is sunny.", "It rains."]}})
     assert plain.choices[0].message.content in ("It is sunny.", "It rains.")
-    assert plain.choices[0].message.tool_calls is None and plain.choices[0].finish_reason == "stop"
+    assert plain.choices[0].message.tool_calls == [] and plain.choices[0].finish_reason == "stop"
 
 
 def test_parallel_tool_calls_false_gives_one_call(tiny_client):
@@ -185,7 +185,7 @@ def test_tool_choice_none_answers_in_text(tiny_client):
     choice = tiny_client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "Hi"}], tools=TINY_TOOLS, tool_choice="none",
         max_tokens=8, temperature=0).choices[0]
-    assert choice.message.tool_calls is None and isinstance(choice.message.content, str)
+    assert choice.message.tool_calls == [] and isinstance(choice.message.content, str)
     assert choice.finish_reason in ("stop", "length")
 
 
@@ -337,7 +337,7 @@ def test_two_turn_tool_conversation_on_the_default_model(client):
     ]
     second = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER], tool_choice="none",
                                             max_tokens=40, temperature=0).choices[0]
-    assert second.message.tool_calls is None and second.message.content.strip()
+    assert second.message.tool_calls == [] and second.message.content.strip()
     assert second.finish_reason in ("stop", "length")
 
 

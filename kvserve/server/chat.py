@@ -53,7 +53,7 @@ def assistant_message(plan: ToolPlan | None, output: CompletionOutput) -> tuple[
         return AssistantMessage(content=output.text), output.finish_reason
     message = final_message(reader, output.text, forced=plan.choice in ("named", "required"),
                             max_calls=None if plan.parallel else 1)
-    return (AssistantMessage(content=message.content, tool_calls=message.tool_calls or None),
+    return (AssistantMessage(content=message.content, tool_calls=message.tool_calls),
             plan.finish_reason(output.finish_reason, bool(message.tool_calls)))
 
 

@@ -369,15 +369,7 @@ class ToolCall(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
-    tool_calls: list[ToolCall] | None = None
-
-    @model_serializer(mode="wrap")
-    def _omit_no_calls(self, handler: Any) -> dict:
-        """`tool_calls` appears only on a message that has calls (OpenAI's shape)."""
-        data = handler(self)
-        if data.get("tool_calls") is None:
-            data.pop("tool_calls", None)
-        return data
+    tool_calls: list[ToolCall] = Field(default_factory=list)  # always present, empty without calls (vLLM)
 
 
 class ChatChoice(BaseModel):
