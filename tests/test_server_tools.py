@@ -210,6 +210,17 @@ def test_tool_conversation_renders_calls_and_results_in_hermes_text(tools_server
     assert answer.usage.prompt_tokens == len(ids) and answer.choices[0].message.content
 
 
+def test_the_returned_message_object_can_go_back_into_the_conversation(tiny_client):
+    """The usual client loop appends `response.choices[0].message` itself (with its null fields)."""
+    messages = [{"role": "user", "content": "Weather in Rome?"}]
+    reply = tiny_client.chat.completions.create(model="tiny", messages=messages, tools=TINY_TOOLS, max_tokens=64,
+                                                temperature=0, tool_choice="required").choices[0].message
+    messages += [reply, *({"role": "tool", "tool_call_id": c.id, "content": "ok"} for c in reply.tool_calls)]
+    answer = tiny_client.chat.completions.create(model="tiny", messages=messages, tools=TINY_TOOLS,
+                                                 tool_choice="none", max_tokens=4, temperature=0)
+    assert answer.choices[0].message.content
+
+
 # ---------------------------------------------------------------- errors
 def bad_request(client: openai.OpenAI, **request) -> str:
     with pytest.raises(openai.BadRequestError) as caught:
