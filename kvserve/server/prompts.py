@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.server.errors import APIError
-from kvserve.server.protocol import ChatMessage
+from kvserve.server.protocol import ChatMessage, ToolCallParam
 from kvserve.server.tool_render import render_messages
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -66,7 +66,7 @@ def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return result
 
 
-def _call(call: Any, where: str) -> dict[str, Any]:
+def _call(call: ToolCallParam, where: str) -> dict[str, Any]:
     try:
         arguments = json.loads(call.function.arguments)
     except ValueError as exc:
