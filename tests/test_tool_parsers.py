@@ -149,3 +149,31 @@ def test_forced_readers():
     # cut off by max_tokens: the call keeps the arguments generated so far, as a named call does
     assert whole(required, '[{"name":"weather","parameters":{"ci', forced=True)[1] == [
         {"name": "weather", "arguments": '{"ci'}]
+
+
+def test_tool_schemas_are_closed_to_undeclared_keys_except_where_composed():
+    from kvserve.server.tools import closed_schema, required_schema
+
+    schema = {"type": "object", "properties": {
+        "where": {"type": "object", "properties": {"city": {"type": "string"}}},
+        "tags": {"type": "array", "items": {"type": "object", "properties": {"k": {"type": "string"}}}},
+        "extra": {"type": "object", "properties": {}, "additionalProperties": True},
+        "both": {"allOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}]}},
+        "$defs": {"Point": {"type": "object", "properties": {"x": {"type": "number"}}}}}
+    closed = closed_schema(schema)
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["where"]["additionalProperties"] is False
+    assert closed["properties"]["tags"]["items"]["additionalProperties"] is False
+    assert closed["properties"]["extra"]["additionalProperties"] is True
+    assert all("additionalProperties" not in part for part in closed["properties"]["both"]["allOf"])
+    assert closed["$defs"]["Point"]["additionalProperties"] is False
+    assert "additionalProperties" not in schema  # the request's schema is not modified
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": schema}},
+             {"type": "function", "function": {"name": "g"}}]
+    required = required_schema(tools)
+    assert required["minItems"] == 1 and "maxItems" not in required and "Point" in required["$defs"]
+    [f, g] = required["items"]["anyOf"]
+    assert f["properties"]["name"] == {"type": "string", "enum": ["f"]} and "$defs" not in f["properties"]["parameters"]
+    assert g["properties"]["parameters"] == {"type": "object", "properties": {}, "additionalProperties": False}
+    assert required_schema(tools, parallel=False)["maxItems"] == 1

@@ -71,11 +71,12 @@ _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SCHEMA_VALUES = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
 
 
-def closed_schema(schema: Any) -> Any:
+def closed_schema(schema: Any, close: bool = True) -> Any:
     """A copy of `schema` where objects that list `properties` and say nothing about
     `additionalProperties` allow no other keys (xgrammar's strict mode, vLLM's default backend):
     a function's arguments are the parameters it declares, and a small model left free to add
-    keys may add them until max_tokens."""
+    keys may add them until max_tokens. Objects whose keys are also declared elsewhere (`allOf`
+    parts, `$ref`, `unevaluatedProperties`) are left open, so composed schemas still validate."""
     if not isinstance(schema, dict):
         return schema
     result = dict(schema)
@@ -84,11 +85,12 @@ def closed_schema(schema: Any) -> Any:
             result[key] = {name: closed_schema(sub) for name, sub in result[key].items()}
     for key in _SCHEMA_LISTS:
         if isinstance(result.get(key), list):
-            result[key] = [closed_schema(sub) for sub in result[key]]
+            result[key] = [closed_schema(sub, close=key != "allOf") for sub in result[key]]
     for key in _SCHEMA_VALUES:
         if key in result:
             result[key] = closed_schema(result[key])
-    if "properties" in result and "additionalProperties" not in result:
+    composed = any(key in result for key in ("allOf", "$ref", "unevaluatedProperties", "additionalProperties"))
+    if close and "properties" in result and not composed:
         result["additionalProperties"] = False
     return result
 
