@@ -24,6 +24,9 @@ import torch
 
 from kvserve.sampling_params import StructuredOutputsParams
 
+# JSON separators when free whitespace is off: one space after ":" and "," (json.dumps' defaults,
+# the way models saw JSON written), never more.
+SEPARATORS = {"key_separator": ": ", "item_separator": ", "}
 # Compiled grammars kept per engine (least recently used dropped first).
 GRAMMAR_CACHE_SIZE = 256
 
@@ -43,7 +46,7 @@ def serialize_grammar(kind: str, text: str, disable_any_whitespace: bool) -> str
     spec that cannot even be read (e.g. a schema that is not JSON)."""
     import llguidance
 
-    options = {"whitespace_flexible": not disable_any_whitespace}
+    options = {"whitespace_flexible": not disable_any_whitespace, **SEPARATORS}
     try:
         if kind == "json":
             schema = json.loads(text)

@@ -198,6 +198,8 @@ class SamplingFields(OpenAIModel):
             constraints.update({k: v for k, v in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
                                                   ("grammar", so.grammar), ("json_object", so.json_object))
                                 if v is not None and v is not False})
+            if not constraints:  # vLLM's text
+                raise ValueError("You must use one kind of structured outputs constraint but none are specified.")
         for kind, value in (("json", self.guided_json), ("regex", self.guided_regex),
                             ("choice", self.guided_choice), ("grammar", self.guided_grammar)):
             if value is not None:
