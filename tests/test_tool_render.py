@@ -9,7 +9,7 @@ import json
 from kvserve.engine.output_processor import apply_chat_template
 from kvserve.server.prompts import conversation
 from kvserve.server.protocol import ChatMessage
-from kvserve.server.tool_render import render_messages
+from kvserve.engine.tool_prompts import render_messages
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}}}}]
@@ -36,8 +36,7 @@ def messages() -> list[dict]:
 def render(tokenizer, template: str) -> str:
     tokenizer = copy.copy(tokenizer)
     tokenizer.chat_template = template
-    rendered, tools = render_messages(messages(), TOOLS, template)
-    return tokenizer.decode(apply_chat_template(tokenizer, rendered, True, tools))
+    return tokenizer.decode(apply_chat_template(tokenizer, messages(), True, TOOLS))
 
 
 def test_a_template_that_knows_tools_gets_them_as_transformers_passes_them(tiny_tokenizer):
@@ -65,3 +64,20 @@ def test_without_a_system_message_one_is_added_for_the_tools():
     rendered, tools = render_messages([{"role": "user", "content": "hi"}], TOOLS, "{{ messages }}")
     assert tools is None and rendered[0]["role"] == "system" and "<tools>" in rendered[0]["content"]
     assert rendered[1] == {"role": "user", "content": "hi"}
+
+
+def test_openai_wire_messages_render_the_same_offline(tiny_tokenizer, tiny_llama):
+    """Arguments as JSON text (what OpenAI's API and clients send) render like objects; the offline
+    `LLM.chat(..., tools=)` takes the same conversations."""
+    from kvserve import LLM, SamplingParams
+
+    wire = [{"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"role": "tool", "tool_call_id": "a", "content": "sunny"}]
+    parsed = conversation([ChatMessage.model_validate(m) for m in wire])
+    assert apply_chat_template(tiny_tokenizer, wire, True, TOOLS) == apply_chat_template(tiny_tokenizer, parsed, True, TOOLS)
+    llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory="16MiB")
+    [output] = llm.chat(wire, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False, tools=TOOLS)
+    assert output.prompt_token_ids == apply_chat_template(llm.engine.tokenizer, wire, True, TOOLS)
+    assert output.outputs[0].token_ids

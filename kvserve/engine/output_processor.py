@@ -16,6 +16,7 @@ from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.sampler import SampleResult
 from kvserve.engine.scheduler import ScheduledRequest
+from kvserve.engine.tool_prompts import render_messages
 from kvserve.outputs import CompletionOutput, Logprob, RequestOutput
 
 
@@ -50,10 +51,13 @@ def tokenize(tokenizer: Any, prompt: str | list[int] | dict) -> tuple[str | None
 
 def apply_chat_template(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True,
                         tools: list[dict] | None = None) -> list[int]:
-    """Render a conversation (with `tools` for templates that use them) with the tokenizer's chat
-    template, then tokenize it (the template already holds the special tokens, so none are added)."""
+    """Render a conversation with the tokenizer's chat template, then tokenize it (the template
+    already holds the special tokens, so none are added). Tool definitions, assistant `tool_calls`
+    and `tool` results go to the template where it renders them, else into the turns as hermes
+    text (tool_prompts.py)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template; use the completions API")
+    messages, tools = render_messages(messages, tools, tokenizer.chat_template)
     text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
                                          add_generation_prompt=add_generation_prompt)
     return tokenizer.encode(text, add_special_tokens=False)

@@ -16,7 +16,6 @@ from typing import Any, Callable
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.server.errors import APIError
 from kvserve.server.protocol import ChatMessage, ToolCallParam
-from kvserve.server.tool_render import render_messages
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 _UNSUPPORTED_MESSAGE_FIELDS = ("function_call", "audio", "refusal")
@@ -116,9 +115,7 @@ class Tokenization:
     async def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
                           tools: list[dict[str, Any]] | None = None) -> list[int]:
         """The conversation rendered by the model's chat template and tokenized; tool definitions,
-        calls and results go where the template puts them, or in hermes text (tool_render.py)."""
-        messages, tools = render_messages(messages, tools, getattr(self.tokenizer, "chat_template", None))
-
+        calls and results go where the template puts them, or in hermes text (engine/tool_prompts.py)."""
         def render() -> list[int]:
             try:
                 return self._engine.apply_chat_template(messages, add_generation_prompt, tools=tools)

@@ -11,6 +11,8 @@ in the hermes text format that `--tool-call-parser hermes` reads back:
   assistant turn's text;
 - consecutive `tool` messages become one user turn, each result as
   `<tool_response>\\n...\\n</tool_response>`.
+
+Call arguments may come as JSON text (OpenAI's wire format) or as objects; templates get objects.
 """
 from __future__ import annotations
 
@@ -35,6 +37,24 @@ def template_handles(template: str | None) -> tuple[bool, bool]:
     return re.search(r"\btools\b", text) is not None, "tool_calls" in text
 
 
+def _arguments_object(arguments: Any) -> Any:
+    """Arguments as an object: JSON text is decoded (text that is not JSON stays as it is)."""
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except ValueError:
+            return arguments
+    return arguments
+
+
+def _with_argument_objects(message: dict[str, Any]) -> dict[str, Any]:
+    if not message.get("tool_calls"):
+        return message
+    calls = [{**call, "function": {**call["function"], "arguments": _arguments_object(call["function"].get("arguments"))}}
+             for call in message["tool_calls"]]
+    return {**message, "tool_calls": calls}
+
+
 def tool_call_text(name: str, arguments: Any) -> str:
     return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False) + "\n</tool_call>"
 
@@ -44,7 +64,7 @@ def _calls_as_text(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     results_turn: dict[str, Any] | None = None  # the user turn that collects consecutive tool results
     for message in messages:
         if message["role"] == "tool":
-            block = f"<tool_response>\n{message['content']}\n</tool_response>"
+            block = f"<tool_response>\n{message.get('content') or ''}\n</tool_response>"
             if results_turn is None:
                 results_turn = {"role": "user", "content": block}
                 result.append(results_turn)
@@ -56,7 +76,7 @@ def _calls_as_text(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         calls = [tool_call_text(c["function"]["name"], c["function"]["arguments"])
                  for c in message.get("tool_calls") or []]
         if calls:
-            turn["content"] = "\n".join(([turn["content"]] if turn["content"] else []) + calls)
+            turn["content"] = "\n".join(([turn["content"]] if turn.get("content") else []) + calls)
         result.append(turn)
     return result
 
@@ -66,7 +86,7 @@ def _tools_in_system(messages: list[dict[str, Any]], tools: list[dict[str, Any]]
     block = TOOLS_INSTRUCTION.format(definitions=definitions)
     if messages and messages[0]["role"] in ("system", "developer"):
         first = dict(messages[0])
-        first["content"] = f"{first['content']}\n\n{block}" if first["content"] else block
+        first["content"] = f"{first['content']}\n\n{block}" if first.get("content") else block
         return [first, *messages[1:]]
     return [{"role": "system", "content": block}, *messages]
 
@@ -76,6 +96,7 @@ def render_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] 
     """(messages, tools) to hand to the chat template: as they are where the template renders them,
     else written into the turns in the hermes format."""
     renders_tools, renders_calls = template_handles(template)
+    messages = [_with_argument_objects(m) for m in messages]
     has_calls = any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
     if has_calls and not renders_calls:
         messages = _calls_as_text(messages)
