@@ -62,11 +62,13 @@ def assert_valid_calls(message, tools: list[dict]) -> list[dict]:
     return arguments
 
 
-def reassemble(stream) -> tuple[str, list[dict], str | None]:
-    """(content, calls, finish reason) of a streamed choice, merged the way OpenAI's clients do."""
+def reassemble(stream, index: int = 0) -> tuple[str, list[dict], str | None]:
+    """(content, calls, finish reason) of streamed choice `index`, merged the way OpenAI's clients do."""
     content, calls, finish_reason = "", [], None
     for chunk in stream:
         for choice in chunk.choices:
+            if choice.index != index:
+                continue
             delta = choice.delta
             content += delta.content or ""
             for d in delta.tool_calls or []:
@@ -131,6 +133,17 @@ def test_streamed_tool_calls_reassemble_to_the_non_streamed_message(tiny_client,
     assert finish_reason == whole.finish_reason
     assert len({c["id"] for c in calls}) == len(calls) >= 1
     assert_valid_calls(whole.message, TINY_TOOLS)
+
+
+def test_streamed_samples_each_reassemble(tiny_client):
+    request = dict(model="tiny", messages=[{"role": "user", "content": "Time?"}], tools=TINY_TOOLS,
+                   tool_choice="required", parallel_tool_calls=False, max_tokens=200, temperature=1.0, seed=7, n=3)
+    whole = tiny_client.chat.completions.create(**request).choices
+    chunks = list(tiny_client.chat.completions.create(**request, stream=True))
+    for choice in whole:
+        content, calls, finish_reason = reassemble(chunks, choice.index)
+        assert (content, [{k: c[k] for k in ("name", "arguments")} for c in calls]) == summary(choice.message)
+        assert finish_reason == choice.finish_reason == "tool_calls"
 
 
 def test_auto_hermes_parses_the_generated_tool_call(tiny_client):
