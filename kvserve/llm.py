@@ -43,10 +43,13 @@ class LLM:
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[Message] | list[list[Message]], sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to each conversation, then generate."""
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to each conversation, then generate. `tools` (OpenAI
+        tool definitions) and messages with `tool_calls` or role "tool" render as in the server:
+        through the template where it handles them, else as hermes text (engine/tool_prompts.py)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [{"prompt_token_ids": self.engine.apply_chat_template(_checked(c), add_generation_prompt)}
+        prompts = [{"prompt_token_ids": self.engine.apply_chat_template(_checked(c), add_generation_prompt, tools)}
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 

@@ -45,6 +45,33 @@ class StructuredOutputsParams:
     json_object: bool = False
     disable_any_whitespace: bool = True
 
+    def __post_init__(self) -> None:
+        given = [name for name, value in (("json", self.json), ("regex", self.regex), ("choice", self.choice),
+                                          ("grammar", self.grammar), ("json_object", self.json_object or None))
+                 if value is not None]
+        if len(given) > 1:  # vLLM's texts
+            raise ValueError(f"You can only use one kind of structured outputs constraint but multiple are "
+                             f"specified: {', '.join(given)}.")
+        if not given:
+            raise ValueError("You must use one kind of structured outputs constraint but none are specified.")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError("structured_outputs.json must be a JSON schema (an object or its JSON text).")
+        if self.regex is not None and not isinstance(self.regex, str):
+            raise ValueError("structured_outputs.regex must be a string.")
+        if self.grammar is not None and not isinstance(self.grammar, str):
+            raise ValueError("structured_outputs.grammar must be a string (Lark or GBNF).")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or not all(isinstance(c, str) for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of strings.")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: json, regex, choice, grammar or json_object."""
+        for name in ("json", "regex", "choice", "grammar"):
+            if getattr(self, name) is not None:
+                return name
+        return "json_object"
+
 
 @dataclass
 class SamplingParams:
@@ -143,6 +170,8 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty strings.")
         if self.seed is not None and (not isinstance(self.seed, int) or not INT64_MIN <= self.seed <= INT64_MAX):
             raise ValueError(f"seed must be a 64-bit integer, got {self.seed!r}.")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams.")
         if any(not callable(p) for p in self.logits_processors):
             raise ValueError("logits_processors must be callables (output_token_ids, logits) -> logits.")
 

@@ -33,6 +33,7 @@ from kvserve.engine.preflight import CapacityError, select_device, select_dtype 
 from kvserve.engine.pool_sizing import size_kv_pool
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.scheduler import Scheduler, SchedulerConfig
+from kvserve.engine.structured_output import GrammarCompiler
 from kvserve.model.loader import LoadedModel
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -65,6 +66,7 @@ class LLMEngine:
                                          namespace=self.kv_format.name, evictor=self.evictor)
         self.scheduler = Scheduler(
             SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len), self.kv_manager)
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler.finish, self.runner.sampler.forget)
         self._ids = itertools.count()
 
@@ -75,10 +77,12 @@ class LLMEngine:
     def tokenize(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
         return tokenize(self.tokenizer, prompt)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Render a conversation with the tokenizer's chat template, then tokenize it (the template
-        already holds the special tokens, so none are added)."""
-        return apply_chat_template(self.tokenizer, messages, add_generation_prompt)
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> list[int]:
+        """Render a conversation (and tool definitions, for templates that use them) with the
+        tokenizer's chat template, then tokenize it (the template already holds the special
+        tokens, so none are added)."""
+        return apply_chat_template(self.tokenizer, messages, add_generation_prompt, tools)
 
     def resolve_eviction(self, spec: EvictionSpec | None) -> EvictionConfig | None:
         """A request's KV eviction settings (its `kv_eviction` over the engine's flags), checked;
@@ -113,6 +117,8 @@ class LLMEngine:
         if params.min_tokens > max_tokens:  # without max_tokens, SamplingParams could not check it
             raise ValueError(f"min_tokens must be less than or equal to max_tokens={max_tokens}, "
                              f"got {params.min_tokens}.")
+        if params.structured_outputs is not None:
+            self.grammars.compile(params.structured_outputs)  # a bad schema/regex/grammar fails here
         return max_tokens
 
     def add_request(self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str | None = None,
@@ -131,8 +137,9 @@ class LLMEngine:
             if index > 0:  # the first sample computes the prompt logprobs for all
                 child_params.prompt_logprobs = None
             child_id = request_id if params.n == 1 else f"{index}_{request_id}"
+            grammar = None if params.structured_outputs is None else self.grammars.matcher(params.structured_outputs)
             sequences.append(Request(child_id, token_ids, child_params, self.eos_token_ids, cache_salt,
-                                     eviction=eviction))
+                                     eviction=eviction, grammar=grammar))
         self.output_processor.add(request_id, text, token_ids, sequences)
         for request in sequences:
             self.scheduler.add(request)

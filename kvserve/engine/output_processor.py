@@ -18,6 +18,7 @@ from kvserve.engine.model_runner import PromptLogprobsChunk
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.sampler import SampleResult
 from kvserve.engine.scheduler import ScheduledRequest
+from kvserve.engine.tool_prompts import render_messages
 from kvserve.outputs import CompletionOutput, Logprob, PromptLogprobs, RankedLogprob, RequestOutput
 
 
@@ -65,12 +66,17 @@ def tokenize(tokenizer: Any, prompt: str | list[int] | dict) -> tuple[str | None
     return None, list(prompt)
 
 
-def apply_chat_template(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+def apply_chat_template(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True,
+                        tools: list[dict] | None = None) -> list[int]:
     """Render a conversation with the tokenizer's chat template, then tokenize it (the template
-    already holds the special tokens, so none are added)."""
+    already holds the special tokens, so none are added). Tool definitions, assistant `tool_calls`
+    and `tool` results go to the template where it renders them, else into the turns as hermes
+    text (tool_prompts.py)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template; use the completions API")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    messages, tools = render_messages(messages, tools, tokenizer.chat_template)
+    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt)
     return tokenizer.encode(text, add_special_tokens=False)
 
 

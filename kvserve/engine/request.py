@@ -4,15 +4,19 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvserve.cache.eviction.config import EvictionConfig
 from kvserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvserve.engine.structured_output import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
-    FINISHED_STOPPED = "stop"  # EOS, a stop token or a stop string
+    FINISHED_STOPPED = "stop"  # EOS, a stop token, a stop string or a completed grammar
     FINISHED_LENGTH = "length"  # max_tokens or the context limit
     FINISHED_ABORTED = "abort"
     FINISHED_ERROR = "error"
@@ -59,6 +63,9 @@ class Request:
         """True while prompt logprobs are asked for and not all computed: such a request takes no
         prefix-cache hit (a cached position would have no logits), as in vLLM."""
         return self.params.prompt_logprobs is not None and self.prompt_logprobs_done < self.num_prompt_tokens - 1
+    # Structured outputs: this sequence's place in its grammar (set by the engine on arrival); the
+    # sampler masks its logits and advances it with each sampled token.
+    grammar: GrammarMatcher | None = None
 
     @property
     def num_kv_tokens(self) -> int:
@@ -92,6 +99,8 @@ class Request:
         """After a token was appended: the finishing status, if generation must stop."""
         n_out = self.num_output_tokens
         last = self.token_ids[-1]
+        if self.grammar is not None and self.grammar.finished:  # the output is complete
+            return RequestStatus.FINISHED_STOPPED
         if n_out >= self.params.min_tokens:
             if not self.params.ignore_eos and last in self.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED

@@ -1,10 +1,11 @@
-"""Batched token sampling: logits processors, penalties, temperature, top-k, top-p, min-p,
-greedy, seeds, logprobs.
+"""Batched token sampling: logits processors, grammar masks (structured outputs), penalties,
+temperature, top-k, top-p, min-p, greedy, seeds, logprobs.
 
 Every transformation is a tensor op over the whole batch; per-request values arrive as
 [batch] tensors. Only seeded requests draw their noise one by one (each owns a generator, so its
 output does not depend on what else is in the batch), and only requests with logits processors
-(SamplingParams.logits_processors) have their row handed to Python code.
+(SamplingParams.logits_processors) have their row handed to Python code. Only rows under a
+grammar (SamplingParams.structured_outputs) get a token bitmask; a batch without any costs nothing.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 
 from kvserve.engine.logprobs import token_logprobs
 from kvserve.engine.request import Request
+from kvserve.engine.structured_output import GrammarMasks
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +36,7 @@ class Sampler:
         self.vocab_size = vocab_size
         self.device = device
         self._generators: dict[str, torch.Generator] = {}
+        self._grammar_masks: GrammarMasks | None = None  # made on the first constrained row
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
@@ -53,6 +56,7 @@ class Sampler:
         params = [r.params for r in requests]
         raw = logits
         logits = self._apply_processors(logits, requests)
+        logits = self._apply_grammars(logits, requests, cloned=logits is not raw)
         logits = self._apply_penalties(logits, requests)
         logits = self._mask_min_tokens(logits, requests)
 
@@ -66,6 +70,7 @@ class Sampler:
             tokens = torch.where(greedy, tokens, sampled)
 
         token_list = tokens.tolist()
+        self._advance_grammars(requests, token_list)
         return SampleResult(token_list, self._logprobs(raw, token_list, params))
 
     # ------------------------------------------------------------------ transformations
@@ -93,6 +98,30 @@ class Sampler:
             else:
                 processed[i] = row
         return processed
+
+    def _apply_grammars(self, logits: torch.Tensor, requests: list[Request], cloned: bool) -> torch.Tensor:
+        """Tokens a request's grammar does not allow next become -inf (on a copy unless `cloned`:
+        the raw logits stay as they are, for logprobs)."""
+        rows = [i for i, r in enumerate(requests) if r.grammar is not None and r.error is None]
+        if not rows:
+            return logits
+        if self._grammar_masks is None:
+            self._grammar_masks = GrammarMasks(self.vocab_size, logits.device)
+        if not cloned:
+            logits = logits.clone()
+        self._grammar_masks.apply(logits, rows, [requests[i].grammar for i in rows])
+        return logits
+
+    @staticmethod
+    def _advance_grammars(requests: list[Request], tokens: list[int]) -> None:
+        """Each constrained request's matcher takes its sampled token; one it refuses (only possible
+        when every token was masked) fails that request."""
+        for r, token in zip(requests, tokens):
+            if r.grammar is not None and r.error is None:
+                refused = r.grammar.accept(token)
+                if refused is not None:
+                    r.error = f"structured output: {refused}"
+                    logger.warning("request %s: %s", r.request_id, r.error)
 
     def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         params = [r.params for r in requests]

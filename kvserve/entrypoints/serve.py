@@ -48,8 +48,33 @@ def register(subparsers) -> None:
                        help="open connections at most; at the limit a new one closes the oldest connection that "
                             "sent no request, so /health stays reachable (default: the file-descriptor limit "
                             "minus a reserve)")
+    tools = parser.add_argument_group("tool calling")
+    tools.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='answer `tool_choice: "auto"` (and requests with `tools` but no `tool_choice`): the '
+                            "model decides, --tool-call-parser reads its calls (named and \"required\" tool "
+                            "choice need neither flag)")
+    tools.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                       help=f"the format the model writes tool calls in: {', '.join(_tool_parser_names())}")
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(func=run_serve)
+
+
+def _tool_parser_names() -> list[str]:
+    from kvserve.server.tool_parsers import TOOL_PARSERS
+
+    return sorted(TOOL_PARSERS)
+
+
+def tool_call_parser(args: argparse.Namespace) -> str | None:
+    """The parser for auto tool choice, or None when it is off; checks the two flags (vLLM's)."""
+    names = _tool_parser_names()
+    if args.tool_call_parser is not None and args.tool_call_parser not in names:
+        raise UserError(f"invalid tool call parser: {args.tool_call_parser} (chose from {{ {','.join(names)} }})")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise UserError("--enable-auto-tool-choice requires --tool-call-parser")
+    if args.tool_call_parser is not None and not args.enable_auto_tool_choice:
+        raise UserError("--tool-call-parser is only used with --enable-auto-tool-choice; add that flag")
+    return args.tool_call_parser if args.enable_auto_tool_choice else None
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -104,6 +129,7 @@ def run_serve(args: argparse.Namespace) -> int:
     in_flight = parse_size(args.max_body_bytes_in_flight) if args.max_body_bytes_in_flight is not None else 4 * max_body
     if in_flight < max_body:
         raise UserError(f"--max-body-bytes-in-flight ({in_flight}) must be at least --max-request-body-bytes ({max_body})")
+    parser_name = tool_call_parser(args)
     if not args.shutdown_timeout >= 0:  # also refuses nan
         raise UserError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     for flag, value in (("--timeout-header", args.timeout_header), ("--timeout-body", args.timeout_body)):
@@ -116,7 +142,7 @@ def run_serve(args: argparse.Namespace) -> int:
     engine = LLMEngine(engine_args)
     names = args.served_model_name or [args.model or Path(engine.model_path).name.removesuffix(".gguf")]
     app = build_app(engine, ServerConfig(names, args.api_key, max_body, max_body_bytes_in_flight=in_flight,
-                                         fault_injection=fault_injection_enabled()))
+                                         fault_injection=fault_injection_enabled(), tool_call_parser=parser_name))
     async_engine = app.state.engine
     config = uvicorn.Config(app, log_level=args.log_level.lower(), timeout_keep_alive=5,
                             http=guarded_protocol(limits))

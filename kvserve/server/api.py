@@ -47,6 +47,7 @@ class ServerConfig:
     max_body_bytes_in_flight: int | None = None  # None: 4 x max_request_body_bytes
     log_interval_s: float = 5.0
     fault_injection: bool = False  # POST /debug/faults (kvserve/server/faults.py); tests only
+    tool_call_parser: str | None = None  # reads `tool_choice: "auto"` replies (--enable-auto-tool-choice)
 
 
 def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
@@ -57,7 +58,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     async_engine = AsyncEngine(engine, metrics)
     tokens = Tokenization(engine)
     ctx = ServingContext(async_engine, tokens, list(config.served_model_names), engine.max_model_len)
-    completions, chat = CompletionServing(ctx), ChatServing(ctx)
+    completions, chat = CompletionServing(ctx), ChatServing(ctx, config.tool_call_parser)
     created = int(time.time())
 
     @asynccontextmanager
@@ -113,7 +114,8 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "Give exactly one of `prompt` and `messages`.")
         if body.messages is not None:
-            ids = await tokens.chat_prompt(conversation(body.messages), body.add_generation_prompt)
+            tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+            ids = await tokens.chat_prompt(conversation(body.messages), body.add_generation_prompt, tools)
         else:
             ids = await tokens.encode(body.prompt, body.add_special_tokens)
         strs = [tokens.token_text(t) for t in ids] if body.return_token_strs else None

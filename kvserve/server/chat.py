@@ -1,8 +1,10 @@
 """POST /v1/chat/completions: the messages go through the tokenizer's chat template; one engine
 request with `n` samples; JSON or SSE `chat.completion.chunk`s (a role delta first, then content
-deltas, the finish reason on each choice's last chunk)."""
+or tool-call deltas, the finish reason on each choice's last chunk). With `tools`, the request's
+tool plan (tools.py) constrains the output and reads it back as `tool_calls` (tool_stream.py)."""
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from typing import AsyncIterator
@@ -10,7 +12,7 @@ from typing import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response
 
-from kvserve.outputs import Logprob
+from kvserve.outputs import CompletionOutput, Logprob
 from kvserve.server.engine_loop import EngineError, PromptSpec, RequestStream
 from kvserve.server.errors import APIError
 from kvserve.server.prompt_logprobs import prompt_logprobs_field
@@ -20,6 +22,8 @@ from kvserve.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoi
                                      TokenLogprob, TopLogprob)
 from kvserve.server.serving import ServingContext, StreamState, usage
 from kvserve.server.streaming import DONE, EventStreamResponse, sse, sse_error, unless_disconnected
+from kvserve.server.tool_stream import ToolDeltas, final_message
+from kvserve.server.tools import ToolPlan, plan_tools
 
 
 def chat_logprobs(tokens: Tokenization, entries: list[Logprob]) -> ChatLogprobs:
@@ -42,41 +46,63 @@ def requested_logprobs(body: ChatCompletionRequest) -> int | None:
     return None
 
 
+def assistant_message(plan: ToolPlan | None, output: CompletionOutput) -> tuple[AssistantMessage, str | None]:
+    """A finished choice's message and finish reason (tool calls read from the text when the
+    request's tool plan expects them)."""
+    reader = plan.reader() if plan is not None else None
+    if reader is None:
+        return AssistantMessage(content=output.text), output.finish_reason
+    message = final_message(reader, output.text, forced=plan.choice in ("named", "required"),
+                            max_calls=None if plan.parallel else 1)
+    return (AssistantMessage(content=message.content, tool_calls=message.tool_calls),
+            plan.finish_reason(output.finish_reason, bool(message.tool_calls)))
+
+
 class ChatServing:
-    def __init__(self, ctx: ServingContext):
+    def __init__(self, ctx: ServingContext, tool_parser: str | None = None):
         self.ctx = ctx
+        self.tool_parser = tool_parser  # --tool-call-parser, set when --enable-auto-tool-choice is on
 
     async def create(self, body: ChatCompletionRequest, request: Request) -> Response:
         ctx = self.ctx
         ctx.check_fields(body)
+        plan = plan_tools(body, self.tool_parser)
         messages = conversation(body.messages)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         # No max_tokens: up to the rest of the context (vLLM's default for chat).
         params = ctx.sampling_params(body, max_tokens, requested_logprobs(body), 1)
+        if plan is not None and (constraint := plan.structured_outputs()) is not None:
+            params = dataclasses.replace(params, structured_outputs=constraint)
         # A client that leaves while its prompt waits for the tokenizer drops the job.
-        prompt_ids = await unless_disconnected(ctx.tokens.chat_prompt(messages, body.add_generation_prompt), request)
+        prompt_ids = await unless_disconnected(ctx.tokens.chat_prompt(
+            messages, body.add_generation_prompt, plan.tools if plan is not None else None), request)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = await ctx.submit([PromptSpec(prompt_ids, params, body.cache_salt)], request_id)
         created = int(time.time())
         if body.stream:
-            return EventStreamResponse(self._events(body, len(prompt_ids), stream, request_id, created), stream.close)
+            return EventStreamResponse(self._events(body, plan, len(prompt_ids), stream, request_id, created),
+                                       stream.close)
         try:
             [output] = await ctx.final_outputs(stream, request)
         finally:
             stream.close()
-        choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
-                              logprobs=chat_logprobs(ctx.tokens, c.logprobs) if c.logprobs is not None else None,
-                              finish_reason=c.finish_reason, stop_reason=c.stop_reason) for c in output.outputs]
+        choices = []
+        for c in output.outputs:
+            message, finish_reason = assistant_message(plan, c)
+            choices.append(ChatChoice(index=c.index, message=message,
+                                      logprobs=chat_logprobs(ctx.tokens, c.logprobs) if c.logprobs is not None else None,
+                                      finish_reason=finish_reason, stop_reason=c.stop_reason))
         response = ChatCompletionResponse(
             id=request_id, created=created, model=ctx.model_name, choices=choices,
             usage=usage([len(prompt_ids)], sum(len(c.token_ids) for c in output.outputs), output.num_cached_tokens),
             prompt_logprobs=prompt_logprobs_field(output.prompt_logprobs))
         return Response(response.model_dump_json(), media_type="application/json")
 
-    async def _events(self, body: ChatCompletionRequest, prompt_len: int, stream: RequestStream,
-                      request_id: str, created: int) -> AsyncIterator[str]:
+    async def _events(self, body: ChatCompletionRequest, plan: ToolPlan | None, prompt_len: int,
+                      stream: RequestStream, request_id: str, created: int) -> AsyncIterator[str]:
         ctx = self.ctx
         state = StreamState(body.n)
+        tool_deltas: dict[int, ToolDeltas] = {}  # choice index -> its tool-call progress
 
         def chunk(choices: list[ChatChunkChoice], with_usage: bool) -> str:
             u = (usage([prompt_len], state.completion_tokens(), sum(state.cached_tokens.values()))
@@ -93,18 +119,28 @@ class ChatServing:
                     state.record(p, out)
                     for c in out.outputs:
                         index, choice = state.choice(p, c.index)
-                        delta = c.text[choice.chars_sent:]
+                        finish_reason, calls = c.finish_reason, []
+                        reader = plan.reader() if plan is not None and index not in tool_deltas else None
+                        if reader is not None:
+                            tool_deltas[index] = ToolDeltas(reader, None if plan.parallel else 1)
+                        if index in tool_deltas:
+                            tracker = tool_deltas[index]
+                            delta, calls = tracker.step(c.text, final=c.finish_reason is not None)
+                            finish_reason = plan.finish_reason(c.finish_reason, tracker.called)
+                        else:
+                            delta = c.text[choice.chars_sent:]
                         new_logprobs = c.logprobs[choice.tokens_sent:] if c.logprobs is not None else None
                         finishing = c.finish_reason is not None and not choice.finished
                         choice.chars_sent, choice.num_tokens = len(c.text), len(c.token_ids)
-                        if not (delta or new_logprobs or finishing):
+                        if not (delta or calls or new_logprobs or finishing):
                             continue
                         if c.logprobs is not None:
                             choice.tokens_sent = len(c.logprobs)
                         choice.finished = c.finish_reason is not None
                         logprobs = chat_logprobs(ctx.tokens, new_logprobs) if new_logprobs is not None else None
-                        yield chunk([ChatChunkChoice(index=index, delta=DeltaMessage(content=delta), logprobs=logprobs,
-                                                     finish_reason=c.finish_reason, stop_reason=c.stop_reason)],
+                        message = DeltaMessage(content=delta if delta or not calls else None, tool_calls=calls or None)
+                        yield chunk([ChatChunkChoice(index=index, delta=message, logprobs=logprobs,
+                                                     finish_reason=finish_reason, stop_reason=c.stop_reason)],
                                     continuous)
             if body.include_usage:
                 yield chunk([], True)

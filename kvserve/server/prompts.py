@@ -14,16 +14,17 @@ request never queues behind large ones; a queued job whose client left is droppe
 from __future__ import annotations
 
 import asyncio
+import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.server.errors import APIError
-from kvserve.server.protocol import ChatMessage
+from kvserve.server.protocol import ChatMessage, ToolCallParam
 
-CHAT_ROLES = ("system", "developer", "user", "assistant")
-_UNSUPPORTED_MESSAGE_FIELDS = ("tool_calls", "tool_call_id", "function_call", "audio", "refusal")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+_UNSUPPORTED_MESSAGE_FIELDS = ("function_call", "audio", "refusal")
 
 
 @dataclass
@@ -33,7 +34,9 @@ class Prompt:
 
 
 def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Chat messages as the template expects them; text content parts are joined by newlines."""
+    """Chat messages as the template expects them; text content parts are joined by newlines.
+    An assistant message's `tool_calls` keep their arguments as objects (what chat templates
+    render), a tool message its `tool_call_id`."""
     if not messages:
         raise APIError(400, "messages must contain at least one message.", param="messages")
     result = []
@@ -41,7 +44,7 @@ def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         where = f"messages[{i}]"
         if message.role not in CHAT_ROLES:
             raise APIError(400, f"{where}.role {message.role!r} is not supported; use one of "
-                                f"{', '.join(CHAT_ROLES)} (kvserve does not implement tools).", param=f"{where}.role")
+                                f"{', '.join(CHAT_ROLES)}.", param=f"{where}.role")
         for name in _UNSUPPORTED_MESSAGE_FIELDS:
             if (message.model_extra or {}).get(name) not in (None, [], ""):
                 raise APIError(400, f"{where}.{name} is not supported by kvserve.", param=f"{where}.{name}")
@@ -57,10 +60,27 @@ def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         entry = {"role": message.role, "content": content or ""}
         if message.name is not None:
             entry["name"] = message.name
+        if message.tool_calls:
+            if message.role != "assistant":
+                raise APIError(400, f"{where}.tool_calls: only assistant messages carry tool calls.",
+                               param=f"{where}.tool_calls")
+            entry["tool_calls"] = [_call(call, f"{where}.tool_calls[{j}]") for j, call in enumerate(message.tool_calls)]
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
         result.append(entry)
     return result
 
 
+def _call(call: ToolCallParam, where: str) -> dict[str, Any]:
+    try:
+        arguments = json.loads(call.function.arguments)
+    except ValueError as exc:
+        raise APIError(400, f"{where}.function.arguments is not valid JSON: {exc}",
+                       param=f"{where}.function.arguments") from exc
+    entry: dict[str, Any] = {"type": "function", "function": {"name": call.function.name, "arguments": arguments}}
+    if call.id is not None:
+        entry["id"] = call.id
+    return entry
 # Jobs over this many characters run in the large-job thread.
 SMALL_JOB_CHARS = 16_384
 
@@ -138,13 +158,17 @@ class Tokenization:
                 prompts.append(Prompt(None, list(item)))
         return prompts
 
-    async def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
-        chars = sum(len(str(m.get("content") or "")) for m in messages)
+    async def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                          tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The conversation rendered by the model's chat template and tokenized; tool definitions,
+        calls and results go where the template puts them, or in hermes text (engine/tool_prompts.py)."""
+        chars = sum(len(str(m.get("content") or "")) + len(json.dumps(m.get("tool_calls") or [])) for m in messages)
+        chars += len(json.dumps(tools or []))
         self.check_length(chars, "messages")
 
         def render() -> list[int]:
             try:
-                return self._engine.apply_chat_template(messages, add_generation_prompt)
+                return self._engine.apply_chat_template(messages, add_generation_prompt, tools=tools)
             except ValueError as exc:
                 raise APIError(400, str(exc), param="messages") from exc
             except Exception as exc:  # a Jinja error raised by the template itself

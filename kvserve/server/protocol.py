@@ -13,7 +13,7 @@ from typing import Any, Callable, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from kvserve.cache.eviction import POLICY_CHOICES
-from kvserve.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
+from kvserve.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, StructuredOutputsParams
 
 # Prompts x n in one HTTP request: bounds the work one request can queue.
 MAX_CHOICES_PER_REQUEST = 128
@@ -26,9 +26,8 @@ def _off(value: Any) -> bool:
 # field -> test that its value asks for nothing kvserve would have to ignore
 _UNSUPPORTED_COMMON: dict[str, Callable[[Any], bool]] = {
     "logit_bias": _off,
-    "response_format": lambda v: _off(v) or v == {"type": "text"},
-    "guided_json": _off, "guided_regex": _off, "guided_choice": _off, "guided_grammar": _off,
-    "structured_outputs": _off,
+    "guided_whitespace_pattern": _off,
+    "guided_decoding_backend": _off,
     "chat_template_kwargs": _off,
     "lora_request": _off,
 }
@@ -39,8 +38,6 @@ UNSUPPORTED_COMPLETION_FIELDS = {
 }
 UNSUPPORTED_CHAT_FIELDS = {
     **_UNSUPPORTED_COMMON,
-    "tools": _off,
-    "tool_choice": lambda v: _off(v) or v == "none",
     "functions": _off,
     "function_call": lambda v: _off(v) or v == "none",
     "audio": _off,
@@ -104,6 +101,38 @@ class KVEvictionField(BaseModel):
     recent_tokens: int | None = Field(default=None, description="newest tokens always kept")
 
 
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's `response_format.json_schema`: a named schema (`strict` is accepted; the grammar
+    always enforces the schema)."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: text (no constraint), any JSON object, or a JSON schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(BaseModel):
+    """vLLM's `structured_outputs` request field (exactly one constraint)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = True
+
+
 class SamplingFields(OpenAIModel):
     """The sampling fields shared by completions and chat (vLLM's extras included)."""
 
@@ -131,6 +160,14 @@ class SamplingFields(OpenAIModel):
     kv_eviction: KVEvictionField | None = None
     prompt_logprobs: int | None = Field(default=None, description="Return the log-probability of every prompt "
                                         "token given the ones before it, with the k most likely tokens there.")
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
+    # guided_* spellings; more than one constraint in all is a 400.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> "SamplingFields":
@@ -161,7 +198,36 @@ class SamplingFields(OpenAIModel):
             prompt_logprobs=prompt_logprobs if prompt_logprobs is not None else self.prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            kv_eviction=self.kv_eviction.model_dump(exclude_none=True) if self.kv_eviction else None, **given)
+            kv_eviction=self.kv_eviction.model_dump(exclude_none=True) if self.kv_eviction else None,
+            structured_outputs=self.structured_outputs_params(), **given)
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The one output constraint the request asks for, from whichever field it used; None
+        without one. Raises ValueError (a 400) for two constraints or a malformed one."""
+        constraints: dict[str, Any] = {}
+        whitespace = True
+        if self.structured_outputs is not None:
+            so = self.structured_outputs
+            whitespace = so.disable_any_whitespace
+            constraints.update({k: v for k, v in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
+                                                  ("grammar", so.grammar), ("json_object", so.json_object))
+                                if v is not None and v is not False})
+            if not constraints:  # vLLM's text
+                raise ValueError("You must use one kind of structured outputs constraint but none are specified.")
+        for kind, value in (("json", self.guided_json), ("regex", self.guided_regex),
+                            ("choice", self.guided_choice), ("grammar", self.guided_grammar)):
+            if value is not None:
+                _add_constraint(constraints, kind, value)
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            _add_constraint(constraints, "json_object", True)
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+                raise ValueError("response_format of type json_schema needs json_schema.schema (the JSON schema).")
+            _add_constraint(constraints, "json", fmt.json_schema.json_schema)
+        if not constraints:
+            return None
+        return StructuredOutputsParams(**constraints, disable_any_whitespace=whitespace)
 
     @property
     def include_usage(self) -> bool:
@@ -170,6 +236,13 @@ class SamplingFields(OpenAIModel):
     @property
     def continuous_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+
+def _add_constraint(constraints: dict[str, Any], kind: str, value: Any) -> None:
+    if constraints:  # vLLM's text
+        raise ValueError(f"You can only use one kind of structured outputs constraint but multiple are "
+                         f"specified: {', '.join([*constraints, kind])}.")
+    constraints[kind] = value
 
 
 class CompletionRequest(SamplingFields):
@@ -186,10 +259,37 @@ class ContentPart(OpenAIModel):
     text: str | None = None
 
 
+class FunctionCallParam(OpenAIModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI's API sends it
+
+
+class ToolCallParam(OpenAIModel):
+    """A call in an assistant message of the conversation (what an earlier response returned)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
 class ChatMessage(OpenAIModel):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages
+
+
+class FunctionDefinition(OpenAIModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; none means no arguments
+    strict: bool | None = None
+
+
+class ChatTool(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -199,6 +299,11 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    tools: list[ChatTool] | None = None
+    # "none", "auto", "required" or {"type": "function", "function": {"name": ...}}; checked in
+    # kvserve/server/tools.py with vLLM's messages.
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # False: at most one call per reply
 
     unsupported_fields: ClassVar[dict[str, Callable[[Any], bool]]] = UNSUPPORTED_CHAT_FIELDS
 
@@ -207,6 +312,7 @@ class TokenizeRequest(OpenAIModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ChatTool] | None = None  # rendered with the messages, as chat renders them
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False
@@ -278,9 +384,21 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] = Field(default_factory=list)  # always present, empty without calls (vLLM)
 
 
 class ChatChoice(BaseModel):
@@ -301,9 +419,32 @@ class ChatCompletionResponse(BaseModel):
     prompt_logprobs: PromptLogprobsField | None = None
 
 
+class _Sparse(BaseModel):
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler: Any) -> dict:
+        """OpenAI's deltas carry only what changed: no `"name": null`."""
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunctionCall(_Sparse):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_Sparse):
+    """A piece of one tool call in a stream: the first carries `id`, `type` and the function's
+    name; the following ones add fragments of `arguments`; `index` says which call."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _omit_unset(self, handler: Any) -> dict:

@@ -1,0 +1,198 @@
+"""Structured outputs: decoding constrained to a JSON schema, a regex, a choice or a grammar.
+
+The grammar engine is llguidance (the Earley parser + token trie of Microsoft's Guidance, also one
+of vLLM's backends): it compiles a constraint into a matcher that, at each step, says which tokens
+may come next as a bitmask, one bit per vocabulary entry. Three pieces:
+
+- `GrammarCompiler` (one per engine): llguidance's view of the tokenizer, built on first use, and
+  compiled grammars cached by (kind, spec, options), so a schema is compiled once however many
+  requests use it. Compiling is also the check: a bad schema, regex or grammar is a ValueError
+  before the request is queued.
+- `GrammarMatcher` (one per sequence, n > 1 gives each sample its own): follows the sequence's
+  output tokens, whatever happens to its KV (prefix hits, eviction, recompute after preemption).
+- `GrammarMasks` (the sampler's): each step, the bitmasks of the constrained rows only, filled in
+  one call, unpacked on the logits' device and applied as -inf before sampling.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from kvserve.sampling_params import StructuredOutputsParams
+
+# JSON separators when free whitespace is off: one space after ":" and "," (json.dumps' defaults,
+# the way models saw JSON written), never more.
+SEPARATORS = {"key_separator": ": ", "item_separator": ", "}
+# Compiled grammars kept per engine (least recently used dropped first).
+GRAMMAR_CACHE_SIZE = 256
+
+
+def grammar_key(spec: StructuredOutputsParams) -> tuple[str, str, bool]:
+    """What a compiled grammar depends on: the kind, the spec as text, and the whitespace option."""
+    kind = spec.kind
+    value = {"json": spec.json, "regex": spec.regex, "choice": spec.choice, "grammar": spec.grammar,
+             "json_object": True}[kind]
+    text = value if isinstance(value, str) else json.dumps(value)
+    return kind, text, bool(spec.disable_any_whitespace)
+
+
+def serialize_grammar(kind: str, text: str, disable_any_whitespace: bool) -> str:
+    """llguidance's grammar text for a constraint. JSON without free whitespace when asked
+    (`whitespace_flexible` off: "," and ":" with nothing around them). Raises ValueError for a
+    spec that cannot even be read (e.g. a schema that is not JSON)."""
+    import llguidance
+
+    options = {"whitespace_flexible": not disable_any_whitespace, **SEPARATORS}
+    try:
+        if kind == "json":
+            schema = json.loads(text)
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError("a JSON schema must be an object")
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
+        if kind == "json_object":
+            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=options)
+        if kind == "regex":
+            return llguidance.grammar_from("regex", text)
+        if kind == "choice":
+            return llguidance.grammar_from("choice", json.loads(text))
+        if kind == "grammar":
+            return llguidance.grammar_from("grammar", text)  # Lark, or GBNF converted to Lark
+    except (ValueError, TypeError, KeyError) as exc:  # json.JSONDecodeError is a ValueError
+        raise ValueError(f"Invalid grammar specification: {exc}") from None
+    raise ValueError(f"unknown structured outputs kind {kind!r}")
+
+
+class GrammarMatcher:
+    """One sequence's place in its grammar: which tokens may come next, advanced token by token."""
+
+    __slots__ = ("matcher",)
+
+    def __init__(self, matcher: Any):
+        self.matcher = matcher
+
+    def accept(self, token_id: int) -> str | None:
+        """Advance past a sampled token; returns why it was refused (None when accepted)."""
+        if self.matcher.consume_token(token_id):
+            return None
+        return self.matcher.get_error() or f"token {token_id} is not allowed by the grammar"
+
+    @property
+    def finished(self) -> bool:
+        """True once the grammar is complete and nothing but EOS may follow."""
+        return self.matcher.is_stopped()
+
+
+class GrammarCompiler:
+    """Compiles structured-output constraints for one tokenizer and caches the results.
+
+    Thread-safe (a lock around the cache), so a server may compile outside the engine thread.
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...],
+                 cache_size: int = GRAMMAR_CACHE_SIZE):
+        self._hf_tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._eos_token_ids = list(eos_token_ids)
+        self._cache_size = cache_size
+        self._cache: OrderedDict[tuple[str, str, bool], Any] = OrderedDict()
+        self._ll_tokenizer: Any = None
+        self._lock = threading.Lock()
+
+    @property
+    def ll_tokenizer(self) -> Any:
+        """llguidance's tokenizer (its token trie), built once on first use: a model vocabulary
+        padded past the tokenizer's gets entries no grammar allows."""
+        if self._ll_tokenizer is None:
+            import llguidance.hf
+
+            try:
+                self._ll_tokenizer = llguidance.hf.from_tokenizer(
+                    self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos_token_ids or None)
+            except ValueError as exc:
+                raise ValueError(f"structured outputs need a fast (Rust) tokenizer: {exc}") from None
+        return self._ll_tokenizer
+
+    def compile(self, spec: StructuredOutputsParams) -> Any:
+        """The compiled grammar for `spec` (an llguidance matcher at its start, shared: never
+        advance it, copy it with `matcher`). Raises ValueError with llguidance's reason (which
+        names an unsupported JSON schema feature) for a constraint that does not compile."""
+        import llguidance
+
+        key = grammar_key(spec)
+        with self._lock:
+            compiled = self._cache.get(key)
+            if compiled is not None:
+                self._cache.move_to_end(key)
+                return compiled
+            grammar = serialize_grammar(*key)
+            compiled = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+            if compiled.is_error():
+                raise ValueError(f"Grammar error: {compiled.get_error()}")
+            self._cache[key] = compiled
+            if len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+            return compiled
+
+    def matcher(self, spec: StructuredOutputsParams) -> GrammarMatcher:
+        """A fresh matcher for one sequence (a copy of the cached compiled grammar)."""
+        return GrammarMatcher(self.compile(spec).deep_copy())
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cache)
+
+
+# Bits of a byte, lowest first: row b of this table is byte value b unpacked to 8 booleans.
+def _byte_table(device: torch.device) -> torch.Tensor:
+    values = torch.arange(256, dtype=torch.int32)
+    return ((values[:, None] >> torch.arange(8, dtype=torch.int32)) & 1).bool().to(device)
+
+
+class GrammarMasks:
+    """Applies the constrained rows' token bitmasks to a step's logits.
+
+    llguidance writes each matcher's mask (bit t of 32-bit word t // 32 set = token t allowed) into
+    one pinned CPU buffer, all rows in one parallel call. The words are copied to the logits'
+    device, unpacked there byte by byte through a 256-entry table, and disallowed tokens (padded
+    vocabulary rows included) become -inf. Unconstrained rows are not touched.
+    """
+
+    def __init__(self, vocab_size: int, device: torch.device):
+        import llguidance
+
+        self.vocab_size = vocab_size
+        self.device = device
+        self.words = (vocab_size + 31) // 32
+        self._executor = llguidance.LLExecutor()
+        self._buffer = torch.empty(0, self.words, dtype=torch.int32)
+        self._table = _byte_table(device)
+
+    def _buffer_for(self, rows: int) -> torch.Tensor:
+        if self._buffer.shape[0] < rows:
+            size = max(rows, 2 * self._buffer.shape[0])
+            self._buffer = torch.empty(size, self.words, dtype=torch.int32,
+                                       pin_memory=self.device.type == "cuda")
+        return self._buffer[:rows]
+
+    def allowed(self, matchers: list[GrammarMatcher]) -> torch.Tensor:
+        """[len(matchers), vocab_size] bool on the device: True where the token may come next."""
+        from llguidance.torch import fill_next_token_bitmask_par
+
+        masks = self._buffer_for(len(matchers))
+        fill_next_token_bitmask_par(self._executor, [(m.matcher, i) for i, m in enumerate(matchers)], masks)
+        words = masks.to(self.device, non_blocking=True)
+        # Little-endian words: byte k of a row holds tokens 8k .. 8k+7, lowest bit first.
+        as_bytes = words.view(torch.uint8).long()
+        bits = self._table[as_bytes].reshape(len(matchers), -1)
+        return bits[:, :self.vocab_size]
+
+    def apply(self, logits: torch.Tensor, rows: list[int], matchers: list[GrammarMatcher]) -> None:
+        """Set the disallowed tokens of `rows` of `logits` [batch, vocab] to -inf, in place."""
+        allowed = self.allowed(matchers)
+        index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        constrained = logits.index_select(0, index).masked_fill_(~allowed, float("-inf"))
+        logits.index_copy_(0, index, constrained)

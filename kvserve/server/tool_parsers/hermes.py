@@ -1,0 +1,43 @@
+"""The `hermes` format (Hermes 2 Pro, Qwen2.5, SmolLM and kvserve's own fallback rendering):
+each call is a JSON object `{"name": ..., "arguments": {...}}` between `<tool_call>` and
+`</tool_call>`; text before the first call is the message's content (text after it is dropped,
+as vLLM's parser does)."""
+from __future__ import annotations
+
+from kvserve.server.tool_parsers.base import Parse, ToolParser, partial_suffix, read_call
+from kvserve.server.tool_parsers.json_scan import JSONSyntaxError, skip_whitespace
+
+START, END = "<tool_call>", "</tool_call>"
+
+
+class HermesParser(ToolParser):
+    name = "hermes"
+
+    def parse(self, text: str, final: bool) -> Parse:
+        first = text.find(START)
+        if first < 0:
+            held = 0 if final else partial_suffix(text, START)
+            return Parse(text[:len(text) - held])
+        content, calls, position = text[:first], [], first
+        try:
+            while position >= 0:
+                i = skip_whitespace(text, position + len(START))
+                if i >= len(text):
+                    if final:
+                        raise JSONSyntaxError(i, "empty tool call")
+                    break
+                call, end = read_call(text, i, final, ("arguments", "parameters"))
+                if call is not None:
+                    calls.append(call)
+                if end is None:
+                    break
+                j = skip_whitespace(text, end)
+                if text.startswith(END, j):
+                    position = text.find(START, j + len(END))
+                elif END.startswith(text[j:]):  # the closing tag is still arriving, or was left out
+                    break
+                else:
+                    raise JSONSyntaxError(j, f"expected {END}")
+        except JSONSyntaxError:
+            return Parse(content, calls, valid=False)
+        return Parse(content, calls)

@@ -1,0 +1,46 @@
+"""The `llama3_json` format (Llama 3.1/3.2 JSON tool calling): the whole reply is one or more JSON
+objects `{"name": ..., "parameters": {...}}` separated by `;`, optionally after the
+`<|python_tag|>` token; a reply that starts with anything else is plain content."""
+from __future__ import annotations
+
+from kvserve.server.tool_parsers.base import Parse, ToolParser, read_call
+from kvserve.server.tool_parsers.json_scan import JSONSyntaxError, skip_whitespace
+
+PYTHON_TAG = "<|python_tag|>"
+
+
+class Llama3JsonParser(ToolParser):
+    name = "llama3_json"
+
+    def parse(self, text: str, final: bool) -> Parse:
+        i = skip_whitespace(text, 0)
+        tagged = text.startswith(PYTHON_TAG, i)
+        if tagged:
+            i = skip_whitespace(text, i + len(PYTHON_TAG))
+        elif not final and PYTHON_TAG.startswith(text[i:]):  # nothing yet, or a tag still arriving
+            return Parse("")
+        if not tagged and (i >= len(text) or text[i] != "{"):
+            return Parse(text)
+        calls = []
+        try:
+            while True:
+                if i >= len(text):
+                    if final and not calls:
+                        raise JSONSyntaxError(i, "no tool call after the python tag")
+                    break
+                if text[i] != "{":
+                    raise JSONSyntaxError(i, "expected a JSON object")
+                call, end = read_call(text, i, final, ("parameters", "arguments"))
+                if call is not None:
+                    calls.append(call)
+                if end is None:
+                    break
+                j = skip_whitespace(text, end)
+                if j >= len(text):
+                    break
+                if text[j] != ";":
+                    raise JSONSyntaxError(j, "expected ';' between tool calls")
+                i = skip_whitespace(text, j + 1)
+        except JSONSyntaxError:
+            return Parse("", calls, valid=False)
+        return Parse("", calls)

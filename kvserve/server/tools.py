@@ -1,0 +1,170 @@
+"""A chat request's `tools` and `tool_choice`, checked and turned into a plan (vLLM's semantics).
+
+- `"none"`: the tools are shown to the model, the reply is plain text.
+- a named function (`{"type": "function", "function": {"name": ...}}`): the output is constrained
+  by structured outputs to that function's parameters schema (objects closed to undeclared keys,
+  see `closed_schema`) and returned as its one call.
+- `"required"`: the output is constrained to a JSON array of `{"name": <a tool>, "parameters":
+  <that tool's schema>}` objects, at least one; each becomes a call.
+- `"auto"` (the default when `tools` is given): the model writes calls in its own format, which
+  the server's `--tool-call-parser` reads; needs `--enable-auto-tool-choice`.
+
+Named and required work on any model because the grammar, not the model, guarantees the shape.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+from kvserve.sampling_params import StructuredOutputsParams
+from kvserve.server.errors import APIError
+from kvserve.server.protocol import ChatCompletionRequest
+from kvserve.server.tool_parsers import TOOL_PARSERS, ToolParser
+from kvserve.server.tool_parsers.forced import NamedCallReader, RequiredCallsReader
+
+_USAGE = 'Correct usage: `{"type": "function", "function": {"name": "my_function"}}`'
+EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+
+
+@dataclass
+class ToolPlan:
+    tools: list[dict[str, Any]]  # OpenAI tool definitions, as plain JSON, for the prompt
+    choice: str  # "none" | "auto" | "required" | "named"
+    function_name: str | None = None  # the named function
+    parser_name: str | None = None  # auto: the server's --tool-call-parser
+    parallel: bool = True  # parallel_tool_calls; False keeps one call (required: the grammar allows one)
+
+    def reader(self) -> ToolParser | None:
+        """What reads this request's output into tool calls (None: plain text)."""
+        if self.choice == "named":
+            return NamedCallReader(self.function_name)
+        if self.choice == "required":
+            return RequiredCallsReader()
+        if self.choice == "auto":
+            return TOOL_PARSERS[self.parser_name]()
+        return None
+
+    def structured_outputs(self) -> StructuredOutputsParams | None:
+        if self.choice == "named":
+            return StructuredOutputsParams(json=self._parameters(self.function_name))
+        if self.choice == "required":
+            return StructuredOutputsParams(json=required_schema(self.tools, self.parallel))
+        return None
+
+    def _parameters(self, name: str) -> dict:
+        function = next(t["function"] for t in self.tools if t["function"]["name"] == name)
+        return closed_schema(function.get("parameters") or EMPTY_PARAMETERS)
+
+    def finish_reason(self, finish_reason: str | None, called: bool) -> str | None:
+        """vLLM's (and OpenAI's) rule: "tool_calls" when auto produced calls or a required reply
+        ended normally; a named call keeps "stop", as OpenAI's API answers a forced function."""
+        if self.choice == "required" and finish_reason == "stop":
+            return "tool_calls"
+        if self.choice == "auto" and called and finish_reason in ("stop", "length"):
+            return "tool_calls"
+        return finish_reason
+
+
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_VALUES = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
+
+
+def closed_schema(schema: Any, close: bool = True) -> Any:
+    """A copy of `schema` where objects that list `properties` and say nothing about
+    `additionalProperties` allow no other keys (xgrammar's strict mode, vLLM's default backend):
+    a function's arguments are the parameters it declares, and a small model left free to add
+    keys may add them until max_tokens. Objects whose keys are also declared elsewhere (`allOf`
+    parts, `$ref`, `unevaluatedProperties`) are left open, so composed schemas still validate."""
+    if not isinstance(schema, dict):
+        return schema
+    result = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(result.get(key), dict):
+            result[key] = {name: closed_schema(sub) for name, sub in result[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(result.get(key), list):
+            result[key] = [closed_schema(sub, close=key != "allOf") for sub in result[key]]
+    for key in _SCHEMA_VALUES:
+        if key in result:
+            result[key] = closed_schema(result[key])
+    composed = any(key in result for key in ("allOf", "$ref", "unevaluatedProperties", "additionalProperties"))
+    if close and "properties" in result and not composed:
+        result["additionalProperties"] = False
+    return result
+
+
+def required_schema(tools: list[dict[str, Any]], parallel: bool = True) -> dict:
+    """vLLM's schema for `tool_choice: "required"`: an array of at least one call (exactly one
+    without `parallel`), each naming a tool (an enum of one) with that tool's parameters. `$defs`
+    of the tools move to the top, where their `#/$defs/...` references resolve."""
+    definitions: dict[str, Any] = {}
+    alternatives = []
+    for tool in tools:
+        function = tool["function"]
+        parameters = closed_schema(copy.deepcopy(function.get("parameters") or EMPTY_PARAMETERS))
+        for name, schema in parameters.pop("$defs", {}).items():
+            if definitions.get(name, schema) != schema:
+                raise APIError(400, f"Tool definition '{name}' has multiple schemas, which is not supported.",
+                               param="tools")
+            definitions[name] = schema
+        alternatives.append({"properties": {"name": {"type": "string", "enum": [function["name"]]},
+                                            "parameters": parameters},
+                             "required": ["name", "parameters"]})
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": alternatives}}
+    if not parallel:
+        schema["maxItems"] = 1
+    if definitions:
+        schema["$defs"] = definitions
+    return schema
+
+
+def _asks_for_structure(body: ChatCompletionRequest) -> bool:
+    try:
+        return body.structured_outputs_params() is not None
+    except ValueError:  # a malformed constraint: sampling_params() reports it
+        return False
+
+
+def plan_tools(body: ChatCompletionRequest, auto_parser: str | None) -> ToolPlan | None:
+    """The request's tool plan, or None when it has no tools. Raises APIError (400) with vLLM's
+    messages. `auto_parser` is the server's --tool-call-parser when --enable-auto-tool-choice is on."""
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else []
+    choice = body.tool_choice
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if choice == "none":
+        return ToolPlan(tools, "none") if tools else None
+    if not tools:
+        raise APIError(400, "When using `tool_choice`, `tools` must be set.", param="tool_choice")
+    names = [t["function"]["name"] for t in tools]
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        if not isinstance(function, dict) or not function:
+            raise APIError(400, f"Expected field `function` in `tool_choice`. {_USAGE}", param="tool_choice")
+        name = function.get("name")
+        if not isinstance(name, str) or not name:
+            raise APIError(400, f"Expected field `name` in `function` in `tool_choice`. {_USAGE}",
+                           param="tool_choice")
+        if choice.get("type", "function") != "function":
+            raise APIError(400, f"`tool_choice.type` must be \"function\", got {choice.get('type')!r}. {_USAGE}",
+                           param="tool_choice")
+        if name not in names:
+            raise APIError(400, "The tool specified in `tool_choice` does not match any of the specified `tools`",
+                           param="tool_choice")
+        plan = ToolPlan(tools, "named", function_name=name)
+    elif choice in ("auto", "required"):
+        plan = ToolPlan(tools, choice)
+    else:
+        raise APIError(400, f'Invalid value for `tool_choice`: {choice}! Only named tools, "none", "auto" or '
+                            f'"required" are supported.', param="tool_choice")
+    plan.parallel = body.parallel_tool_calls is not False
+    if plan.choice == "auto":
+        if auto_parser is None:
+            raise APIError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
+                                'to be set', param="tool_choice")
+        plan.parser_name = auto_parser
+    elif _asks_for_structure(body):
+        raise APIError(400, "You can only either use guided decoding or tools, not both.", param="tool_choice")
+    return plan
