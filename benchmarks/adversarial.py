@@ -452,14 +452,24 @@ def run_sigterm(log_dir: Path, max_chars: int) -> Section:
 # --- bad model files and options --------------------------------------------------------------------
 
 def serve_once(argv: list[str]) -> tuple[int, str, float]:
-    """Run `kvserve serve ARGV` under the 2 GiB address-space limit: (exit code, stderr, peak RSS MB)."""
+    """Run `kvserve serve ARGV` under the 2 GiB address-space limit: (exit code, stderr, peak RSS MB).
+    The peak is the child's VmHWM polled from /proc while it runs: getrusage's ru_maxrss for a child
+    is no use here, as Linux carries the parent's high-water mark across fork and exec into it."""
+    peak_kb = 0
     with tempfile.TemporaryFile() as err:
         process = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "serve", *argv, "--port", "0"],
                                    stdout=subprocess.DEVNULL, stderr=err, preexec_fn=limit_memory)
-        _, status, usage = os.wait4(process.pid, 0)
-        process.returncode = os.waitstatus_to_exitcode(status)
+        status = Path(f"/proc/{process.pid}/status")
+        while process.poll() is None:
+            try:
+                hwm = next((line for line in status.read_text().splitlines() if line.startswith("VmHWM:")), None)
+            except OSError:
+                hwm = None
+            if hwm is not None:
+                peak_kb = max(peak_kb, int(hwm.split()[1]))
+            time.sleep(0.02)
         err.seek(0)
-        return process.returncode, err.read().decode(errors="replace"), usage.ru_maxrss / 1024
+        return process.returncode, err.read().decode(errors="replace"), peak_kb / 1024
 
 
 def run_model_files(tmp: Path) -> Section:
