@@ -3,7 +3,7 @@ tries, in categories, each counted with its outcomes and whether the server's gu
 
 - auth: every route, path spelling, method, wrong key and spoofed Host (and two Authorization
   headers) against `--api-key` -> 401 each; then overload and n=128 under a tiny KV pool.
-- bodies: ~180 malformed or absurd request bodies -> a 4xx with an OpenAI error body, or a 200
+- bodies: ~190 malformed or absurd request bodies -> a 4xx with an OpenAI error body, or a 200
   where the value is valid; never a 5xx or a hang; the server healthy and drained after.
 - floods: thousands of idle connections, trickled request heads, stalled bodies -> closed by the
   limits and timeouts; /health latency while flooded; each kind of closing logged once.
