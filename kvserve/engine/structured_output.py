@@ -11,7 +11,7 @@ may come next as a bitmask, one bit per vocabulary entry. Three pieces:
 - `GrammarMatcher` (one per sequence, n > 1 gives each sample its own): follows the sequence's
   output tokens, whatever happens to its KV (prefix hits, eviction, recompute after preemption).
 - `GrammarMasks` (the sampler's): each step, the bitmasks of the constrained rows only, filled in
-  one call, unpacked on the logits' device and applied as -inf before sampling.
+  one call, unpacked for the logits' device and applied as -inf before sampling.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvserve.sampling_params import StructuredOutputsParams
@@ -146,19 +147,15 @@ class GrammarCompiler:
         return len(self._cache)
 
 
-# Bits of a byte, lowest first: row b of this table is byte value b unpacked to 8 booleans.
-def _byte_table(device: torch.device) -> torch.Tensor:
-    values = torch.arange(256, dtype=torch.int32)
-    return ((values[:, None] >> torch.arange(8, dtype=torch.int32)) & 1).bool().to(device)
-
-
 class GrammarMasks:
     """Applies the constrained rows' token bitmasks to a step's logits.
 
     llguidance writes each matcher's mask (bit t of 32-bit word t // 32 set = token t allowed) into
-    one pinned CPU buffer, all rows in one parallel call. The words are copied to the logits'
-    device, unpacked there byte by byte through a 256-entry table, and disallowed tokens (padded
-    vocabulary rows included) become -inf. Unconstrained rows are not touched.
+    one CPU buffer, all rows in one parallel call. On CPU the words are unpacked by numpy's
+    `unpackbits` (little-endian bit order, as the words are laid out in memory) and applied with a
+    masked copy; on another device they are copied there (from pinned memory), unpacked with shifts
+    and applied with masked_fill. Disallowed tokens, padded
+    vocabulary rows included, become -inf; unconstrained rows are not touched.
     """
 
     def __init__(self, vocab_size: int, device: torch.device):
@@ -169,7 +166,7 @@ class GrammarMasks:
         self.words = (vocab_size + 31) // 32
         self._executor = llguidance.LLExecutor()
         self._buffer = torch.empty(0, self.words, dtype=torch.int32)
-        self._table = _byte_table(device)
+        self._shifts = torch.arange(32, dtype=torch.int32, device=device)
 
     def _buffer_for(self, rows: int) -> torch.Tensor:
         if self._buffer.shape[0] < rows:
@@ -178,21 +175,33 @@ class GrammarMasks:
                                        pin_memory=self.device.type == "cuda")
         return self._buffer[:rows]
 
-    def allowed(self, matchers: list[GrammarMatcher]) -> torch.Tensor:
-        """[len(matchers), vocab_size] bool on the device: True where the token may come next."""
+    def banned(self, matchers: list[GrammarMatcher]) -> torch.Tensor:
+        """[len(matchers), vocab_size] bool on the device: True where the token may NOT come next."""
         from llguidance.torch import fill_next_token_bitmask_par
 
         masks = self._buffer_for(len(matchers))
         fill_next_token_bitmask_par(self._executor, [(m.matcher, i) for i, m in enumerate(matchers)], masks)
+        if self.device.type == "cpu":
+            inverted = np.invert(masks.numpy()).view(np.uint8)  # [rows, 4 * words], low byte first
+            bits = np.unpackbits(inverted, axis=1, count=self.vocab_size, bitorder="little")
+            return torch.from_numpy(bits).view(torch.bool)
         words = masks.to(self.device, non_blocking=True)
-        # Little-endian words: byte k of a row holds tokens 8k .. 8k+7, lowest bit first.
-        as_bytes = words.view(torch.uint8).long()
-        bits = self._table[as_bytes].reshape(len(matchers), -1)
-        return bits[:, :self.vocab_size]
+        bits = (words.unsqueeze(-1) >> self._shifts) & 1  # [rows, words, 32], token order
+        return bits.reshape(len(matchers), -1)[:, :self.vocab_size] == 0
+
+    def allowed(self, matchers: list[GrammarMatcher]) -> torch.Tensor:
+        """[len(matchers), vocab_size] bool on the device: True where the token may come next."""
+        return ~self.banned(matchers)
 
     def apply(self, logits: torch.Tensor, rows: list[int], matchers: list[GrammarMatcher]) -> None:
         """Set the disallowed tokens of `rows` of `logits` [batch, vocab] to -inf, in place."""
-        allowed = self.allowed(matchers)
+        banned = self.banned(matchers)
+        if logits.device.type == "cpu" and logits.is_contiguous():
+            # numpy's masked copy, one row view at a time: single-threaded and much cheaper than
+            # torch's masked_fill_ on a few cores (no thread fan-out for a 1-D memory pass).
+            values, masks = logits.numpy(), banned.numpy()
+            for i, row in enumerate(rows):
+                np.copyto(values[row], -np.inf, where=masks[i])
+            return
         index = torch.tensor(rows, dtype=torch.long, device=logits.device)
-        constrained = logits.index_select(0, index).masked_fill_(~allowed, float("-inf"))
-        logits.index_copy_(0, index, constrained)
+        logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(banned, float("-inf")))
