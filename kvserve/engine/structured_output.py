@@ -107,20 +107,22 @@ class GrammarCompiler:
     def ll_tokenizer(self) -> Any:
         """llguidance's tokenizer (its token trie), built once on first use: a model vocabulary
         padded past the tokenizer's gets entries no grammar allows."""
-        if self._ll_tokenizer is None:
-            import llguidance.hf
+        with self._lock:
+            if self._ll_tokenizer is None:
+                import llguidance.hf
 
-            try:
-                self._ll_tokenizer = llguidance.hf.from_tokenizer(
-                    self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos_token_ids or None)
-            except ValueError as exc:
-                raise ValueError(f"structured outputs need a fast (Rust) tokenizer: {exc}") from None
-        return self._ll_tokenizer
+                try:
+                    self._ll_tokenizer = llguidance.hf.from_tokenizer(
+                        self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos_token_ids or None)
+                except ValueError as exc:
+                    raise ValueError(f"structured outputs need a fast (Rust) tokenizer: {exc}") from None
+            return self._ll_tokenizer
 
     def compile(self, spec: StructuredOutputsParams) -> Any:
         """The compiled grammar for `spec` (an llguidance matcher at its start, shared: never
         advance it, copy it with `matcher`). Raises ValueError with llguidance's reason (which
-        names an unsupported JSON schema feature) for a constraint that does not compile."""
+        names an unsupported JSON schema feature) for a constraint that does not compile.
+        Compiling happens outside the lock, so a slow schema does not hold up cache hits."""
         import llguidance
 
         key = grammar_key(spec)
@@ -129,14 +131,14 @@ class GrammarCompiler:
             if compiled is not None:
                 self._cache.move_to_end(key)
                 return compiled
-            grammar = serialize_grammar(*key)
-            compiled = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
-            if compiled.is_error():
-                raise ValueError(f"Grammar error: {compiled.get_error()}")
+        compiled = llguidance.LLMatcher(self.ll_tokenizer, serialize_grammar(*key), log_level=0)
+        if compiled.is_error():
+            raise ValueError(f"Grammar error: {compiled.get_error()}")
+        with self._lock:
             self._cache[key] = compiled
             if len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
-            return compiled
+        return compiled
 
     def matcher(self, spec: StructuredOutputsParams) -> GrammarMatcher:
         """A fresh matcher for one sequence (a copy of the cached compiled grammar)."""
