@@ -12,7 +12,7 @@ import torch
 
 from kvserve import LLM, SamplingParams, StructuredOutputsParams
 from kvserve.cache.formats import KV_CACHE_DTYPES
-from kvserve.engine.structured_output import GrammarMasks
+from kvserve.engine.structured_output import GrammarMasks, unpack_banned
 
 PROMPTS = ["It is a truth universally acknowledged", "The quick brown fox", "Once upon a time",
            "My dear Mr. Bennet"]
@@ -264,6 +264,25 @@ def test_mask_unpacking_matches_llguidance_bit_order(llm):
     llg_torch.fill_next_token_bitmask(matcher.matcher, words, 0)
     expected = torch.tensor([bool((int(words[0, t // 32]) >> (t % 32)) & 1) for t in range(vocab)])
     assert torch.equal(allowed, expected) and 0 < int(allowed.sum()) < vocab
+
+
+def test_the_device_path_unpacks_and_applies_as_the_cpu_path(llm):
+    """What a CUDA engine runs (torch shifts on the device, masked_fill on a row subset), checked on
+    CPU against the numpy path: same banned tokens, unconstrained rows untouched."""
+    import llguidance.torch as llg_torch
+
+    matchers = [llm.engine.grammars.matcher(StructuredOutputsParams(choice=CHOICES)),
+                llm.engine.grammars.matcher(StructuredOutputsParams(regex="[0-9]+"))]
+    vocab = llm.engine.model_config.vocab_size
+    masks = GrammarMasks(vocab, torch.device("cpu"))
+    words = llg_torch.allocate_token_bitmask(2, llm.engine.grammars.ll_tokenizer.vocab_size)
+    for i, m in enumerate(matchers):
+        llg_torch.fill_next_token_bitmask(m.matcher, words, i)
+    assert torch.equal(unpack_banned(words, vocab), masks.banned(matchers))
+    logits = torch.zeros(vocab, 4).t()  # not contiguous: apply takes the torch path
+    masks.apply(logits, [0, 2], matchers)
+    assert torch.equal(torch.isinf(logits[[0, 2]]), masks.banned(matchers))
+    assert bool(torch.isfinite(logits[[1, 3]]).all())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -149,6 +149,14 @@ class GrammarCompiler:
         return len(self._cache)
 
 
+def unpack_banned(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Bitmask words [rows, words] (int32, any device) -> [rows, vocab_size] bool, True where the
+    token's bit is clear (not allowed). Torch ops only, so it runs where the words are."""
+    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
+    bits = (words.unsqueeze(-1) >> shifts) & 1  # [rows, words, 32]: token 32 * w + b at [w, b]
+    return bits.reshape(words.shape[0], -1)[:, :vocab_size] == 0
+
+
 class GrammarMasks:
     """Applies the constrained rows' token bitmasks to a step's logits.
 
@@ -168,7 +176,6 @@ class GrammarMasks:
         self.words = (vocab_size + 31) // 32
         self._executor = llguidance.LLExecutor()
         self._buffer = torch.empty(0, self.words, dtype=torch.int32)
-        self._shifts = torch.arange(32, dtype=torch.int32, device=device)
 
     def _buffer_for(self, rows: int) -> torch.Tensor:
         if self._buffer.shape[0] < rows:
@@ -187,9 +194,7 @@ class GrammarMasks:
             inverted = np.invert(masks.numpy()).view(np.uint8)  # [rows, 4 * words], low byte first
             bits = np.unpackbits(inverted, axis=1, count=self.vocab_size, bitorder="little")
             return torch.from_numpy(bits).view(torch.bool)
-        words = masks.to(self.device, non_blocking=True)
-        bits = (words.unsqueeze(-1) >> self._shifts) & 1  # [rows, words, 32], token order
-        return bits.reshape(len(matchers), -1)[:, :self.vocab_size] == 0
+        return unpack_banned(masks.to(self.device, non_blocking=True), self.vocab_size)
 
     def allowed(self, matchers: list[GrammarMatcher]) -> torch.Tensor:
         """[len(matchers), vocab_size] bool on the device: True where the token may come next."""
