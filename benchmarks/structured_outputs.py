@@ -10,6 +10,10 @@ first content to its last, over its tokens after the first).
 
     flock /tmp/kvserve-heavy.lock python benchmarks/structured_outputs.py [--rounds 3] [--max-tokens 128]
         [--concurrency 32] [-- extra serve flags]
+
+`--steps-profile` instead times, in this process, the grammar work of one decode step for
+`--concurrency` rows of the default model's vocabulary (each row at its own place in the schema):
+filling the bitmasks, unpacking them, applying them to the logits, and advancing the matchers.
 """
 from __future__ import annotations
 
@@ -88,14 +92,62 @@ async def run_batch(base_url: str, model: str, concurrency: int, max_tokens: int
             "sample": results[0]["text"][:120]}
 
 
+def profile_steps(rows: int, steps: int = 60) -> None:
+    """Median milliseconds per step of each piece of the grammar work, over `steps` decode steps."""
+    import random
+
+    import torch
+    from llguidance.torch import fill_next_token_bitmask_par
+
+    from kvserve.engine.structured_output import GrammarCompiler, GrammarMasks
+    from kvserve.model.loader import load_model
+    from kvserve.sampling_params import StructuredOutputsParams
+
+    loaded = load_model(None)
+    vocab = loaded.config.vocab_size
+    compiler = GrammarCompiler(loaded.tokenizer, vocab, (loaded.tokenizer.eos_token_id,))
+    matchers = [compiler.matcher(StructuredOutputsParams(json=SCHEMA)) for _ in range(rows)]
+    words = ["apple", "Danube", "Mozart", "sparrow", "Python", "Seville", "chess", "carrot", "Monet", "oak"]
+    texts = []
+    for i in range(rows):  # a different valid continuation per row
+        rng = random.Random(i)
+        texts.append(loaded.tokenizer.encode('{"items": [' + ", ".join(f'"{rng.choice(words)}"' for _ in range(60))))
+    masks = GrammarMasks(vocab, torch.device("cpu"))
+    logits = torch.randn(rows, vocab)
+    timings: dict[str, list[float]] = {"fill": [], "fill + unpack": [], "fill + unpack + apply": [], "advance": []}
+    for step in range(steps):
+        buffer = masks._buffer_for(rows)
+        start = time.perf_counter()
+        fill_next_token_bitmask_par(masks._executor, [(m.matcher, i) for i, m in enumerate(matchers)], buffer)
+        timings["fill"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        masks.banned(matchers)
+        timings["fill + unpack"].append(time.perf_counter() - start)
+        row_logits = logits.clone()
+        start = time.perf_counter()
+        masks.apply(row_logits, list(range(rows)), matchers)
+        timings["fill + unpack + apply"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        for i, m in enumerate(matchers):
+            assert m.accept(texts[i][step]) is None
+        timings["advance"].append(time.perf_counter() - start)
+    print(f"grammar work per decode step, {rows} constrained rows, vocabulary {vocab}, median of {steps} steps:")
+    for name, values in timings.items():
+        print(f"  {name:>22}: {1000 * statistics.median(values):6.2f} ms")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--json", default=None, help="write the per-round results here")
+    parser.add_argument("--steps-profile", action="store_true", help="time the per-step grammar work in-process")
     parser.add_argument("serve_args", nargs="*", help="more `kvserve serve` flags (after --)")
     args = parser.parse_args()
+    if args.steps_profile:
+        profile_steps(args.concurrency)
+        return
     serve_args = ["--max-num-seqs", str(args.concurrency), *args.serve_args]
     with tempfile.TemporaryDirectory() as log_dir:
         server = ServerProcess.start(serve_args, Path(log_dir), env={"PYTHONPATH": os.environ.get("PYTHONPATH", "")})
