@@ -132,13 +132,19 @@ def test_ignore_eos_and_min_tokens_cannot_push_past_a_completed_grammar(llm):
         assert out.text in CHOICES and out.finish_reason == "stop", extra
 
 
-def test_whitespace_is_allowed_when_asked(llm):
-    """disable_any_whitespace=False lets JSON carry free whitespace; the output still parses."""
-    out = generate(llm, PROMPTS[3], params(constrained(json=SCHEMA, disable_any_whitespace=False),
-                                           max_tokens=200))[0].outputs[0]
-    if out.finish_reason == "stop":
-        value = json.loads(out.text)
-        assert set(value) == {"size", "colour", "ok"}
+def test_free_whitespace_only_when_asked(llm):
+    """disable_any_whitespace (the default) allows exactly json.dumps' form; off, any JSON whitespace."""
+    tokenizer = llm.get_tokenizer()
+
+    def accepts(text: str, disable_any_whitespace: bool) -> bool:
+        matcher = llm.engine.grammars.matcher(constrained(json=SCHEMA, disable_any_whitespace=disable_any_whitespace))
+        return all(matcher.accept(t) is None for t in tokenizer.encode(text)) and matcher.matcher.is_accepting()
+
+    canonical = json.dumps({"size": 7, "colour": "red", "ok": True})
+    padded = '{ "size" :  7 ,\n "colour": "red", "ok": true }'
+    compact = json.dumps({"size": 7, "colour": "red", "ok": True}, separators=(",", ":"))
+    assert accepts(canonical, True) and not accepts(padded, True) and not accepts(compact, True)
+    assert accepts(canonical, False) and accepts(padded, False) and accepts(compact, False)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", [d for d in KV_CACHE_DTYPES if d != "auto"])

@@ -43,11 +43,11 @@ def grammar_key(spec: StructuredOutputsParams) -> tuple[str, str, bool]:
 
 def serialize_grammar(kind: str, text: str, disable_any_whitespace: bool) -> str:
     """llguidance's grammar text for a constraint. JSON without free whitespace when asked
-    (`whitespace_flexible` off: "," and ":" with nothing around them). Raises ValueError for a
-    spec that cannot even be read (e.g. a schema that is not JSON)."""
+    (`whitespace_flexible` off, SEPARATORS fixed), else with any whitespace between tokens. Raises
+    ValueError for a spec that cannot even be read (e.g. a schema that is not JSON)."""
     import llguidance
 
-    options = {"whitespace_flexible": not disable_any_whitespace, **SEPARATORS}
+    options = {"whitespace_flexible": False, **SEPARATORS} if disable_any_whitespace else {"whitespace_flexible": True}
     try:
         if kind == "json":
             schema = json.loads(text)
