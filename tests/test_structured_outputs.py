@@ -23,6 +23,7 @@ SCHEMA = {"type": "object",
                          "ok": {"type": "boolean"}},
           "required": ["size", "colour", "ok"], "additionalProperties": False}
 REGEX = r"[0-9]{3}-[a-c]{2}"
+SMALL_POOL = "96KiB"  # too small for four sequences of the preemption test at once
 CHOICES = ["Elizabeth", "Darcy", "Jane"]
 
 
@@ -174,22 +175,21 @@ def test_kv_eviction_keeps_the_output_valid(llm):
     check_bounded(out, "json")
 
 
-def test_preemption_recompute_does_not_disturb_the_grammar(tiny_llama):
+def test_preemption_recompute_does_not_disturb_the_grammar(llm, tiny_llama):
     """A pool too small for the batch preempts and recomputes sequences; the matcher follows the
     output tokens, so the constrained outputs equal those of an engine with room for everyone."""
-    big = LLM(str(tiny_llama), dtype="float32", kv_cache_memory="8MiB")
-    small = LLM(str(tiny_llama), dtype="float32", kv_cache_memory="160KiB", max_model_len=256)
+    small = LLM(str(tiny_llama), dtype="float32", kv_cache_memory=SMALL_POOL, max_model_len=160)
     long_schema = {"type": "object", "properties": {"words": {"type": "array", "items": {"enum": ["a", "bb", "ccc"]},
-                                                              "minItems": 12, "maxItems": 12}},
+                                                              "minItems": 8, "maxItems": 8}},
                    "required": ["words"], "additionalProperties": False}
-    prompts = [p + " " + p for p in PROMPTS] * 2
-    sp = params(constrained(json=long_schema), max_tokens=200)
-    expected = [o.outputs[0].token_ids for o in generate(big, prompts, sp)]
+    prompts = [p + " " + p for p in PROMPTS]
+    sp = params(constrained(json=long_schema), max_tokens=100)
+    expected = [o.outputs[0].token_ids for o in generate(llm, prompts, sp)]
     outputs = generate(small, prompts, sp)
     assert small.engine.scheduler.num_preemptions > 0, "the small pool must preempt for this test to mean anything"
     assert [o.outputs[0].token_ids for o in outputs] == expected
     for o in outputs:
-        assert o.outputs[0].finish_reason == "stop" and len(json.loads(o.outputs[0].text)["words"]) == 12
+        assert o.outputs[0].finish_reason == "stop" and len(json.loads(o.outputs[0].text)["words"]) == 8
 
 
 def test_padded_vocabulary_rows_are_masked(tiny_model_factory):
