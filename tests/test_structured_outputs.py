@@ -127,6 +127,20 @@ def test_max_tokens_cut_finishes_with_length_and_a_valid_prefix(llm):
     assert out.text.startswith('{"story": "') and '"}' not in out.text
 
 
+def test_eos_is_allowed_only_where_the_grammar_accepts(llm):
+    """A model that wants nothing but EOS still completes the constraint, then stops: EOS is masked
+    until the grammar accepts (`[0-9]+` accepts after one digit, so the output is one digit)."""
+    eos = llm.engine.eos_token_ids[0]
+
+    def want_eos(output_token_ids, logits):
+        logits[eos] += 1000.0
+        return logits
+
+    for regex, pattern in ((REGEX, REGEX), ("[0-9]+", "[0-9]")):
+        out = generate(llm, PROMPTS[0], params(constrained(regex=regex), logits_processors=[want_eos]))[0].outputs[0]
+        assert re.fullmatch(pattern, out.text) and out.finish_reason == "stop", (regex, out)
+
+
 def test_ignore_eos_and_min_tokens_cannot_push_past_a_completed_grammar(llm):
     for extra in ({"ignore_eos": True}, {"min_tokens": 20}):
         out = generate(llm, PROMPTS[2], params(constrained(choice=CHOICES), max_tokens=40, **extra))[0].outputs[0]
