@@ -12,7 +12,7 @@ import torch
 
 from kvserve import LLM, SamplingParams, StructuredOutputsParams
 from kvserve.cache.formats import KV_CACHE_DTYPES
-from kvserve.engine.structured_output import GrammarMasks
+from kvserve.engine.structured_output import GrammarMasks, unpack_banned
 
 PROMPTS = ["It is a truth universally acknowledged", "The quick brown fox", "Once upon a time",
            "My dear Mr. Bennet"]
@@ -23,6 +23,7 @@ SCHEMA = {"type": "object",
                          "ok": {"type": "boolean"}},
           "required": ["size", "colour", "ok"], "additionalProperties": False}
 REGEX = r"[0-9]{3}-[a-c]{2}"
+SMALL_POOL = "96KiB"  # too small for four sequences of the preemption test at once
 CHOICES = ["Elizabeth", "Darcy", "Jane"]
 
 
@@ -126,19 +127,39 @@ def test_max_tokens_cut_finishes_with_length_and_a_valid_prefix(llm):
     assert out.text.startswith('{"story": "') and '"}' not in out.text
 
 
+def test_eos_is_allowed_only_where_the_grammar_accepts(llm):
+    """A model that wants nothing but EOS still completes the constraint, then stops: EOS is masked
+    until the grammar accepts (`[0-9]+` accepts after one digit, so the output is one digit)."""
+    eos = llm.engine.eos_token_ids[0]
+
+    def want_eos(output_token_ids, logits):
+        logits[eos] += 1000.0
+        return logits
+
+    for regex, pattern in ((REGEX, REGEX), ("[0-9]+", "[0-9]")):
+        out = generate(llm, PROMPTS[0], params(constrained(regex=regex), logits_processors=[want_eos]))[0].outputs[0]
+        assert re.fullmatch(pattern, out.text) and out.finish_reason == "stop", (regex, out)
+
+
 def test_ignore_eos_and_min_tokens_cannot_push_past_a_completed_grammar(llm):
     for extra in ({"ignore_eos": True}, {"min_tokens": 20}):
         out = generate(llm, PROMPTS[2], params(constrained(choice=CHOICES), max_tokens=40, **extra))[0].outputs[0]
         assert out.text in CHOICES and out.finish_reason == "stop", extra
 
 
-def test_whitespace_is_allowed_when_asked(llm):
-    """disable_any_whitespace=False lets JSON carry free whitespace; the output still parses."""
-    out = generate(llm, PROMPTS[3], params(constrained(json=SCHEMA, disable_any_whitespace=False),
-                                           max_tokens=200))[0].outputs[0]
-    if out.finish_reason == "stop":
-        value = json.loads(out.text)
-        assert set(value) == {"size", "colour", "ok"}
+def test_free_whitespace_only_when_asked(llm):
+    """disable_any_whitespace (the default) allows exactly json.dumps' form; off, any JSON whitespace."""
+    tokenizer = llm.get_tokenizer()
+
+    def accepts(text: str, disable_any_whitespace: bool) -> bool:
+        matcher = llm.engine.grammars.matcher(constrained(json=SCHEMA, disable_any_whitespace=disable_any_whitespace))
+        return all(matcher.accept(t) is None for t in tokenizer.encode(text)) and matcher.matcher.is_accepting()
+
+    canonical = json.dumps({"size": 7, "colour": "red", "ok": True})
+    padded = '{ "size" :  7 ,\n "colour": "red", "ok": true }'
+    compact = json.dumps({"size": 7, "colour": "red", "ok": True}, separators=(",", ":"))
+    assert accepts(canonical, True) and not accepts(padded, True) and not accepts(compact, True)
+    assert accepts(canonical, False) and accepts(padded, False) and accepts(compact, False)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", [d for d in KV_CACHE_DTYPES if d != "auto"])
@@ -168,22 +189,21 @@ def test_kv_eviction_keeps_the_output_valid(llm):
     check_bounded(out, "json")
 
 
-def test_preemption_recompute_does_not_disturb_the_grammar(tiny_llama):
+def test_preemption_recompute_does_not_disturb_the_grammar(llm, tiny_llama):
     """A pool too small for the batch preempts and recomputes sequences; the matcher follows the
     output tokens, so the constrained outputs equal those of an engine with room for everyone."""
-    big = LLM(str(tiny_llama), dtype="float32", kv_cache_memory="8MiB")
-    small = LLM(str(tiny_llama), dtype="float32", kv_cache_memory="160KiB", max_model_len=256)
+    small = LLM(str(tiny_llama), dtype="float32", kv_cache_memory=SMALL_POOL, max_model_len=160)
     long_schema = {"type": "object", "properties": {"words": {"type": "array", "items": {"enum": ["a", "bb", "ccc"]},
-                                                              "minItems": 12, "maxItems": 12}},
+                                                              "minItems": 8, "maxItems": 8}},
                    "required": ["words"], "additionalProperties": False}
-    prompts = [p + " " + p for p in PROMPTS] * 2
-    sp = params(constrained(json=long_schema), max_tokens=200)
-    expected = [o.outputs[0].token_ids for o in generate(big, prompts, sp)]
+    prompts = [p + " " + p for p in PROMPTS]
+    sp = params(constrained(json=long_schema), max_tokens=100)
+    expected = [o.outputs[0].token_ids for o in generate(llm, prompts, sp)]
     outputs = generate(small, prompts, sp)
     assert small.engine.scheduler.num_preemptions > 0, "the small pool must preempt for this test to mean anything"
     assert [o.outputs[0].token_ids for o in outputs] == expected
     for o in outputs:
-        assert o.outputs[0].finish_reason == "stop" and len(json.loads(o.outputs[0].text)["words"]) == 12
+        assert o.outputs[0].finish_reason == "stop" and len(json.loads(o.outputs[0].text)["words"]) == 8
 
 
 def test_padded_vocabulary_rows_are_masked(tiny_model_factory):
@@ -264,6 +284,25 @@ def test_mask_unpacking_matches_llguidance_bit_order(llm):
     llg_torch.fill_next_token_bitmask(matcher.matcher, words, 0)
     expected = torch.tensor([bool((int(words[0, t // 32]) >> (t % 32)) & 1) for t in range(vocab)])
     assert torch.equal(allowed, expected) and 0 < int(allowed.sum()) < vocab
+
+
+def test_the_device_path_unpacks_and_applies_as_the_cpu_path(llm):
+    """What a CUDA engine runs (torch shifts on the device, masked_fill on a row subset), checked on
+    CPU against the numpy path: same banned tokens, unconstrained rows untouched."""
+    import llguidance.torch as llg_torch
+
+    matchers = [llm.engine.grammars.matcher(StructuredOutputsParams(choice=CHOICES)),
+                llm.engine.grammars.matcher(StructuredOutputsParams(regex="[0-9]+"))]
+    vocab = llm.engine.model_config.vocab_size
+    masks = GrammarMasks(vocab, torch.device("cpu"))
+    words = llg_torch.allocate_token_bitmask(2, llm.engine.grammars.ll_tokenizer.vocab_size)
+    for i, m in enumerate(matchers):
+        llg_torch.fill_next_token_bitmask(m.matcher, words, i)
+    assert torch.equal(unpack_banned(words, vocab), masks.banned(matchers))
+    logits = torch.zeros(vocab, 4).t()  # not contiguous: apply takes the torch path
+    masks.apply(logits, [0, 2], matchers)
+    assert torch.equal(torch.isinf(logits[[0, 2]]), masks.banned(matchers))
+    assert bool(torch.isfinite(logits[[1, 3]]).all())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

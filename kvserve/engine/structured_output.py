@@ -11,7 +11,7 @@ may come next as a bitmask, one bit per vocabulary entry. Three pieces:
 - `GrammarMatcher` (one per sequence, n > 1 gives each sample its own): follows the sequence's
   output tokens, whatever happens to its KV (prefix hits, eviction, recompute after preemption).
 - `GrammarMasks` (the sampler's): each step, the bitmasks of the constrained rows only, filled in
-  one call, unpacked on the logits' device and applied as -inf before sampling.
+  one call, unpacked for the logits' device and applied as -inf before sampling.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvserve.sampling_params import StructuredOutputsParams
@@ -42,11 +43,11 @@ def grammar_key(spec: StructuredOutputsParams) -> tuple[str, str, bool]:
 
 def serialize_grammar(kind: str, text: str, disable_any_whitespace: bool) -> str:
     """llguidance's grammar text for a constraint. JSON without free whitespace when asked
-    (`whitespace_flexible` off: "," and ":" with nothing around them). Raises ValueError for a
-    spec that cannot even be read (e.g. a schema that is not JSON)."""
+    (`whitespace_flexible` off, SEPARATORS fixed), else with any whitespace between tokens. Raises
+    ValueError for a spec that cannot even be read (e.g. a schema that is not JSON)."""
     import llguidance
 
-    options = {"whitespace_flexible": not disable_any_whitespace, **SEPARATORS}
+    options = {"whitespace_flexible": False, **SEPARATORS} if disable_any_whitespace else {"whitespace_flexible": True}
     try:
         if kind == "json":
             schema = json.loads(text)
@@ -106,20 +107,22 @@ class GrammarCompiler:
     def ll_tokenizer(self) -> Any:
         """llguidance's tokenizer (its token trie), built once on first use: a model vocabulary
         padded past the tokenizer's gets entries no grammar allows."""
-        if self._ll_tokenizer is None:
-            import llguidance.hf
+        with self._lock:
+            if self._ll_tokenizer is None:
+                import llguidance.hf
 
-            try:
-                self._ll_tokenizer = llguidance.hf.from_tokenizer(
-                    self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos_token_ids or None)
-            except ValueError as exc:
-                raise ValueError(f"structured outputs need a fast (Rust) tokenizer: {exc}") from None
-        return self._ll_tokenizer
+                try:
+                    self._ll_tokenizer = llguidance.hf.from_tokenizer(
+                        self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos_token_ids or None)
+                except ValueError as exc:
+                    raise ValueError(f"structured outputs need a fast (Rust) tokenizer: {exc}") from None
+            return self._ll_tokenizer
 
     def compile(self, spec: StructuredOutputsParams) -> Any:
         """The compiled grammar for `spec` (an llguidance matcher at its start, shared: never
         advance it, copy it with `matcher`). Raises ValueError with llguidance's reason (which
-        names an unsupported JSON schema feature) for a constraint that does not compile."""
+        names an unsupported JSON schema feature) for a constraint that does not compile.
+        Compiling happens outside the lock, so a slow schema does not hold up cache hits."""
         import llguidance
 
         key = grammar_key(spec)
@@ -128,14 +131,14 @@ class GrammarCompiler:
             if compiled is not None:
                 self._cache.move_to_end(key)
                 return compiled
-            grammar = serialize_grammar(*key)
-            compiled = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
-            if compiled.is_error():
-                raise ValueError(f"Grammar error: {compiled.get_error()}")
+        compiled = llguidance.LLMatcher(self.ll_tokenizer, serialize_grammar(*key), log_level=0)
+        if compiled.is_error():
+            raise ValueError(f"Grammar error: {compiled.get_error()}")
+        with self._lock:
             self._cache[key] = compiled
             if len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
-            return compiled
+        return compiled
 
     def matcher(self, spec: StructuredOutputsParams) -> GrammarMatcher:
         """A fresh matcher for one sequence (a copy of the cached compiled grammar)."""
@@ -146,19 +149,23 @@ class GrammarCompiler:
         return len(self._cache)
 
 
-# Bits of a byte, lowest first: row b of this table is byte value b unpacked to 8 booleans.
-def _byte_table(device: torch.device) -> torch.Tensor:
-    values = torch.arange(256, dtype=torch.int32)
-    return ((values[:, None] >> torch.arange(8, dtype=torch.int32)) & 1).bool().to(device)
+def unpack_banned(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Bitmask words [rows, words] (int32, any device) -> [rows, vocab_size] bool, True where the
+    token's bit is clear (not allowed). Torch ops only, so it runs where the words are."""
+    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
+    bits = (words.unsqueeze(-1) >> shifts) & 1  # [rows, words, 32]: token 32 * w + b at [w, b]
+    return bits.reshape(words.shape[0], -1)[:, :vocab_size] == 0
 
 
 class GrammarMasks:
     """Applies the constrained rows' token bitmasks to a step's logits.
 
     llguidance writes each matcher's mask (bit t of 32-bit word t // 32 set = token t allowed) into
-    one pinned CPU buffer, all rows in one parallel call. The words are copied to the logits'
-    device, unpacked there byte by byte through a 256-entry table, and disallowed tokens (padded
-    vocabulary rows included) become -inf. Unconstrained rows are not touched.
+    one CPU buffer, all rows in one parallel call. On CPU the words are unpacked by numpy's
+    `unpackbits` (little-endian bit order, as the words are laid out in memory) and applied with a
+    masked copy; on another device they are copied there (from pinned memory), unpacked with shifts
+    and applied with masked_fill. Disallowed tokens, padded
+    vocabulary rows included, become -inf; unconstrained rows are not touched.
     """
 
     def __init__(self, vocab_size: int, device: torch.device):
@@ -169,7 +176,6 @@ class GrammarMasks:
         self.words = (vocab_size + 31) // 32
         self._executor = llguidance.LLExecutor()
         self._buffer = torch.empty(0, self.words, dtype=torch.int32)
-        self._table = _byte_table(device)
 
     def _buffer_for(self, rows: int) -> torch.Tensor:
         if self._buffer.shape[0] < rows:
@@ -178,21 +184,31 @@ class GrammarMasks:
                                        pin_memory=self.device.type == "cuda")
         return self._buffer[:rows]
 
-    def allowed(self, matchers: list[GrammarMatcher]) -> torch.Tensor:
-        """[len(matchers), vocab_size] bool on the device: True where the token may come next."""
+    def banned(self, matchers: list[GrammarMatcher]) -> torch.Tensor:
+        """[len(matchers), vocab_size] bool on the device: True where the token may NOT come next."""
         from llguidance.torch import fill_next_token_bitmask_par
 
         masks = self._buffer_for(len(matchers))
         fill_next_token_bitmask_par(self._executor, [(m.matcher, i) for i, m in enumerate(matchers)], masks)
-        words = masks.to(self.device, non_blocking=True)
-        # Little-endian words: byte k of a row holds tokens 8k .. 8k+7, lowest bit first.
-        as_bytes = words.view(torch.uint8).long()
-        bits = self._table[as_bytes].reshape(len(matchers), -1)
-        return bits[:, :self.vocab_size]
+        if self.device.type == "cpu":
+            inverted = np.invert(masks.numpy()).view(np.uint8)  # [rows, 4 * words], low byte first
+            bits = np.unpackbits(inverted, axis=1, count=self.vocab_size, bitorder="little")
+            return torch.from_numpy(bits).view(torch.bool)
+        return unpack_banned(masks.to(self.device, non_blocking=True), self.vocab_size)
+
+    def allowed(self, matchers: list[GrammarMatcher]) -> torch.Tensor:
+        """[len(matchers), vocab_size] bool on the device: True where the token may come next."""
+        return ~self.banned(matchers)
 
     def apply(self, logits: torch.Tensor, rows: list[int], matchers: list[GrammarMatcher]) -> None:
         """Set the disallowed tokens of `rows` of `logits` [batch, vocab] to -inf, in place."""
-        allowed = self.allowed(matchers)
+        banned = self.banned(matchers)
+        if logits.device.type == "cpu" and logits.is_contiguous():
+            # numpy's masked copy, one row view at a time: single-threaded and much cheaper than
+            # torch's masked_fill_ on a few cores (no thread fan-out for a 1-D memory pass).
+            values, masks = logits.numpy(), banned.numpy()
+            for i, row in enumerate(rows):
+                np.copyto(values[row], -np.inf, where=masks[i])
+            return
         index = torch.tensor(rows, dtype=torch.long, device=logits.device)
-        constrained = logits.index_select(0, index).masked_fill_(~allowed, float("-inf"))
-        logits.index_copy_(0, index, constrained)
+        logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(banned, float("-inf")))

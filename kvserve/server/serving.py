@@ -2,6 +2,7 @@
 errors mapped to HTTP statuses, waiting for the final outputs, usage and per-choice stream state."""
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass, field
 
@@ -66,6 +67,11 @@ class ServingContext:
     async def submit(self, specs: list[PromptSpec], request_id: str) -> RequestStream:
         ids = [request_id] if len(specs) == 1 else [f"{request_id}-{i}" for i in range(len(specs))]
         try:
+            # A new grammar compiles in a worker thread (a bad one is refused here), so the engine
+            # thread finds it cached instead of pausing the running batch to compile it.
+            for constraint in {id(s.params.structured_outputs): s.params.structured_outputs for s in specs
+                               if s.params.structured_outputs is not None}.values():
+                await asyncio.to_thread(self.engine.engine.grammars.compile, constraint)
             return await self.engine.submit(specs, ids)
         except ValueError as exc:
             message = str(exc)
