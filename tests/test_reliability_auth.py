@@ -18,7 +18,9 @@ from kvserve.server import auth
 from kvserve.server.auth import APIKeyMiddleware
 
 KEY = "sk-test-0123456789"
-OPEN = {"/health", "/metrics", "/version"}
+# The dashboard's page and static assets carry no data; its state (/dashboard/state) is protected.
+OPEN = {"/health", "/metrics", "/version", "/dashboard", "/dashboard/dashboard.js", "/dashboard/dashboard.css",
+        "/dashboard/uPlot.iife.min.js", "/dashboard/uPlot.min.css"}
 METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
 WRONG_AUTHORIZATIONS = [None, "Bearer wrong", f"Bearer {KEY[:-1]}", f"Bearer {KEY}x", KEY, f"Basic {KEY}",
                         "Bearer ", f"Bearer {KEY.upper()}"]
@@ -54,7 +56,8 @@ def test_every_protected_route_refuses_missing_and_wrong_keys_however_spelled(se
     schema = httpx.get(server.base_url + "/openapi.json", headers={"Authorization": f"Bearer {KEY}"}).json()
     protected = sorted(set(schema["paths"]) - OPEN) + ["/openapi.json", "/docs", "/redoc", "/debug/faults",
                                                        "/v1/no-such-route"]
-    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize"} <= set(protected)
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize",
+            "/dashboard/state"} <= set(protected)
     requests = []
     for path in protected:
         for target in spellings(path, server.port):
@@ -82,6 +85,7 @@ def test_every_protected_route_refuses_missing_and_wrong_keys_however_spelled(se
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}),
     ("POST", "/tokenize", {"prompt": "Hi"}),
     ("POST", "/detokenize", {"tokens": [1, 2]}),
+    ("GET", "/dashboard/state", None),
 ])
 def test_the_right_key_works_on_every_route(server, method, path, body):
     right = httpx.request(method, server.base_url + path, json=body, headers={"Authorization": f"Bearer {KEY}"},
@@ -92,6 +96,7 @@ def test_the_right_key_works_on_every_route(server, method, path, body):
 
 
 def test_open_paths_stay_open_without_a_key(server):
+    assert auth.OPEN_PATHS == OPEN  # a new open path is a decision this test must list
     for path in sorted(OPEN):
         assert raw_status(server.port, "GET", path, [("Host", "x")]) == 200
 
