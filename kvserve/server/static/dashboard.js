@@ -20,6 +20,7 @@ const dash = {
   owners: null,     // block id -> { ids: [request ids], tokens }
   polls: 0,
   refresh,
+  cellCentre,
 };
 window.kvDashboard = dash;
 
@@ -117,6 +118,12 @@ function drawMap() {
   }
   ctx.putImageData(image, 0, 0);
   layout = { cell, per, cols, n };
+}
+
+function cellCentre(index) {  // page coordinates of block index `index`'s cell
+  const rect = $("blockmap").getBoundingClientRect();
+  const c = Math.floor(index / layout.per);
+  return { x: rect.left + (c % layout.cols + 0.5) * layout.cell, y: rect.top + (Math.floor(c / layout.cols) + 0.5) * layout.cell };
 }
 
 function blockInfo(index) {
