@@ -4,6 +4,7 @@
 
 const POLL_MS = 500;
 const HISTORY_S = 300;
+const HIT_WINDOW_S = 30;  // the prefix-cache hit rate is over this sliding window
 const MAP_MAX_HEIGHT = 320;
 const STATES = ["free", "cached", "used", "shared"];
 const PUBLISHED_BIT = 4;
@@ -29,6 +30,7 @@ let layout = null;  // block map geometry, for hover
 const history = { t: [], usage: [], running: [], waiting: [], preempt: [], hit: [], prompt: [], gen: [] };
 let charts = null;
 let lastPoint = null;
+const totals = [];  // {t, tot} of the last HIT_WINDOW_S seconds
 let shownAt = 0;  // performance.now() when the shown state arrived
 
 // ------------------------------------------------------------------ data
@@ -87,7 +89,7 @@ function drawMap() {
   const canvas = $("blockmap");
   const n = dash.blocks.states.length;
   const width = Math.max(200, Math.floor(canvas.parentElement.clientWidth) - 2);
-  let cell = 14, per = 1, cols, rows;
+  let cell = 20, per = 1, cols, rows;
   for (;;) {  // the largest cell that fits; below one pixel, several blocks per cell
     cols = Math.floor(width / cell);
     rows = Math.ceil(n / per / cols);
@@ -136,7 +138,7 @@ function blockInfo(index) {
     `ref-count ${dash.blocks.refs[index]}`,
     `tokens ${o ? o.tokens : cachedTokens} / ${dash.state.block_size}`,
     `prefix-cache block: ${(s & PUBLISHED_BIT) ? "yes" : "no"}`,
-    `requests: ${o ? o.ids.join(", ") : "none"}`,
+    `requests: ${!o ? "none" : o.ids.slice(0, 4).join(", ") + (o.ids.length > 4 ? ` and ${o.ids.length - 4} more` : "")}`,
   ].join("\n");
 }
 
@@ -170,7 +172,7 @@ const SERIES = [
   { title: "KV usage (%)", keys: [["usage", "in use"]] },
   { title: "Requests", keys: [["running", "running"], ["waiting", "waiting"], ["preempt", "preemptions/s"]] },
   { title: "Tokens/s", keys: [["prompt", "prompt"], ["gen", "generation"]] },
-  { title: "Prefix-cache hit rate (%)", keys: [["hit", "hit rate"]] },
+  { title: "Prefix-cache hit rate (%, last 30 s)", keys: [["hit", "hit rate"]] },
 ];
 const LINE_COLOURS = ["#1f77b4", "#ff7f0e", "#d62728", "#2ca02c"];
 
@@ -186,7 +188,7 @@ function makeCharts() {
     const opts = {
       width, height: 150, legend: { show: true },
       scales: { x: { time: true }, y: { range: (u, lo, hi) => [0, Math.max(1, hi * 1.1)] } },
-      series: [{}, ...spec.keys.map(([, label], i) => ({ label, stroke: LINE_COLOURS[i], width: 1.5 }))],
+      series: [{}, ...spec.keys.map(([, label], i) => ({ label, stroke: LINE_COLOURS[i], width: 1.5, spanGaps: true }))],
       axes: [{}, { size: 50 }],
     };
     return { spec, plot: new uPlot(opts, [[], ...spec.keys.map(() => [])], box) };
@@ -201,8 +203,11 @@ function record(state) {
     const dt = t - lastPoint.t, prev = lastPoint.tot;
     rate = (key) => (tot[key] - prev[key]) / dt;
   }
-  const queries = lastPoint ? tot.prefix_cache_queries - lastPoint.tot.prefix_cache_queries : 0;
-  const hits = lastPoint ? tot.prefix_cache_hits - lastPoint.tot.prefix_cache_hits : 0;
+  while (totals.length && totals[0].t < t - HIT_WINDOW_S) totals.shift();
+  const base = totals.length ? totals[0].tot : tot;
+  totals.push(point);
+  const queries = tot.prefix_cache_queries - base.prefix_cache_queries;
+  const hits = tot.prefix_cache_hits - base.prefix_cache_hits;
   const running = state.requests.filter((r) => r.status === "running").length;
   history.t.push(t);
   history.usage.push(100 * (c.used + c.shared) / n);
