@@ -76,11 +76,11 @@ class TopView:
         sparks = Text.assemble(
             f"KV usage {usage:5.1f}%      ", (sparkline(list(self.usage), spark_width), "green"), "\n",
             f"generation {gen:7.1f} tok/s ", (sparkline(list(self.gen_rate), spark_width), "cyan"))
-        table = Table(box=None, pad_edge=False, header_style="bold", expand=False)
-        for name in ("id", "status", "prompt", "output", "prefix hit", "KV tokens", "blocks", "shared",
-                     "eviction", "evicted", "preempted"):
-            table.add_column(name, justify="left" if name in ("id", "status", "eviction") else "right",
-                             no_wrap=True, overflow="ellipsis", max_width=28 if name == "id" else None)
+        table = Table(box=None, pad_edge=False, header_style="bold", expand=False, padding=(0, 1, 0, 0))
+        for name in ("id", "status", "prompt", "output", "hit", "KV tok", "blocks", "shared", "evict",
+                     "evicted", "preempt"):
+            table.add_column(name, justify="left" if name in ("id", "status", "evict") else "right",
+                             no_wrap=True, overflow="ellipsis", max_width=max(8, min(26, width - 72)) if name == "id" else None)
         for r in state["requests"][:max_rows]:
             table.add_row(r["id"], r["status"], str(r["prompt_tokens"]), str(r["output_tokens"]),
                           str(r["cached_tokens"]), str(r["kv_tokens"]), str(r["num_blocks"]),
