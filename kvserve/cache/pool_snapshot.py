@@ -13,6 +13,7 @@ pass over the pool by whoever owns it (the engine thread, between steps); readin
 from __future__ import annotations
 
 import enum
+import operator
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,13 +52,18 @@ class PoolSnapshot:
         return {state: int(per_state[state]) for state in BlockState}
 
 
+_REF_CNT = operator.attrgetter("ref_cnt")
+
+
 def snapshot_pool(pool: BlockPool) -> PoolSnapshot:
-    """Copy every block's ref-count and hash flag; one pass, no allocation per block."""
-    n = pool.num_blocks
-    refs = np.fromiter((b.ref_cnt for b in pool.blocks), dtype=np.int64, count=n)
-    hashed = np.fromiter((b.block_hash is not None for b in pool.blocks), dtype=bool, count=n)
+    """Copy every block's ref-count (one pass over the pool, no object per block) and which blocks
+    carry a prefix-cache hash (a pass over the hashed ones only)."""
+    n, first = pool.num_blocks, pool.blocks[0].block_id
+    refs = np.fromiter(map(_REF_CNT, pool.blocks), dtype=np.int64, count=n)
+    hashed = np.zeros(n, dtype=bool)
+    hashed[np.fromiter((b.block_id for b in pool.cached.values()), dtype=np.int64, count=len(pool.cached)) - first] = True
     states = np.where(refs > 1, BlockState.SHARED, np.where(refs == 1, BlockState.USED,
                                                             np.where(hashed, BlockState.CACHED, BlockState.FREE)))
     states = states.astype(np.uint8) | (hashed.astype(np.uint8) * PUBLISHED_BIT)
     return PoolSnapshot(states=states, ref_counts=np.minimum(refs, MAX_REF_COUNT).astype(np.uint16),
-                        first_block_id=pool.blocks[0].block_id)
+                        first_block_id=first)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from kvserve.cache.pool_snapshot import PoolSnapshot, snapshot_pool
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.request import Request
@@ -44,8 +46,8 @@ class EngineState:
 
 def _view(engine: LLMEngine, request: Request, status: str, pool: PoolSnapshot) -> RequestView:
     block_ids = engine.kv_manager.block_ids(request.request_id)
-    first = pool.first_block_id
-    shared = sum(1 for b in block_ids if pool.ref_counts[b - first] > 1)
+    rows = np.asarray(block_ids, dtype=np.int64) - pool.first_block_id
+    shared = int(np.count_nonzero(pool.ref_counts[rows] > 1))
     return RequestView(
         request_id=request.request_id, status=status, prompt_tokens=request.num_prompt_tokens,
         output_tokens=request.num_output_tokens, cached_tokens=request.num_cached_tokens,
