@@ -171,3 +171,49 @@ def test_with_an_api_key_the_page_shows_nothing_without_it(server_factory, tiny_
     browser.wait_for("!document.getElementById('main').hidden")
     counts = browser.evaluate(COUNTS_JS)
     assert sum(counts.values()) == keyed.metrics()["kvserve:kv_cache_num_blocks"]
+
+
+def test_a_pool_of_200k_blocks_is_drawn_several_blocks_to_a_cell(server, browser):
+    """Large pools stay one canvas: the map aggregates blocks per cell, the counts stay exact and
+    hovering an aggregated cell gives its block range. The state is a made-up one served to the
+    page in place of the server's."""
+    import base64
+
+    import numpy as np
+
+    n = 200_000
+    states = np.zeros(n, dtype=np.uint8)
+    states[:50_000] = 2  # used by one request
+    states[50_000:50_100] = 3 | 4  # shared prefix-cache blocks
+    states[60_000:90_000] = 1 | 4  # cached for reuse
+    refs = np.where(states & 3 == 3, 2, np.where(states & 3 == 2, 1, 0)).astype("<u2")
+    state = {
+        "version": 1, "model": "synthetic", "step": 7, "age_s": 0.0, "time": time.time(),
+        "engine": {"steps_completed": 7, "step_running_s": None}, "block_size": 16, "kv_cache_dtype": "bfloat16",
+        "pool": {"num_blocks": n, "first_block_id": 1,
+                 "counts": {"free": n - 80_100, "cached": 30_000, "used": 50_000, "shared": 100},
+                 "states": base64.b64encode(states.tobytes()).decode(),
+                 "ref_counts": base64.b64encode(refs.tobytes()).decode()},
+        "requests": [{"id": "big", "status": "running", "prompt_tokens": 800_000, "output_tokens": 0,
+                      "cached_tokens": 0, "kv_tokens": 800_000, "num_blocks": 50_000, "shared_blocks": 0,
+                      "blocks": list(range(1, 50_001)), "kv_cache_dtype": "bfloat16", "eviction": None,
+                      "evicted_tokens": 0, "preemptions": 0}],
+        "totals": {"prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0, "prefix_cache_queries": 0,
+                   "prefix_cache_hits": 0},
+    }
+    browser.goto(server.base_url + "/dashboard")
+    browser.wait_for("window.kvDashboard && window.kvDashboard.state !== null")
+    import json
+
+    browser.evaluate(f"window.fetch = async () => new Response({json.dumps(json.dumps(state))}, "
+                     "{status: 200, headers: {'content-type': 'application/json'}})")
+    view = browser.evaluate(f"kvDashboard.refresh().then(() => ({{counts: {COUNTS_JS}, "
+                            "per: kvDashboard.layout.per, height: document.getElementById('blockmap').height, "
+                            "centre: kvDashboard.cellCentre(0)}))")
+    assert view["counts"] == {"free": n - 80_100, "cached": 30_000, "used": 50_000, "shared": 100}
+    assert view["per"] > 1 and view["height"] <= 320
+    browser.mouse_move(view["centre"]["x"], view["centre"]["y"])
+    tip = browser.wait_for("!document.getElementById('tooltip').hidden && "
+                           "document.getElementById('tooltip').textContent")
+    assert tip.startswith(f"blocks 1–{view['per']}\n") and f"used {view['per']}" in tip
+    assert browser.errors == []

@@ -19,6 +19,7 @@ const dash = {
   counts: null,     // blocks per state, counted from the per-block states the map draws
   blocks: null,     // decoded: { states: Uint8Array, refs: Uint16Array, first }
   owners: null,     // block id -> { ids: [request ids], tokens }
+  layout: null,     // the map's geometry: cell size (px), blocks per cell, columns
   polls: 0,
   refresh,
   cellCentre,
@@ -90,11 +91,11 @@ function drawMap() {
   const n = dash.blocks.states.length;
   const width = Math.max(200, Math.floor(canvas.parentElement.clientWidth) - 2);
   let cell = 20, per = 1, cols, rows;
-  for (;;) {  // the largest cell that fits; below one pixel, several blocks per cell
+  for (;;) {  // the largest cell that fits; below two pixels, several blocks per cell
     cols = Math.floor(width / cell);
     rows = Math.ceil(n / per / cols);
     if (rows * cell <= MAP_MAX_HEIGHT) break;
-    if (cell > 1) cell--; else per *= 2;
+    if (cell > 2) cell--; else per *= 2;  // cells stay two pixels or more, to hover
   }
   const height = Math.max(cell, rows * cell);
   canvas.width = width; canvas.height = height;
@@ -120,6 +121,7 @@ function drawMap() {
   }
   ctx.putImageData(image, 0, 0);
   layout = { cell, per, cols, n };
+  dash.layout = layout;
 }
 
 function cellCentre(index) {  // page coordinates of block index `index`'s cell
