@@ -152,6 +152,7 @@ def test_the_page_shows_the_pool_as_the_server_counts_it(server, browser):
 
 
 def test_with_an_api_key_the_page_shows_nothing_without_it(server_factory, tiny_llama, browser):
+    """(The refused requests show in the console as failed loads, as a browser reports any 401.)"""
     # The configuration of test_server_auth.py: one process serves these modules.
     keyed = server_factory(str(tiny_llama), "--dtype", "float32", "--kv-cache-memory", "8MiB",
                            "--served-model-name", "tiny", env={"KVSERVE_API_KEY": KEY})
@@ -201,6 +202,7 @@ def test_a_pool_of_200k_blocks_is_drawn_several_blocks_to_a_cell(server, browser
         "totals": {"prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0, "prefix_cache_queries": 0,
                    "prefix_cache_hits": 0},
     }
+    browser.errors.clear()  # the previous test's refused requests
     browser.goto(server.base_url + "/dashboard")
     browser.wait_for("window.kvDashboard && window.kvDashboard.state !== null")
     import json
