@@ -1,7 +1,9 @@
 """What watching costs the engine: output tokens/s of a fixed batch of completions against one
 `kvserve serve`, with a light client polling GET /dashboard/state at the page's rate (twice a
 second) and with none, in interleaved pairs (the order alternates within pairs so drift cancels);
-reports each condition's median and the median per-pair slowdown.
+reports each condition's median, the median per-pair slowdown, and the engine-thread time a
+snapshot takes (the state's `engine.snapshot_s`), which bounds the cost without the noise of a
+shared machine.
 
 A real browser is left out on purpose: on the same two cores it would measure its own rendering.
 
@@ -50,6 +52,7 @@ class Poller:
 
     def __init__(self, url: str, interval: float):
         self.url, self.interval, self.polls, self.blocks = url, interval, 0, 0
+        self.snapshot_s: list[float] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -61,6 +64,7 @@ class Poller:
                 state = client.get(self.url + "/dashboard/state").json()
                 self.polls += 1
                 self.blocks = state["pool"]["num_blocks"]
+                self.snapshot_s.append(state["engine"]["snapshot_s"])
                 self._stop.wait(max(0.0, self.interval - (time.monotonic() - started)))
 
     def stop(self) -> None:
@@ -89,6 +93,7 @@ def main() -> None:
                 if poller is not None:
                     poller.stop()
                     result["polls"], result["blocks"] = poller.polls, poller.blocks
+                    result["snapshot_s_median"] = statistics.median(poller.snapshot_s)
                 result["watched" if watched else "unwatched"] = rate
             pairs.append(result)
             print(f"pair {i + 1}: unwatched {result['unwatched']:.1f} tok/s, watched {result['watched']:.1f} tok/s "
@@ -98,12 +103,16 @@ def main() -> None:
         "unwatched_median_tok_s": statistics.median(p["unwatched"] for p in pairs),
         "watched_median_tok_s": statistics.median(p["watched"] for p in pairs),
         "median_slowdown": statistics.median(slowdowns),
-        "pool_blocks": pairs[0]["blocks"], "pairs": pairs, "args": vars(args) | {"out": str(args.out)},
+        "pool_blocks": pairs[0]["blocks"],
+        # engine-thread time per snapshot x snapshots per second: the share of the engine's time
+        "snapshot_s_median": statistics.median(p["snapshot_s_median"] for p in pairs), "pairs": pairs, "args": vars(args) | {"out": str(args.out)},
         "machine": f"{platform.processor() or platform.machine()}, torch {torch.__version__}",
     }
     print(f"median: unwatched {summary['unwatched_median_tok_s']:.1f} tok/s, watched "
           f"{summary['watched_median_tok_s']:.1f} tok/s, median slowdown per pair "
-          f"{100 * summary['median_slowdown']:.1f}% (pool of {summary['pool_blocks']} blocks)")
+          f"{100 * summary['median_slowdown']:.1f}% (pool of {summary['pool_blocks']} blocks; a snapshot takes "
+          f"{1e3 * summary['snapshot_s_median']:.2f} ms of engine-thread time, "
+          f"{100 * summary['snapshot_s_median'] / args.interval:.2f}% of it at this poll rate)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(summary, indent=2))
 

@@ -64,7 +64,8 @@ def state_json(snap: StateSnapshot, engine: AsyncEngine, model: str) -> dict:
         "age_s": round(now - snap.taken_at, 4),
         "time": round(time.time() - (now - snap.taken_at), 4),
         "engine": {"steps_completed": engine.steps_completed,
-                   "step_running_s": None if running_since is None else round(now - running_since, 4)},
+                   "step_running_s": None if running_since is None else round(now - running_since, 4),
+                   "snapshot_s": round(snap.cost_s, 6)},
         "block_size": state.block_size,
         "kv_cache_dtype": state.kv_cache_dtype,
         "pool": {

@@ -175,6 +175,7 @@ class StateSnapshot:
     taken_at: float  # time.monotonic()
     prompt_tokens: int  # since start
     generation_tokens: int
+    cost_s: float  # engine-thread time spent taking it (what watching costs the engine)
 
 
 _STOP = object()
@@ -405,8 +406,10 @@ class AsyncEngine:
             self.metrics.on_snapshot(self.snapshot, time.monotonic())
 
     def _take_state(self) -> StateSnapshot:
+        start = time.perf_counter()
         prompt, generation = self.metrics.token_totals() if self.metrics is not None else (0, 0)
-        return StateSnapshot(engine_state(self.engine, self.steps_completed), time.monotonic(), prompt, generation)
+        state = engine_state(self.engine, self.steps_completed)
+        return StateSnapshot(state, time.monotonic(), prompt, generation, time.perf_counter() - start)
 
     def _take_snapshot(self) -> EngineSnapshot:
         e = self.engine
