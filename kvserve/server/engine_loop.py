@@ -5,6 +5,10 @@
     close()  ──_Abort┼──> commands (SimpleQueue) ┼──> LLMEngine.abort_request (blocks freed now)
                      └───────────────────────────┘    LLMEngine.step() ──> outputs
     RequestStream <──── loop.call_soon_threadsafe(deliver) <──────────────────┘
+    fresh_state() ──_Snapshot──> (after the commands, before the next step) engine_state ──> .state
+
+The dashboard's state (kvserve/server/dashboard.py) is copied by the engine thread itself, when a
+client asks and never unasked, so reading it never races a step.
 
 `LLMEngine` is not thread-safe: only the engine thread touches it. It sleeps on the command
 queue while it has nothing to do (no busy spin) and otherwise steps as fast as it can, taking
