@@ -6,10 +6,13 @@ or cached; hovering a block names it; no console errors. With `--api-key` the pa
 until the key is given."""
 from __future__ import annotations
 
+import base64
+import json
 import threading
 import time
 
 import httpx
+import numpy as np
 import pytest
 from chromium import CHROMIUM_MISSING, Browser
 
@@ -163,7 +166,7 @@ def test_with_an_api_key_the_page_shows_nothing_without_it(server_factory, tiny_
                              f"rows: {ROWS_JS}, state: kvDashboard.state}})")
     assert shown == {"main": False, "counts": {"free": 0, "cached": 0, "used": 0, "shared": 0}, "rows": [],
                      "state": None}
-    browser.evaluate(f"document.getElementById('key').value = 'wrong'; "
+    browser.evaluate("document.getElementById('key').value = 'wrong'; "
                      "document.getElementById('key-form').requestSubmit()")
     browser.wait_for("document.getElementById('key-message').textContent.includes('refused')")
     assert browser.evaluate("kvDashboard.state") is None
@@ -178,10 +181,6 @@ def test_a_pool_of_200k_blocks_is_drawn_several_blocks_to_a_cell(server, browser
     """Large pools stay one canvas: the map aggregates blocks per cell, the counts stay exact and
     hovering an aggregated cell gives its block range. The state is a made-up one served to the
     page in place of the server's."""
-    import base64
-
-    import numpy as np
-
     n = 200_000
     states = np.zeros(n, dtype=np.uint8)
     states[:50_000] = 2  # used by one request
@@ -205,8 +204,6 @@ def test_a_pool_of_200k_blocks_is_drawn_several_blocks_to_a_cell(server, browser
     browser.errors.clear()  # the previous test's refused requests
     browser.goto(server.base_url + "/dashboard")
     browser.wait_for("window.kvDashboard && window.kvDashboard.state !== null")
-    import json
-
     browser.evaluate(f"window.fetch = async () => new Response({json.dumps(json.dumps(state))}, "
                      "{status: 200, headers: {'content-type': 'application/json'}})")
     view = browser.evaluate(f"kvDashboard.refresh().then(() => ({{counts: {COUNTS_JS}, "
