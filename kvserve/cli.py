@@ -15,6 +15,7 @@ SUBCOMMANDS = {
     "plan": "kvserve.plan.cli",
     "eval": "kvserve.eval.cli",
     "build-kernel": "kvserve.entrypoints.build_kernel",
+    "top": "kvserve.entrypoints.top",
 }
 
 

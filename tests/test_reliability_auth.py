@@ -18,7 +18,9 @@ from kvserve.server import auth
 from kvserve.server.auth import APIKeyMiddleware
 
 KEY = "sk-test-0123456789"
-OPEN = {"/health", "/metrics", "/version"}
+# The dashboard's page and static assets carry no data; its state (/dashboard/state) is protected.
+OPEN = {"/health", "/metrics", "/version", "/dashboard", "/dashboard/dashboard.js", "/dashboard/dashboard.css",
+        "/dashboard/uPlot.iife.min.js", "/dashboard/uPlot.min.css"}
 METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
 WRONG_AUTHORIZATIONS = [None, "Bearer wrong", f"Bearer {KEY[:-1]}", f"Bearer {KEY}x", KEY, f"Basic {KEY}",
                         "Bearer ", f"Bearer {KEY.upper()}"]
@@ -81,7 +83,8 @@ def unauthorised_requests(port: int, protected: list[str], key: str) -> list[tup
 
 def test_every_protected_route_refuses_missing_and_wrong_keys_however_spelled(server):
     protected = protected_paths(server.base_url, KEY)
-    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize"} <= set(protected)
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize",
+            "/dashboard/state"} <= set(protected)
     requests = unauthorised_requests(server.port, protected, KEY)
     with ThreadPoolExecutor(8) as pool:
         statuses = list(pool.map(lambda r: raw_status(server.port, *r), requests))
@@ -95,6 +98,7 @@ def test_every_protected_route_refuses_missing_and_wrong_keys_however_spelled(se
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}),
     ("POST", "/tokenize", {"prompt": "Hi"}),
     ("POST", "/detokenize", {"tokens": [1, 2]}),
+    ("GET", "/dashboard/state", None),
 ])
 def test_the_right_key_works_on_every_route(server, method, path, body):
     right = httpx.request(method, server.base_url + path, json=body, headers={"Authorization": f"Bearer {KEY}"},
@@ -105,6 +109,7 @@ def test_the_right_key_works_on_every_route(server, method, path, body):
 
 
 def test_open_paths_stay_open_without_a_key(server):
+    assert auth.OPEN_PATHS == {p.lower() for p in OPEN}  # a new open path is a decision this test must list
     for path in sorted(OPEN):
         assert raw_status(server.port, "GET", path, [("Host", "x")]) == 200
 

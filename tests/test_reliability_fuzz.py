@@ -37,7 +37,7 @@ def api_schema(server):
 # Every operation of the schema (test_the_schema_lists_exactly_these_routes keeps this in step).
 OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
               ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/health"), ("GET", "/version"),
-              ("GET", "/metrics")]
+              ("GET", "/metrics"), ("GET", "/dashboard/state")]
 
 
 def assert_openai_error(status: int, content_type: str, body: bytes) -> None:

@@ -1,5 +1,6 @@
 """`--api-key` (here from KVSERVE_API_KEY): every /v1 route needs the key whatever the spelling
-of the path, the Host header or the method; /health and /metrics stay open. Paths are sent over a
+of the path, the Host header or the method; /health, /metrics, /version and the dashboard's page
+and static assets stay open, while the dashboard's state needs the key. Paths are sent over a
 raw socket so that no client library normalises them first."""
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ def raw_status(server, method: str, path: str, headers: dict[str, str] | None = 
 
 @pytest.mark.parametrize("path", ["/v1/models", "/V1/models", "/v1/models/", "//v1/models", "/v1//models",
                                   "/v1%2Fmodels", "/%761/models", "/v1/%6dodels", "/v1/./models", "/tokenize",
-                                  "/docs", "/openapi.json"])
+                                  "/docs", "/openapi.json", "/dashboard/state", "/DASHBOARD/state",
+                                  "/dashboard//state", "/dashboard%2Fstate", "/dashboard/state/"])
 @pytest.mark.parametrize("method", ["GET", "POST", "OPTIONS"])
 def test_protected_paths_refuse_a_missing_key(server, path, method):
     assert raw_status(server, method, path) == 401
@@ -46,7 +48,9 @@ def test_wrong_keys_and_spoofed_headers_are_refused(server, headers):
 
 def test_right_key_works_and_open_paths_stay_open(server):
     assert raw_status(server, "GET", "/v1/models", {"Authorization": f"Bearer {KEY}"}) == 200
-    for path in ("/health", "/metrics", "/version"):
+    assert raw_status(server, "GET", "/dashboard/state", {"Authorization": f"Bearer {KEY}"}) == 200
+    for path in ("/health", "/metrics", "/version", "/dashboard", "/dashboard/dashboard.js",
+                 "/dashboard/uPlot.iife.min.js"):
         assert raw_status(server, "GET", path) == 200
     response = httpx.get(f"{server.base_url}/v1/models")
     assert response.status_code == 401

@@ -3,6 +3,7 @@
     client ──> APIKeyMiddleware (if --api-key) ──> BodySizeLimitMiddleware ──> FastAPI routes
                                                                                    │
                /v1/completions, /v1/chat/completions ──> AsyncEngine (engine thread)
+               /dashboard (page), /dashboard/state ──> AsyncEngine.fresh_state (a snapshot between steps)
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from kvserve.engine.llm_engine import LLMEngine
 from kvserve.server.auth import APIKeyMiddleware
 from kvserve.server.body_limit import BodySizeLimitMiddleware
 from kvserve.server.chat import ChatServing
+from kvserve.server.dashboard import add_dashboard
 from kvserve.server.completions import CompletionServing
 from kvserve.server.engine_loop import AsyncEngine
 from kvserve.server.errors import APIError, error_body, install_error_handlers
@@ -126,6 +128,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         ctx.check_model(body.model)
         return DetokenizeResponse(prompt=await tokens.decode(body.tokens))
 
+    add_dashboard(app, async_engine, config.served_model_names[0])
     if config.fault_injection:
         add_fault_injection(app, engine)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_request_body_bytes,

@@ -1,7 +1,8 @@
 """API-key check (`--api-key`), as pure ASGI middleware in front of routing.
 
 Deny by default: every path needs `Authorization: Bearer <key>` except a few open ones
-(/health, /metrics, /version). The decision uses the path the router will dispatch on
+(/health, /metrics, /version, and the dashboard's page and static assets, which carry no data;
+its state, /dashboard/state, needs the key). The decision uses the path the router will dispatch on
 (`scope["path"]`, already percent-decoded by the server), normalised for case, repeated and
 trailing slashes and any remaining percent-encoding, so that `/V1/completions`,
 `//v1/completions/`, `/v1%2Fcompletions` and `/%68ealth`-style tricks cannot reach a protected
@@ -16,9 +17,10 @@ from urllib.parse import unquote
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from kvserve.server.dashboard import OPEN_DASHBOARD_PATHS
 from kvserve.server.errors import error_json
 
-OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version", *OPEN_DASHBOARD_PATHS})
 _MAX_DECODE_ROUNDS = 4
 
 

@@ -5,6 +5,10 @@
     close()  ──_Abort┼──> commands (SimpleQueue) ┼──> LLMEngine.abort_request (blocks freed now)
                      └───────────────────────────┘    LLMEngine.step() ──> outputs
     RequestStream <──── loop.call_soon_threadsafe(deliver) <──────────────────┘
+    fresh_state() ──_Snapshot──> (after the commands, before the next step) engine_state ──> .state
+
+The dashboard's state (kvserve/server/dashboard.py) is copied by the engine thread itself, when a
+client asks and never unasked, so reading it never races a step.
 
 `LLMEngine` is not thread-safe: only the engine thread touches it. It sleeps on the command
 queue while it has nothing to do (no busy spin) and otherwise steps as fast as it can, taking
@@ -36,6 +40,7 @@ from typing import Callable
 
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.request import RequestStatus
+from kvserve.engine.state_view import EngineState, engine_state
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.metrics import EngineSnapshot, ServerMetrics
@@ -161,6 +166,22 @@ class _FailAll:
     error: EngineError
 
 
+@dataclass
+class _Snapshot:
+    """Take an `EngineState` before the next step (wakes an idle engine)."""
+
+
+@dataclass(frozen=True)
+class StateSnapshot:
+    """The engine's state between two steps, with the server's token totals at the same moment."""
+
+    engine: EngineState
+    taken_at: float  # time.monotonic()
+    prompt_tokens: int  # since start
+    generation_tokens: int
+    cost_s: float  # engine-thread time spent taking it (what watching costs the engine)
+
+
 _STOP = object()
 
 
@@ -177,6 +198,12 @@ class AsyncEngine:
         # Called on the event loop once the engine thread has stopped for good.
         self.on_dead: Callable[[BaseException], None] | None = None
         self._failed_steps = 0  # consecutive; engine thread only
+        # Written by the engine thread only; the event loop reads them (plain attribute reads).
+        self.steps_completed = 0
+        self.step_started_at: float | None = None  # set while a step runs
+        # The dashboard's state: one snapshot request in flight at a time (event loop only).
+        self.state: StateSnapshot | None = None
+        self._state_waiter: asyncio.Future[None] | None = None
         self.snapshot = self._take_snapshot()  # replaced (never mutated) by the engine thread
         if metrics is not None:  # the baseline the counters' increments are measured from
             metrics.on_snapshot(self.snapshot, time.monotonic())
@@ -216,6 +243,28 @@ class AsyncEngine:
     def abort(self, request_ids: list[str]) -> None:
         self._commands.put(_Abort(list(request_ids)))
 
+    async def fresh_state(self, wait_s: float) -> StateSnapshot | None:
+        """Ask the engine thread for a snapshot between its next two steps and wait up to `wait_s`
+        for it; past that (a long step is running) return the latest one, None if there is none
+        yet. Concurrent callers share one request, so polling clients add at most one snapshot
+        per step."""
+        if self._state_waiter is None or self._state_waiter.done():
+            with self._lock:
+                if self.dead is not None:
+                    raise EngineDeadError("the engine has stopped")
+                self._state_waiter = asyncio.get_running_loop().create_future()
+                self._commands.put(_Snapshot())
+        try:
+            await asyncio.wait_for(asyncio.shield(self._state_waiter), wait_s)
+        except asyncio.TimeoutError:
+            pass
+        return self.state
+
+    def _publish_state(self, state: StateSnapshot) -> None:  # on the event loop
+        self.state = state
+        if self._state_waiter is not None and not self._state_waiter.done():
+            self._state_waiter.set_result(None)
+
     def fail_all(self, error: EngineError) -> None:
         """Abort every request in flight, failing its stream with `error` (end of a shutdown grace)."""
         self._commands.put(_FailAll(error))
@@ -230,6 +279,7 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while True:
+                want_state = False
                 for command in self._next_commands():
                     if command is _STOP:
                         return
@@ -237,13 +287,16 @@ class AsyncEngine:
                         self._add(command)
                     elif isinstance(command, _Abort):
                         self._abort(command)
+                    elif isinstance(command, _Snapshot):
+                        want_state = True
                     else:
                         self._fail_all(command.error, abort=True)
+                if want_state:  # after this batch's commands, with /metrics brought to the same moment
+                    self._update_metrics()
+                    self._post(self._publish_state, self._take_state())
                 if self.engine.has_unfinished_requests():
                     self._step()
-                self.snapshot = self._take_snapshot()
-                if self.metrics is not None:
-                    self.metrics.on_snapshot(self.snapshot, time.monotonic())
+                self._update_metrics()
         except BaseException as exc:  # a bug or an unrecoverable engine state
             logger.exception("the engine thread stopped")
             with self._lock:
@@ -294,11 +347,15 @@ class AsyncEngine:
                 self.metrics.on_outputs([output], time.monotonic())
 
     def _step(self) -> None:
+        self.step_started_at = time.monotonic()
         try:
             outputs = self.engine.step()
         except Exception as exc:
             self._recover(exc)
             return
+        finally:
+            self.steps_completed += 1
+            self.step_started_at = None
         self._failed_steps = 0
         if self.metrics is not None:
             self.metrics.on_outputs(outputs, time.monotonic())
@@ -346,6 +403,17 @@ class AsyncEngine:
         self._streams.clear()
         for stream in streams:
             self._post(stream._fail, error)
+
+    def _update_metrics(self) -> None:
+        self.snapshot = self._take_snapshot()
+        if self.metrics is not None:
+            self.metrics.on_snapshot(self.snapshot, time.monotonic())
+
+    def _take_state(self) -> StateSnapshot:
+        start = time.perf_counter()
+        prompt, generation = self.metrics.token_totals() if self.metrics is not None else (0, 0)
+        state = engine_state(self.engine, self.steps_completed)
+        return StateSnapshot(state, time.monotonic(), prompt, generation, time.perf_counter() - start)
 
     def _take_snapshot(self) -> EngineSnapshot:
         e = self.engine

@@ -8,6 +8,10 @@ environment variable KVSERVE_FAULT_INJECTION is set (to anything but "" or "0"):
                                                       raises: the engine state is unknown, so the
                                                       engine stops, /health turns 503, the process
                                                       exits with status 1
+    POST /debug/faults {"kind": "delay", "count": 5, "seconds": 0.2}
+                                                      each of the next 5 forward passes first sleeps
+                                                      0.2 s (a slow step, as a long prefill is);
+                                                      replaces the delays still pending
 
 The step fault raises from inside `LLMEngine.step`, after scheduling (blocks allocated, full
 blocks published to the prefix cache) and before any token is appended: the state a real failure
@@ -18,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from typing import Any, Callable, Literal
 
 from fastapi import FastAPI
@@ -28,7 +33,7 @@ from kvserve.engine.llm_engine import LLMEngine
 logger = logging.getLogger("kvserve.server")
 
 FAULT_INJECTION_ENV = "KVSERVE_FAULT_INJECTION"
-FaultKind = Literal["step", "abort"]
+FaultKind = Literal["step", "abort", "delay"]
 
 
 class InjectedFault(RuntimeError):
@@ -44,12 +49,16 @@ class FaultInjector:
     """Counters of armed faults, set from the event loop and consumed on the engine thread."""
 
     def __init__(self) -> None:
-        self._armed: dict[str, int] = {"step": 0, "abort": 0}
+        self._armed: dict[str, int] = {"step": 0, "abort": 0, "delay": 0}
+        self.delay_s = 0.0
         self._lock = threading.Lock()
 
-    def arm(self, kind: FaultKind, count: int) -> dict[str, int]:
+    def arm(self, kind: FaultKind, count: int, seconds: float = 0.0) -> dict[str, int]:
         with self._lock:
-            self._armed[kind] += count
+            if kind == "delay":  # replaces the delays still pending
+                self._armed[kind], self.delay_s = count, seconds
+            else:
+                self._armed[kind] += count
             return dict(self._armed)
 
     def _take(self, kind: str) -> bool:
@@ -61,6 +70,8 @@ class FaultInjector:
 
     def _wrap(self, kind: str, fn: Callable[..., Any], what: str) -> Callable[..., Any]:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if kind == "step" and self._take("delay"):
+                time.sleep(self.delay_s)
             if self._take(kind):
                 raise InjectedFault(f"injected fault in {what}")
             return fn(*args, **kwargs)
@@ -77,6 +88,7 @@ class FaultInjector:
 class FaultRequest(BaseModel):
     kind: FaultKind
     count: int = Field(default=1, ge=1, le=1000)
+    seconds: float = Field(default=0.0, ge=0.0, le=60.0)  # "delay" only
 
 
 def add_fault_injection(app: FastAPI, engine: LLMEngine) -> None:
@@ -86,4 +98,4 @@ def add_fault_injection(app: FastAPI, engine: LLMEngine) -> None:
 
     @app.post("/debug/faults")
     async def arm_fault(body: FaultRequest) -> dict[str, dict[str, int]]:
-        return {"armed": injector.arm(body.kind, body.count)}
+        return {"armed": injector.arm(body.kind, body.count, body.seconds)}

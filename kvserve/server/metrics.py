@@ -93,6 +93,8 @@ class ServerMetrics:
         self._times: dict[str, _RequestTimes] = {}
         self._last: EngineSnapshot | None = None
         self._interval = _Interval(start=0.0)
+        self._prompt_tokens_total = 0  # the counters' values as plain ints, for the dashboard
+        self._generation_tokens_total = 0
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -119,10 +121,12 @@ class ServerMetrics:
                     times.first_token = now
                     self.ttft.observe(now - times.arrival)
                     self.prompt_tokens.inc(len(out.prompt_token_ids))
+                    self._prompt_tokens_total += len(out.prompt_token_ids)
                     self._interval.prompt_tokens += len(out.prompt_token_ids)
                 else:
                     self.itl.observe(now - times.last_token)
                 self.generation_tokens.inc(new)
+                self._generation_tokens_total += new
                 self._interval.generation_tokens += new
                 times.num_tokens, times.last_token = num_tokens, now
             if out.finished and times.first_token is None and all(c.finish_reason == "length" for c in out.outputs):
@@ -134,6 +138,10 @@ class ServerMetrics:
                 for completion in out.outputs:
                     self._success.labels(self.model_name, completion.finish_reason or "abort").inc()
                 del self._times[out.request_id]
+
+    def token_totals(self) -> tuple[int, int]:
+        """Prompt and generation tokens counted since start (engine thread)."""
+        return self._prompt_tokens_total, self._generation_tokens_total
 
     def forget(self, request_id: str) -> None:
         """Stop tracking a request whose final output never came (lost with a failed step)."""
