@@ -65,9 +65,11 @@ def start_streams(server: ServerProcess, count: int, max_tokens: int) -> list[St
 
 
 def refuses_connections(server: ServerProcess) -> bool:
+    """True once a new connection is refused, or closed unanswered: one accepted just as the
+    listening socket closed is idle when shutdown closes the idle connections."""
     try:
         httpx.get(server.base_url + "/health", timeout=2)
-    except httpx.ConnectError:
+    except (httpx.ConnectError, httpx.RemoteProtocolError):
         return True
     return False
 
