@@ -19,7 +19,7 @@ import torch
 from kvserve import disk_cache
 from kvserve.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedModelError
 from kvserve.model.gguf_file import GGUFFile, dequantize_all, read_gguf
-from kvserve.model.weight_check import check_weights
+from kvserve.model.weight_check import check_weight_shapes
 
 logger = logging.getLogger(__name__)
 
@@ -132,9 +132,9 @@ def _check_config_json(path: Path) -> None:
                                     f"{sorted(SUPPORTED_ARCHITECTURES)}")
 
 
-def _check_weights(file: Path, config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+def _check_weights(file: Path, config: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> None:
     try:
-        check_weights(config, weights)
+        check_weight_shapes(config, shapes)
     except ValueError as exc:
         raise ModelLoadError(f"{file}: weights do not match the config: {exc}") from None
 
@@ -161,7 +161,7 @@ def _load_hf_dir(path: Path) -> LoadedModel:
             weights.update(load_file(file))
         except Exception as exc:
             raise ModelLoadError(f"{file}: cannot read safetensors file ({exc}); is it truncated?") from None
-    _check_weights(path / "config.json", config, weights)
+    _check_weights(path / "config.json", config, {name: tuple(t.shape) for name, t in weights.items()})
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as exc:
@@ -242,8 +242,7 @@ def _load_gguf(path: Path) -> LoadedModel:
     config = ModelConfig.from_hf(_gguf_hf_config(gguf_file, has_output="output.weight" in names))
     # Names and shapes come from the file's tensor table: checked before dequantizing, which grows
     # quantized weights several-fold into float32.
-    _check_weights(path, config, {_gguf_tensor_name(t.name): torch.empty(t.shape, device="meta")
-                                  for t in gguf_file.tensors})
+    _check_weights(path, config, {_gguf_tensor_name(t.name): tuple(t.shape) for t in gguf_file.tensors})
     weights = {_gguf_tensor_name(name): value for name, value in dequantize_all(gguf_file).items()}
     if config.architecture == "llama":
         for name in [n for n in weights if n.endswith(("q_proj.weight", "k_proj.weight"))]:

@@ -4,8 +4,6 @@ weights (a wrong hidden size, one layer too many) is one line naming the tensor,
 or KeyError from deep inside the model."""
 from __future__ import annotations
 
-import torch
-
 from kvserve.model.config import ModelConfig
 
 
@@ -31,17 +29,18 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_weights(config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
-    """Raise ValueError naming the first missing tensor or the first whose shape the config does
-    not imply (with the config values it follows from)."""
+def check_weight_shapes(config: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> None:
+    """`shapes`: the checkpoint's tensor names (HF's) and shapes. Raise ValueError naming the first
+    missing tensor or the first whose shape the config does not imply (with the config values it
+    follows from)."""
     for name, shape in expected_weight_shapes(config).items():
-        tensor = weights.get(name)
-        if tensor is None:
+        found = shapes.get(name)
+        if found is None:
             raise ValueError(f"the config says {config.num_layers} layers but the weights have no {name}"
                              if ".layers." in name else f"the weights have no {name}")
-        if tuple(tensor.shape) != shape:
+        if tuple(found) != shape:
             raise ValueError(
-                f"tensor {name} has shape {list(tensor.shape)} but the config implies {list(shape)} "
+                f"tensor {name} has shape {list(found)} but the config implies {list(shape)} "
                 f"(hidden_size={config.hidden_size}, intermediate_size={config.intermediate_size}, "
                 f"num_attention_heads={config.num_heads}, num_key_value_heads={config.num_kv_heads}, "
                 f"head_dim={config.head_dim}, vocab_size={config.vocab_size})")

@@ -81,6 +81,8 @@ def _call(call: ToolCallParam, where: str) -> dict[str, Any]:
     if call.id is not None:
         entry["id"] = call.id
     return entry
+
+
 # Jobs over this many characters run in the large-job thread.
 SMALL_JOB_CHARS = 16_384
 
