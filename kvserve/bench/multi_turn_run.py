@@ -67,11 +67,9 @@ async def run_sessions(config: ClientConfig, workload: MultiTurnWorkload, load: 
         t0 = time.perf_counter()
         sampler = MetricsSampler(client, metrics_url, load.metrics_interval, t0) if metrics_url else None
         sampler_task = None
-        if sampler is not None:
-            if load.metrics_interval > 0:
-                sampler_task = asyncio.create_task(sampler.run())
-            else:
-                await sampler.sample_once()
+        # the counters' baseline is read before any turn is sent, so the deltas hold every turn
+        if sampler is not None and await sampler.sample_once() and load.metrics_interval > 0:
+            sampler_task = asyncio.create_task(sampler.run())
         bar = tqdm(total=opts.num_requests, disable=not load.progress, desc="Turns", file=sys.stderr)
         done: list[TurnResult] = []
 
