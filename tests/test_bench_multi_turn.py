@@ -134,3 +134,14 @@ def test_multi_turn_is_not_an_offline_dataset(tiny_llama, capsys):
         main(["bench", "throughput", "--model", str(tiny_llama), "--dataset-name", "multi-turn"])
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2 and "invalid choice: 'multi-turn'" in err[-1]  # argparse's usage, then the error
+
+
+def test_a_workload_longer_than_the_servers_context_fails_before_any_turn(tiny_server, tiny_llama, capsys):
+    # the tiny server's max_model_len is 1024: 400 + 4 x (100 + 60) tokens cannot fit in the last turn
+    rc = main(["bench", "serve", "--base-url", tiny_server.base_url, "--tokenizer", str(tiny_llama),
+               "--dataset-name", "multi-turn", "--multi-turn-sessions", "1", "--multi-turn-turns", "4",
+               "--multi-turn-system-prompt-len", "400", "--multi-turn-user-len", "100",
+               "--multi-turn-output-len", "60", "--disable-tqdm"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1
+    assert "last turn needs at least 1,040 tokens" in err[0] and "max_model_len is 1,024" in err[0]

@@ -157,3 +157,16 @@ async def list_models(client: httpx.AsyncClient, base_url: str, api_key: str | N
         return [m["id"] for m in response.json().get("data", [])]
     except (ValueError, KeyError, TypeError, AttributeError):
         raise ValueError(f"GET {url} did not return an OpenAI model list") from None
+
+
+async def served_max_model_len(client: httpx.AsyncClient, config: ClientConfig) -> int | None:
+    """The model's `max_model_len` from GET /v1/models (vLLM and kvserve list it); None when the
+    server does not say or cannot be asked."""
+    url = config.base_url.rstrip("/") + "/v1/models"
+    try:
+        response = await client.get(url, headers=config.headers(), timeout=30.0)
+        entries = response.json().get("data", []) if response.status_code == 200 else []
+        lengths = [m.get("max_model_len") for m in entries if m.get("id") == config.model]
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+    return lengths[0] if lengths and isinstance(lengths[0], int) else None

@@ -50,6 +50,21 @@ class MultiTurnOptions:
     def num_requests(self) -> int:
         return self.sessions * self.turns
 
+    @property
+    def last_turn_min_tokens(self) -> int:
+        """Tokens the last turn needs at least (its messages' contents and its answer, without the
+        chat template's own tokens)."""
+        return self.system_prompt_len + self.turns * self.user_len + self.turns * self.output_len
+
+    def check_fits(self, max_model_len: int) -> None:
+        need = self.last_turn_min_tokens
+        if need > max_model_len:
+            raise ValueError(
+                f"the multi-turn workload's last turn needs at least {need:,} tokens (system prompt + "
+                f"{self.turns} user messages + {self.turns} answers) but the server's max_model_len is "
+                f"{max_model_len:,}: lower --multi-turn-turns, --multi-turn-user-len, --multi-turn-output-len "
+                "or --multi-turn-system-prompt-len")
+
 
 @dataclass
 class MultiTurnWorkload:

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import numpy as np
 from tqdm import tqdm
 
-from kvserve.bench.client import ClientConfig, send_request
+from kvserve.bench.client import ClientConfig, send_request, served_max_model_len
 from kvserve.bench.datasets import SampleRequest
 from kvserve.bench.metrics import (METRIC_TITLES, RequestResult, compute_metrics, distributions_to_dict,
                                    metrics_to_dict, parse_goodput, parse_percentile_args, percentile_key)
@@ -61,6 +61,9 @@ async def run_sessions(config: ClientConfig, workload: MultiTurnWorkload, load: 
     opts = workload.options
     limit = asyncio.Semaphore(load.max_concurrency) if load.max_concurrency else None
     async with http_client(load) as client:
+        max_model_len = await served_max_model_len(client, config)
+        if max_model_len is not None:  # fail before any turn rather than cut every session short
+            opts.check_fits(max_model_len)
         if load.num_warmups:
             warmups = [SampleRequest(p, 0, opts.output_len) for p in workload.warmup_prompts]
             await warm_up(client, config, warmups, load.num_warmups, limit)
