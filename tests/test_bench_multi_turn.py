@@ -64,10 +64,12 @@ def test_cli_reports_per_turn_and_tier_hit_rates(tiny_server, tiny_llama, tmp_pa
                "--multi-turn-system-prompt-len", str(SYSTEM), "--multi-turn-user-len", str(USER),
                "--multi-turn-output-len", str(ANSWER), "--multi-turn-think-time", "0.01", "--num-warmups", "1",
                "--metrics-interval", "0", "--disable-tqdm", "--percentile-metrics", "ttft,tpot,itl,e2el",
-               "--metric-percentiles", "50,99", "--save-result", str(out)])
+               "--metric-percentiles", "50,99", "--save-result", str(out),
+               "--plot", str(tmp_path / "plots")])
     printed = capsys.readouterr().out
     assert rc == 0
     assert "Per turn (ms)" in printed and "Hit rate, host memory tier (%):" in printed
+    assert {p.name for p in (tmp_path / "plots").iterdir()} >= {"latency_cdf.png", "throughput.png"}
     data = json.loads(out.read_text())
     assert data["dataset_name"] == "multi-turn" and data["endpoint"] == "/v1/chat/completions"
     assert data["completed"] == 2 * TURNS == data["num_prompts"] and data["failed"] == 0
