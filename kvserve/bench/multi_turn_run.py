@@ -42,7 +42,7 @@ class TurnResult:
 
 @dataclass
 class MultiTurnRun:
-    turns: list[TurnResult]  # in completion order
+    turns: list[TurnResult]  # by session, then turn: the same order in every run, so outputs compare
     duration: float
     sessions_cut_short: int  # sessions that stopped at a failed turn
     server_samples: list[ServerSample] = field(default_factory=list)
@@ -109,6 +109,7 @@ async def run_sessions(config: ClientConfig, workload: MultiTurnWorkload, load: 
                 await sampler_task
             if sampler.samples:
                 await sampler.sample_once()  # the counters right after the last turn
+    done.sort(key=lambda t: (t.session, t.turn))
     return MultiTurnRun(done, duration, sum(not ok for ok in finished), sampler.samples if sampler else [])
 
 
