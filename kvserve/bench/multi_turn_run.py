@@ -26,7 +26,7 @@ from kvserve.bench.client import ClientConfig, send_request, served_max_model_le
 from kvserve.bench.datasets import SampleRequest
 from kvserve.bench.metrics import (METRIC_TITLES, RequestResult, compute_metrics, distributions_to_dict,
                                    metrics_to_dict, parse_goodput, parse_percentile_args, percentile_key)
-from kvserve.bench.multi_turn import MultiTurnWorkload
+from kvserve.bench.multi_turn import MultiTurnWorkload, count_prompt_tokens
 from kvserve.bench.report import format_serving_table
 from kvserve.bench.serve import LoadConfig, RunOutput, http_client, run_info, send_times, warm_up
 from kvserve.bench.server_metrics import MetricsSampler, ServerSample, samples_to_dicts, summarize
@@ -176,8 +176,6 @@ def multi_turn_benchmark(args: argparse.Namespace, config: ClientConfig, workloa
                          load: LoadConfig, tokenizer: Any) -> tuple[dict[str, Any], RunOutput, str]:
     """Run the sessions against one server; returns (result JSON, the turns as a RunOutput for the
     plots, printed tables)."""
-    from kvserve.bench.multi_turn import count_prompt_tokens
-
     selected, percentiles = parse_percentile_args(args.percentile_metrics, args.metric_percentiles)
     goodput = parse_goodput(args.goodput) if args.goodput else None
     opts = workload.options

@@ -28,6 +28,7 @@ from tqdm import tqdm
 from kvserve.bench.client import ClientConfig, check_endpoint, list_models, send_request
 from kvserve.bench.datasets import MULTI_TURN, SampleRequest, add_dataset_args, build_dataset, load_tokenizer
 from kvserve.bench.metrics import RequestResult, compute_metrics, metrics_to_dict, parse_goodput, parse_percentile_args
+from kvserve.bench.multi_turn import MultiTurnWorkload, build_multi_turn, options_from_args
 from kvserve.bench.report import format_serving_table, save_json
 from kvserve.bench.server_metrics import MetricsSampler, ServerSample, samples_to_dicts, summarize
 
@@ -78,7 +79,7 @@ def http_client(load: LoadConfig) -> httpx.AsyncClient:
 
 
 async def warm_up(client: httpx.AsyncClient, config: ClientConfig, samples: list[SampleRequest], n: int,
-                   limit: asyncio.Semaphore | None) -> None:
+                  limit: asyncio.Semaphore | None) -> None:
     async def one(i: int) -> RequestResult:
         if limit is None:
             return await send_request(client, config, samples[i % len(samples)], time.perf_counter())
@@ -220,15 +221,10 @@ def resolve_endpoint(args: argparse.Namespace) -> str:
     return endpoint
 
 
-Workload = Any  # list[SampleRequest], or a MultiTurnWorkload
-
-
-def build_workload(args: argparse.Namespace, tokenizer: Any) -> Workload:
+def build_workload(args: argparse.Namespace, tokenizer: Any) -> list[SampleRequest] | MultiTurnWorkload:
     """The request list the dataset flags describe, or the multi-turn sessions' texts."""
     if args.dataset_name != MULTI_TURN:
         return build_dataset(args, tokenizer)
-    from kvserve.bench.multi_turn import build_multi_turn, options_from_args
-
     return build_multi_turn(tokenizer, options_from_args(args), args.dataset_path, args.seed, args.num_warmups)
 
 
@@ -238,11 +234,11 @@ def client_config(args: argparse.Namespace, base_url: str, endpoint: str, model:
     return ClientConfig(base_url, endpoint, model, api_key, args.ignore_eos or args.dataset_name == MULTI_TURN)
 
 
-def benchmark(args: argparse.Namespace, config: ClientConfig, samples: Workload, load: LoadConfig,
-              tokenizer: Any) -> tuple[dict[str, Any], RunOutput, str]:
+def benchmark(args: argparse.Namespace, config: ClientConfig, samples: list[SampleRequest] | MultiTurnWorkload,
+              load: LoadConfig, tokenizer: Any) -> tuple[dict[str, Any], RunOutput, str]:
     """Run one workload against one server; returns (result JSON, raw run, printed table)."""
-    if not isinstance(samples, list):
-        from kvserve.bench.multi_turn_run import multi_turn_benchmark
+    if isinstance(samples, MultiTurnWorkload):
+        from kvserve.bench.multi_turn_run import multi_turn_benchmark  # it builds on this module
 
         return multi_turn_benchmark(args, config, samples, load, tokenizer)
     selected, percentiles = parse_percentile_args(args.percentile_metrics, args.metric_percentiles)
@@ -274,9 +270,7 @@ def run_serve_cli(args: argparse.Namespace) -> int:
     if args.goodput:
         parse_goodput(args.goodput)
     if args.dataset_name == MULTI_TURN:
-        from kvserve.bench.multi_turn import options_from_args
-
-        options_from_args(args)
+        options_from_args(args)  # fail before any work
     model = args.model
     if model is None:
         async def first_model() -> list[str]:
