@@ -55,7 +55,8 @@ async def run_sessions(config: ClientConfig, workload: MultiTurnWorkload, load: 
                        count_prompt: Callable[[list[dict[str, str]]], int],
                        metrics_url: str | None = None) -> MultiTurnRun:
     """Run every session to its last turn (or first failure). `count_prompt(messages)` estimates a
-    prompt's tokens for servers that report no usage. /metrics is read at the start and the end
+    prompt's tokens for servers that report no usage (after the run: tokenizing while requests
+    stream would delay the timing of other sessions' chunks). /metrics is read at the start and the end
     (and every --metrics-interval between, when it is positive) for the counters' deltas."""
     load.validate()
     opts = workload.options
@@ -87,7 +88,7 @@ async def run_sessions(config: ClientConfig, workload: MultiTurnWorkload, load: 
             answers: list[str] = []
             for turn in range(opts.turns):
                 messages = workload.conversation(index, answers)
-                sample = SampleRequest(messages[-1]["content"], count_prompt(messages), opts.output_len, messages)
+                sample = SampleRequest(messages[-1]["content"], 0, opts.output_len, messages)
                 result = await send(sample)
                 done.append(TurnResult(index, turn + 1, messages, result))
                 bar.update(1)
@@ -110,6 +111,9 @@ async def run_sessions(config: ClientConfig, workload: MultiTurnWorkload, load: 
             if sampler.samples:
                 await sampler.sample_once()  # the counters right after the last turn
     done.sort(key=lambda t: (t.session, t.turn))
+    for t in done:
+        if not t.result.prompt_len:  # the server reported no usage
+            t.result.prompt_len = count_prompt(t.messages)
     return MultiTurnRun(done, duration, sum(not ok for ok in finished), sampler.samples if sampler else [])
 
 
