@@ -7,12 +7,13 @@ import json
 import re
 
 import pytest
+from fake_openai_server import FakeServer
 from server_process import free_port
 
 from kvserve.bench.client import ClientConfig
 from kvserve.bench.datasets import load_tokenizer
-from kvserve.bench.multi_turn import MultiTurnOptions, build_multi_turn, count_prompt_tokens
-from kvserve.bench.multi_turn_run import run_sessions, tier_hit_rates
+from kvserve.bench.multi_turn import MultiTurnOptions, MultiTurnWorkload, build_multi_turn, count_prompt_tokens
+from kvserve.bench.multi_turn_run import format_turn_table, per_turn, run_sessions, tier_hit_rates
 from kvserve.bench.serve import LoadConfig
 from kvserve.bench.server_metrics import parse_metrics, summarize
 from kvserve.cli import main
@@ -148,3 +149,26 @@ def test_a_workload_longer_than_the_servers_context_fails_before_any_turn(tiny_s
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1
     assert "last turn needs at least 1,040 tokens" in err[0] and "max_model_len is 1,024" in err[0]
+
+
+def test_a_failed_turn_ends_its_session_and_is_reported(tiny_tokenizer):
+    """The fake server answers 400 to a message containing FAIL: that session stops there (its
+    later turns are not sent), the other session goes on, and the per-turn report says so; a turn
+    with no completed request has no latencies (None, n/a) rather than zeros."""
+    options = MultiTurnOptions(sessions=2, turns=3, system_prompt_len=4, user_len=3, output_len=2)
+    users = [["a b c", "FAIL d e", "f g h"], ["i j k", "l m n", "FAIL o p"]]
+    workload = MultiTurnWorkload(options, "the system prompt", users, [])
+    with FakeServer() as url:
+        config = ClientConfig(url, "/v1/chat/completions", "fake-model", ignore_eos=True)
+        run = asyncio.run(run_sessions(config, workload, LoadConfig(progress=False, metrics_interval=0),
+                                       lambda m: count_prompt_tokens(tiny_tokenizer, m), url + "/metrics"))
+    assert run.sessions_cut_short == 2
+    assert [(t.session, t.turn, t.result.success) for t in run.turns] == [
+        (0, 1, True), (0, 2, False), (1, 1, True), (1, 2, True), (1, 3, False)]
+    assert run.turns[1].result.error == "HTTP 400: fake failure requested"
+    rows = per_turn(run, 3, 2, None, ["ttft"], [99])
+    assert [(r["sent"], r["completed"], r["failed"], r["not_sent"]) for r in rows] == [
+        (2, 2, 0, 0), (2, 1, 1, 0), (1, 0, 1, 1)]
+    assert rows[1]["mean_ttft_ms"] > 0 and rows[1]["mean_output_tokens"] == 2
+    assert rows[2]["mean_ttft_ms"] is None and rows[2]["mean_input_tokens"] is None
+    assert format_turn_table(rows, ["ttft"], [99]).splitlines()[-1].split() == ["3", "0/1", "n/a", "n/a", "n/a"]

@@ -16,6 +16,7 @@ configuration with its ratio to the first; save the JSON and a grouped bar chart
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shlex
 import sys
@@ -28,6 +29,7 @@ from typing import Any
 from kvserve.bench.datasets import add_dataset_args, load_tokenizer
 from kvserve.bench.launcher import ServerCommand, ServerStartError, kvserve_serve_command, running_server
 from kvserve.bench.metrics import METRIC_TITLES, parse_goodput, parse_percentile_args, percentile_key
+from kvserve.bench.multi_turn import MultiTurnWorkload
 from kvserve.bench.report import save_json
 from kvserve.bench.serve import (RunOutput, add_client_args, benchmark, build_workload, client_config, failure_summary,
                                  load_config_from_args, resolve_endpoint)
@@ -234,8 +236,9 @@ def run_compare(args: argparse.Namespace, server_command: ServerCommand = kvserv
     print(format_comparison(labels, results, rows))
     if args.save_result:
         data = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "server_args": server_args,
-                "workload": {"dataset_name": args.dataset_name, "num_prompts": args.num_prompts, "seed": args.seed,
-                             "request_rate": str(args.request_rate), "max_concurrency": args.max_concurrency},
+                "workload": {"dataset_name": args.dataset_name, "seed": args.seed,
+                             "request_rate": str(args.request_rate), "max_concurrency": args.max_concurrency,
+                             **workload_shape(samples)},
                 "configs": [{"label": c.label, "args": c.args, "result": r} for c, r in zip(configs, results)],
                 "comparison": {row.key: {label: row_value(r, row) for label, r in zip(labels, results)}
                                for row in rows}}
@@ -249,6 +252,13 @@ def run_compare(args: argparse.Namespace, server_command: ServerCommand = kvserv
         print(f"kvserve bench compare: error: {'; '.join(problems)}", file=sys.stderr)
         return 1
     return 0
+
+
+def workload_shape(samples: list | MultiTurnWorkload) -> dict[str, Any]:
+    """`num_prompts`, and for the multi-turn workload its options as well."""
+    if isinstance(samples, MultiTurnWorkload):
+        return {"num_prompts": samples.options.num_requests, "multi_turn": dataclasses.asdict(samples.options)}
+    return {"num_prompts": len(samples)}
 
 
 def _served_model(base_url: str, api_key: str | None) -> str:

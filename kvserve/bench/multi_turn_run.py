@@ -120,7 +120,8 @@ async def run_sessions(config: ClientConfig, workload: MultiTurnWorkload, load: 
 def per_turn(run: MultiTurnRun, num_turns: int, sessions: int, count_tokens: Callable[[str], int] | None,
              selected: list[str], percentiles: list[float]) -> list[dict[str, Any]]:
     """One entry per turn number: requests sent, completed and failed, mean prompt and output
-    tokens, and the selected metrics' mean/median/std/percentiles (vLLM's key names)."""
+    tokens, and the selected metrics' mean/median/std/percentiles (vLLM's key names; None for a
+    turn no request of which completed)."""
     rows = []
     for turn in range(1, num_turns + 1):
         results = [t.result for t in run.turns if t.turn == turn]
@@ -130,7 +131,7 @@ def per_turn(run: MultiTurnRun, num_turns: int, sessions: int, count_tokens: Cal
                      "completed": m.completed, "failed": m.failed,
                      "mean_input_tokens": float(np.mean([m.input_lens[i] for i in ok])) if ok else None,
                      "mean_output_tokens": float(np.mean([m.output_lens[i] for i in ok])) if ok else None,
-                     **distributions_to_dict(m, selected)})
+                     **{k: (v if m.completed else None) for k, v in distributions_to_dict(m, selected).items()}})
     return rows
 
 
@@ -150,8 +151,7 @@ def format_turn_table(rows: list[dict[str, Any]], selected: list[str], percentil
     for row in rows:
         cells = [str(row["turn"]), f"{row['completed']}/{row['sent']}", _cell(row["mean_input_tokens"], ".0f")]
         for name in selected:
-            ok = row["completed"] > 0
-            cells += [_cell(row[f"mean_{name}_ms"] if ok else None), _cell(row[f"p{top}_{name}_ms"] if ok else None)]
+            cells += [_cell(row[f"mean_{name}_ms"]), _cell(row[f"p{top}_{name}_ms"])]
         lines.append(" ".join(f"{c:>11}" for c in cells))
     width = len(lines[0])
     return "\n".join(["{s:{c}^{n}}".format(s=" Per turn (ms) ", n=width, c="-"), *lines])
