@@ -87,6 +87,8 @@ def test_cli_reports_per_turn_and_tier_hit_rates(tiny_server, tiny_llama, tmp_pa
     # each turn's prompt is the previous one plus an answer and a user message
     inputs = [r["mean_input_tokens"] for r in rows]
     assert all(b > a + USER + ANSWER for a, b in zip(inputs, inputs[1:]))
+    # from turn 2 on, the earlier turns' prompts come from the cache (the server's usage says so)
+    assert all(r["cached_prompt_fraction"] > 0.5 for r in rows[1:])
     # later turns reuse the shared system prompt and the session's history from the pool
     rates = data["prefix_cache_hit_rate_by_tier"]
     assert rates["pool"] > 0.3 and rates["total"] >= rates["pool"]
@@ -171,4 +173,5 @@ def test_a_failed_turn_ends_its_session_and_is_reported(tiny_tokenizer):
         (2, 2, 0, 0), (2, 1, 1, 0), (1, 0, 1, 1)]
     assert rows[1]["mean_ttft_ms"] > 0 and rows[1]["mean_output_tokens"] == 2
     assert rows[2]["mean_ttft_ms"] is None and rows[2]["mean_input_tokens"] is None
-    assert format_turn_table(rows, ["ttft"], [99]).splitlines()[-1].split() == ["3", "0/1", "n/a", "n/a", "n/a"]
+    assert rows[0]["cached_prompt_fraction"] is None  # the fake server reports no cached tokens
+    assert format_turn_table(rows, ["ttft"], [99]).splitlines()[-1].split() == ["3", "0/1", "n/a", "n/a", "n/a", "n/a"]

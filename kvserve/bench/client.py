@@ -125,6 +125,9 @@ async def send_request(client: httpx.AsyncClient, config: ClientConfig, sample: 
                 if usage:
                     result.output_tokens = usage.get("completion_tokens", result.output_tokens)
                     result.prompt_len = usage.get("prompt_tokens") or result.prompt_len
+                    details = usage.get("prompt_tokens_details")
+                    if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+                        result.cached_tokens = details["cached_tokens"]
     except httpx.TimeoutException as exc:
         result.error = f"timed out ({type(exc).__name__}) waiting for {config.url}"
         return result

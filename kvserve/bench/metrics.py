@@ -37,6 +37,7 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)  # arrival of each chunk with text
     output_tokens: int | None = None  # from the server's usage report; None when it gave none
+    cached_tokens: int | None = None  # prompt tokens the server did not compute (usage.prompt_tokens_details)
     generated_text: str = ""
 
 

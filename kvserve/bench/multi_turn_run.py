@@ -120,17 +120,21 @@ async def run_sessions(config: ClientConfig, workload: MultiTurnWorkload, load: 
 def per_turn(run: MultiTurnRun, num_turns: int, sessions: int, count_tokens: Callable[[str], int] | None,
              selected: list[str], percentiles: list[float]) -> list[dict[str, Any]]:
     """One entry per turn number: requests sent, completed and failed, mean prompt and output
-    tokens, and the selected metrics' mean/median/std/percentiles (vLLM's key names; None for a
-    turn no request of which completed)."""
+    tokens, the share of prompt tokens the server reported cached (usage.prompt_tokens_details;
+    None when it reports none), and the selected metrics' mean/median/std/percentiles (vLLM's key
+    names; None for a turn no request of which completed)."""
     rows = []
     for turn in range(1, num_turns + 1):
         results = [t.result for t in run.turns if t.turn == turn]
         m = compute_metrics(results, run.duration, count_tokens, percentiles)
         ok = [i for i, r in enumerate(results) if r.success]
+        cached = [(r.cached_tokens, r.prompt_len) for r in results if r.success and r.cached_tokens is not None]
+        prompt_total = sum(n for _, n in cached)
         rows.append({"turn": turn, "sent": len(results), "not_sent": sessions - len(results),
                      "completed": m.completed, "failed": m.failed,
                      "mean_input_tokens": float(np.mean([m.input_lens[i] for i in ok])) if ok else None,
                      "mean_output_tokens": float(np.mean([m.output_lens[i] for i in ok])) if ok else None,
+                     "cached_prompt_fraction": sum(c for c, _ in cached) / prompt_total if prompt_total else None,
                      **{k: (v if m.completed else None) for k, v in distributions_to_dict(m, selected).items()}})
     return rows
 
@@ -140,16 +144,18 @@ def _cell(value: float | None, fmt: str = ".2f") -> str:
 
 
 def format_turn_table(rows: list[dict[str, Any]], selected: list[str], percentiles: list[float]) -> str:
-    """Per turn number: completed requests, mean prompt tokens, then mean and the highest asked
-    percentile of each selected metric (ms)."""
+    """Per turn number: completed requests, mean prompt tokens, the share of them cached, then mean
+    and the highest asked percentile of each selected metric (ms)."""
     top = percentile_key(max(percentiles))
-    head = ["Turn", "Done", "In tok"]
+    head = ["Turn", "Done", "In tok", "Cached %"]
     for name in selected:
         short = METRIC_TITLES[name][0]
         head += [f"Mean {short}", f"P{top} {short}"]
     lines = [" ".join(f"{h:>11}" for h in head)]
     for row in rows:
-        cells = [str(row["turn"]), f"{row['completed']}/{row['sent']}", _cell(row["mean_input_tokens"], ".0f")]
+        cached = row["cached_prompt_fraction"]
+        cells = [str(row["turn"]), f"{row['completed']}/{row['sent']}", _cell(row["mean_input_tokens"], ".0f"),
+                 _cell(None if cached is None else 100 * cached, ".1f")]
         for name in selected:
             cells += [_cell(row[f"mean_{name}_ms"]), _cell(row[f"p{top}_{name}_ms"])]
         lines.append(" ".join(f"{c:>11}" for c in cells))
