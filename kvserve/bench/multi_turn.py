@@ -115,18 +115,18 @@ def count_prompt_tokens(tokenizer: Any, messages: list[dict[str, str]]) -> int:
 def add_multi_turn_args(parser: argparse.ArgumentParser) -> None:
     defaults = MultiTurnOptions()
     g = parser.add_argument_group("multi-turn workload (--dataset-name multi-turn)")
-    g.add_argument("--multi-turn-sessions", type=int, default=defaults.sessions,
+    g.add_argument("--multi-turn-sessions", metavar="S", type=int, default=defaults.sessions,
                    help=f"concurrent chat sessions (default {defaults.sessions})")
-    g.add_argument("--multi-turn-turns", type=int, default=defaults.turns,
+    g.add_argument("--multi-turn-turns", metavar="T", type=int, default=defaults.turns,
                    help=f"turns per session (default {defaults.turns})")
-    g.add_argument("--multi-turn-system-prompt-len", type=int, default=defaults.system_prompt_len,
+    g.add_argument("--multi-turn-system-prompt-len", metavar="N", type=int, default=defaults.system_prompt_len,
                    help="tokens of the system prompt all sessions share; 0 = none "
                         f"(default {defaults.system_prompt_len})")
-    g.add_argument("--multi-turn-user-len", type=int, default=defaults.user_len,
+    g.add_argument("--multi-turn-user-len", metavar="U", type=int, default=defaults.user_len,
                    help=f"tokens of each user message (default {defaults.user_len})")
-    g.add_argument("--multi-turn-output-len", type=int, default=defaults.output_len,
+    g.add_argument("--multi-turn-output-len", metavar="A", type=int, default=defaults.output_len,
                    help=f"tokens of each answer, exactly (ignore_eos; default {defaults.output_len})")
-    g.add_argument("--multi-turn-think-time", type=float, default=defaults.think_time,
+    g.add_argument("--multi-turn-think-time", metavar="SECONDS", type=float, default=defaults.think_time,
                    help="seconds a session waits after an answer before its next turn (default 0)")
 
 
