@@ -1,0 +1,135 @@
+"""A worker rank: its shard of the model and of the KV pool, and a loop over rank 0's messages.
+
+A worker holds no scheduler, block manager or sampler: each StepPlan carries everything its
+attention backend needs to build the same metadata rank 0 built, and the forward pass stops at
+the final hidden states (the LM head runs on rank 0). Any error ends the process with a non-zero
+code; rank 0 then sees its collectives fail (a closed connection) and stops the engine.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from kvserve.cache.eviction.moves import move_tokens
+from kvserve.cache.formats import make_kv_format
+from kvserve.cache.kv_cache import KVCache
+from kvserve.engine.args import EngineArgs
+from kvserve.engine.parallel.group import DistributedConfig, RankGroups, join, leave, rank_device, set_rank_threads
+from kvserve.engine.parallel.messages import Heartbeat, MoveTokens, Setup, Shutdown, StepPlan
+from kvserve.engine.preflight import select_device
+from kvserve.model.attention_backend import AttentionBackend, make_attention_backend
+from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.loader import load_model
+from kvserve.model.parallel import shard_heads, shard_layout, shard_model
+from kvserve.units import format_size
+
+logger = logging.getLogger("kvserve")
+
+
+def worker_main(rank: int, config: DistributedConfig, args: EngineArgs, log_level: int = logging.INFO,
+                watch_parent: bool = True) -> None:
+    """The worker process's entry point (launch.spawn_workers)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s rank{rank} %(message)s")
+    if watch_parent:
+        _exit_with_parent()
+    try:
+        run_worker(rank, config, args)
+    except BaseException:
+        logger.exception("tensor-parallel rank %d failed", rank)
+        sys.stdout.flush()
+        os._exit(1)
+    os._exit(0)
+
+
+def run_worker(rank: int, config: DistributedConfig, args: EngineArgs) -> None:
+    threads = set_rank_threads(config)
+    device = rank_device(select_device(args.device), rank, config)
+    groups = join(rank, config, device)
+    setup: Setup = receive(groups, start_up=True)
+    start = time.monotonic()
+    loaded = load_model(args.model)
+    c = loaded.config
+    layout = shard_layout(rank, config.world_size, c.num_heads, c.num_kv_heads, c.intermediate_size)
+    model = LlamaForCausalLM.from_hf_weights(c, loaded.weights, setup.max_positions, setup.dtype, device,
+                                             shard=lambda m: shard_model(m, layout, groups.all_reduce), prepack=False)
+    del loaded
+    weights = parameter_bytes(model)
+    model.prepack()
+    model.set_key_centers(shard_heads(setup.key_centers, layout))
+    model.set_key_bases(shard_heads(setup.key_bases, layout))
+    kv_format = make_kv_format(args.kv_cache_dtype, setup.dtype)
+    backend = make_attention_backend(args.attention_backend, kv_format, setup.kv_spec, setup.dtype, model.rope,
+                                     device)
+    kv_cache = KVCache(setup.kv_spec, kv_format, setup.num_blocks, device)
+    logger.info("rank %d ready in %.1f s (%d threads): query heads [%d, %d), KV heads [%d, %d), weights %s, "
+                "KV pool %s", rank, time.monotonic() - start, threads, layout.q_start,
+                layout.q_start + layout.q_heads, layout.kv_start, layout.kv_start + layout.kv_heads,
+                format_size(weights), format_size(kv_cache.nbytes))
+    dist.barrier()  # ready (on the start-up group): rank 0 starts stepping
+    serve(groups, model, kv_cache, backend)
+    leave()
+
+
+def serve(groups: RankGroups, model: LlamaForCausalLM, kv_cache: KVCache, backend: AttentionBackend) -> None:
+    """Carry out rank 0's messages until a Shutdown."""
+    while True:
+        message = receive(groups)
+        if isinstance(message, StepPlan):
+            run_step(groups, model, kv_cache, backend, message)
+        elif isinstance(message, MoveTokens):
+            move_tokens(kv_cache, message.src_slots, message.dst_slots)
+        elif isinstance(message, Shutdown):
+            return
+        elif not isinstance(message, Heartbeat):
+            raise RuntimeError(f"unexpected message {type(message).__name__}")
+
+
+@torch.inference_mode()
+def run_step(groups: RankGroups, model: LlamaForCausalLM, kv_cache: KVCache, backend: AttentionBackend,
+             plan: StepPlan) -> None:
+    device = backend.device
+
+    def tensor(array) -> torch.Tensor:
+        return torch.as_tensor(array, dtype=torch.long).to(device, non_blocking=True)
+
+    meta = backend.build(plan.sequences, tensor(plan.slot_mapping))
+    model.final_hidden(tensor(plan.input_ids), tensor(plan.positions), kv_cache, meta, tensor([]))
+    groups.sum_observed([rows for _, rows in meta.observed_attention])
+
+
+def receive(groups: RankGroups, start_up: bool = False):
+    """The next message from rank 0 (on the start-up group while rank 0 still loads)."""
+    box = [None]
+    dist.broadcast_object_list(box, src=0, group=None if start_up else groups.control)
+    return box[0]
+
+
+def parameter_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's distinct parameter and buffer tensors (a tied head counted once)."""
+    seen, total = set(), 0
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            total += tensor.nbytes
+    return total
+
+
+def _exit_with_parent() -> None:
+    """A thread that ends this process when the process that spawned it is gone (kill -9 leaves
+    no chance to stop the workers in order)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="kvserve-parent-watch", daemon=True).start()
