@@ -12,6 +12,7 @@ key_transforms.py (the calibration the KV format asks for, run through the runne
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 from collections.abc import Iterator
 
 import torch
@@ -73,6 +74,8 @@ class LLMEngine:
             self.device = self.parallel.device
             start_rank_zero(self.parallel, built, self.kv_format, self.attention_backend, pool.num_blocks, self.max_model_len)
         self.kv_cache = KVCache(self.kv_spec, self.kv_format, pool.num_blocks, self.device)
+        if self.parallel is not None:  # the pool's real size, for rank_stats()
+            self.parallel.local_stats = replace(self.parallel.local_stats, kv_pool_bytes=self.kv_cache.nbytes)
         # block_size is the pool's (KVCacheSpec, made once by preflight from --block-size); the
         # block manager and its evictor count in the same blocks.
         self.evictor = Evictor(self.kv_spec.block_size, self.max_model_len, self.device)

@@ -25,7 +25,7 @@ from kvserve.engine.errors import FatalEngineError
 from kvserve.engine.parallel.group import (
     DistributedConfig, RankGroups, distributed_config, join, leave, rank_device, set_rank_threads)
 from kvserve.engine.parallel.launch import Watchdog, spawn_workers, stop_workers
-from kvserve.engine.parallel.messages import Heartbeat, MoveTokens, Setup, Shutdown, StepPlan
+from kvserve.engine.parallel.messages import Describe, Heartbeat, MoveTokens, RankStats, Setup, Shutdown, StepPlan
 from kvserve.model.attention_backend import StepSequence
 
 logger = logging.getLogger("kvserve")
@@ -41,7 +41,8 @@ class TensorParallelExecutor:
         self.failure: str | None = None
         self.on_failure: Callable[[str], None] | None = None
         self.groups: RankGroups | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self.local_stats: RankStats | None = None  # rank 0's own, set at start-up
         self._last_send = time.monotonic()
         self._closed = threading.Event()
         local = [r for r in self.config.local_ranks if r != 0]
@@ -108,6 +109,17 @@ class TensorParallelExecutor:
             except RuntimeError as exc:
                 raise self.lost(exc) from exc
             self._last_send = time.monotonic()
+
+    def describe(self) -> list[RankStats]:
+        """Every rank's RankStats, rank 0's first (the kvserve log prints them at start-up)."""
+        with self._lock:
+            self.send(Describe())
+            gathered: list = [None] * self.world_size
+            try:
+                dist.gather_object(self.local_stats, gathered, dst=0, group=self.groups.control)
+            except RuntimeError as exc:
+                raise self.lost(exc) from exc
+        return gathered
 
     def check(self) -> None:
         if self.failure is not None:

@@ -43,6 +43,23 @@ class MoveTokens:
 
 
 @dataclass
+class Describe:
+    """Every rank answers with its RankStats (a gather on the control group)."""
+
+
+@dataclass
+class RankStats:
+    """One rank's shard, measured on its real tensors."""
+
+    rank: int
+    weight_bytes: int  # every parameter and buffer the rank holds (replicated ones included)
+    sharded_layer_bytes: int  # the q/k/v, o, gate/up and down projections
+    kv_pool_bytes: int
+    q_heads: int
+    kv_heads: int
+
+
+@dataclass
 class Heartbeat:
     """Sent while rank 0 is idle, so that a waiting worker can tell a quiet engine from a dead one."""
 

@@ -20,8 +20,8 @@ from kvserve.engine.key_transforms import calibrate_key_transforms
 from kvserve.engine.loading import EngineModel
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.parallel.executor import TensorParallelExecutor
-from kvserve.engine.parallel.messages import Setup
-from kvserve.engine.parallel.worker import parameter_bytes
+from kvserve.engine.parallel.messages import RankStats, Setup
+from kvserve.engine.parallel.worker import parameter_bytes, sharded_layer_bytes
 from kvserve.model.attention_backend import AttentionBackend
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.parallel import ShardLayout, shard_heads, shard_layout, shard_model
@@ -43,6 +43,8 @@ def start_rank_zero(executor: TensorParallelExecutor, built: EngineModel, kv_for
     model.set_key_centers(shard_heads(centers, layout))
     model.set_key_bases(shard_heads(bases, layout))
     shard_weights = parameter_bytes(model)  # before prepacking hides the weights from parameters()
+    executor.local_stats = RankStats(0, shard_weights, sharded_layer_bytes(model),
+                                     num_blocks * built.plan.bytes_per_block, layout.q_heads, layout.kv_heads)
     model.prepack()
     if layout.kv_replicas > 1:
         logger.info("Tensor parallel: %d ranks share %d KV heads: each KV head is replicated on %d ranks",

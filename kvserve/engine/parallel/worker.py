@@ -21,8 +21,9 @@ from kvserve.cache.eviction.moves import move_tokens
 from kvserve.cache.formats import make_kv_format
 from kvserve.cache.kv_cache import KVCache
 from kvserve.engine.args import EngineArgs
-from kvserve.engine.parallel.group import DistributedConfig, RankGroups, join, leave, rank_device, set_rank_threads
-from kvserve.engine.parallel.messages import Heartbeat, MoveTokens, Setup, Shutdown, StepPlan
+from kvserve.engine.parallel.group import (
+    DistributedConfig, RankGroups, distributed_config, join, leave, rank_device, set_rank_threads)
+from kvserve.engine.parallel.messages import Describe, Heartbeat, MoveTokens, RankStats, Setup, Shutdown, StepPlan
 from kvserve.engine.preflight import select_device
 from kvserve.model.attention_backend import AttentionBackend, make_attention_backend
 from kvserve.model.llama import LlamaForCausalLM
@@ -62,6 +63,7 @@ def run_worker(rank: int, config: DistributedConfig, args: EngineArgs) -> None:
                                              shard=lambda m: shard_model(m, layout, groups.all_reduce), prepack=False)
     del loaded
     weights = parameter_bytes(model)
+    sharded = sharded_layer_bytes(model)
     model.prepack()
     model.set_key_centers(shard_heads(setup.key_centers, layout))
     model.set_key_bases(shard_heads(setup.key_bases, layout))
@@ -73,12 +75,14 @@ def run_worker(rank: int, config: DistributedConfig, args: EngineArgs) -> None:
                 "KV pool %s", rank, time.monotonic() - start, threads, layout.q_start,
                 layout.q_start + layout.q_heads, layout.kv_start, layout.kv_start + layout.kv_heads,
                 format_size(weights), format_size(kv_cache.nbytes))
+    stats = RankStats(rank, weights, sharded, kv_cache.nbytes, layout.q_heads, layout.kv_heads)
     dist.barrier()  # ready (on the start-up group): rank 0 starts stepping
-    serve(groups, model, kv_cache, backend)
+    serve(groups, model, kv_cache, backend, stats)
     leave()
 
 
-def serve(groups: RankGroups, model: LlamaForCausalLM, kv_cache: KVCache, backend: AttentionBackend) -> None:
+def serve(groups: RankGroups, model: LlamaForCausalLM, kv_cache: KVCache, backend: AttentionBackend,
+          stats: RankStats) -> None:
     """Carry out rank 0's messages until a Shutdown."""
     while True:
         message = receive(groups)
@@ -86,6 +90,8 @@ def serve(groups: RankGroups, model: LlamaForCausalLM, kv_cache: KVCache, backen
             run_step(groups, model, kv_cache, backend, message)
         elif isinstance(message, MoveTokens):
             move_tokens(kv_cache, message.src_slots, message.dst_slots)
+        elif isinstance(message, Describe):
+            dist.gather_object(stats, None, dst=0, group=groups.control)
         elif isinstance(message, Shutdown):
             return
         elif not isinstance(message, Heartbeat):
@@ -122,6 +128,14 @@ def parameter_bytes(model: torch.nn.Module) -> int:
     return total
 
 
+def sharded_layer_bytes(model: LlamaForCausalLM) -> int:
+    """Bytes of the layers tensor parallelism splits (q/k/v, o, gate/up and down projections)."""
+    return sum(linear.weight.nbytes + (linear.bias.nbytes if linear.bias is not None else 0)
+               for layer in model.layers
+               for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                              layer.mlp.down_proj))
+
+
 def _exit_with_parent() -> None:
     """A thread that ends this process when the process that spawned it is gone (kill -9 leaves
     no chance to stop the workers in order)."""
@@ -133,3 +147,27 @@ def _exit_with_parent() -> None:
         os._exit(1)
 
     threading.Thread(target=watch, name="kvserve-parent-watch", daemon=True).start()
+
+
+def run_node(args: EngineArgs) -> int:
+    """A node other than 0 (--node-rank > 0): its ranks as workers only, no engine and no server.
+    The first runs in this process, the others are spawned; returns the exit status."""
+    from kvserve.engine.parallel.launch import spawn_workers, stop_workers
+
+    config = distributed_config(args)
+    if config.node_rank == 0:
+        raise ValueError("node 0 runs the engine; run_node is for --node-rank > 0")
+    ranks = list(config.local_ranks)
+    others = spawn_workers(args, config, ranks[1:])
+    logger.info("node %d of %d: ranks %d-%d of %d, meeting at %s", config.node_rank, config.nnodes, ranks[0],
+                ranks[-1], config.world_size, config.init_method)
+    status = 0
+    try:
+        run_worker(ranks[0], config, args)
+    except Exception:
+        logger.exception("tensor-parallel rank %d failed", ranks[0])
+        status = 1
+    stop_workers(others, timeout=30.0)
+    if any(p.exitcode for p in others):
+        status = 1
+    return status
