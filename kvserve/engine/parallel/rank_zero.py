@@ -21,11 +21,10 @@ from kvserve.engine.loading import EngineModel
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.parallel.executor import TensorParallelExecutor
 from kvserve.engine.parallel.messages import RankStats, Setup
-from kvserve.engine.parallel.worker import parameter_bytes, sharded_layer_bytes
+from kvserve.engine.parallel.worker import mib, parameter_bytes, sharded_layer_bytes
 from kvserve.model.attention_backend import AttentionBackend
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.parallel import ShardLayout, shard_heads, shard_layout, shard_model
-from kvserve.units import format_size
 
 logger = logging.getLogger("kvserve")
 
@@ -53,8 +52,8 @@ def start_rank_zero(executor: TensorParallelExecutor, built: EngineModel, kv_for
     logger.info("Tensor parallel rank 0 of %d: query heads [%d, %d), KV heads [%d, %d); per rank: weights "
                 "%s (of %s unsharded; embedding, norms and LM head replicated), KV pool %s",
                 layout.size, layout.q_start, layout.q_start + layout.q_heads, layout.kv_start,
-                layout.kv_start + layout.kv_heads, format_size(shard_weights), format_size(full_weights),
-                format_size(pool_bytes))
+                layout.kv_start + layout.kv_heads, mib(shard_weights), mib(full_weights),
+                mib(pool_bytes))
     executor.start(Setup(built.plan.dtype, model.rope.cos.shape[0], spec, num_blocks, centers, bases))
     return layout
 
@@ -76,3 +75,4 @@ def calibrate_full_model(model: LlamaForCausalLM, fmt: KVFormat, backend: Attent
     centers = [a.key_center for a in attention] if fmt.center_keys else None
     bases = [a.key_basis[0] for a in attention] if fmt.fit_key_basis else None
     return centers, bases
+

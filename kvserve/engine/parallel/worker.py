@@ -29,7 +29,6 @@ from kvserve.model.attention_backend import AttentionBackend, make_attention_bac
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import load_model
 from kvserve.model.parallel import shard_heads, shard_layout, shard_model
-from kvserve.units import format_size
 
 logger = logging.getLogger("kvserve")
 
@@ -74,7 +73,7 @@ def run_worker(rank: int, config: DistributedConfig, args: EngineArgs) -> None:
     logger.info("rank %d ready in %.1f s (%d threads): query heads [%d, %d), KV heads [%d, %d), weights %s, "
                 "KV pool %s", rank, time.monotonic() - start, threads, layout.q_start,
                 layout.q_start + layout.q_heads, layout.kv_start, layout.kv_start + layout.kv_heads,
-                format_size(weights), format_size(kv_cache.nbytes))
+                mib(weights), mib(kv_cache.nbytes))
     stats = RankStats(rank, weights, sharded, kv_cache.nbytes, layout.q_heads, layout.kv_heads)
     dist.barrier()  # ready (on the start-up group): rank 0 starts stepping
     serve(groups, model, kv_cache, backend, stats)
@@ -171,3 +170,8 @@ def run_node(args: EngineArgs) -> int:
     if any(p.exitcode for p in others):
         status = 1
     return status
+
+
+def mib(num_bytes: int) -> str:
+    """A size for the start-up log."""
+    return f"{num_bytes / 2**20:,.1f} MiB"
