@@ -76,7 +76,7 @@ def test_tp2_matches_one_process(tiny_model_factory, arch):
         assert greedy_tokens(parallel, {"again": batch["long"]}) == {"again": expected["long"]}
         assert parallel.kv_manager.stats.hits > hits
         h2o = {"policy": "h2o", "budget": 48, "sink_tokens": 4, "recent_tokens": 16}
-        evicting = {"h2o": (batch["long"][0][:40], h2o)}
+        evicting = {"h2o": (batch["long"][0][:60], h2o)}  # 60 + 24 tokens: evicts
         assert greedy_tokens(parallel, evicting) == greedy_tokens(single, evicting)
         stats = parallel.parallel.describe()
         assert [s.rank for s in stats] == [0, 1]
