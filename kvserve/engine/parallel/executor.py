@@ -33,6 +33,8 @@ logger = logging.getLogger("kvserve")
 
 class TensorParallelExecutor:
     def __init__(self, args: EngineArgs, device: torch.device):
+        if dist.is_initialized():
+            raise RuntimeError("a tensor-parallel engine is already open in this process: close() it first")
         self.config: DistributedConfig = distributed_config(args)
         if self.config.node_rank != 0:
             raise ValueError("--node-rank > 0 runs workers only (kvserve serve starts them); the engine is on node 0")
