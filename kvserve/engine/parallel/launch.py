@@ -25,7 +25,7 @@ def spawn_workers(args: EngineArgs, config: DistributedConfig, ranks: list[int])
     context = multiprocessing.get_context("spawn")
     processes = []
     for rank in ranks:
-        process = context.Process(target=worker_main, args=(rank, config, args, logging.getLogger().level),
+        process = context.Process(target=worker_main, args=(rank, config, args, logger.getEffectiveLevel()),
                                   name=f"kvserve-tp-rank{rank}", daemon=True)
         process.start()
         processes.append(process)
