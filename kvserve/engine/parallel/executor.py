@@ -161,7 +161,8 @@ class TensorParallelExecutor:
                 pass
         self._closed.set()
         self.watchdog.stop()
-        stop_workers(self.processes, timeout=10.0 if self.failure is None else 0.0)
+        # Workers that never joined (start-up failed) cannot be told to stop: kill them at once.
+        stop_workers(self.processes, timeout=10.0 if self.failure is None and self.groups is not None else 0.0)
         self._finalizer.detach()
         if self.groups is not None:
             try:
