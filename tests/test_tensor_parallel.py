@@ -8,6 +8,7 @@ all-reduces' summation order.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -142,3 +143,25 @@ def test_tp3_on_the_default_model():
         assert [o.outputs[0].token_ids for o in parallel.generate(prompts, params, use_tqdm=False)] == expected
     finally:
         parallel.engine.close()
+
+
+def test_a_hung_worker_fails_the_step_within_the_timeout(tiny_llama, monkeypatch):
+    """A worker that stops answering (SIGSTOP) fails the step once the data group's timeout
+    passes (FatalEngineError, never a hang); every later step fails at once; close() kills it."""
+    from kvserve import SamplingParams
+    from kvserve.engine.errors import FatalEngineError
+
+    monkeypatch.setenv("KVSERVE_DIST_TIMEOUT_S", "3")
+    parallel = engine(tiny_llama, 2)
+    (worker,) = parallel.parallel.processes
+    try:
+        parallel.add_request([5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=50))
+        parallel.step()
+        os.kill(worker.pid, signal.SIGSTOP)
+        with pytest.raises(FatalEngineError):
+            parallel.step()
+        with pytest.raises(FatalEngineError, match="broken"):
+            parallel.step()
+    finally:
+        parallel.close()
+    assert not worker.is_alive()
