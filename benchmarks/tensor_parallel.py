@@ -53,6 +53,44 @@ class ReduceTimer:
         return timed
 
 
+def _allreduce_rank(rank: int, world: int, port: int, rows: int, hidden: int, iters: int, out) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    x = torch.ones(rows, hidden, dtype=torch.bfloat16)
+    for _ in range(10):
+        dist.all_reduce(x)
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        dist.all_reduce(x)
+        times.append(time.perf_counter() - start)
+    if rank == 0:
+        out.put(statistics.median(times))
+    dist.destroy_process_group()
+
+
+def allreduce_latency(world: int, rows: int, hidden: int, iters: int = 200) -> float:
+    """Median seconds of one gloo all-reduce of [rows, hidden] bfloat16 among `world` otherwise
+    idle processes: the communication alone, without waiting for a busy rank."""
+    import multiprocessing
+
+    from kvserve.engine.parallel.group import free_port
+
+    context = multiprocessing.get_context("spawn")
+    out = context.Queue()
+    port = free_port("127.0.0.1")
+    procs = [context.Process(target=_allreduce_rank, args=(r, world, port, rows, hidden, iters, out))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    result = out.get(timeout=300)
+    for p in procs:
+        p.join()
+    return result
+
+
 def run(llm: LLM, batch: int, max_tokens: int) -> tuple[float, int]:
     prompts = [PROMPTS[i % len(PROMPTS)] + f" ({i})" for i in range(batch)]
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -86,6 +124,12 @@ def main() -> None:
         reduce_share.append(timer.seconds / seconds)
     stats = parallel.engine.parallel.describe()
     pids = [os.getpid()] + [p.pid for p in parallel.engine.parallel.processes]
+    rss = {"tp1 engine + rank 0 (one process)": rss_mib(pids[0]),
+           **{f"rank{i + 1}": rss_mib(p) for i, p in enumerate(pids[1:])}}
+    hidden = parallel.engine.model_config.hidden_size
+    layers = parallel.engine.model_config.num_layers
+    parallel.engine.close()  # idle ranks for the all-reduce alone
+    micro = {f"rows={rows}": allreduce_latency(args.tp, rows, hidden) for rows in (1, args.batch, 256)}
     result = {
         "machine": f"{os.cpu_count()}-vCPU {platform.processor() or platform.machine()}, torch {torch.__version__}",
         "dtype": str(parallel.engine.dtype), "batch": args.batch, "max_tokens": args.max_tokens,
@@ -100,13 +144,15 @@ def main() -> None:
         "ranks": [{"rank": s.rank, "weights_mib": s.weight_bytes / 2**20,
                    "sharded_layers_mib": s.sharded_layer_bytes / 2**20, "kv_pool_mib": s.kv_pool_bytes / 2**20,
                    "q_heads": s.q_heads, "kv_heads": s.kv_heads} for s in stats],
-        "rss_mib": {"tp1+rank0 process": rss_mib(pids[0]), **{f"rank{i + 1}": rss_mib(p) for i, p in enumerate(pids[1:])}},
+        "rss_mib": rss,
         "num_blocks_per_rank": parallel.engine.num_blocks,
+        "allreduce_alone_s": micro,
+        "allreduces_per_step": 2 * layers,
+        "hidden_size": hidden,
     }
     print(json.dumps(result, indent=2))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
-    parallel.engine.close()
 
 
 if __name__ == "__main__":
