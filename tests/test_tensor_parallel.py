@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -165,3 +166,23 @@ def test_a_hung_worker_fails_the_step_within_the_timeout(tiny_llama, monkeypatch
     finally:
         parallel.close()
     assert not worker.is_alive()
+
+
+def test_a_worker_lost_while_idle_is_reported_at_once(tiny_llama):
+    """The watchdog sees a local worker die with no step running: `on_failure` is called (a
+    server stops on it: /health 503, exit 1) and the next step fails instead of hanging."""
+    from kvserve import SamplingParams
+    from kvserve.engine.errors import FatalEngineError
+
+    parallel = engine(tiny_llama, 2)
+    reported = threading.Event()
+    parallel.parallel.on_failure = lambda message: reported.set()
+    try:
+        (worker,) = parallel.parallel.processes
+        os.kill(worker.pid, signal.SIGKILL)
+        assert reported.wait(timeout=10)
+        parallel.add_request([5, 6, 7], SamplingParams(max_tokens=4))
+        with pytest.raises(FatalEngineError, match="exited"):
+            parallel.step()
+    finally:
+        parallel.close()

@@ -75,23 +75,14 @@ def test_tp2_server_answers_then_fails_cleanly_when_a_worker_dies(tiny_llama, tm
         server.stop()
 
 
-def test_tp2_server_stops_every_rank(tiny_llama, tmp_path):
-    """SIGTERM stops the workers too (exit 0); a worker lost while the server is idle ends it
-    with a non-zero status, no request needed to notice."""
+def test_sigterm_stops_every_rank(tiny_llama, tmp_path):
+    """SIGTERM stops the workers too, and the server exits 0."""
     args = [str(tiny_llama), "--tensor-parallel-size", "2", "--dtype", "float32", "--kv-cache-memory", "8MiB"]
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    server = ServerProcess.start(args, tmp_path / "a")
-    (worker,) = spawned_workers(server.process.pid)
-    server.process.send_signal(signal.SIGTERM)
-    assert server.process.wait(timeout=30) == 0
-    assert not alive(worker)
-
-    server = ServerProcess.start(args, tmp_path / "b")
+    server = ServerProcess.start(args, tmp_path)
     try:
         (worker,) = spawned_workers(server.process.pid)
-        os.kill(worker, signal.SIGKILL)
-        assert server.process.wait(timeout=60) != 0
-        assert "tensor-parallel worker" in server.log()
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(timeout=30) == 0
+        assert not alive(worker)
     finally:
         server.stop()

@@ -47,10 +47,12 @@ class TensorParallelExecutor:
         self.local_stats: RankStats | None = None  # rank 0's own, set at start-up
         self._last_send = time.monotonic()
         self._closed = threading.Event()
+        self._closing = threading.Event()
         local = [r for r in self.config.local_ranks if r != 0]
         self.processes = spawn_workers(args, self.config, local)
-        # Kill the workers if this object is dropped or the interpreter exits without close().
-        self._finalizer = weakref.finalize(self, stop_workers, list(self.processes), 0.0)
+        # Kill the workers and leave the group if this object is dropped or the interpreter exits
+        # without close().
+        self._finalizer = weakref.finalize(self, _abandon, list(self.processes))
         self.watchdog = Watchdog(self.processes, self._fail)
         logger.info("Tensor parallel: %d ranks on %d node(s) at %s (%s); %d local worker(s) started, %d threads "
                     "each", self.config.world_size, self.config.nnodes, self.config.init_method,
@@ -129,11 +131,12 @@ class TensorParallelExecutor:
 
     def lost(self, exc: BaseException) -> FatalEngineError:
         """Record a failed collective; the error to raise."""
-        self._fail(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
-        return FatalEngineError(f"the tensor-parallel group is broken: {self.failure}")
+        message = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        self._fail(message)
+        return FatalEngineError(f"the tensor-parallel group is broken: {self.failure or message}")
 
     def _fail(self, message: str) -> None:
-        if self.failure is not None or self._closed.is_set():
+        if self.failure is not None or self._closing.is_set():
             return
         self.failure = message
         logger.error("tensor parallel: %s", message)
@@ -152,8 +155,9 @@ class TensorParallelExecutor:
     # ------------------------------------------------------------------ shutdown
     def close(self) -> None:
         """Stop the workers (a Shutdown message, then a kill for any that linger) and leave the group."""
-        if self._closed.is_set():
+        if self._closed.is_set() or self._closing.is_set():
             return
+        self._closing.set()  # from here on a worker exiting is expected, not a failure
         if self.groups is not None and self.failure is None:
             try:
                 self.send(Shutdown())
@@ -169,3 +173,12 @@ class TensorParallelExecutor:
                 leave()
             except Exception:  # a broken group may fail to tear down; the process is leaving it anyway
                 logger.debug("destroying the process group failed", exc_info=True)
+
+
+def _abandon(processes: list) -> None:
+    """An executor dropped without close(): kill its workers and leave the group."""
+    stop_workers(processes, timeout=0.0)
+    try:
+        leave()
+    except Exception:  # at interpreter exit the group may already be gone
+        pass
