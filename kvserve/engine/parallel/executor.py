@@ -36,8 +36,9 @@ class TensorParallelExecutor:
         if dist.is_initialized():
             raise RuntimeError("a tensor-parallel engine is already open in this process: close() it first")
         self.config: DistributedConfig = distributed_config(args)
-        if self.config.node_rank != 0:
-            raise ValueError("--node-rank > 0 runs workers only (kvserve serve starts them); the engine is on node 0")
+        if self.config.node_rank != 0 or self.config.launcher_rank not in (None, 0):
+            raise ValueError("--node-rank > 0 (or a torchrun rank > 0) runs workers only (kvserve serve starts "
+                             "them); the engine is on node 0, rank 0")
         self.threads = set_rank_threads(self.config)
         self.device = rank_device(device, 0, self.config)
         self.failure: str | None = None
@@ -48,7 +49,8 @@ class TensorParallelExecutor:
         self._last_send = time.monotonic()
         self._closed = threading.Event()
         self._closing = threading.Event()
-        local = [r for r in self.config.local_ranks if r != 0]
+        # Under torchrun the launcher started every rank already.
+        local = [] if self.config.launcher_rank is not None else [r for r in self.config.local_ranks if r != 0]
         self.processes = spawn_workers(args, self.config, local)
         # Kill the workers and leave the group if this object is dropped or the interpreter exits
         # without close().

@@ -37,6 +37,8 @@ class DistributedConfig:
     master_addr: str
     master_port: int
     timeout_s: float
+    # This process's rank when a launcher (torchrun) started every rank itself: nothing to spawn.
+    launcher_rank: int | None = None
 
     @property
     def per_node(self) -> int:
@@ -48,12 +50,31 @@ class DistributedConfig:
 
     @property
     def init_method(self) -> str:
+        if self.launcher_rank is not None:  # torchrun's own store (its agent may already hold the port)
+            return "env://"
         host = f"[{self.master_addr}]" if ":" in self.master_addr else self.master_addr
         return f"tcp://{host}:{self.master_port}"
 
 
+def torchrun_rank() -> int | None:
+    """This process's rank when torchrun started it (RANK, WORLD_SIZE and LOCAL_WORLD_SIZE set), else None."""
+    if all(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")):
+        return int(os.environ["RANK"])
+    return None
+
+
 def distributed_config(args: EngineArgs) -> DistributedConfig:
-    """From the options (and torchrun's MASTER_ADDR / MASTER_PORT where the options leave them)."""
+    """From the options (and torchrun's MASTER_ADDR / MASTER_PORT where the options leave them).
+    Under torchrun every rank is a process it started: WORLD_SIZE must be --tensor-parallel-size."""
+    rank = torchrun_rank()
+    if rank is not None:
+        world, per_node = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
+        if world != args.tensor_parallel_size:
+            raise ValueError(f"under torchrun, --tensor-parallel-size must equal $WORLD_SIZE ({world}), "
+                             f"got {args.tensor_parallel_size}")
+        timeout = float(os.environ.get("KVSERVE_DIST_TIMEOUT_S") or DEFAULT_TIMEOUT_S)
+        return DistributedConfig(world, world // per_node, rank // per_node, os.environ.get("MASTER_ADDR", ""),
+                                 int(os.environ.get("MASTER_PORT") or 0), timeout, launcher_rank=rank)
     addr = args.master_addr or os.environ.get("MASTER_ADDR") or "127.0.0.1"
     port = args.master_port or (int(os.environ["MASTER_PORT"]) if os.environ.get("MASTER_PORT") else None)
     if port is None:

@@ -154,6 +154,9 @@ def run_node(args: EngineArgs) -> int:
     from kvserve.engine.parallel.launch import spawn_workers, stop_workers
 
     config = distributed_config(args)
+    if config.launcher_rank is not None:  # torchrun started this rank (and every other)
+        run_worker(config.launcher_rank, config, args)
+        return 0
     if config.node_rank == 0:
         raise ValueError("node 0 runs the engine; run_node is for --node-rank > 0")
     ranks = list(config.local_ranks)
