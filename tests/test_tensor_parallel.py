@@ -20,7 +20,8 @@ from engine_runs import greedy_tokens
 from kvserve.engine.args import EngineArgs
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.preflight import preflight
-from kvserve.model.parallel import TensorParallelSizeError, check_tensor_parallel_size, valid_tensor_parallel_sizes
+from kvserve.model.parallel import (
+    TensorParallelSizeError, check_tensor_parallel_size, shard_layout, valid_tensor_parallel_sizes)
 from server_process import free_port
 
 BLOCKS = 12  # a pool too small for the batch below: it preempts
@@ -46,6 +47,9 @@ def mixed_batch(vocab: int, seed: int = 0) -> dict[str, tuple[list[int], dict | 
 
 def test_valid_sizes_and_the_one_line_error():
     assert valid_tensor_parallel_sizes(9, 3, 1536) == [1, 3]  # the default model
+    layouts = [shard_layout(rank, 16, 32, 8, 14336) for rank in range(16)]
+    assert [layout.kv_start for layout in layouts] == [rank // 2 for rank in range(16)]  # each KV head on 2 ranks
+    assert {layout.kv_replicas for layout in layouts} == {2}
     assert valid_tensor_parallel_sizes(32, 8, 14336) == [1, 2, 4, 8, 16, 32]  # 16, 32: KV heads replicated
     with pytest.raises(TensorParallelSizeError, match=r"--tensor-parallel-size 2 .* valid sizes: 1, 3$"):
         check_tensor_parallel_size(2, 9, 3, 1536)
@@ -89,6 +93,19 @@ def test_tp2_matches_one_process(tiny_model_factory, arch):
             assert s.kv_pool_bytes * 2 == single.kv_cache.nbytes
             assert s.sharded_layer_bytes * 2 == full_layers
             assert (s.q_heads, s.kv_heads) == (2, 1)
+    finally:
+        parallel.close()
+
+
+def test_tp4_replicates_kv_heads(tiny_llama):
+    """4 ranks, 2 KV heads: ranks 0-1 hold KV head 0, ranks 2-3 head 1 (vLLM's rule), each with
+    its own query head; greedy tokens as in one process."""
+    single, parallel = engine(tiny_llama), engine(tiny_llama, 4)
+    try:
+        stats = parallel.parallel.describe()
+        assert [(s.q_heads, s.kv_heads) for s in stats] == [(1, 1)] * 4
+        batch = mixed_batch(single.model_config.vocab_size, seed=3)
+        assert greedy_tokens(parallel, batch) == greedy_tokens(single, batch)
     finally:
         parallel.close()
 

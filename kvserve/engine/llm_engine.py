@@ -7,7 +7,8 @@
 Start-up is three functions of its own: loading.py (options checked, model built, KV format
 and attention backend chosen), pool_sizing.py (blocks for the budget, or the CUDA profiling pass) and
 key_transforms.py (the calibration the KV format asks for, run through the runner). Scoring
-(scoring.py) also drives the model through the runner.
+(scoring.py) also drives the model through the runner. Under tensor parallelism (parallel/)
+this process is rank 0: it starts the workers, and its runner sends them each forward pass.
 """
 from __future__ import annotations
 
@@ -72,9 +73,10 @@ class LLMEngine:
         self.max_model_len = pool.max_model_len
         if self.parallel is not None:
             self.device = self.parallel.device
-            start_rank_zero(self.parallel, built, self.kv_format, self.attention_backend, pool.num_blocks, self.max_model_len)
+            start_rank_zero(self.parallel, built, self.kv_format, self.attention_backend, pool.num_blocks,
+                            self.max_model_len)
         self.kv_cache = KVCache(self.kv_spec, self.kv_format, pool.num_blocks, self.device)
-        if self.parallel is not None:  # the pool's real size, for rank_stats()
+        if self.parallel is not None:  # the pool's real size, for describe()
             self.parallel.local_stats = replace(self.parallel.local_stats, kv_pool_bytes=self.kv_cache.nbytes)
         # block_size is the pool's (KVCacheSpec, made once by preflight from --block-size); the
         # block manager and its evictor count in the same blocks.

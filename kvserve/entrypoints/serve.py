@@ -139,7 +139,7 @@ def run_serve(args: argparse.Namespace) -> int:
     engine_args = EngineArgs.from_cli_args(args)
     from kvserve.engine.parallel.group import torchrun_rank
 
-    if engine_args.node_rank > 0 or (torchrun_rank() or 0) > 0:  # a worker of a tensor-parallel engine: no server
+    if engine_args.node_rank > 0 or (torchrun_rank() or 0) > 0:  # a tensor-parallel worker: no server
         from kvserve.engine.parallel.worker import run_node
 
         engine_args.validate()

@@ -8,6 +8,7 @@
 
 group.py joins the ranks (gloo on CPU, NCCL on CUDA for the all-reduces; step plans always go
 through a gloo group), launch.py starts the workers of this node and watches them, executor.py
-is rank 0's side (one step plan per forward, heartbeats while idle), worker.py the workers'.
+is rank 0's side (one step plan per forward, heartbeats while idle), rank_zero.py its start-up
+(calibrate, shard, Setup), worker.py the workers', messages.py what travels between them.
 The model's side (which heads a rank holds, the sharded layers) is kvserve/model/parallel.py.
 """
