@@ -132,6 +132,7 @@ def test_two_nodes_on_loopback(tiny_llama, tmp_path):
     with open(log, "wb") as out:
         node1 = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "serve", str(tiny_llama), *flags,
                                   "--node-rank", "1"], stdout=out, stderr=subprocess.STDOUT, env=os.environ)
+    node0 = None
     try:
         node0 = engine(tiny_llama, 2, nnodes=2, node_rank=0, master_addr="127.0.0.1", master_port=int(port))
         assert node0.parallel.processes == []  # every worker is on the other "node"
@@ -141,6 +142,8 @@ def test_two_nodes_on_loopback(tiny_llama, tmp_path):
         node0.close()
         assert node1.wait(timeout=30) == 0, log.read_text()
     finally:
+        if node0 is not None:
+            node0.close()
         if node1.poll() is None:
             node1.kill()
             node1.wait()
