@@ -118,6 +118,19 @@ class EngineArgs:
     max_logprobs: int = field(default=20, metadata=_opt(
         "most logprobs (per generated token) and prompt_logprobs a request may ask for; -1: no limit"))
     seed: int = field(default=0, metadata=_opt("seed of the global random generator"))
+    tensor_parallel_size: int = field(default=1, metadata=_opt(
+        "split every layer over this many processes (Megatron-style, torch.distributed: gloo on CPU, NCCL on "
+        "CUDA); each holds 1/N of the attention heads, the MLP and the KV cache. Sizes, budgets and --dtype "
+        "are per process (per device)"))
+    nnodes: int = field(default=1, metadata=_opt(
+        "machines the --tensor-parallel-size processes are spread over (evenly); node 0 runs the engine"))
+    node_rank: int = field(default=0, metadata=_opt(
+        "this machine's index among --nnodes; a node other than 0 only runs workers (no server, no engine)"))
+    master_addr: str | None = field(default=None, metadata=_opt(
+        "address of node 0, where the processes meet (default: $MASTER_ADDR, else 127.0.0.1)"))
+    master_port: int | None = field(default=None, metadata=_opt(
+        "port on node 0 where the processes meet (default: $MASTER_PORT, else a free port on one node; "
+        "required with --nnodes > 1)", type=int))
 
     def validate(self) -> None:
         """Check every option's type and range, touching neither the model nor the disk, so that a
@@ -149,6 +162,17 @@ class EngineArgs:
             raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         _check_int("max_logprobs", self.max_logprobs, -1)
         _check_int("seed", self.seed, -(1 << 63))
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        _check_int("nnodes", self.nnodes, 1)
+        _check_int("node_rank", self.node_rank, 0)
+        _check_int("master_port", self.master_port, 1, optional=True)
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"--node-rank must be less than --nnodes ({self.nnodes}), got {self.node_rank}")
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size} must be a multiple of --nnodes "
+                             f"{self.nnodes} (each node runs the same number of processes)")
+        if self.master_addr is not None and not isinstance(self.master_addr, str):
+            raise ValueError(f"--master-addr must be a host name or address, got {self.master_addr!r}")
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:

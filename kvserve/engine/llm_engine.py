@@ -7,11 +7,13 @@
 Start-up is three functions of its own: loading.py (options checked, model built, KV format
 and attention backend chosen), pool_sizing.py (blocks for the budget, or the CUDA profiling pass) and
 key_transforms.py (the calibration the KV format asks for, run through the runner). Scoring
-(scoring.py) also drives the model through the runner.
+(scoring.py) also drives the model through the runner. Under tensor parallelism (parallel/)
+this process is rank 0: it starts the workers, and its runner sends them each forward pass.
 """
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 from collections.abc import Iterator
 
 import torch
@@ -19,7 +21,6 @@ import torch
 from kvserve.cache.eviction import POLICIES, EvictionConfig, EvictionSpec
 from kvserve.cache.eviction.config import resolve_eviction
 from kvserve.cache.eviction.evictor import Evictor
-from kvserve.cache.eviction.moves import move_tokens
 from kvserve.cache.kv_cache import KVCache
 from kvserve.cache.kv_cache_manager import KVCacheManager
 from kvserve.engine import scoring
@@ -27,14 +28,18 @@ from kvserve.engine.args import EngineArgs
 from kvserve.engine.key_transforms import calibrate_key_transforms
 from kvserve.engine.loading import load_engine_model, select_attention
 from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.parallel.executor import TensorParallelExecutor
+from kvserve.engine.parallel.rank_zero import start_rank_zero
 from kvserve.engine.output_processor import OutputProcessor, apply_chat_template, tokenize
 # CapacityError, select_device and select_dtype are imported from here by the CLI, plan and benchmarks.
 from kvserve.engine.preflight import CapacityError, select_device, select_dtype  # noqa: F401
+from kvserve.engine.preflight import preflight
 from kvserve.engine.pool_sizing import size_kv_pool
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.scheduler import Scheduler, SchedulerConfig
 from kvserve.engine.structured_output import GrammarCompiler
 from kvserve.model.loader import LoadedModel
+from kvserve.model.shape import ModelShape
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 
@@ -45,7 +50,19 @@ class LLMEngine:
         engines (e.g. one per KV-cache dtype in `kvserve eval`) share one load; its tensors are
         only read."""
         self.args = args
-        built = load_engine_model(args, loaded_model)
+        self.parallel: TensorParallelExecutor | None = None
+        tp = args.tensor_parallel_size
+        if tp > 1:  # the workers load while this process does; a bad option fails before they start
+            plan = preflight(args, ModelShape.of(loaded_model.config) if loaded_model else None)
+            self.parallel = TensorParallelExecutor(args, plan.device)
+        try:
+            self._start(args, loaded_model)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, args: EngineArgs, loaded_model: LoadedModel | None) -> None:
+        built = load_engine_model(args, loaded_model, prepack=self.parallel is None)
         self.device, self.dtype = built.plan.device, built.plan.dtype
         self.model, self.model_config, self.model_path = built.model, built.config, built.path
         self.tokenizer, self.eos_token_ids = built.tokenizer, built.eos_token_ids
@@ -54,12 +71,19 @@ class LLMEngine:
         pool = size_kv_pool(args, self.model, self.kv_spec, self.kv_format, self.attention_backend,
                             built.plan.max_model_len, built.plan.kv_budget)
         self.max_model_len = pool.max_model_len
+        if self.parallel is not None:
+            self.device = self.parallel.device
+            start_rank_zero(self.parallel, built, self.kv_format, self.attention_backend, pool.num_blocks,
+                            self.max_model_len)
         self.kv_cache = KVCache(self.kv_spec, self.kv_format, pool.num_blocks, self.device)
+        if self.parallel is not None:  # the pool's real size, for describe()
+            self.parallel.local_stats = replace(self.parallel.local_stats, kv_pool_bytes=self.kv_cache.nbytes)
         # block_size is the pool's (KVCacheSpec, made once by preflight from --block-size); the
         # block manager and its evictor count in the same blocks.
         self.evictor = Evictor(self.kv_spec.block_size, self.max_model_len, self.device)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.attention_backend, self.evictor)
-        calibrate_key_transforms(self.runner, self.max_model_len, self.model_path)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.attention_backend, self.evictor, self.parallel)
+        if self.parallel is None:  # under tensor parallelism, calibrated on the full model (start_rank_zero)
+            calibrate_key_transforms(self.runner, self.max_model_len, self.model_path)
         self.eviction_defaults = EvictionSpec(args.kv_eviction, args.kv_budget, args.sink_tokens, args.recent_tokens)
         self.resolve_eviction(None)  # bad --kv-eviction flags fail at start-up
         self.kv_manager = KVCacheManager(pool.num_blocks, self.kv_spec.block_size, args.enable_prefix_caching,
@@ -166,7 +190,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; return the state of every request that advanced or finished."""
         scheduled = self.scheduler.schedule()
-        move_tokens(self.kv_cache, *self.kv_manager.take_moves())  # compactions planned by schedule()
+        self.runner.move_tokens(*self.kv_manager.take_moves())  # compactions planned by schedule()
         if not scheduled:
             return []
         tables = {s.request.request_id: self.kv_manager.block_ids(s.request.request_id) for s in scheduled}
@@ -194,6 +218,11 @@ class LLMEngine:
             raise ValueError(f"cannot score {len(token_ids)} tokens with max-model-len {self.max_model_len}")
         request = Request(f"score-{next(self._ids)}", token_ids, SamplingParams(max_tokens=1), eviction=eviction)
         return scoring.score_chunks(self.runner, self.kv_manager, request, chunk_size)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent; a single process has nothing to stop)."""
+        if self.parallel is not None:
+            self.parallel.close()
 
     # ------------------------------------------------------------------ introspection
     @property

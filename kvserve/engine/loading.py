@@ -42,10 +42,11 @@ class EngineModel:
     eos_token_ids: tuple[int, ...]
 
 
-def load_engine_model(args: EngineArgs, loaded_model: LoadedModel | None = None) -> EngineModel:
+def load_engine_model(args: EngineArgs, loaded_model: LoadedModel | None = None, prepack: bool = True) -> EngineModel:
     """Preflight, load (unless `loaded_model` is given: a checkpoint already read by
     `load_model(args.model)`, whose tensors are only read) and build the model. Raises ValueError
-    (CapacityError) for a bad option before the weights load."""
+    (CapacityError) for a bad option before the weights load. `prepack=False`: the linears stay
+    plain nn.Linear (tensor parallelism shards them first)."""
     # First, args.validate() and the checks against the model's shape: a bad option fails
     # with one line before the weights load.
     plan = preflight(args, ModelShape.of(loaded_model.config) if loaded_model else None)
@@ -59,7 +60,7 @@ def load_engine_model(args: EngineArgs, loaded_model: LoadedModel | None = None)
         logger.warning(lowered_max_model_len_warning(plan.max_model_len, plan.shape.max_position_embeddings,
                                                      plan.kv_budget))
     model = LlamaForCausalLM.from_hf_weights(loaded.config, loaded.weights, plan.max_model_len, plan.dtype,
-                                             plan.device)
+                                             plan.device, prepack=prepack)
     logger.info("Loaded %s (%s, %s, %s) in %.1f s", loaded.path, loaded.config.architecture,
                 str(plan.dtype).removeprefix("torch."), plan.device, time.monotonic() - start)
     return EngineModel(plan, model, loaded.config, loaded.path, loaded.tokenizer,

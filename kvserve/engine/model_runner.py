@@ -21,8 +21,10 @@ import torch
 
 from kvserve.cache.eviction.config import EvictionConfig
 from kvserve.cache.eviction.evictor import Evictor
+from kvserve.cache.eviction.moves import move_tokens
 from kvserve.cache.kv_cache import KVCache
 from kvserve.engine.logprobs import TokenLogprobs, prompt_token_logprobs
+from kvserve.engine.parallel.executor import TensorParallelExecutor
 from kvserve.engine.request import Request
 from kvserve.engine.sampler import SampleResult, Sampler
 from kvserve.engine.scheduler import ScheduledRequest
@@ -70,12 +72,18 @@ class ModelInputs:
     # attention rows its policy asked for, filled by the forward pass).
     observed_attention: list[tuple[str, EvictionConfig, torch.Tensor]] = field(default_factory=list)
     prompt_rows: list[PromptRows] = field(default_factory=list)
+    sequences: list[StepSequence] = field(default_factory=list)  # what the metadata was built from
 
 
 class ModelRunner:
+    """`parallel`: under tensor parallelism, rank 0's executor (kvserve/engine/parallel): each
+    forward pass and each compaction is sent to the other ranks first, and the attention an
+    eviction policy observes is summed over the ranks' heads."""
+
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, backend: AttentionBackend,
-                 evictor: Evictor | None = None):
+                 evictor: Evictor | None = None, parallel: TensorParallelExecutor | None = None):
         self.model = model
+        self.parallel = parallel
         self.evictor = evictor
         self.kv_cache = kv_cache
         self.backend = backend
@@ -130,6 +138,7 @@ class ModelRunner:
             sampled=sampled,
             observed_attention=[(rid, eviction[rid], rows) for rid, rows in meta.observed_attention],
             prompt_rows=prompt_rows,
+            sequences=sequences,
         )
 
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
@@ -143,7 +152,10 @@ class ModelRunner:
         if inputs.prompt_rows:
             extra = np.concatenate([np.arange(p.first_row, p.first_row + len(p.targets)) for p in inputs.prompt_rows])
             rows = torch.cat([rows, torch.as_tensor(extra, dtype=torch.long).to(self.device, non_blocking=True)])
-        hidden = self.model.final_hidden(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta, rows)
+        if self.parallel is None:
+            hidden = self.model.final_hidden(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta, rows)
+        else:
+            hidden = self._parallel_hidden(inputs, rows)
         for request_id, config, attention in inputs.observed_attention:
             self.evictor.observe(request_id, config, attention)
         num_logits = inputs.logits_rows.shape[0]
@@ -157,6 +169,26 @@ class ModelRunner:
             p.request.prompt_logprobs_done = p.start + n
             cursor += n
         return logits, chunks
+
+    def _parallel_hidden(self, inputs: ModelInputs, rows: torch.Tensor) -> torch.Tensor:
+        """final_hidden with every rank: the step plan goes out first, then all ranks run the
+        forward pass together (any collective failing is fatal: parallel.lost)."""
+        parallel = self.parallel
+        parallel.send_step(inputs.input_ids, inputs.positions, inputs.meta.slot_mapping, inputs.sequences)
+        try:
+            hidden = self.model.final_hidden(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta, rows)
+            parallel.groups.sum_observed([rows for _, _, rows in inputs.observed_attention])
+        except RuntimeError as exc:
+            raise parallel.lost(exc) from exc
+        return hidden
+
+    def move_tokens(self, src_slots: list[int], dst_slots: list[int]) -> None:
+        """Carry out a compaction's token copies on the pool (on every rank's)."""
+        if not src_slots:
+            return
+        if self.parallel is not None:
+            self.parallel.send_moves(src_slots, dst_slots)
+        move_tokens(self.kv_cache, src_slots, dst_slots)
 
     def execute(self, scheduled: list[ScheduledRequest], block_tables: dict[str, list[int]]) -> StepResult:
         inputs = self.prepare(scheduled, block_tables)

@@ -19,6 +19,7 @@ from kvserve.cache.kv_cache import KVCacheSpec
 from kvserve.cache.sizing import blocks_for_tokens, blocks_in_budget, bytes_per_block, default_cpu_budget
 from kvserve.engine.args import EngineArgs
 from kvserve.hardware import available_ram_bytes, cpu_flags, native_bf16_missing
+from kvserve.model.parallel import check_tensor_parallel_size, kv_heads_per_rank
 from kvserve.model.shape import ModelShape, read_model_shape
 from kvserve.units import GiB, parse_size
 
@@ -139,9 +140,16 @@ def preflight(args: EngineArgs, shape: ModelShape | None = None) -> Preflight:
     dtype, reason = resolve_dtype(args.dtype, device)
     shape = shape or read_model_shape(args.model)
     max_model_len = resolve_max_model_len(args.max_model_len, shape.max_position_embeddings)
-    kv_spec = KVCacheSpec(shape.num_layers, shape.num_kv_heads, shape.head_dim, args.block_size)
+    tp = args.tensor_parallel_size
+    check_tensor_parallel_size(tp, shape.num_heads, shape.num_kv_heads, shape.intermediate_size)
+    # Under tensor parallelism the pool, its budget and its blocks are per rank (per device).
+    kv_spec = KVCacheSpec(shape.num_layers, kv_heads_per_rank(shape.num_kv_heads, tp), shape.head_dim,
+                          args.block_size)
     per_block = bytes_per_block(kv_spec, make_kv_format(args.kv_cache_dtype, dtype))
     budget = kv_budget_before_load(args, device)
+    if budget is None and tp > 1:
+        raise ValueError("--tensor-parallel-size > 1 on CUDA needs --kv-cache-memory (the KV budget of each "
+                         "device): the profiling pass that measures it runs in one process")
     if budget is not None:
         max_model_len = fit_max_model_len(budget, per_block, args.block_size, max_model_len,
                                           given=args.max_model_len is not None)

@@ -16,7 +16,6 @@ from collections.abc import Iterator
 
 import torch
 
-from kvserve.cache.eviction.moves import move_tokens
 from kvserve.cache.kv_cache_manager import KVCacheManager
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.preflight import CapacityError
@@ -35,7 +34,7 @@ def score_chunks(runner: ModelRunner, kv_manager: KVCacheManager, request: Reque
             n = min(chunk_size, request.num_tokens - request.num_computed_tokens, kv_manager.max_new_tokens(request))
             if not kv_manager.allocate(request, n):
                 raise CapacityError("not enough free KV blocks to score this sequence")
-            move_tokens(runner.kv_cache, *kv_manager.take_moves())
+            runner.move_tokens(*kv_manager.take_moves())
             item = ScheduledRequest(request, n)
             inputs = runner.prepare([item], {request.request_id: kv_manager.block_ids(request.request_id)},
                                     all_logits=True)

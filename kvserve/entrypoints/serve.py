@@ -137,6 +137,13 @@ def run_serve(args: argparse.Namespace) -> int:
             raise UserError(f"{flag} must be a positive number of seconds, got {value}")
     limits = ConnectionLimits(args.timeout_header, args.timeout_body, _max_connections(args.max_connections))
     engine_args = EngineArgs.from_cli_args(args)
+    from kvserve.engine.parallel.group import torchrun_rank
+
+    if engine_args.node_rank > 0 or (torchrun_rank() or 0) > 0:  # a tensor-parallel worker: no server
+        from kvserve.engine.parallel.worker import run_node
+
+        engine_args.validate()
+        return run_node(engine_args)
     preflight(engine_args)  # bad engine options fail before the port is taken
     sock = _bind(args.host, args.port)
     engine = LLMEngine(engine_args)

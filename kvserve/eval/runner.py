@@ -107,6 +107,7 @@ def evaluate(model: str | None = None, kv_cache_dtypes: tuple[str, ...] = DEFAUL
                     fidelity.mean_kl, 100 * fidelity.top1_agreement,
                     f", passkey {passkey_result.correct}/{passkey_result.total}" if passkey_result else "",
                     result.seconds)
+        engine.close()  # tensor parallel: its workers stop before the next configuration's start
         del engine
         gc.collect()  # free this configuration's KV pool before the next one is allocated
     return report

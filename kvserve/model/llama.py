@@ -5,6 +5,8 @@ into one matmul each (fewer, larger matmuls: what a batch-1 decode step on CPU i
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -52,6 +54,8 @@ class Attention(nn.Module):
         # float32 key and query transforms T, T^-T [kv_heads, head_dim, head_dim]: keys cached as k·T, or
         # None (kvserve/engine/key_basis.py: scores are unchanged, fp8 rounding disturbs them less).
         self.key_basis: tuple[torch.Tensor, torch.Tensor] | None = None
+        # Under tensor parallelism (parallel.py): the sum over ranks of o_proj's partial outputs.
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -70,8 +74,9 @@ class Attention(nn.Module):
             k = k.index_copy(0, rows, heads[rows, self.num_heads: self.num_heads + self.num_kv_heads].to(k.dtype))
             if self.key_basis is not None:
                 q = q.index_copy(0, rows, plain_q[rows])
-        out = paged_attention(q, k, v, kv_cache.layers[self.layer_idx], kv_cache.format, meta, self.window)
-        return self.o_proj(out)
+        out = self.o_proj(paged_attention(q, k, v, kv_cache.layers[self.layer_idx], kv_cache.format, meta,
+                                          self.window))
+        return out if self.reduce is None else self.reduce(out)
 
     def _change_key_basis(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [tokens, heads, d] -> q·T^-T and k [tokens, kv_heads, d] -> k·T, per KV head, as one
@@ -90,10 +95,12 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # as Attention.reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(F.silu(gate) * up)
+        return out if self.reduce is None else self.reduce(out)
 
 
 class DecoderLayer(nn.Module):
@@ -123,16 +130,28 @@ class LlamaForCausalLM(nn.Module):
 
     @classmethod
     def from_hf_weights(cls, config: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int,
-                        dtype: torch.dtype, device: torch.device) -> "LlamaForCausalLM":
-        """Build on the meta device (no throw-away random init), then adopt the checkpoint tensors."""
+                        dtype: torch.dtype, device: torch.device,
+                        shard: Callable[["LlamaForCausalLM"], None] | None = None,
+                        prepack: bool = True) -> "LlamaForCausalLM":
+        """Build on the meta device (no throw-away random init), then adopt the checkpoint tensors.
+        `shard` (tensor parallelism, parallel.shard_model) cuts the model down before it moves to
+        `device`; `prepack=False` leaves the linears plain, to be sharded later (`prepack()`)."""
         with torch.device("meta"):
             model = cls(config)
         model.load_hf_state_dict(weights)
+        if shard is not None:
+            shard(model)
         model.rope = RotaryEmbedding(config, max_positions, dtype)
         model = model.to(device=device, dtype=dtype).eval()
-        if prepacking_available(device, dtype):
-            prepack_linears(model)
+        if prepack:
+            model.prepack()
         return model
+
+    def prepack(self) -> None:
+        """Hold the linears' weights in oneDNN's layout where that runs faster (cpu_linear.py)."""
+        weight = self.embed_tokens.weight
+        if prepacking_available(weight.device, weight.dtype):
+            prepack_linears(self)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,

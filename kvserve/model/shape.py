@@ -21,10 +21,13 @@ class ModelShape:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    num_heads: int  # query heads and the MLP width: what tensor parallelism splits
+    intermediate_size: int
 
     @classmethod
     def of(cls, config: ModelConfig) -> "ModelShape":
-        return cls(config.max_position_embeddings, config.num_layers, config.num_kv_heads, config.head_dim)
+        return cls(config.max_position_embeddings, config.num_layers, config.num_kv_heads, config.head_dim,
+                   config.num_heads, config.intermediate_size)
 
 
 def read_model_shape(model: str | os.PathLike | None) -> ModelShape:
@@ -68,7 +71,7 @@ def _config_json_shape(path: Path) -> ModelShape | None:
     if head_dim is None and isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
         head_dim = hidden // heads
     values = (raw.get("max_position_embeddings"), raw.get("num_hidden_layers"),
-              raw.get("num_key_value_heads") or heads, head_dim)
+              raw.get("num_key_value_heads") or heads, head_dim, heads, raw.get("intermediate_size"))
     if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values):
         return None
     return ModelShape(*values)

@@ -19,8 +19,10 @@ examples:
 
 # Engine options that do not change KV sizes; --kv-cache-dtype is the planner's own (a
 # comma-separated list of the engine's formats) and MODEL is positional.
+# plan has its own --tensor-parallel-size (devices to plan for); it starts no processes.
 _SKIPPED_ENGINE_ARGS = ("model", "kv_cache_dtype", "max_num_seqs", "max_num_batched_tokens",
-                        "enable_prefix_caching", "seed",
+                        "enable_prefix_caching", "seed", "tensor_parallel_size", "nnodes", "node_rank",
+                        "master_addr", "master_port",
                         # the offload tiers: the planner takes their sizes itself and needs no directory
                         "kv_offloading_size", "kv_offloading_disk_size", "kv_offloading_disk_path",
                         "kv_offloading_backend")

@@ -22,7 +22,8 @@ Failures (README "Guarantees"):
   the pool and the prefix cache is emptied (the failed step may have published blocks whose K/V it
   never wrote); requests still queued run on the next step. If no request had started, the
   queued ones fail instead, so a request that breaks scheduling cannot fail every step.
-- Unrecoverable: MAX_CONSECUTIVE_FAILED_STEPS failed steps in a row (a broken device), or an
+- Unrecoverable: a FatalEngineError (a tensor-parallel worker lost, in a step or while idle),
+  MAX_CONSECUTIVE_FAILED_STEPS failed steps in a row (a broken device), or an
   exception anywhere else in the engine thread (e.g. while an abort frees blocks), or blocks still
   in use after the failed requests were freed. The thread stops, every request fails, /health
   turns 503 and `on_dead` runs (`kvserve serve` then exits with status 1 so a supervisor restarts it).
@@ -38,6 +39,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable
 
+from kvserve.engine.errors import FatalEngineError
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.request import RequestStatus
 from kvserve.engine.state_view import EngineState, engine_state
@@ -167,6 +169,13 @@ class _FailAll:
 
 
 @dataclass
+class _Fatal:
+    """The engine reported it cannot run (a tensor-parallel worker died while it was idle)."""
+
+    message: str
+
+
+@dataclass
 class _Snapshot:
     """Take an `EngineState` before the next step (wakes an idle engine)."""
 
@@ -214,6 +223,9 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
         self._thread.start()
+        parallel = getattr(self.engine, "parallel", None)
+        if parallel is not None:  # a worker lost while idle stops the engine too, not only the next step
+            parallel.on_failure = lambda message: self._commands.put(_Fatal(message))
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._commands.put(_STOP)
@@ -289,6 +301,8 @@ class AsyncEngine:
                         self._abort(command)
                     elif isinstance(command, _Snapshot):
                         want_state = True
+                    elif isinstance(command, _Fatal):
+                        raise FatalEngineError(command.message)
                     else:
                         self._fail_all(command.error, abort=True)
                 if want_state:  # after this batch's commands, with /metrics brought to the same moment
@@ -350,6 +364,8 @@ class AsyncEngine:
         self.step_started_at = time.monotonic()
         try:
             outputs = self.engine.step()
+        except FatalEngineError:
+            raise  # nothing to recover: the engine thread stops (module docstring)
         except Exception as exc:
             self._recover(exc)
             return

@@ -1,0 +1,78 @@
+"""Rank 0's start-up under tensor parallelism: calibrate, shard, tell the workers, wait for them.
+
+A KV format's key transforms (key centres for int4, key bases for fp8: key_transforms.py) are
+calibrated once, on rank 0, over the still unsharded model, with a throw-away pool holding every
+KV head: the same computation (and disk cache entry) as a single-process engine's. Every rank
+then applies its own heads' slice, so all ranks transform keys exactly as one process would.
+The price: rank 0 holds the full model until it is sharded (it has read the full checkpoint anyway).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+import torch
+
+from kvserve.cache.kv_cache import KVCache, KVCacheSpec, KVFormat
+from kvserve.cache.sizing import blocks_for_tokens
+from kvserve.engine.calibration import CALIBRATION_TOKENS
+from kvserve.engine.key_transforms import calibrate_key_transforms
+from kvserve.engine.loading import EngineModel
+from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.parallel.executor import TensorParallelExecutor
+from kvserve.engine.parallel.messages import RankStats, Setup
+from kvserve.engine.parallel.worker import mib, parameter_bytes, sharded_layer_bytes
+from kvserve.model.attention_backend import AttentionBackend
+from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.parallel import ShardLayout, shard_heads, shard_layout, shard_model
+
+logger = logging.getLogger("kvserve")
+
+
+def start_rank_zero(executor: TensorParallelExecutor, built: EngineModel, kv_format: KVFormat,
+                    backend: AttentionBackend, num_blocks: int, max_model_len: int) -> ShardLayout:
+    """Join the group, calibrate on the full model, shard it to rank 0's part, send the Setup and
+    wait until every worker has built its shard. `built.model` is sharded in place."""
+    groups = executor.join()
+    model, config, spec = built.model, built.config, built.plan.kv_spec
+    full_weights = parameter_bytes(model)
+    centers, bases = calibrate_full_model(model, kv_format, backend, spec, num_blocks, max_model_len, built)
+    layout = shard_layout(0, executor.world_size, config.num_heads, config.num_kv_heads, config.intermediate_size)
+    shard_model(model, layout, groups.all_reduce)
+    model.set_key_centers(shard_heads(centers, layout))
+    model.set_key_bases(shard_heads(bases, layout))
+    shard_weights = parameter_bytes(model)  # before prepacking hides the weights from parameters()
+    executor.local_stats = RankStats(0, shard_weights, sharded_layer_bytes(model),
+                                     num_blocks * built.plan.bytes_per_block, layout.q_heads, layout.kv_heads)
+    model.prepack()
+    if layout.kv_replicas > 1:
+        logger.info("Tensor parallel: %d ranks share %d KV heads: each KV head is replicated on %d ranks",
+                    layout.size, config.num_kv_heads, layout.kv_replicas)
+    pool_bytes = num_blocks * built.plan.bytes_per_block
+    logger.info("Tensor parallel rank 0 of %d: query heads [%d, %d), KV heads [%d, %d); per rank: weights "
+                "%s (of %s unsharded; embedding, norms and LM head replicated), KV pool %s",
+                layout.size, layout.q_start, layout.q_start + layout.q_heads, layout.kv_start,
+                layout.kv_start + layout.kv_heads, mib(shard_weights), mib(full_weights),
+                mib(pool_bytes))
+    executor.start(Setup(built.plan.dtype, model.rope.cos.shape[0], spec, num_blocks, centers, bases))
+    return layout
+
+
+def calibrate_full_model(model: LlamaForCausalLM, fmt: KVFormat, backend: AttentionBackend, spec: KVCacheSpec,
+                         num_blocks: int,
+                         max_model_len: int, built: EngineModel) -> tuple[list[torch.Tensor] | None,
+                                                                        list[torch.Tensor] | None]:
+    """The full per-layer key centres and key bases (None where the format needs none), calibrated
+    over `model` before it is sharded, with a scratch pool holding every KV head."""
+    if not (fmt.center_keys or fmt.fit_key_basis):
+        return None, None
+    full_spec = replace(spec, num_kv_heads=built.config.num_kv_heads)
+    blocks = min(num_blocks, blocks_for_tokens(CALIBRATION_TOKENS, spec.block_size) + 1)
+    scratch = KVCache(full_spec, fmt, blocks, backend.device)
+    scratch_backend = AttentionBackend(fmt, full_spec, built.plan.dtype, model.rope, backend.device, backend.kernel)
+    calibrate_key_transforms(ModelRunner(model, scratch, scratch_backend), max_model_len, built.path)
+    attention = [layer.self_attn for layer in model.layers]
+    centers = [a.key_center for a in attention] if fmt.center_keys else None
+    bases = [a.key_basis[0] for a in attention] if fmt.fit_key_basis else None
+    return centers, bases
+

@@ -1,0 +1,180 @@
+"""A worker rank: its shard of the model and of the KV pool, and a loop over rank 0's messages.
+
+A worker holds no scheduler, block manager or sampler: each StepPlan carries everything its
+attention backend needs to build the same metadata rank 0 built, and the forward pass stops at
+the final hidden states (the LM head runs on rank 0). Any error ends the process with a non-zero
+code; rank 0 then sees its collectives fail (a closed connection) and stops the engine.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from kvserve.cache.eviction.moves import move_tokens
+from kvserve.cache.formats import make_kv_format
+from kvserve.cache.kv_cache import KVCache
+from kvserve.engine.args import EngineArgs
+from kvserve.engine.parallel.group import (
+    DistributedConfig, RankGroups, distributed_config, join, leave, rank_device, set_rank_threads)
+from kvserve.engine.parallel.messages import Describe, Heartbeat, MoveTokens, RankStats, Setup, Shutdown, StepPlan
+from kvserve.engine.preflight import select_device
+from kvserve.model.attention_backend import AttentionBackend, make_attention_backend
+from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.loader import load_model
+from kvserve.model.parallel import shard_heads, shard_layout, shard_model
+
+logger = logging.getLogger("kvserve")
+
+
+def worker_main(rank: int, config: DistributedConfig, args: EngineArgs, log_level: int = logging.INFO,
+                watch_parent: bool = True) -> None:
+    """The worker process's entry point (launch.spawn_workers)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s rank{rank} %(message)s")
+    if watch_parent:
+        _exit_with_parent()
+    try:
+        run_worker(rank, config, args)
+    except BaseException:
+        logger.exception("tensor-parallel rank %d failed", rank)
+        sys.stdout.flush()
+        os._exit(1)
+    os._exit(0)
+
+
+def run_worker(rank: int, config: DistributedConfig, args: EngineArgs) -> None:
+    threads = set_rank_threads(config)
+    device = rank_device(select_device(args.device), rank, config)
+    groups = join(rank, config, device)
+    setup: Setup = receive(groups, start_up=True)
+    start = time.monotonic()
+    loaded = load_model(args.model)
+    c = loaded.config
+    layout = shard_layout(rank, config.world_size, c.num_heads, c.num_kv_heads, c.intermediate_size)
+    model = LlamaForCausalLM.from_hf_weights(c, loaded.weights, setup.max_positions, setup.dtype, device,
+                                             shard=lambda m: shard_model(m, layout, groups.all_reduce), prepack=False)
+    del loaded
+    weights = parameter_bytes(model)
+    sharded = sharded_layer_bytes(model)
+    model.prepack()
+    model.set_key_centers(shard_heads(setup.key_centers, layout))
+    model.set_key_bases(shard_heads(setup.key_bases, layout))
+    kv_format = make_kv_format(args.kv_cache_dtype, setup.dtype)
+    backend = make_attention_backend(args.attention_backend, kv_format, setup.kv_spec, setup.dtype, model.rope,
+                                     device)
+    kv_cache = KVCache(setup.kv_spec, kv_format, setup.num_blocks, device)
+    logger.info("rank %d ready in %.1f s (%d threads): query heads [%d, %d), KV heads [%d, %d), weights %s, "
+                "KV pool %s", rank, time.monotonic() - start, threads, layout.q_start,
+                layout.q_start + layout.q_heads, layout.kv_start, layout.kv_start + layout.kv_heads,
+                mib(weights), mib(kv_cache.nbytes))
+    stats = RankStats(rank, weights, sharded, kv_cache.nbytes, layout.q_heads, layout.kv_heads)
+    dist.barrier()  # ready (on the start-up group): rank 0 starts stepping
+    serve(groups, model, kv_cache, backend, stats)
+    leave()
+
+
+def serve(groups: RankGroups, model: LlamaForCausalLM, kv_cache: KVCache, backend: AttentionBackend,
+          stats: RankStats) -> None:
+    """Carry out rank 0's messages until a Shutdown."""
+    while True:
+        message = receive(groups)
+        if isinstance(message, StepPlan):
+            run_step(groups, model, kv_cache, backend, message)
+        elif isinstance(message, MoveTokens):
+            move_tokens(kv_cache, message.src_slots, message.dst_slots)
+        elif isinstance(message, Describe):
+            dist.gather_object(stats, None, dst=0, group=groups.control)
+        elif isinstance(message, Shutdown):
+            return
+        elif not isinstance(message, Heartbeat):
+            raise RuntimeError(f"unexpected message {type(message).__name__}")
+
+
+@torch.inference_mode()
+def run_step(groups: RankGroups, model: LlamaForCausalLM, kv_cache: KVCache, backend: AttentionBackend,
+             plan: StepPlan) -> None:
+    device = backend.device
+
+    def tensor(array) -> torch.Tensor:
+        return torch.as_tensor(array, dtype=torch.long).to(device, non_blocking=True)
+
+    meta = backend.build(plan.sequences, tensor(plan.slot_mapping))
+    model.final_hidden(tensor(plan.input_ids), tensor(plan.positions), kv_cache, meta, tensor([]))
+    groups.sum_observed([rows for _, rows in meta.observed_attention])
+
+
+def receive(groups: RankGroups, start_up: bool = False):
+    """The next message from rank 0 (on the start-up group while rank 0 still loads)."""
+    box = [None]
+    dist.broadcast_object_list(box, src=0, group=None if start_up else groups.control)
+    return box[0]
+
+
+def parameter_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's distinct parameter and buffer tensors (a tied head counted once)."""
+    seen, total = set(), 0
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            total += tensor.nbytes
+    return total
+
+
+def sharded_layer_bytes(model: LlamaForCausalLM) -> int:
+    """Bytes of the layers tensor parallelism splits (q/k/v, o, gate/up and down projections)."""
+    return sum(linear.weight.nbytes + (linear.bias.nbytes if linear.bias is not None else 0)
+               for layer in model.layers
+               for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                              layer.mlp.down_proj))
+
+
+def _exit_with_parent() -> None:
+    """A thread that ends this process when the process that spawned it is gone (kill -9 leaves
+    no chance to stop the workers in order)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="kvserve-parent-watch", daemon=True).start()
+
+
+def run_node(args: EngineArgs) -> int:
+    """A node other than 0 (--node-rank > 0): its ranks as workers only, no engine and no server.
+    The first runs in this process, the others are spawned; returns the exit status."""
+    from kvserve.engine.parallel.launch import spawn_workers, stop_workers
+
+    config = distributed_config(args)
+    if config.launcher_rank is not None:  # torchrun started this rank (and every other)
+        run_worker(config.launcher_rank, config, args)
+        return 0
+    if config.node_rank == 0:
+        raise ValueError("node 0 runs the engine; run_node is for --node-rank > 0")
+    ranks = list(config.local_ranks)
+    others = spawn_workers(args, config, ranks[1:])
+    logger.info("node %d of %d: ranks %d-%d of %d, meeting at %s", config.node_rank, config.nnodes, ranks[0],
+                ranks[-1], config.world_size, config.init_method)
+    status = 0
+    try:
+        run_worker(ranks[0], config, args)
+    except Exception:
+        logger.exception("tensor-parallel rank %d failed", ranks[0])
+        status = 1
+    stop_workers(others, timeout=30.0)
+    if any(p.exitcode for p in others):
+        status = 1
+    return status
+
+
+def mib(num_bytes: int) -> str:
+    """A size for the start-up log."""
+    return f"{num_bytes / 2**20:,.1f} MiB"

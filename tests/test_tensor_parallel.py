@@ -1,0 +1,208 @@
+"""Tensor parallelism with real processes (gloo): a TP=2 engine computes what a single process does.
+
+Each comparison builds a TP=1 and a TP=2 engine with the same number of KV blocks (the TP=2
+budget is per rank, so half), so that the scheduler makes the same decisions (chunked prefill,
+preemptions) and greedy tokens must be identical; logits agree within float32 rounding of the
+all-reduces' summation order.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+from engine_runs import greedy_tokens
+from kvserve.engine.args import EngineArgs
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.preflight import preflight
+from kvserve.model.parallel import (
+    TensorParallelSizeError, check_tensor_parallel_size, shard_layout, valid_tensor_parallel_sizes)
+from server_process import free_port
+
+BLOCKS = 12  # a pool too small for the batch below: it preempts
+
+
+def engine(model, tp: int = 1, **options) -> LLMEngine:
+    """An engine over `model` with BLOCKS KV blocks per rank, chunked prefill and float32."""
+    options = {"dtype": "float32", "max_model_len": 160, "max_num_batched_tokens": 32, **options}
+    per_block = preflight(EngineArgs(model=str(model), tensor_parallel_size=tp, kv_cache_memory="1GiB",
+                                     **options)).bytes_per_block
+    return LLMEngine(EngineArgs(model=str(model), tensor_parallel_size=tp, kv_cache_memory=(BLOCKS + 1) * per_block,
+                                **options))
+
+
+def mixed_batch(vocab: int, seed: int = 0) -> dict[str, tuple[list[int], dict | None]]:
+    """A 100-token prompt (prefilled in chunks) and four short ones: more KV than BLOCKS hold."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = {"long": torch.randint(5, vocab, (100,), generator=g).tolist()}
+    for i in range(4):
+        prompts[f"short{i}"] = torch.randint(5, vocab, (12 + 3 * i,), generator=g).tolist()
+    return {rid: (ids, None) for rid, ids in prompts.items()}
+
+
+def test_valid_sizes_and_the_one_line_error():
+    assert valid_tensor_parallel_sizes(9, 3, 1536) == [1, 3]  # the default model
+    layouts = [shard_layout(rank, 16, 32, 8, 14336) for rank in range(16)]
+    assert [layout.kv_start for layout in layouts] == [rank // 2 for rank in range(16)]  # each KV head on 2 ranks
+    assert {layout.kv_replicas for layout in layouts} == {2}
+    assert valid_tensor_parallel_sizes(32, 8, 14336) == [1, 2, 4, 8, 16, 32]  # 16, 32: KV heads replicated
+    with pytest.raises(TensorParallelSizeError, match=r"--tensor-parallel-size 2 .* valid sizes: 1, 3$"):
+        check_tensor_parallel_size(2, 9, 3, 1536)
+
+
+def test_default_model_refuses_tp2_before_loading():
+    with pytest.raises(ValueError, match="valid sizes: 1, 3") as info:
+        preflight(EngineArgs(tensor_parallel_size=2))
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_tp2_matches_one_process(tiny_model_factory, arch):
+    """Greedy tokens identical and teacher-forced logits within 1e-4, over a mixed batch with a
+    chunked prefill and preemptions; for llama also prefix-cache hits, an H2O-evicting request
+    and the per-rank memory of the pool and the sharded layers."""
+    path = tiny_model_factory(arch)
+    single, parallel = engine(path), engine(path, tp=2)
+    try:
+        batch = mixed_batch(single.model_config.vocab_size)
+        expected = greedy_tokens(single, batch)
+        assert greedy_tokens(parallel, batch) == expected
+        assert parallel.scheduler.num_preemptions == single.scheduler.num_preemptions > 0
+        prompt = batch["long"][0]
+        diff = (single.score(prompt) - parallel.score(prompt)).abs().max().item()
+        assert diff < 1e-4
+        if arch != "llama":
+            return
+        hits = parallel.kv_manager.stats.hits
+        assert greedy_tokens(parallel, {"again": batch["long"]}) == {"again": expected["long"]}
+        assert parallel.kv_manager.stats.hits > hits
+        h2o = {"policy": "h2o", "budget": 48, "sink_tokens": 4, "recent_tokens": 16}
+        evicting = {"h2o": (batch["long"][0][:60], h2o)}  # 60 + 24 tokens: evicts
+        assert greedy_tokens(parallel, evicting) == greedy_tokens(single, evicting)
+        stats = parallel.parallel.describe()
+        assert [s.rank for s in stats] == [0, 1]
+        assert parallel.num_blocks == single.num_blocks
+        full_layers = sum(p.nbytes for name, p in single.model.named_parameters()
+                          if name.startswith("layers.") and "norm" not in name)
+        for s in stats:
+            assert s.kv_pool_bytes * 2 == single.kv_cache.nbytes
+            assert s.sharded_layer_bytes * 2 == full_layers
+            assert (s.q_heads, s.kv_heads) == (2, 1)
+    finally:
+        parallel.close()
+
+
+def test_tp4_replicates_kv_heads(tiny_llama):
+    """4 ranks, 2 KV heads: ranks 0-1 hold KV head 0, ranks 2-3 head 1 (vLLM's rule), each with
+    its own query head; greedy tokens as in one process."""
+    single, parallel = engine(tiny_llama), engine(tiny_llama, 4)
+    try:
+        stats = parallel.parallel.describe()
+        assert [(s.q_heads, s.kv_heads) for s in stats] == [(1, 1)] * 4
+        batch = mixed_batch(single.model_config.vocab_size, seed=3)
+        assert greedy_tokens(parallel, batch) == greedy_tokens(single, batch)
+    finally:
+        parallel.close()
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "int4"])
+def test_tp2_quantized_kv_cache(tiny_llama, kv_cache_dtype):
+    """fp8 (fitted key bases) and int4 (key centres): calibrated once over the full model on
+    rank 0, each rank applies its heads' part; greedy tokens as in one process."""
+    single, parallel = engine(tiny_llama, kv_cache_dtype=kv_cache_dtype), engine(tiny_llama, 2,
+                                                                                 kv_cache_dtype=kv_cache_dtype)
+    try:
+        batch = mixed_batch(single.model_config.vocab_size, seed=1)
+        assert greedy_tokens(parallel, batch) == greedy_tokens(single, batch)
+    finally:
+        parallel.close()
+
+
+def test_two_nodes_on_loopback(tiny_llama, tmp_path):
+    """Node 1 is a headless `kvserve serve --node-rank 1`; node 0 runs the engine."""
+    port = str(free_port())
+    flags = ["--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port,
+             "--dtype", "float32"]
+    log = tmp_path / "node1.log"
+    with open(log, "wb") as out:
+        node1 = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "serve", str(tiny_llama), *flags,
+                                  "--node-rank", "1"], stdout=out, stderr=subprocess.STDOUT, env=os.environ)
+    node0 = None
+    try:
+        node0 = engine(tiny_llama, 2, nnodes=2, node_rank=0, master_addr="127.0.0.1", master_port=int(port))
+        assert node0.parallel.processes == []  # every worker is on the other "node"
+        single = engine(tiny_llama)
+        batch = mixed_batch(single.model_config.vocab_size, seed=2)
+        assert greedy_tokens(node0, batch) == greedy_tokens(single, batch)
+        node0.close()
+        assert node1.wait(timeout=30) == 0, log.read_text()
+    finally:
+        if node0 is not None:
+            node0.close()
+        if node1.poll() is None:
+            node1.kill()
+            node1.wait()
+
+
+@pytest.mark.slow
+def test_tp3_on_the_default_model():
+    """9 query heads and 3 KV heads over 3 ranks, greedy-identical to one process (float32)."""
+    from kvserve import LLM, SamplingParams
+
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+    params = SamplingParams(temperature=0, max_tokens=8)
+    single = LLM(dtype="float32", kv_cache_memory="64MiB", max_model_len=256)
+    expected = [o.outputs[0].token_ids for o in single.generate(prompts, params, use_tqdm=False)]
+    del single
+    parallel = LLM(dtype="float32", kv_cache_memory="64MiB", max_model_len=256, tensor_parallel_size=3)
+    try:
+        assert [o.outputs[0].token_ids for o in parallel.generate(prompts, params, use_tqdm=False)] == expected
+    finally:
+        parallel.engine.close()
+
+
+def test_a_hung_worker_fails_the_step_within_the_timeout(tiny_llama, monkeypatch):
+    """A worker that stops answering (SIGSTOP) fails the step once the data group's timeout
+    passes (FatalEngineError, never a hang); every later step fails at once; close() kills it."""
+    from kvserve import SamplingParams
+    from kvserve.engine.errors import FatalEngineError
+
+    monkeypatch.setenv("KVSERVE_DIST_TIMEOUT_S", "3")
+    parallel = engine(tiny_llama, 2)
+    (worker,) = parallel.parallel.processes
+    try:
+        parallel.add_request([5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=50))
+        parallel.step()
+        os.kill(worker.pid, signal.SIGSTOP)
+        with pytest.raises(FatalEngineError):
+            parallel.step()
+        with pytest.raises(FatalEngineError, match="broken"):
+            parallel.step()
+    finally:
+        parallel.close()
+    assert not worker.is_alive()
+
+
+def test_a_worker_lost_while_idle_is_reported_at_once(tiny_llama):
+    """The watchdog sees a local worker die with no step running: `on_failure` is called (a
+    server stops on it: /health 503, exit 1) and the next step fails instead of hanging."""
+    from kvserve import SamplingParams
+    from kvserve.engine.errors import FatalEngineError
+
+    parallel = engine(tiny_llama, 2)
+    reported = threading.Event()
+    parallel.parallel.on_failure = lambda message: reported.set()
+    try:
+        (worker,) = parallel.parallel.processes
+        os.kill(worker.pid, signal.SIGKILL)
+        assert reported.wait(timeout=10)
+        parallel.add_request([5, 6, 7], SamplingParams(max_tokens=4))
+        with pytest.raises(FatalEngineError, match="exited"):
+            parallel.step()
+    finally:
+        parallel.close()
