@@ -153,6 +153,7 @@ def run_serve(args: argparse.Namespace) -> int:
         app.state.tokens.fail_pending(f"The server cannot take requests: {ending}.")
 
     server = ServingServer(config, args.shutdown_timeout, on_grace_expired=on_grace_expired)
+    app.state.stopping = lambda: server.should_exit  # ends routers' event streams at shutdown
     async_engine.on_dead = lambda exc: server.stop(EXIT_ENGINE_DEAD)
     server.run(sockets=[sock])
     return server.exit_code
