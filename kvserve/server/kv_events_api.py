@@ -3,7 +3,8 @@
     GET /v1/kv_events/snapshot   {"replica": {...}, "seq": S, "block_hashes": [hex, ...]}
     GET /v1/kv_events?since=S    SSE: a "Hello" message (the replica), then a "Snapshot" when the
                                  events after S are no longer kept (or S is absent or from
-                                 another instance), then "Events" batches in order
+                                 another instance), then "Events" batches in order, and "Load"
+                                 messages when the replica's load changes
     GET /v1/load                 {"instance_id", "running", "waiting", "kv_cache_usage"}
 
 Every message and answer names the replica: its `instance_id` (new on every start, so a router
@@ -30,6 +31,7 @@ from kvserve.server.engine_loop import AsyncEngine
 POLL_S = 0.02  # how often an open stream looks for new events
 KEEPALIVE_S = 2.0  # a comment line this often on a quiet stream, so a reader notices a dead replica
 MAX_BATCH = 4096  # events per SSE message
+LOAD_EVERY_S = 0.1  # at most this often a "Load" message, when the load changed
 
 
 @dataclass(frozen=True)
@@ -70,11 +72,14 @@ def add_kv_event_routes(app: FastAPI, async_engine: AsyncEngine, log: KVEventLog
     async def kv_events_snapshot() -> dict:
         return snapshot_body()
 
-    @app.get("/v1/load")
-    async def load() -> dict:
+    def load_body() -> dict:
         snap = async_engine.snapshot
         return {"instance_id": info.instance_id, "running": snap.num_running, "waiting": snap.num_waiting,
-                "kv_cache_usage": snap.kv_usage}
+                "kv_cache_usage": round(snap.kv_usage, 4)}
+
+    @app.get("/v1/load")
+    async def load() -> dict:
+        return load_body()
 
     @app.get("/v1/kv_events")
     async def kv_events(since: int | None = Query(default=None, ge=0),
@@ -87,8 +92,13 @@ def add_kv_event_routes(app: FastAPI, async_engine: AsyncEngine, log: KVEventLog
     async def _stream(since: int | None) -> AsyncIterator[bytes]:
         yield _sse({"type": "Hello", "replica": replica, "seq": log.seq})
         seq = since
-        quiet = 0.0
+        quiet, since_load = 0.0, LOAD_EVERY_S
+        last_load = None
         while not stopping():
+            load = load_body()
+            if load != last_load and since_load >= LOAD_EVERY_S:
+                yield _sse({"type": "Load", **load})
+                last_load, since_load, quiet = load, 0.0, 0.0
             events = log.since(seq, MAX_BATCH) if seq is not None else None
             if events is None:
                 body = snapshot_body()
@@ -102,6 +112,7 @@ def add_kv_event_routes(app: FastAPI, async_engine: AsyncEngine, log: KVEventLog
             else:
                 await asyncio.sleep(POLL_S)
                 quiet += POLL_S
+                since_load += POLL_S
                 if quiet >= KEEPALIVE_S:
                     yield b": keepalive\n\n"
                     quiet = 0.0
