@@ -27,6 +27,7 @@ INITIAL_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 10.0
 HEALTH_POLL_S = 1.0  # backends without event routes
 CONNECT_TIMEOUT_S = 3.0
+KV_PRESSURE_FROM = 0.8  # KV usage above which a replica counts as busier
 STREAM_READ_TIMEOUT_S = 10.0  # the replica sends a keepalive every 2 s
 
 
@@ -52,10 +53,10 @@ class Backend:
     @property
     def load(self) -> float:
         """The requests this router has open on it (exact and without delay: the replica's own
-        running/waiting report lags its finishes by up to a Load interval), plus its reported KV
-        usage as a fraction of one request, which also reflects work sent by other clients and
-        tips a tie toward the emptier pool."""
-        return self.in_flight + self.kv_usage
+        running/waiting report lags its finishes by up to a Load interval), plus up to one more
+        as its reported KV usage climbs from KV_PRESSURE_FROM to full: a pool about to preempt
+        is busier than its request count says (and the usage reflects other clients' work)."""
+        return self.in_flight + max(0.0, self.kv_usage - KV_PRESSURE_FROM) / (1.0 - KV_PRESSURE_FROM)
 
     def finished(self) -> None:
         """One of this router's requests on it ended."""

@@ -49,7 +49,7 @@ class Router:
             return Choice(rotated[0], [], 0)
         if self.policy == "least_loaded" or not token_ids:
             return Choice(min(rotated, key=lambda b: b.load), [], 0)
-        best: tuple[float, float] | None = None
+        best: tuple[float, float, float] | None = None
         choice = None
         hashes_by_ns: dict[tuple[str, int], list[bytes]] = {}
         for backend in rotated:
@@ -63,7 +63,7 @@ class Router:
                 # if a token follows it (as the engine caps its hits).
                 usable = hashes[:(len(token_ids) - 1) // backend.block_size]
                 cached = matched_blocks(self.index, self.hints, backend.name, usable) * backend.block_size
-            score = (cached - self.load_cost_tokens * backend.load, -backend.load)
+            score = (cached - self.load_cost_tokens * backend.load, -backend.load, -backend.kv_usage)
             if best is None or score > best:
                 best, choice = score, Choice(backend, hashes, cached)
         return choice
