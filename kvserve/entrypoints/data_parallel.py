@@ -78,6 +78,16 @@ def _replica_env(index: int, count: int, devices: list[str]) -> dict[str, str]:
     return env
 
 
+def _die_with_parent() -> None:
+    """In the replica, before exec (Linux): SIGTERM when the front end dies, even by SIGKILL."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def _wait_ready(processes: list[subprocess.Popen], urls: list[str], key: str) -> None:
     """Until every replica answers /health; a replica that exits first fails the start."""
     deadline = time.monotonic() + START_TIMEOUT_S
@@ -118,6 +128,7 @@ def run_data_parallel(args: argparse.Namespace, serve_argv: list[str], sock, uvi
 
     from kvserve.model.loader import resolve_model_path
     from kvserve.router.app import RouterConfig, build_router_app
+    from kvserve.server.lifecycle import ServingServer
 
     count = args.data_parallel_size
     key = secrets.token_urlsafe(24)
@@ -130,15 +141,18 @@ def run_data_parallel(args: argparse.Namespace, serve_argv: list[str], sock, uvi
         for i, port in enumerate(ports):
             command = [sys.executable, "-m", "kvserve.cli", "--log-level", args.log_level, "serve", *child,
                        "--host", "127.0.0.1", "--port", str(port), "--api-key", key]
-            processes.append(subprocess.Popen(command, env=_replica_env(i, count, devices)))
+            processes.append(subprocess.Popen(command, env=_replica_env(i, count, devices),
+                                              preexec_fn=_die_with_parent))
         _wait_ready(processes, urls, key)
         logger.info("%d replicas ready on %s", count, ", ".join(urls))
         config = RouterConfig(urls, args.routing_policy or "kv_aware", api_key=args.api_key, backend_api_key=key,
                               tokenizer=str(resolve_model_path(args.model)), max_request_body_bytes=max_body)
         app = build_router_app(config)
-        server = uvicorn.Server(uvicorn.Config(app, timeout_graceful_shutdown=args.shutdown_timeout + 5,
-                                               **uvicorn_config_kwargs))
+        # kvserve's server (lifecycle.py): the shutdown grace period, and a return instead of
+        # uvicorn's re-raised signal, so the replicas are stopped below.
+        server = ServingServer(uvicorn.Config(app, **uvicorn_config_kwargs), args.shutdown_timeout,
+                               on_grace_expired=lambda: None)
         server.run(sockets=[sock])
-        return 0
+        return server.exit_code
     finally:
         _stop(processes, args.shutdown_timeout + 10)

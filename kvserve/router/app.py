@@ -28,6 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
+from kvserve.router import DEFAULT_LOAD_COST_TOKENS
 from kvserve.router.backends import CONNECT_TIMEOUT_S, Backend, BackendWatcher
 from kvserve.router.index import PendingHints, PrefixIndex
 from kvserve.router.metrics_merge import merge_metrics
@@ -56,7 +57,7 @@ class RouterConfig:
     backend_api_key: str | None = None  # replaces the client's Authorization header (serve --data-parallel-size)
     tokenizer: str | None = None  # a model or tokenizer path; default: the backends' model, if on this machine
     max_index_entries: int = 1_000_000
-    load_cost_tokens: float = 256
+    load_cost_tokens: float = DEFAULT_LOAD_COST_TOKENS
     max_request_body_bytes: int = 32 * 1024 * 1024
     names: list[str] = field(default_factory=list)  # labels per backend (default "0", "1", ...)
 
@@ -196,19 +197,21 @@ class RouterService:
 
     async def _relay(self, upstream: httpx.Response, backend: Backend) -> AsyncIterator[bytes]:
         """The backend's body as it arrives; BackendGone if it fails or is taken out meanwhile."""
+        gone = f"The backend {backend.name} was taken out of service while answering."
         down = asyncio.ensure_future(backend.down.wait())
         chunks = upstream.aiter_raw().__aiter__()
+        step: asyncio.Future | None = None
         try:
             while True:
                 if down.done():
-                    raise BackendGone(f"The backend {backend.name} was taken out of service while answering.")
+                    raise BackendGone(gone)
                 step = asyncio.ensure_future(chunks.__anext__())
                 await asyncio.wait({step, down}, return_when=asyncio.FIRST_COMPLETED)
                 if not step.done():
-                    step.cancel()
-                    raise BackendGone(f"The backend {backend.name} was taken out of service while answering.")
+                    raise BackendGone(gone)
+                done, step = step, None
                 try:
-                    chunk = step.result()
+                    chunk = done.result()
                 except StopAsyncIteration:
                     return
                 except httpx.HTTPError as exc:
@@ -218,6 +221,12 @@ class RouterService:
                 yield chunk
         finally:
             down.cancel()
+            if step is not None:  # abandoned mid-read (taken out, or our client left)
+                if step.done():
+                    if not step.cancelled():
+                        step.exception()  # retrieved: the response is closed anyway
+                else:
+                    step.cancel()
 
     async def _relay_stream(self, upstream: httpx.Response, backend: Backend) -> AsyncIterator[bytes]:
         """An SSE body passed on whole message by message, so that an error event, if the backend
