@@ -80,3 +80,16 @@ def test_replicas_do_not_get_the_front_ends_options():
     argv = ["model", "--dtype", "float32", "--data-parallel-size", "2", "--port=9000", "--host", "0.0.0.0",
             "--api-key", "k", "--routing-policy", "round_robin", "--max-num-seqs", "8"]
     assert replica_argv(argv) == ["model", "--dtype", "float32", "--max-num-seqs", "8"]
+
+
+def test_bad_flags_are_one_line_errors(capsys):
+    from kvserve.cli import main
+
+    cases = [(["serve", "--routing-policy", "round_robin"], "--routing-policy needs --data-parallel-size > 1"),
+             (["serve", "--data-parallel-size", "0"], "--data-parallel-size must be at least 1"),
+             (["router", "--backend", "ftp://host:1"], "is not an http(s) URL"),
+             (["router", "--backend", "http://a:1", "--backend", "http://a:1/"], "a --backend is given twice")]
+    for argv, message in cases:
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1, err

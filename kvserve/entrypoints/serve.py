@@ -132,6 +132,12 @@ def run_serve(args: argparse.Namespace) -> int:
         args.model = args.model_tag
     if args.api_key is not None and not args.api_key.strip():
         raise UserError("--api-key must not be empty")
+    if args.data_parallel_size < 1:
+        raise UserError(f"--data-parallel-size must be at least 1, got {args.data_parallel_size}")
+    if args.routing_policy is not None and args.data_parallel_size == 1:
+        raise UserError("--routing-policy needs --data-parallel-size > 1 (or use `kvserve router`)")
+    if args.data_parallel_size > 1 and getattr(args, "tensor_parallel_size", 1) > 1:
+        raise UserError("--data-parallel-size > 1 with --tensor-parallel-size > 1 is not supported yet")
     max_body = parse_size(args.max_request_body_bytes)
     in_flight = parse_size(args.max_body_bytes_in_flight) if args.max_body_bytes_in_flight is not None else 4 * max_body
     if in_flight < max_body:
@@ -145,12 +151,6 @@ def run_serve(args: argparse.Namespace) -> int:
     limits = ConnectionLimits(args.timeout_header, args.timeout_body, _max_connections(args.max_connections))
     engine_args = EngineArgs.from_cli_args(args)
     preflight(engine_args)  # bad engine options fail before the port is taken
-    if args.data_parallel_size < 1:
-        raise UserError(f"--data-parallel-size must be at least 1, got {args.data_parallel_size}")
-    if args.routing_policy is not None and args.data_parallel_size == 1:
-        raise UserError("--routing-policy needs --data-parallel-size > 1 (or use `kvserve router`)")
-    if args.data_parallel_size > 1 and getattr(args, "tensor_parallel_size", 1) > 1:
-        raise UserError("--data-parallel-size > 1 with --tensor-parallel-size > 1 is not supported yet")
     sock = _bind(args.host, args.port)
     if args.data_parallel_size > 1:
         from kvserve.entrypoints.data_parallel import run_data_parallel

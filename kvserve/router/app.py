@@ -3,6 +3,7 @@
     client ──> APIKeyMiddleware (if --api-key) ──> BodySizeLimitMiddleware ──> routes
     POST /v1/completions, /v1/chat/completions: prompt tokens (worker thread) ──> Router.choose
         ──> the chosen backend, body as sent; its answer relayed (SSE streamed message by message)
+    POST /tokenize, /detokenize: any up backend
     GET /v1/models (an up backend's), /health (200 while one backend is up), /version,
         /metrics (the router's own and every backend's, labelled `replica`), /router/state
 
@@ -148,7 +149,7 @@ class RouterService:
         except ValueError:
             body = None
         token_ids = None
-        if self.prompts is not None and self.config.policy == "kv_aware" and isinstance(body, dict):
+        if self.prompts is not None and self.config.policy == "kv_aware" and route != "other" and isinstance(body, dict):
             token_ids = await asyncio.get_running_loop().run_in_executor(
                 self._tokenizer_pool, self.prompts.token_ids, route, body)
         salt = body.get("cache_salt") if isinstance(body, dict) and isinstance(body.get("cache_salt"), str) else None
@@ -309,6 +310,14 @@ def build_router_app(config: RouterConfig) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await service.proxy(request, "chat")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await service.proxy(request, "other")
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await service.proxy(request, "other")
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
