@@ -108,13 +108,14 @@ def test_the_routers_index_equals_the_replicas_cached_blocks(cluster):
     for name, server in (("0", a), ("1", b)):
         snapshots[name] = httpx.get(f"{server.base_url}/v1/kv_events/snapshot", headers={"Authorization": f"Bearer {KEY}"}).json()
     assert any(s["seq"] > len(s["block_hashes"]) for s in snapshots.values()), "no block was removed"
-    state = router.wait_until(lambda s: all(x["seq"] == snapshots[x["name"]]["seq"] for x in s["backends"]),
-                              timeout=10, what="the router caught up with the replicas' events")
+    router.wait_until(lambda s: all(x["seq"] == snapshots[x["name"]]["seq"] for x in s["backends"]),
+                      timeout=10, what="the router caught up with the replicas' events")
     state = router.state(hashes=True)
     for backend in state["backends"]:
         snap = snapshots[backend["name"]]
         assert backend["instance_id"] == snap["replica"]["instance_id"]
         assert backend["block_hashes"] == snap["block_hashes"]
+        assert backend["in_flight"] == 0  # every finished request counted out
 
 
 def test_no_reachable_backend_is_a_503_with_an_openai_error(tmp_path):

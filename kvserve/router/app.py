@@ -26,7 +26,7 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
 from kvserve.router import DEFAULT_LOAD_COST_TOKENS
@@ -38,7 +38,7 @@ from kvserve.router.prompt_hashes import PromptTokens
 from kvserve.server.auth import APIKeyMiddleware
 from kvserve.server.body_limit import BodySizeLimitMiddleware
 from kvserve.server.errors import error_body, install_error_handlers
-from kvserve.server.streaming import DONE, sse_error
+from kvserve.server.streaming import DONE, EventStreamResponse, sse_error
 
 logger = logging.getLogger("kvserve.router")
 
@@ -185,8 +185,10 @@ class RouterService:
             self.m_cached.inc(choice.cached_tokens)
         media_type = upstream.headers.get("content-type", "application/json")
         if stream and upstream.status_code == 200:
-            return StreamingResponse(self._relay_stream(upstream, backend), media_type=media_type,
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            def closed() -> None:  # however the response ends, even before its first chunk
+                backend.finished()
+                asyncio.ensure_future(upstream.aclose())
+            return EventStreamResponse(self._relay_stream(upstream, backend), closed)
         try:
             content = b"".join([chunk async for chunk in self._relay(upstream, backend)])
         except BackendGone as exc:
@@ -246,7 +248,6 @@ class RouterService:
             yield (sse_error(502, str(exc)) + DONE).encode()
         finally:
             await upstream.aclose()
-            backend.finished()
 
     async def forward_get(self, path: str, request: Request) -> Response:
         headers = {k: v for k, v in request.headers.items() if k.lower() in _PASSED_HEADERS}
