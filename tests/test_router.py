@@ -39,6 +39,9 @@ def cluster(tiny_llama, tmp_path_factory):
             list(pool.map(lambda s: s.wait_healthy(), (a, b, dp)))
         router.wait_until(lambda s: s["tokenizer_loaded"] and all(x["up"] for x in s["backends"]),
                           what="both backends up with the tokenizer loaded")
+        # The front end of --data-parallel-size serves once its replicas are up, its tokenizer loaded.
+        state = httpx.get(f"{dp.base_url}/router/state", timeout=10).json()
+        assert state["tokenizer_loaded"] and all(x["up"] for x in state["backends"]), state
         yield a, b, router, dp
     finally:
         router.stop()
@@ -84,20 +87,25 @@ def test_router_and_data_parallel_answer_the_openai_client_as_one_engine_does(cl
 
 def test_requests_sharing_a_prefix_land_on_the_replica_that_holds_it(cluster):
     a, b, router, dp = cluster
-    for fronted, counters in (((a, b), lambda: [prefix_counters(a), prefix_counters(b)]),
-                              ((dp,), lambda: [prefix_counters(dp, "0"), prefix_counters(dp, "1")])):
-        base_url = router.base_url if len(fronted) == 2 else dp.base_url
-        before = counters()
-        salt = f"tenant-{len(fronted)}"  # a prefix neither replica has seen
-        complete(base_url, SHARED + " Question 0?", max_tokens=2, cache_salt=salt)
-        first = counters()
-        holder = next(i for i in range(2) if first[i][0] > before[i][0])
-        for i in range(1, 5):
-            complete(base_url, SHARED + f" Question {i}?", max_tokens=2, cache_salt=salt)
-        after = counters()
-        other = 1 - holder
-        assert after[other][0] == first[other][0], "a request sharing the prefix went to the other replica"
-        assert after[holder][1] - first[holder][1] >= 4 * 5 * 16, "the holder did not reuse the prefix"
+    for base_url, key, hits in ((router.base_url, KEY, lambda: [prefix_counters(a)[1], prefix_counters(b)[1]]),
+                                (dp.base_url, None, lambda: [prefix_counters(dp, "0")[1], prefix_counters(dp, "1")[1]])):
+        def routed() -> list[int]:
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            state = httpx.get(f"{base_url}/router/state", headers=headers, timeout=10).json()
+            return [x["routed"] for x in state["backends"]]
+
+        before_routed, before_hits = routed(), hits()
+        salt = f"tenant-{base_url}"  # a prefix neither replica has seen
+        for i in range(5):
+            complete(base_url, SHARED + f" Question {i}?", max_tokens=2, cache_salt=salt, key=key)
+        went = [now - then for now, then in zip(routed(), before_routed)]
+        assert sorted(went) == [0, 5], f"requests sharing a prefix were split: {went}"
+        holder = went.index(5)
+        deadline = time.monotonic() + 10  # the counters follow the engine's step a moment later
+        while hits()[holder] - before_hits[holder] < 4 * 5 * 16 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert hits()[holder] - before_hits[holder] >= 4 * 5 * 16, "the holder did not reuse the prefix"
+        assert hits()[1 - holder] == before_hits[1 - holder]
 
 
 def test_the_routers_index_equals_the_replicas_cached_blocks(cluster):
@@ -167,6 +175,9 @@ def test_a_killed_backend_fails_its_requests_quickly_is_routed_around_and_used_a
                                   what="the revived replica back in service")
         entry = next(x for x in state["backends"] if x["url"] == victim.base_url)
         assert entry["instance_id"] != old_instance
+        fresh = httpx.get(f"{victim.base_url}/v1/kv_events/snapshot", headers={"Authorization": f"Bearer {KEY}"}).json()
+        held = next(x for x in router.state(hashes=True)["backends"] if x["url"] == victim.base_url)
+        assert held["block_hashes"] == fresh["block_hashes"] == []  # nothing of the old instance kept
         routed = entry["routed"]
         for i in range(4):
             complete(router.base_url, TEXT[22000 + 100 * i:22000 + 100 * i + 80], max_tokens=2)

@@ -126,7 +126,7 @@ def run_data_parallel(args: argparse.Namespace, serve_argv: list[str], sock, uvi
     """Start the replicas, then the front end on `sock` (already bound); returns the exit status."""
     import uvicorn
 
-    from kvserve.model.loader import resolve_model_path
+    from kvserve.model.loader import load_tokenizer, resolve_model_path
     from kvserve.router.app import RouterConfig, build_router_app
     from kvserve.server.lifecycle import ServingServer
 
@@ -143,11 +143,15 @@ def run_data_parallel(args: argparse.Namespace, serve_argv: list[str], sock, uvi
                        "--host", "127.0.0.1", "--port", str(port), "--api-key", key]
             processes.append(subprocess.Popen(command, env=_replica_env(i, count, devices),
                                               preexec_fn=_die_with_parent))
+        policy = args.routing_policy or "kv_aware"
+        model_path = str(resolve_model_path(args.model))
+        # Loaded while the replicas load their models, so that kv_aware routes from the first request.
+        tokenizer = load_tokenizer(model_path) if policy == "kv_aware" else None
         _wait_ready(processes, urls, key)
         logger.info("%d replicas ready on %s", count, ", ".join(urls))
-        config = RouterConfig(urls, args.routing_policy or "kv_aware", api_key=args.api_key, backend_api_key=key,
-                              tokenizer=str(resolve_model_path(args.model)), max_request_body_bytes=max_body)
-        app = build_router_app(config)
+        config = RouterConfig(urls, policy, api_key=args.api_key, backend_api_key=key, tokenizer=model_path,
+                              max_request_body_bytes=max_body, startup_wait_s=30.0)
+        app = build_router_app(config, tokenizer)
         # kvserve's server (lifecycle.py): the shutdown grace period, and a return instead of
         # uvicorn's re-raised signal, so the replicas are stopped below.
         server = ServingServer(uvicorn.Config(app, **uvicorn_config_kwargs), args.shutdown_timeout,

@@ -61,17 +61,18 @@ class RouterConfig:
     load_cost_tokens: float = DEFAULT_LOAD_COST_TOKENS
     max_request_body_bytes: int = 32 * 1024 * 1024
     names: list[str] = field(default_factory=list)  # labels per backend (default "0", "1", ...)
+    startup_wait_s: float = 0.0  # serve only once every backend is up, or this long has passed
 
 
 class RouterService:
-    def __init__(self, config: RouterConfig):
+    def __init__(self, config: RouterConfig, tokenizer: Any = None):
         self.config = config
         names = config.names or [str(i) for i in range(len(config.backends))]
         self.backends = [Backend(name, url.rstrip("/")) for name, url in zip(names, config.backends)]
         self.index = PrefixIndex(config.max_index_entries)
         self.hints = PendingHints()
         self.router = Router(config.policy, self.index, self.hints, config.load_cost_tokens)
-        self.prompts: PromptTokens | None = None
+        self.prompts: PromptTokens | None = PromptTokens(tokenizer) if tokenizer is not None else None
         self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="kvserve-router-tokenizer")
         own_key = config.backend_api_key or config.api_key
         self.own_headers = {"Authorization": f"Bearer {own_key}"} if own_key else {}
@@ -99,7 +100,10 @@ class RouterService:
             watcher = self.watchers[backend.name] = BackendWatcher(backend, self.client, self.index, self.hints,
                                                                    self.own_headers)
             watcher.start()
-        if self.config.policy == "kv_aware":
+        deadline = asyncio.get_running_loop().time() + self.config.startup_wait_s
+        while len(self.up_backends()) < len(self.backends) and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        if self.config.policy == "kv_aware" and self.prompts is None:
             self._tokenizer_task = asyncio.create_task(self._load_tokenizer())
 
     async def stop(self) -> None:
@@ -287,10 +291,11 @@ class RouterService:
                                  if with_hashes else {})} for b in self.backends]}
 
 
-def build_router_app(config: RouterConfig) -> FastAPI:
+def build_router_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
+    """`tokenizer`: already loaded (serve --data-parallel-size); else loaded in the background."""
     from kvserve import __version__
 
-    service = RouterService(config)
+    service = RouterService(config, tokenizer)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
