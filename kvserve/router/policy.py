@@ -1,12 +1,13 @@
 """Routing policies: which up backend gets the next request.
 
     round_robin   in turn
-    least_loaded  fewest requests running or queued (Backend.load)
+    least_loaded  the least load (Backend.load: the requests this router has open on it, plus
+                  its KV-cache pressure near a full pool)
     kv_aware      the longest cached run of the request's prompt blocks, weighed against load:
                   score = cached prompt tokens - load_cost_tokens x load; the best score wins,
                   ties go to the less loaded. A hot prefix thus stays on one replica until that
-                  replica is `load_cost_tokens / block` requests busier than another, and then
-                  spreads (the balance SGLang's cache-aware router keeps with its thresholds).
+                  replica is (its cached tokens / load_cost_tokens) requests busier than another,
+                  and then spreads (the balance SGLang's cache-aware router keeps with thresholds).
 """
 from __future__ import annotations
 
