@@ -11,6 +11,7 @@ SUBCOMMANDS = {
     "generate": "kvserve.entrypoints.offline",
     "chat": "kvserve.entrypoints.offline",
     "serve": "kvserve.entrypoints.serve",
+    "router": "kvserve.entrypoints.router",
     "bench": "kvserve.bench.cli",
     "plan": "kvserve.plan.cli",
     "eval": "kvserve.eval.cli",
@@ -46,6 +47,7 @@ def _version() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(argv) if argv is not None else sys.argv[1:]  # `serve --data-parallel-size` passes them on
     setup_logging(args.log_level)
     from kvserve.engine.llm_engine import CapacityError
     from kvserve.model.config import UnsupportedModelError

@@ -49,8 +49,9 @@ class ServerProcess:
         return f"http://127.0.0.1:{self.port}"
 
     @classmethod
-    def start(cls, args: list[str], log_dir: Path, env: dict[str, str] | None = None) -> "ServerProcess":
-        port = free_port()
+    def start(cls, args: list[str], log_dir: Path, env: dict[str, str] | None = None, port: int | None = None,
+              wait: bool = True) -> "ServerProcess":
+        port = port or free_port()
         log_path = log_dir / "server.log"
         command = [sys.executable, "-m", "kvserve.cli", "serve", *args, "--host", "127.0.0.1", "--port", str(port)]
         full_env = {**os.environ, **(env or {})}
@@ -58,10 +59,11 @@ class ServerProcess:
         with open(log_path, "wb") as log:
             process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=full_env)
         server = cls(process, port, log_path, api_key)
-        server._wait_healthy()
+        if wait:
+            server.wait_healthy()
         return server
 
-    def _wait_healthy(self) -> None:
+    def wait_healthy(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

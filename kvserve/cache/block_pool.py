@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from kvserve.cache.kv_events import KVEventLog
+
 
 @dataclass(slots=True, eq=False)
 class Block:
@@ -42,6 +44,13 @@ class BlockPool:
         self.free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached: dict[bytes, Block] = {}
         self.num_evictions = 0  # cached blocks whose contents were dropped to make room
+        self.events: KVEventLog | None = None  # prefix-cache events, for routers (kv_events.py)
+
+    def attach_events(self, log: KVEventLog) -> None:
+        """Record every later change of the cached hashes in `log`, starting from those cached now."""
+        for block_hash in self.cached:
+            log.stored(block_hash, None)
+        self.events = log
 
     @property
     def num_blocks(self) -> int:
@@ -65,6 +74,8 @@ class BlockPool:
             _, block = self.free_queue.popitem(last=False)
             if block.block_hash is not None:
                 del self.cached[block.block_hash]
+                if self.events is not None:
+                    self.events.removed(block.block_hash)
                 block.block_hash = None
                 self.num_evictions += 1
             block.ref_cnt = 1
@@ -81,12 +92,16 @@ class BlockPool:
                 del self.free_queue[block.block_id]
             block.ref_cnt += 1
 
-    def publish(self, block: Block, block_hash: bytes) -> None:
+    def publish(self, block: Block, block_hash: bytes, parent_hash: bytes | None = None,
+                token_ids: tuple[int, ...] = ()) -> None:
         """Make a full block findable by its hash. If an identical block is already cached, the
-        first one stays the canonical copy and this one simply remains private."""
+        first one stays the canonical copy and this one simply remains private. `parent_hash` and
+        `token_ids` only go into the event log."""
         if block.block_hash is None and block_hash not in self.cached:
             block.block_hash = block_hash
             self.cached[block_hash] = block
+            if self.events is not None:
+                self.events.stored(block_hash, parent_hash, token_ids)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash (vLLM's name). Only possible while no block is in use; returns
@@ -97,12 +112,16 @@ class BlockPool:
         for block in self.cached.values():
             block.block_hash = None
         self.cached.clear()
+        if self.events is not None:
+            self.events.cleared()
         return True
 
     def unpublish(self, block: Block) -> None:
         """Make a block unfindable before its contents change (KV eviction compacts kept tokens)."""
         if block.block_hash is not None:
             del self.cached[block.block_hash]
+            if self.events is not None:
+                self.events.removed(block.block_hash)
             block.block_hash = None
 
     def release(self, blocks: list[Block]) -> None:

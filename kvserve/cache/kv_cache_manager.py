@@ -37,6 +37,27 @@ from kvserve.cache.eviction.evictor import Evictor
 KEYS_BEFORE_ROPE = "keys-before-rope"
 
 
+def root_hash(namespace: str, cache_salt: str | None, keys_before_rope: bool = False) -> bytes:
+    """The hash every chain starts from: the pool's namespace (its KV storage layout), the tenant
+    salt, and whether keys are stored before RoPE. Routers compute it with the namespace a replica
+    publishes, so their hashes equal the replica's."""
+    layout = KEYS_BEFORE_ROPE if keys_before_rope else ""
+    return hashlib.sha256(f"{namespace}\x00{cache_salt or ''}\x00{layout}".encode()).digest()
+
+
+def chain_block_hash(parent: bytes, token_ids: list[int]) -> bytes:
+    """One full block's hash from its parent's hash and its tokens (int64, native byte order)."""
+    return hashlib.sha256(parent + np.asarray(token_ids, dtype=np.int64).tobytes()).digest()
+
+
+def prompt_block_hashes(root: bytes, token_ids: list[int], block_size: int) -> list[bytes]:
+    """Chained hashes of every full block of `token_ids`, as the manager computes them."""
+    hashes: list[bytes] = []
+    for i in range(len(token_ids) // block_size):
+        hashes.append(chain_block_hash(hashes[-1] if hashes else root, token_ids[i * block_size:(i + 1) * block_size]))
+    return hashes
+
+
 class CachedSequence(Protocol):
     """What the manager knows of a sequence (the engine's Request is one): its id, its tokens, its
     tenant salt and eviction settings, and how much of it is in the cache. It writes only
@@ -81,13 +102,11 @@ class KVCacheManager:
         bs = self.block_size
         for i in range(len(hashes), request.num_tokens // bs):
             parent = hashes[-1] if hashes else self._root_hash(request)
-            tokens = np.asarray(request.token_ids[i * bs:(i + 1) * bs], dtype=np.int64)
-            hashes.append(hashlib.sha256(parent + tokens.tobytes()).digest())
+            hashes.append(chain_block_hash(parent, request.token_ids[i * bs:(i + 1) * bs]))
         return hashes
 
     def _root_hash(self, request: CachedSequence) -> bytes:
-        layout = KEYS_BEFORE_ROPE if request.eviction is not None else ""
-        return hashlib.sha256(f"{self.namespace}\x00{request.cache_salt or ''}\x00{layout}".encode()).digest()
+        return root_hash(self.namespace, request.cache_salt, request.eviction is not None)
 
     # ------------------------------------------------------------------ lookup / allocate / free
     def find_cached_prefix(self, request: CachedSequence) -> list[Block]:
@@ -131,8 +150,13 @@ class KVCacheManager:
             # forward pass, before any later step can schedule a request that reads them.
             full = total_tokens // self.block_size
             hashes = self.block_hashes(request)
-            for block, block_hash in zip(blocks[:full], hashes[:full]):
-                self.pool.publish(block, block_hash)
+            events = self.pool.events is not None
+            for i, (block, block_hash) in enumerate(zip(blocks[:full], hashes[:full])):
+                if not events:
+                    self.pool.publish(block, block_hash)
+                elif block.block_hash is None:  # the event carries the block's parent and tokens
+                    tokens = tuple(request.token_ids[i * self.block_size:(i + 1) * self.block_size])
+                    self.pool.publish(block, block_hash, hashes[i - 1] if i else None, tokens)
         return True
 
     # ------------------------------------------------------------------ eviction

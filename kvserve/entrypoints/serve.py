@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import sys
 from pathlib import Path
 
 from kvserve.units import parse_size
@@ -48,6 +49,12 @@ def register(subparsers) -> None:
                        help="open connections at most; at the limit a new one closes the oldest connection that "
                             "sent no request, so /health stays reachable (default: the file-descriptor limit "
                             "minus a reserve)")
+    group.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
+                       help="run N engine replicas, each in its own process with its own KV pool, behind this "
+                            "one endpoint (default: %(default)s)")
+    group.add_argument("--routing-policy", default=None, choices=("kv_aware", "round_robin", "least_loaded"),
+                       help="with --data-parallel-size > 1: how requests are spread over the replicas "
+                            "(`kvserve router --help`; default: kv_aware)")
     tools = parser.add_argument_group("tool calling")
     tools.add_argument("--enable-auto-tool-choice", action="store_true",
                        help='answer `tool_choice: "auto"` (and requests with `tools` but no `tool_choice`): the '
@@ -125,6 +132,12 @@ def run_serve(args: argparse.Namespace) -> int:
         args.model = args.model_tag
     if args.api_key is not None and not args.api_key.strip():
         raise UserError("--api-key must not be empty")
+    if args.data_parallel_size < 1:
+        raise UserError(f"--data-parallel-size must be at least 1, got {args.data_parallel_size}")
+    if args.routing_policy is not None and args.data_parallel_size == 1:
+        raise UserError("--routing-policy needs --data-parallel-size > 1 (or use `kvserve router`)")
+    if args.data_parallel_size > 1 and getattr(args, "tensor_parallel_size", 1) > 1:
+        raise UserError("--data-parallel-size > 1 with --tensor-parallel-size > 1 is not supported yet")
     max_body = parse_size(args.max_request_body_bytes)
     in_flight = parse_size(args.max_body_bytes_in_flight) if args.max_body_bytes_in_flight is not None else 4 * max_body
     if in_flight < max_body:
@@ -146,6 +159,13 @@ def run_serve(args: argparse.Namespace) -> int:
         return run_node(engine_args)
     preflight(engine_args)  # bad engine options fail before the port is taken
     sock = _bind(args.host, args.port)
+    if args.data_parallel_size > 1:
+        from kvserve.entrypoints.data_parallel import run_data_parallel
+
+        argv = getattr(args, "argv", None) or sys.argv[1:]
+        serve_argv = argv[argv.index("serve") + 1:]
+        return run_data_parallel(args, serve_argv, sock, {"log_level": args.log_level.lower(), "timeout_keep_alive": 5,
+                                                          "http": guarded_protocol(limits)}, max_body)
     engine = LLMEngine(engine_args)
     names = args.served_model_name or [args.model or Path(engine.model_path).name.removesuffix(".gguf")]
     app = build_app(engine, ServerConfig(names, args.api_key, max_body, max_body_bytes_in_flight=in_flight,
@@ -160,6 +180,7 @@ def run_serve(args: argparse.Namespace) -> int:
         app.state.tokens.fail_pending(f"The server cannot take requests: {ending}.")
 
     server = ServingServer(config, args.shutdown_timeout, on_grace_expired=on_grace_expired)
+    app.state.stopping = lambda: server.should_exit  # ends routers' event streams at shutdown
     async_engine.on_dead = lambda exc: server.stop(EXIT_ENGINE_DEAD)
     server.run(sockets=[sock])
     return server.exit_code

@@ -90,6 +90,20 @@ def load_model(model: str | os.PathLike | None) -> LoadedModel:
     raise ModelLoadError(f"{path}: not a model (expected a .gguf file or a directory with config.json)")
 
 
+def load_tokenizer(model: str | os.PathLike | None) -> Any:
+    """Only the model's tokenizer (with its chat template), as `load_model` builds it: what a
+    router needs to tokenize requests exactly as the engine behind it does, without the weights."""
+    path = resolve_model_path(model)
+    try:
+        if path.suffix == ".gguf":
+            return _gguf_tokenizer(path, read_gguf(path))
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as exc:
+        raise ModelLoadError(f"{path}: cannot load the tokenizer: {type(exc).__name__}: {exc}") from None
+
+
 def load_model_config(model: str | os.PathLike | None) -> tuple[ModelConfig, int]:
     """The model's architecture and its checkpoint size on disk, read from config.json or the GGUF
     metadata without loading weights or tokenizer (for `kvserve plan`)."""

@@ -4,6 +4,7 @@
                                                                                    │
                /v1/completions, /v1/chat/completions ──> AsyncEngine (engine thread)
                /dashboard (page), /dashboard/state ──> AsyncEngine.fresh_state (a snapshot between steps)
+               /v1/kv_events, /v1/kv_events/snapshot, /v1/load ──> the pool's event log (routers)
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from kvserve.server.completions import CompletionServing
 from kvserve.server.engine_loop import AsyncEngine
 from kvserve.server.errors import APIError, error_body, install_error_handlers
 from kvserve.server.faults import add_fault_injection
+from kvserve.server.kv_events_api import add_kv_event_routes, attach_kv_events
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.prompts import Tokenization, conversation
 from kvserve.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
@@ -50,6 +52,7 @@ class ServerConfig:
     log_interval_s: float = 5.0
     fault_injection: bool = False  # POST /debug/faults (kvserve/server/faults.py); tests only
     tool_call_parser: str | None = None  # reads `tool_choice: "auto"` replies (--enable-auto-tool-choice)
+    kv_events_capacity: int = 65536  # prefix-cache events kept for routers (kv_events_api.py)
 
 
 def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
@@ -77,6 +80,9 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="kvserve", version=__version__, lifespan=lifespan, redirect_slashes=False)
     app.state.engine = async_engine
     app.state.tokens = tokens
+    app.state.stopping = lambda: False  # kvserve serve replaces it: True once shutdown began
+    kv_log, replica = attach_kv_events(async_engine, config.kv_events_capacity)
+    app.state.replica = replica
     install_error_handlers(app)
 
     @app.exception_handler(ClientDisconnected)
@@ -129,6 +135,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         return DetokenizeResponse(prompt=await tokens.decode(body.tokens))
 
     add_dashboard(app, async_engine, config.served_model_names[0])
+    add_kv_event_routes(app, async_engine, kv_log, replica, lambda: app.state.stopping())
     if config.fault_injection:
         add_fault_injection(app, engine)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_request_body_bytes,

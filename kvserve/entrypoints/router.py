@@ -1,0 +1,73 @@
+"""`kvserve router --backend URL ...`: one OpenAI-compatible endpoint over several `kvserve serve`
+replicas, routing each request to the replica that holds most of its prefix (kvserve/router)."""
+from __future__ import annotations
+
+import argparse
+import os
+
+from kvserve.cli import UserError
+from kvserve.router import DEFAULT_LOAD_COST_TOKENS, POLICIES
+from kvserve.units import parse_size
+
+API_KEY_ENV = "KVSERVE_API_KEY"
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("router", help="route OpenAI requests over kvserve replicas by their prefix caches")
+    parser.add_argument("--backend", action="append", required=True, metavar="URL",
+                        help="a `kvserve serve` replica, e.g. http://10.0.0.2:8000 (repeat for each)")
+    parser.add_argument("--routing-policy", default="kv_aware", choices=POLICIES,
+                        help="kv_aware: the replica holding the longest run of the prompt's cached blocks, weighed "
+                             "against load; round_robin; least_loaded (default: %(default)s)")
+    parser.add_argument("--tokenizer", default=None, metavar="PATH",
+                        help="model or tokenizer to tokenize prompts with for kv_aware (default: the backends' "
+                             "model, when its path exists on this machine)")
+    parser.add_argument("--load-cost-tokens", type=float, default=DEFAULT_LOAD_COST_TOKENS, metavar="TOKENS",
+                        help="kv_aware: cached prompt tokens one more request in a replica's queue is worth "
+                             "(default: %(default)s)")
+    parser.add_argument("--max-index-entries", type=int, default=1_000_000, metavar="N",
+                        help="(replica, block) pairs the prefix index keeps; the oldest go first (default: %(default)s)")
+    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                        help=f"require `Authorization: Bearer KEY` from clients (passed on to the backends as "
+                             f"sent) and send it on the router's own calls to them (default: ${API_KEY_ENV})")
+    parser.add_argument("--host", default="127.0.0.1", help="default: %(default)s")
+    parser.add_argument("--port", type=int, default=8000, help="default: %(default)s")
+    parser.add_argument("--max-request-body-bytes", default="32MiB", help="default: %(default)s")
+    parser.set_defaults(func=run_router)
+
+
+def check_backend_url(url: str) -> str:
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise UserError(f"--backend {url!r} is not an http(s) URL such as http://127.0.0.1:8000")
+    try:
+        parts.port
+    except ValueError:
+        raise UserError(f"--backend {url!r} has an invalid port") from None
+    return url.rstrip("/")
+
+
+def run_router(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kvserve.entrypoints.serve import _bind
+    from kvserve.router.app import RouterConfig, build_router_app
+
+    backends = [check_backend_url(url) for url in args.backend]
+    if len(set(backends)) != len(backends):
+        raise UserError("a --backend is given twice")
+    if args.api_key is not None and not args.api_key.strip():
+        raise UserError("--api-key must not be empty")
+    if args.max_index_entries < 1:
+        raise UserError(f"--max-index-entries must be at least 1, got {args.max_index_entries}")
+    if not args.load_cost_tokens >= 0:
+        raise UserError(f"--load-cost-tokens must be >= 0, got {args.load_cost_tokens}")
+    config = RouterConfig(backends, args.routing_policy, api_key=args.api_key, tokenizer=args.tokenizer,
+                          max_index_entries=args.max_index_entries, load_cost_tokens=args.load_cost_tokens,
+                          max_request_body_bytes=parse_size(args.max_request_body_bytes))
+    sock = _bind(args.host, args.port)
+    app = build_router_app(config)
+    uvicorn.Server(uvicorn.Config(app, log_level=args.log_level.lower(), timeout_keep_alive=5)).run(sockets=[sock])
+    return 0

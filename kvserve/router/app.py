@@ -1,0 +1,354 @@
+"""The router's HTTP front: an OpenAI-compatible proxy over kvserve replicas.
+
+    client ──> APIKeyMiddleware (if --api-key) ──> BodySizeLimitMiddleware ──> routes
+    POST /v1/completions, /v1/chat/completions: prompt tokens (worker thread) ──> Router.choose
+        ──> the chosen backend, body as sent; its answer relayed (SSE streamed message by message)
+    POST /tokenize, /detokenize: any up backend
+    GET /v1/models (an up backend's), /health (200 while one backend is up), /version,
+        /metrics (the router's own and every backend's, labelled `replica`), /router/state
+
+A backend that refuses the connection is taken out and the request tried on the next one (it
+never reached an engine). A backend that fails or is taken out while answering ends the request
+at once: a 502 with OpenAI's error body, or in a stream an error event and `[DONE]`. With no
+backend up the answer is a 503.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+
+from kvserve.router import DEFAULT_LOAD_COST_TOKENS
+from kvserve.router.backends import CONNECT_TIMEOUT_S, Backend, BackendWatcher
+from kvserve.router.index import PendingHints, PrefixIndex
+from kvserve.router.metrics_merge import merge_metrics
+from kvserve.router.policy import Router
+from kvserve.router.prompt_hashes import PromptTokens
+from kvserve.server.auth import APIKeyMiddleware
+from kvserve.server.body_limit import BodySizeLimitMiddleware
+from kvserve.server.errors import error_body, install_error_handlers
+from kvserve.server.streaming import DONE, EventStreamResponse, sse_error
+
+logger = logging.getLogger("kvserve.router")
+
+NO_BACKEND = "No backend is available to serve the request (every replica is down or unreachable)."
+_PASSED_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
+
+
+class BackendGone(Exception):
+    """The backend failed or was taken out while answering."""
+
+
+@dataclass
+class RouterConfig:
+    backends: list[str]
+    policy: str = "kv_aware"
+    api_key: str | None = None  # required from clients; also sent on the router's own calls
+    backend_api_key: str | None = None  # replaces the client's Authorization header (serve --data-parallel-size)
+    tokenizer: str | None = None  # a model or tokenizer path; default: the backends' model, if on this machine
+    max_index_entries: int = 1_000_000
+    load_cost_tokens: float = DEFAULT_LOAD_COST_TOKENS
+    max_request_body_bytes: int = 32 * 1024 * 1024
+    names: list[str] = field(default_factory=list)  # labels per backend (default "0", "1", ...)
+    startup_wait_s: float = 0.0  # serve only once every backend is up, or this long has passed
+
+
+class RouterService:
+    def __init__(self, config: RouterConfig, tokenizer: Any = None):
+        self.config = config
+        names = config.names or [str(i) for i in range(len(config.backends))]
+        self.backends = [Backend(name, url.rstrip("/")) for name, url in zip(names, config.backends)]
+        self.index = PrefixIndex(config.max_index_entries)
+        self.hints = PendingHints()
+        self.router = Router(config.policy, self.index, self.hints, config.load_cost_tokens)
+        self.prompts: PromptTokens | None = PromptTokens(tokenizer) if tokenizer is not None else None
+        self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="kvserve-router-tokenizer")
+        own_key = config.backend_api_key or config.api_key
+        self.own_headers = {"Authorization": f"Bearer {own_key}"} if own_key else {}
+        self.client: httpx.AsyncClient | None = None
+        self.watchers: dict[str, BackendWatcher] = {}
+        registry = self.registry = CollectorRegistry()
+        self.m_routed = Counter("kvserve_router:requests_routed", "Requests sent to each backend.",
+                                ["backend"], registry=registry)
+        self.m_cached = Counter("kvserve_router:expected_cached_tokens", "Prompt tokens the router expected the "
+                                "chosen backend to find in its prefix cache.", registry=registry)
+        self.m_prompt = Counter("kvserve_router:prompt_tokens", "Prompt tokens of routed requests (as the "
+                                "router tokenized them).", registry=registry)
+        self.m_up = Gauge("kvserve_router:backend_up", "1 while the backend is in service.", ["backend"],
+                          registry=registry)
+        self.m_failed = Counter("kvserve_router:backend_failures", "Requests ended because their backend failed.",
+                                ["backend"], registry=registry)
+        self.m_index = Gauge("kvserve_router:index_entries", "(backend, block hash) pairs in the prefix index.",
+                             registry=registry)
+
+    # ------------------------------------------------------------------ lifetime
+    async def start(self) -> None:
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(CONNECT_TIMEOUT_S, read=None),
+                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        for backend in self.backends:
+            watcher = self.watchers[backend.name] = BackendWatcher(backend, self.client, self.index, self.hints,
+                                                                   self.own_headers)
+            watcher.start()
+        deadline = asyncio.get_running_loop().time() + self.config.startup_wait_s
+        while len(self.up_backends()) < len(self.backends) and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        if self.config.policy == "kv_aware" and self.prompts is None:
+            self._tokenizer_task = asyncio.create_task(self._load_tokenizer())
+
+    async def stop(self) -> None:
+        for watcher in self.watchers.values():
+            await watcher.stop()
+        if self.client is not None:
+            await self.client.aclose()
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _load_tokenizer(self) -> None:
+        """--tokenizer, or the model of the first backend whose model path exists here."""
+        from kvserve.model.loader import load_tokenizer
+
+        source = self.config.tokenizer
+        while source is None:
+            for backend in self.up_backends():
+                try:
+                    models = (await self.client.get(f"{backend.url}/v1/models", headers=self.own_headers)).json()
+                    root = models["data"][0].get("root")
+                except (httpx.HTTPError, ValueError, KeyError, IndexError):
+                    continue
+                if root and Path(root).exists():
+                    source = root
+                    break
+                logger.warning("the backends' model %s is not on this machine: routing by load until "
+                               "--tokenizer names its tokenizer", root)
+                return
+            else:
+                await asyncio.sleep(0.5)
+        loop = asyncio.get_running_loop()
+        try:
+            tokenizer = await loop.run_in_executor(self._tokenizer_pool, load_tokenizer, source)
+        except Exception as exc:
+            logger.error("cannot load the tokenizer from %s (%s): routing by load only", source, exc)
+            return
+        self.prompts = PromptTokens(tokenizer)
+        logger.info("kv_aware routing with the tokenizer of %s", source)
+
+    def up_backends(self) -> list[Backend]:
+        return [b for b in self.backends if b.up]
+
+    # ------------------------------------------------------------------ proxying
+    async def proxy(self, request: Request, route: str) -> Response:
+        raw = await request.body()
+        try:
+            body: Any = json.loads(raw)
+        except ValueError:
+            body = None
+        token_ids = None
+        if self.prompts is not None and self.config.policy == "kv_aware" and route != "other" and isinstance(body, dict):
+            token_ids = await asyncio.get_running_loop().run_in_executor(
+                self._tokenizer_pool, self.prompts.token_ids, route, body)
+        salt = body.get("cache_salt") if isinstance(body, dict) and isinstance(body.get("cache_salt"), str) else None
+        stream = isinstance(body, dict) and body.get("stream") is True
+        headers = {k: v for k, v in request.headers.items() if k.lower() in _PASSED_HEADERS}
+        if self.config.backend_api_key:
+            headers["authorization"] = f"Bearer {self.config.backend_api_key}"
+        tried: set[str] = set()
+        while True:
+            choice = self.router.choose([b for b in self.up_backends() if b.name not in tried], token_ids, salt)
+            if choice is None:
+                return JSONResponse(error_body(503, NO_BACKEND), status_code=503)
+            backend = choice.backend
+            backend.in_flight += 1
+            try:
+                upstream = await self.client.send(
+                    self.client.build_request("POST", f"{backend.url}{request.url.path}", content=raw,
+                                              headers=headers), stream=True)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                backend.in_flight -= 1
+                tried.add(backend.name)
+                self.watchers[backend.name].mark_down(f"connection failed: {type(exc).__name__}")
+                continue
+            except BaseException:
+                backend.in_flight -= 1
+                raise
+            break
+        self.router.routed(choice)
+        backend.routed += 1
+        self.m_routed.labels(backend.name).inc()
+        if token_ids:
+            self.m_prompt.inc(len(token_ids))
+            self.m_cached.inc(choice.cached_tokens)
+        media_type = upstream.headers.get("content-type", "application/json")
+        if stream and upstream.status_code == 200:
+            def closed() -> None:  # however the response ends, even before its first chunk
+                backend.finished()
+                asyncio.ensure_future(upstream.aclose())
+            return EventStreamResponse(self._relay_stream(upstream, backend), closed)
+        try:
+            content = b"".join([chunk async for chunk in self._relay(upstream, backend)])
+        except BackendGone as exc:
+            return JSONResponse(error_body(502, str(exc)), status_code=502)
+        finally:
+            await upstream.aclose()
+            backend.finished()
+        return Response(content, status_code=upstream.status_code, media_type=media_type)
+
+    async def _relay(self, upstream: httpx.Response, backend: Backend) -> AsyncIterator[bytes]:
+        """The backend's body as it arrives; BackendGone if it fails or is taken out meanwhile."""
+        gone = f"The backend {backend.name} was taken out of service while answering."
+        down = asyncio.ensure_future(backend.down.wait())
+        chunks = upstream.aiter_raw().__aiter__()
+        step: asyncio.Future | None = None
+        try:
+            while True:
+                if down.done():
+                    raise BackendGone(gone)
+                step = asyncio.ensure_future(chunks.__anext__())
+                await asyncio.wait({step, down}, return_when=asyncio.FIRST_COMPLETED)
+                if not step.done():
+                    raise BackendGone(gone)
+                done, step = step, None
+                try:
+                    chunk = done.result()
+                except StopAsyncIteration:
+                    return
+                except httpx.HTTPError as exc:
+                    self.m_failed.labels(backend.name).inc()
+                    raise BackendGone(f"The backend {backend.name} failed while answering "
+                                      f"({type(exc).__name__}).") from None
+                yield chunk
+        finally:
+            down.cancel()
+            if step is not None:  # abandoned mid-read (taken out, or our client left)
+                if step.done():
+                    if not step.cancelled():
+                        step.exception()  # retrieved: the response is closed anyway
+                else:
+                    step.cancel()
+
+    async def _relay_stream(self, upstream: httpx.Response, backend: Backend) -> AsyncIterator[bytes]:
+        """An SSE body passed on whole message by message, so that an error event, if the backend
+        fails, never lands inside one."""
+        pending = b""
+        try:
+            async for chunk in self._relay(upstream, backend):
+                pending += chunk
+                end = pending.rfind(b"\n\n")
+                if end >= 0:
+                    yield pending[:end + 2]
+                    pending = pending[end + 2:]
+            if pending:
+                yield pending
+        except BackendGone as exc:
+            yield (sse_error(502, str(exc)) + DONE).encode()
+        finally:
+            await upstream.aclose()
+
+    async def forward_get(self, path: str, request: Request) -> Response:
+        headers = {k: v for k, v in request.headers.items() if k.lower() in _PASSED_HEADERS}
+        if self.config.backend_api_key:
+            headers["authorization"] = f"Bearer {self.config.backend_api_key}"
+        for backend in self.up_backends():
+            try:
+                response = await self.client.get(f"{backend.url}{path}", headers=headers)
+            except httpx.HTTPError:
+                continue
+            return Response(response.content, status_code=response.status_code,
+                            media_type=response.headers.get("content-type"))
+        return JSONResponse(error_body(503, NO_BACKEND), status_code=503)
+
+    async def metrics(self) -> bytes:
+        for backend in self.backends:
+            self.m_up.labels(backend.name).set(1 if backend.up else 0)
+        self.m_index.set(len(self.index))
+
+        async def page(backend: Backend) -> tuple[str, str | None]:
+            try:
+                return backend.name, (await self.client.get(f"{backend.url}/metrics")).text
+            except httpx.HTTPError:
+                return backend.name, None
+        pages = await asyncio.gather(*(page(b) for b in self.up_backends()))
+        merged = merge_metrics({name: text for name, text in pages if text is not None})
+        return generate_latest(self.registry) + merged.encode()
+
+    def state(self, with_hashes: bool) -> dict:
+        return {"policy": self.config.policy, "tokenizer_loaded": self.prompts is not None,
+                "index_entries": len(self.index),
+                "backends": [{"name": b.name, "url": b.url, "up": b.up, "instance_id": b.instance_id,
+                              "namespace": b.namespace, "block_size": b.block_size, "seq": b.seq,
+                              "in_flight": b.in_flight, "running": b.running, "waiting": b.waiting,
+                              "kv_cache_usage": b.kv_usage, "routed": b.routed,
+                              **({"block_hashes": sorted(h.hex() for h in self.index.hashes(b.name))}
+                                 if with_hashes else {})} for b in self.backends]}
+
+
+def build_router_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
+    """`tokenizer`: already loaded (serve --data-parallel-size); else loaded in the background."""
+    from kvserve import __version__
+
+    service = RouterService(config, tokenizer)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await service.start()
+        try:
+            yield
+        finally:
+            await service.stop()
+
+    app = FastAPI(title="kvserve router", version=__version__, lifespan=lifespan, redirect_slashes=False)
+    app.state.router = service
+    install_error_handlers(app)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await service.proxy(request, "completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await service.proxy(request, "chat")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await service.proxy(request, "other")
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await service.proxy(request, "other")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await service.forward_get("/v1/models", request)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if service.up_backends():
+            return Response(status_code=200)
+        return JSONResponse(error_body(503, NO_BACKEND), status_code=503)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(await service.metrics(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/router/state")
+    async def router_state(hashes: bool = False) -> dict:
+        return service.state(hashes)
+
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_request_body_bytes,
+                       max_bytes_in_flight=4 * config.max_request_body_bytes)
+    if config.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    return app

@@ -1,0 +1,75 @@
+"""Routing policies: which up backend gets the next request.
+
+    round_robin   in turn
+    least_loaded  the least load (Backend.load: the requests this router has open on it, plus
+                  its KV-cache pressure near a full pool)
+    kv_aware      the longest cached run of the request's prompt blocks, weighed against load:
+                  score = cached prompt tokens - load_cost_tokens x load; the best score wins,
+                  ties go to the less loaded. A hot prefix thus stays on one replica until that
+                  replica is (its cached tokens / load_cost_tokens) requests busier than another,
+                  and then spreads (the balance SGLang's cache-aware router keeps with thresholds).
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from kvserve.router import DEFAULT_LOAD_COST_TOKENS, POLICIES
+from kvserve.router.backends import Backend
+from kvserve.router.index import PendingHints, PrefixIndex, matched_blocks
+from kvserve.router.prompt_hashes import block_hashes
+
+
+
+@dataclass
+class Choice:
+    backend: Backend
+    hashes: list[bytes]  # the prompt's block hashes under the backend's namespace ([] unknown)
+    cached_tokens: int  # how many prompt tokens the router expects it to find cached
+
+
+@dataclass
+class Router:
+    policy: str
+    index: PrefixIndex
+    hints: PendingHints
+    load_cost_tokens: float = DEFAULT_LOAD_COST_TOKENS
+    _turn: itertools.count = field(default_factory=itertools.count)
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown routing policy {self.policy!r} (choose from {', '.join(POLICIES)})")
+
+    def choose(self, backends: list[Backend], token_ids: list[int] | None, cache_salt: str | None) -> Choice | None:
+        """The backend for a request among `backends` (the up ones); None if there is none."""
+        if not backends:
+            return None
+        start = next(self._turn)
+        rotated = [backends[(start + i) % len(backends)] for i in range(len(backends))]
+        if self.policy == "round_robin":
+            return Choice(rotated[0], [], 0)
+        if self.policy == "least_loaded" or not token_ids:
+            return Choice(min(rotated, key=lambda b: b.load), [], 0)
+        best: tuple[float, float, float] | None = None
+        choice = None
+        hashes_by_ns: dict[tuple[str, int], list[bytes]] = {}
+        for backend in rotated:
+            hashes, cached = [], 0
+            if backend.namespace is not None and backend.block_size:
+                key = (backend.namespace, backend.block_size)
+                if key not in hashes_by_ns:
+                    hashes_by_ns[key] = block_hashes(token_ids, *key, cache_salt)
+                hashes = hashes_by_ns[key]
+                # The last prompt token is always recomputed: a prompt's last full block counts only
+                # if a token follows it (as the engine caps its hits).
+                usable = hashes[:(len(token_ids) - 1) // backend.block_size]
+                cached = matched_blocks(self.index, self.hints, backend.name, usable) * backend.block_size
+            score = (cached - self.load_cost_tokens * backend.load, -backend.load, -backend.kv_usage)
+            if best is None or score > best:
+                best, choice = score, Choice(backend, hashes, cached)
+        return choice
+
+    def routed(self, choice: Choice) -> None:
+        """Remember that the chosen backend is about to hold the prompt's blocks."""
+        if choice.hashes:
+            self.hints.add(choice.backend.name, choice.hashes)

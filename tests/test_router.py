@@ -1,0 +1,186 @@
+"""Data-parallel replicas and the KV-cache-aware router, with real processes: two `kvserve serve`
+replicas behind a `kvserve router`, and one `kvserve serve --data-parallel-size 2`, all on the
+tiny model with small pools (so blocks get evicted). The test that kills a replica runs last."""
+from __future__ import annotations
+
+import json
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from router_process import RouterProcess
+from server_process import ServerProcess
+from tiny_models import BOOK
+
+KEY = "router-test-key"
+# 256 KiB of float32 KV is 32 blocks of 16 tokens: a dozen prompts evict.
+REPLICA_ARGS = ["--dtype", "float32", "--kv-cache-memory", "256KiB", "--max-model-len", "256",
+                "--served-model-name", "tiny"]
+TEXT = BOOK.read_text()[5000:40000]
+SHARED = TEXT[:400]  # about 100 tokens: several full blocks
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama, tmp_path_factory):
+    """(replica A, replica B, router over both, serve --data-parallel-size 2), started together."""
+    def start(args, env=None):
+        return ServerProcess.start([str(tiny_llama), *args], tmp_path_factory.mktemp("replica"), env, wait=False)
+
+    fault_env = {"KVSERVE_FAULT_INJECTION": "1"}
+    a, b = start([*REPLICA_ARGS, "--api-key", KEY], fault_env), start([*REPLICA_ARGS, "--api-key", KEY], fault_env)
+    dp = start([*REPLICA_ARGS, "--data-parallel-size", "2"])
+    router = RouterProcess.start([a.base_url, b.base_url], tmp_path_factory.mktemp("router"), "--api-key", KEY)
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            list(pool.map(lambda s: s.wait_healthy(), (a, b, dp)))
+        router.wait_until(lambda s: s["tokenizer_loaded"] and all(x["up"] for x in s["backends"]),
+                          what="both backends up with the tokenizer loaded")
+        # The front end of --data-parallel-size serves once its replicas are up, its tokenizer loaded.
+        state = httpx.get(f"{dp.base_url}/router/state", timeout=10).json()
+        assert state["tokenizer_loaded"] and all(x["up"] for x in state["backends"]), state
+        yield a, b, router, dp
+    finally:
+        router.stop()
+        for server in (a, b, dp):
+            server.stop()
+
+
+def complete(base_url: str, prompt: str, max_tokens: int = 6, key: str | None = KEY, **extra) -> dict:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    response = httpx.post(f"{base_url}/v1/completions", headers=headers, timeout=60,
+                          json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                                **extra})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def prefix_counters(server: ServerProcess, replica: str | None = None) -> tuple[float, float]:
+    m = server.metrics()
+    label = f'{{replica="{replica}"}}' if replica is not None else ""
+    return m[f"kvserve:prefix_cache_queries_total{label}"], m[f"kvserve:prefix_cache_hits_total{label}"]
+
+
+def test_router_and_data_parallel_answer_the_openai_client_as_one_engine_does(cluster):
+    a, b, router, dp = cluster
+    prompt = TEXT[1000:1200]
+    expected = complete(a.base_url, prompt)["choices"][0]["text"]
+    for base_url, key in ((router.base_url, KEY), (dp.base_url, "unused")):
+        client = OpenAI(base_url=f"{base_url}/v1", api_key=key)
+        assert [m.id for m in client.models.list().data] == ["tiny"]
+        for _ in range(2):  # both replicas, whichever gets it
+            plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0)
+            assert plain.choices[0].text == expected
+            streamed = "".join(c.choices[0].text for c in client.completions.create(
+                model="tiny", prompt=prompt, max_tokens=6, temperature=0, stream=True) if c.choices)
+            assert streamed == expected
+        chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}],
+                                              max_tokens=4, temperature=0)
+        chunks = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}],
+                                                max_tokens=4, temperature=0, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
+    assert httpx.post(f"{router.base_url}/v1/completions", json={"prompt": "x"}).status_code == 401
+
+
+def test_requests_sharing_a_prefix_land_on_the_replica_that_holds_it(cluster):
+    a, b, router, dp = cluster
+    for base_url, key, hits in ((router.base_url, KEY, lambda: [prefix_counters(a)[1], prefix_counters(b)[1]]),
+                                (dp.base_url, None, lambda: [prefix_counters(dp, "0")[1], prefix_counters(dp, "1")[1]])):
+        def routed() -> list[int]:
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            state = httpx.get(f"{base_url}/router/state", headers=headers, timeout=10).json()
+            return [x["routed"] for x in state["backends"]]
+
+        before_routed, before_hits = routed(), hits()
+        salt = f"tenant-{base_url}"  # a prefix neither replica has seen
+        for i in range(5):
+            complete(base_url, SHARED + f" Question {i}?", max_tokens=2, cache_salt=salt, key=key)
+        went = [now - then for now, then in zip(routed(), before_routed)]
+        assert sorted(went) == [0, 5], f"requests sharing a prefix were split: {went}"
+        holder = went.index(5)
+        deadline = time.monotonic() + 10  # the counters follow the engine's step a moment later
+        while hits()[holder] - before_hits[holder] < 4 * 5 * 16 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert hits()[holder] - before_hits[holder] >= 4 * 5 * 16, "the holder did not reuse the prefix"
+        assert hits()[1 - holder] == before_hits[1 - holder]
+
+
+def test_the_routers_index_equals_the_replicas_cached_blocks(cluster):
+    a, b, router, dp = cluster
+    with ThreadPoolExecutor(4) as pool:  # a dozen distinct prompts into 32-block pools: evictions
+        list(pool.map(lambda i: complete(router.base_url, TEXT[2000 + 450 * i:2000 + 450 * i + 400], 4), range(12)))
+    snapshots = {}
+    for name, server in (("0", a), ("1", b)):
+        snapshots[name] = httpx.get(f"{server.base_url}/v1/kv_events/snapshot", headers={"Authorization": f"Bearer {KEY}"}).json()
+    assert any(s["seq"] > len(s["block_hashes"]) for s in snapshots.values()), "no block was removed"
+    router.wait_until(lambda s: all(x["seq"] == snapshots[x["name"]]["seq"] for x in s["backends"]),
+                      timeout=10, what="the router caught up with the replicas' events")
+    state = router.state(hashes=True)
+    for backend in state["backends"]:
+        snap = snapshots[backend["name"]]
+        assert backend["instance_id"] == snap["replica"]["instance_id"]
+        assert backend["block_hashes"] == snap["block_hashes"]
+        assert backend["in_flight"] == 0  # every finished request counted out
+
+
+def test_no_reachable_backend_is_a_503_with_an_openai_error(tmp_path):
+    from server_process import free_port
+
+    router = RouterProcess.start([f"http://127.0.0.1:{free_port()}"], tmp_path, "--routing-policy", "round_robin")
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                response = httpx.post(f"{router.base_url}/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, router.log()
+                time.sleep(0.1)
+        assert response.status_code == 503
+        assert response.json()["error"]["type"] == "server_error" and "No backend" in response.json()["error"]["message"]
+        assert httpx.get(f"{router.base_url}/health").status_code == 503
+    finally:
+        router.stop()
+
+
+def test_a_killed_backend_fails_its_requests_quickly_is_routed_around_and_used_again_when_back(cluster, tmp_path):
+    a, b, router, dp = cluster
+    for server in (a, b):  # slow steps, so a stream is still running when its replica dies
+        httpx.post(f"{server.base_url}/debug/faults", json={"kind": "delay", "count": 1000, "seconds": 0.05},
+                   headers={"Authorization": f"Bearer {KEY}"})
+    body = {"model": "tiny", "prompt": TEXT[20000:20100], "max_tokens": 100, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{router.base_url}/v1/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"}) as response:
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+        busy = next(x for x in router.state()["backends"] if x["in_flight"] == 1)
+        victim, survivor = (a, b) if busy["url"] == a.base_url else (b, a)
+        old_instance = busy["instance_id"]
+        victim.process.send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        rest = [line for line in lines if line.startswith("data:")]
+    assert time.monotonic() - killed_at < 15
+    assert rest[-1] == "data: [DONE]" and "error" in json.loads(rest[-2][5:]), rest[-3:]
+    for i in range(3):  # routed around the dead replica
+        complete(router.base_url, TEXT[21000 + 100 * i:21000 + 100 * i + 80], max_tokens=2)
+    assert [x["up"] for x in router.state()["backends"] if x["url"] == victim.base_url] == [False]
+    # The replica comes back (a new instance): used again, with nothing of the old one in the index.
+    revived = ServerProcess.start([*victim.process.args[4:-4]], tmp_path, {"KVSERVE_FAULT_INJECTION": "1"},
+                                  port=victim.port)
+    try:
+        state = router.wait_until(lambda s: all(x["up"] for x in s["backends"]), timeout=30,
+                                  what="the revived replica back in service")
+        entry = next(x for x in state["backends"] if x["url"] == victim.base_url)
+        assert entry["instance_id"] != old_instance
+        fresh = httpx.get(f"{victim.base_url}/v1/kv_events/snapshot", headers={"Authorization": f"Bearer {KEY}"}).json()
+        held = next(x for x in router.state(hashes=True)["backends"] if x["url"] == victim.base_url)
+        assert held["block_hashes"] == fresh["block_hashes"] == []  # nothing of the old instance kept
+        routed = entry["routed"]
+        for i in range(4):
+            complete(router.base_url, TEXT[22000 + 100 * i:22000 + 100 * i + 80], max_tokens=2)
+        assert next(x for x in router.state()["backends"] if x["url"] == victim.base_url)["routed"] > routed
+    finally:
+        revived.stop()

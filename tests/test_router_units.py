@@ -1,0 +1,95 @@
+"""The router's parts without processes: the bounded prefix index, the kv_aware choice against
+load, the merged /metrics page, and the arguments `serve --data-parallel-size` gives replicas."""
+from __future__ import annotations
+
+from kvserve.entrypoints.data_parallel import replica_argv
+from kvserve.router.backends import Backend
+from kvserve.router.index import PendingHints, PrefixIndex, matched_blocks
+from kvserve.router.metrics_merge import merge_metrics
+from kvserve.router.policy import Router
+from kvserve.router.prompt_hashes import block_hashes
+
+
+def test_index_is_bounded_and_forgets_the_oldest():
+    index = PrefixIndex(max_entries=3)
+    for h in (b"a", b"b", b"c"):
+        index.add("0", h)
+    index.add("1", b"d")
+    assert len(index) == 3 and not index.holds("0", b"a") and index.holds("1", b"d")
+    index.remove("0", b"b")
+    index.remove("0", b"zz")  # unknown: ignored
+    assert index.hashes("0") == {b"c"}
+    index.replace("0", [b"x", b"y"])
+    assert index.hashes("0") == {b"x", b"y"} and index.hashes("1") == {b"d"}
+    index.clear("0")
+    assert len(index) == 1
+
+
+def test_matched_blocks_counts_the_leading_run_only():
+    index, hints = PrefixIndex(), PendingHints()
+    index.add("0", b"h0")
+    index.add("0", b"h2")  # h1 missing: h2 cannot be used
+    hints.add("1", [b"h0", b"h1"])
+    assert matched_blocks(index, hints, "0", [b"h0", b"h1", b"h2"]) == 1
+    assert matched_blocks(index, hints, "1", [b"h0", b"h1", b"h2"]) == 2
+
+
+def _backends() -> list[Backend]:
+    backends = [Backend(str(i), f"http://replica-{i}") for i in range(2)]
+    for b in backends:
+        b.up, b.namespace, b.block_size = True, "float32", 4
+    return backends
+
+
+def test_kv_aware_prefers_the_holder_until_it_is_too_busy():
+    index = PrefixIndex()
+    router = Router("kv_aware", index, PendingHints(), load_cost_tokens=4)
+    backends = _backends()
+    tokens = list(range(13))  # 3 full blocks; the last token follows the third
+    for h in block_hashes(tokens, "float32", 4, None):
+        index.add("1", h)
+    assert router.choose(backends, tokens, None).backend.name == "1"
+    assert router.choose(backends, tokens, None).cached_tokens == 12
+    assert router.choose(backends, tokens, "other-tenant").cached_tokens == 0  # the salt changes every hash
+    backends[1].in_flight = 4  # 12 cached tokens are worth 3 queued requests at 4 tokens each
+    assert router.choose(backends, tokens, None).backend.name == "0"
+
+
+def test_round_robin_and_least_loaded():
+    backends = _backends()
+    rr = Router("round_robin", PrefixIndex(), PendingHints())
+    assert [rr.choose(backends, None, None).backend.name for _ in range(4)] == ["0", "1", "0", "1"]
+    backends[0].in_flight = 2
+    ll = Router("least_loaded", PrefixIndex(), PendingHints())
+    assert {ll.choose(backends, [1, 2], None).backend.name for _ in range(4)} == {"1"}
+    assert ll.choose([], [1], None) is None
+
+
+def test_merged_metrics_label_each_replica_and_keep_families_together():
+    page = ('# HELP kvserve:x doc\n# TYPE kvserve:x counter\nkvserve:x_total{model_name="m"} 1.0\n'
+            '# HELP kvserve:y doc\n# TYPE kvserve:y gauge\nkvserve:y 2.0\n')
+    merged = merge_metrics({"0": page, "1": page.replace("1.0", "3.0")}).splitlines()
+    assert merged == ['# HELP kvserve:x doc', '# TYPE kvserve:x counter',
+                      'kvserve:x_total{replica="0",model_name="m"} 1.0',
+                      'kvserve:x_total{replica="1",model_name="m"} 3.0',
+                      '# HELP kvserve:y doc', '# TYPE kvserve:y gauge',
+                      'kvserve:y{replica="0"} 2.0', 'kvserve:y{replica="1"} 2.0']
+
+
+def test_replicas_do_not_get_the_front_ends_options():
+    argv = ["model", "--dtype", "float32", "--data-parallel-size", "2", "--port=9000", "--host", "0.0.0.0",
+            "--api-key", "k", "--routing-policy", "round_robin", "--max-num-seqs", "8"]
+    assert replica_argv(argv) == ["model", "--dtype", "float32", "--max-num-seqs", "8"]
+
+
+def test_bad_flags_are_one_line_errors(capsys):
+    from kvserve.cli import main
+
+    cases = [(["serve", "--routing-policy", "round_robin"], "--routing-policy needs --data-parallel-size > 1"),
+             (["serve", "--data-parallel-size", "0"], "--data-parallel-size must be at least 1"),
+             (["router", "--backend", "ftp://host:1"], "is not an http(s) URL"),
+             (["router", "--backend", "http://a:1", "--backend", "http://a:1/"], "a --backend is given twice")]
+    for argv, message in cases:
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1, err
