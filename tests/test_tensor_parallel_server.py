@@ -12,12 +12,18 @@ from pathlib import Path
 import httpx
 import openai
 
+from kvserve import LLM, SamplingParams
 from server_process import ServerProcess
 
 
 def spawned_workers(pid: int) -> list[int]:
     """Child processes of `pid` started by multiprocessing's spawn (not its resource tracker)."""
-    children = []
+    return children(pid, b"spawn_main")
+
+
+def children(pid: int, marker: bytes) -> list[int]:
+    """Child processes of `pid` whose command line contains `marker`."""
+    found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -27,9 +33,9 @@ def spawned_workers(pid: int) -> list[int]:
         except OSError:
             continue
         ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == pid and b"spawn_main" in cmdline:
-            children.append(int(entry.name))
-    return children
+        if ppid == pid and marker in cmdline:
+            found.append(int(entry.name))
+    return found
 
 
 def alive(pid: int) -> bool:
@@ -84,5 +90,37 @@ def test_sigterm_stops_every_rank(tiny_llama, tmp_path):
         server.process.send_signal(signal.SIGTERM)
         assert server.process.wait(timeout=30) == 0
         assert not alive(worker)
+    finally:
+        server.stop()
+
+
+def test_data_parallel_replicas_of_tensor_parallel_engines(tiny_llama, tmp_path):
+    """`serve --data-parallel-size 2 --tensor-parallel-size 2`: two replicas of two ranks each
+    behind one front end answer as one single-process engine does, and SIGTERM stops all of them."""
+    common = [str(tiny_llama), "--dtype", "float32", "--kv-cache-memory", "8MiB", "--served-model-name", "tiny"]
+    prompt = "The quick brown fox jumps over the lazy dog and then"
+    llm = LLM(model=str(tiny_llama), dtype="float32", kv_cache_memory="8MiB")
+    expected = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0))[0].outputs[0].text
+    del llm
+    server = ServerProcess.start([*common, "--data-parallel-size", "2", "--tensor-parallel-size", "2"], tmp_path)
+    try:
+        replicas = children(server.process.pid, b"kvserve.cli")
+        assert len(replicas) == 2
+        workers = [w for r in replicas for w in spawned_workers(r)]
+        assert len(workers) == 2, "one spawned worker per replica (rank 1 of each)"
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused")
+        for stream in (False, True, False, True):  # both replicas, whichever gets it
+            if stream:
+                text = "".join(c.choices[0].text for c in client.completions.create(
+                    model="tiny", prompt=prompt, max_tokens=8, temperature=0, stream=True) if c.choices)
+            else:
+                text = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0).choices[0].text
+            assert text == expected
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(timeout=60) == 0
+        deadline = time.monotonic() + 30
+        while any(alive(p) for p in replicas + workers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(alive(p) for p in replicas + workers)
     finally:
         server.stop()

@@ -27,6 +27,7 @@ import time
 import httpx
 
 from kvserve.cli import UserError
+from kvserve.engine.parallel.group import CORES_ENV
 
 logger = logging.getLogger("kvserve.server")
 
@@ -68,13 +69,18 @@ def _cuda_devices() -> list[str]:
     return [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
 
 
-def _replica_env(index: int, count: int, devices: list[str]) -> dict[str, str]:
+def _replica_env(index: int, count: int, devices: list[str], ranks: int = 1) -> dict[str, str]:
+    """Replica `index` of `count`, each with `ranks` tensor-parallel ranks: its share of the cores
+    (split again among its ranks, kvserve/engine/parallel/group.py) and its own `ranks` GPUs."""
     env = dict(os.environ)
     env.pop("KVSERVE_API_KEY", None)
+    env.pop("MASTER_PORT", None)  # each replica's ranks meet on a port of their own
+    cores = max(1, (os.cpu_count() or 1) // count)
+    env.setdefault(CORES_ENV, str(cores))
     if "OMP_NUM_THREADS" not in env:
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // count))
-    if len(devices) >= count:
-        env["CUDA_VISIBLE_DEVICES"] = devices[index]
+        env["OMP_NUM_THREADS"] = str(max(1, cores // ranks))
+    if len(devices) >= count * ranks:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(devices[index * ranks:(index + 1) * ranks])
     return env
 
 
@@ -141,7 +147,7 @@ def run_data_parallel(args: argparse.Namespace, serve_argv: list[str], sock, uvi
         for i, port in enumerate(ports):
             command = [sys.executable, "-m", "kvserve.cli", "--log-level", args.log_level, "serve", *child,
                        "--host", "127.0.0.1", "--port", str(port), "--api-key", key]
-            processes.append(subprocess.Popen(command, env=_replica_env(i, count, devices),
+            processes.append(subprocess.Popen(command, env=_replica_env(i, count, devices, args.tensor_parallel_size),
                                               preexec_fn=_die_with_parent))
         policy = args.routing_policy or "kv_aware"
         model_path = str(resolve_model_path(args.model))

@@ -136,8 +136,9 @@ def run_serve(args: argparse.Namespace) -> int:
         raise UserError(f"--data-parallel-size must be at least 1, got {args.data_parallel_size}")
     if args.routing_policy is not None and args.data_parallel_size == 1:
         raise UserError("--routing-policy needs --data-parallel-size > 1 (or use `kvserve router`)")
-    if args.data_parallel_size > 1 and getattr(args, "tensor_parallel_size", 1) > 1:
-        raise UserError("--data-parallel-size > 1 with --tensor-parallel-size > 1 is not supported yet")
+    if args.data_parallel_size > 1 and (args.nnodes > 1 or args.node_rank > 0 or args.master_port is not None):
+        raise UserError("--data-parallel-size > 1 runs its replicas on this machine: it does not take --nnodes, "
+                        "--node-rank or --master-port (each replica's tensor-parallel ranks meet on a free port)")
     max_body = parse_size(args.max_request_body_bytes)
     in_flight = parse_size(args.max_body_bytes_in_flight) if args.max_body_bytes_in_flight is not None else 4 * max_body
     if in_flight < max_body:

@@ -24,6 +24,8 @@ from kvserve.engine.args import EngineArgs
 DEFAULT_TIMEOUT_S = 60.0
 # Seconds the ranks may take to join and to load their weights before the first step.
 STARTUP_TIMEOUT_S = 900.0
+# The cores this engine's ranks share when not the whole machine's (set per data-parallel replica).
+CORES_ENV = "KVSERVE_CPU_CORES"
 
 
 @dataclass(frozen=True)
@@ -93,8 +95,10 @@ def free_port(host: str) -> int:
 
 def set_rank_threads(config: DistributedConfig) -> int:
     """Each rank of this node takes an equal share of its cores (at least one): N ranks each
-    running torch's default thread count would oversubscribe the machine N times."""
-    threads = max(1, (os.cpu_count() or 1) // config.per_node)
+    running torch's default thread count would oversubscribe the machine N times. The cores are
+    the machine's, or $KVSERVE_CPU_CORES where `serve --data-parallel-size` gave this replica its share."""
+    cores = int(os.environ.get(CORES_ENV) or os.cpu_count() or 1)
+    threads = max(1, cores // config.per_node)
     torch.set_num_threads(threads)
     return threads
 
