@@ -5,6 +5,8 @@ into one matmul each (fewer, larger matmuls: what a batch-1 decode step on CPU i
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -123,13 +125,17 @@ class LlamaForCausalLM(nn.Module):
 
     @classmethod
     def from_hf_weights(cls, config: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int,
-                        dtype: torch.dtype, device: torch.device) -> "LlamaForCausalLM":
-        """Build on the meta device (no throw-away random init), then adopt the checkpoint tensors."""
+                        dtype: torch.dtype, device: torch.device,
+                        replace_linears: Callable[[nn.Module], None] | None = None) -> "LlamaForCausalLM":
+        """Build on the meta device (no throw-away random init), then adopt the checkpoint tensors.
+        `replace_linears` may swap linear layers (quantization) before the rest are prepacked."""
         with torch.device("meta"):
             model = cls(config)
         model.load_hf_state_dict(weights)
         model.rope = RotaryEmbedding(config, max_positions, dtype)
         model = model.to(device=device, dtype=dtype).eval()
+        if replace_linears is not None:
+            replace_linears(model)
         if prepacking_available(device, dtype):
             prepack_linears(model)
         return model

@@ -1,0 +1,204 @@
+"""Weight-only quantized linear layers (`--quantization`) and the pass that puts them in a model.
+
+A decode step at small batch reads every weight once per token, so its speed is the weights'
+size: int4 weights are a quarter of bf16's bytes. torch ships CPU kernels that multiply by them
+without materialising the weight: `aten._weight_int4pack_mm_for_cpu` (int4 in groups, a scale
+and zero per group) and `aten._weight_int8pack_mm` (int8, one scale per output channel). Both
+are fast only with bfloat16 activations (their float32 paths are scalar loops), also on CPUs
+without native bf16 (the kernels widen to float32 with vector shifts), so a float32 model runs
+them with its activations rounded to bfloat16 and the result widened back. At many rows
+(prefill chunks, large decode batches) they lose to oneDNN's dense GEMM, so a layer also keeps
+its dequantized weight for those when RAM allows (the plain-copy rule of cpu_linear.py).
+
+Devices without these kernels (CUDA here) dequantize the weight on each call: correct, and the
+memory saving holds, but no faster than dense weights.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.hardware import available_ram_bytes
+from kvserve.model.cpu_linear import PrepackedLinear, prepacking_available
+from kvserve.model.quantized import (QuantizedMatrix, concat_rows, quantize_int4, quantize_int8,
+                                     requantize_int8_per_channel, same_format)
+from kvserve.units import format_size
+
+logger = logging.getLogger(__name__)
+
+QUANTIZATION_MODES = ("auto", "none", "int8", "int4")
+# Rows up to which the int4/int8 kernels beat the dense GEMM (BENCHMARKS.md, "Quantized weights").
+KERNEL_MAX_ROWS = 4
+_KERNEL_DTYPE = torch.bfloat16
+# The model's fused linears and the checkpoint matrices they are made of, in order.
+_FUSED_PARTS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def _cpu_kernels_available() -> bool:
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and hasattr(torch.ops.aten, "_weight_int8pack_mm")
+
+
+class QuantizedLinear(nn.Module):
+    """y = x W^T + b with W held as a QuantizedMatrix: through torch's CPU kernel for up to
+    KERNEL_MAX_ROWS rows, through a dense copy (if kept) above that, else dequantized per call."""
+
+    def __init__(self, matrix: QuantizedMatrix, bias: torch.Tensor | None, dtype: torch.dtype,
+                 device: torch.device, keep_dense: bool):
+        super().__init__()
+        self.out_features, self.in_features = matrix.shape
+        self.bits, self.group_size = matrix.bits, matrix.group_size
+        self.bias = bias
+        self.dtype = dtype
+        self.kernel: str | None = None
+        self.matrix: QuantizedMatrix | None = None
+        if device.type == "cpu" and _cpu_kernels_available():
+            if matrix.bits == 4:
+                self.kernel = "int4"
+                self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(matrix.q.to(torch.int32), 1)
+                zero = matrix.zero if matrix.zero is not None else torch.zeros_like(matrix.scale)
+                # [in / group, out, 2]: scale and zero per group, the kernel's layout.
+                self.scales_zeros = torch.stack((matrix.scale, zero), dim=-1).transpose(0, 1).to(_KERNEL_DTYPE).contiguous()
+            elif matrix.group_size == matrix.shape[1] and matrix.zero is None:
+                self.kernel = "int8"
+                self.packed = matrix.q.contiguous()
+                self.scales = matrix.scale.view(-1).to(_KERNEL_DTYPE)
+        if self.kernel is None:
+            self.matrix = QuantizedMatrix(matrix.q.to(device), matrix.scale.to(device),
+                                          None if matrix.zero is None else matrix.zero.to(device),
+                                          matrix.group_size, matrix.bits)
+        self.dense: nn.Module | torch.Tensor | None = None
+        if keep_dense and self.kernel is not None:
+            weight = matrix.dequantize().to(dtype)
+            if prepacking_available(device, dtype):
+                dense = nn.Linear(self.in_features, self.out_features, bias=False, device="meta")
+                dense.weight = nn.Parameter(weight, requires_grad=False)
+                self.dense = PrepackedLinear(dense, keep_plain=False)
+            else:
+                self.dense = weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if self.kernel is not None and (rows <= KERNEL_MAX_ROWS or self.dense is None):
+            flat = x.reshape(rows, self.in_features).to(_KERNEL_DTYPE)
+            if self.kernel == "int4":
+                y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size, self.scales_zeros)
+            else:
+                y = torch.ops.aten._weight_int8pack_mm(flat, self.packed, self.scales)
+            y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+            return y if self.bias is None else y + self.bias
+        if self.dense is not None:
+            if isinstance(self.dense, torch.Tensor):
+                return F.linear(x, self.dense, self.bias)
+            y = self.dense(x)
+            return y if self.bias is None else y + self.bias
+        return F.linear(x, self.matrix.dequantize().to(x.dtype), self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, int{self.bits}, "
+                f"group_size={self.group_size}, kernel={self.kernel}, dense_copy={self.dense is not None}")
+
+
+@dataclass
+class QuantizationReport:
+    """What `quantize_linears` did, for the start-up log."""
+
+    mode: str
+    kinds: dict[str, int] = field(default_factory=dict)  # "int4 g32" -> number of linears
+    dense_copy_bytes: int = 0
+
+    def describe(self) -> str:
+        if not self.kinds:
+            return "none (full-precision weights)"
+        return ", ".join(f"{count} × {kind}" for kind, count in sorted(self.kinds.items()))
+
+
+def _source_matrix(name: str, sources: dict[str, QuantizedMatrix], tied_embedding: bool) -> QuantizedMatrix | None:
+    """The checkpoint's quantized matrix for the model's linear `name` (fused ones concatenated),
+    or None where the checkpoint stores it unquantized or in formats that do not fuse."""
+    if name == "lm_head" and tied_embedding:
+        return sources.get("embed_tokens.weight")
+    for fused, parts in _FUSED_PARTS.items():
+        if name.endswith(fused):
+            prefix = name[: -len(fused)]
+            matrices = [sources.get(f"{prefix}{part}.weight") for part in parts]
+            return concat_rows(matrices) if same_format(matrices) else None
+    return sources.get(f"{name}.weight")
+
+
+def _target(mode: str, name: str, source: QuantizedMatrix | None, weight: torch.Tensor) -> QuantizedMatrix | None:
+    """The matrix a linear is served with under `mode`. The LM head stays int8 under int4 (as
+    llama.cpp's quantizers keep the output layer at 6-8 bits: its errors reach the logits
+    directly). Int8 matrices with group scales (GGUF Q8_0) are rounded to per-channel scales,
+    the form torch's int8 kernel takes."""
+    if mode == "auto":
+        if source is None:
+            return None
+        return requantize_int8_per_channel(source) if source.bits == 8 and source.group_size != source.shape[1] else source
+    dense = source.dequantize() if source is not None else weight.float()
+    if mode == "int4" and name != "lm_head":
+        if source is not None and source.bits == 4:
+            return source
+        return quantize_int4(dense)
+    if source is not None and source.bits == 8 and source.group_size == source.shape[1]:
+        return source
+    return quantize_int8(dense)
+
+
+def quantize_linears(model: nn.Module, mode: str, sources: dict[str, QuantizedMatrix], dtype: torch.dtype,
+                     device: torch.device) -> QuantizationReport:
+    """Replace the model's nn.Linear layers by QuantizedLinear under `mode` (auto: what the
+    checkpoint stores, `sources`, by HF name without the "model." prefix; int8/int4: every linear,
+    quantized from the checkpoint's values; none: nothing)."""
+    report = QuantizationReport(mode)
+    if mode == "none":
+        return report
+    linears = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    plans = []
+    for name, linear in linears:
+        target = _target(mode, name, _source_matrix(name, sources, tied), linear.weight)
+        if target is not None:
+            plans.append((name, linear, target))
+    dense_bytes = sum(t.shape[0] * t.shape[1] for _, _, t in plans) * torch.finfo(dtype).bits // 8
+    keep_dense = device.type == "cpu" and dense_bytes <= available_ram_bytes() // 4
+    for name, linear, target in plans:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, QuantizedLinear(target, linear.bias, dtype, device, keep_dense))
+        kind = f"int{target.bits} " + ("per channel" if target.group_size == target.shape[1] else f"g{target.group_size}")
+        report.kinds[kind] = report.kinds.get(kind, 0) + 1
+    if keep_dense and plans:
+        report.dense_copy_bytes = dense_bytes
+    if plans and device.type == "cpu" and not keep_dense:
+        logger.info("Quantized linears run every batch size through the int kernels: a dense copy for large "
+                    "batches (%s) would take more than a quarter of the available RAM", format_size(dense_bytes))
+    return report
+
+
+def resident_weight_bytes(model: nn.Module) -> int:
+    """Bytes of every tensor the model holds (parameters, buffers and the tensors of quantized and
+    prepacked layers), each storage counted once."""
+    seen: set[int] = set()
+    total = 0
+    for module in model.modules():
+        tensors = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
+        for value in vars(module).values():
+            if isinstance(value, torch.Tensor):
+                tensors.append(value)
+            elif isinstance(value, QuantizedMatrix):
+                tensors += [t for t in (value.q, value.scale, value.zero) if t is not None]
+        for tensor in tensors:
+            try:
+                key = tensor.untyped_storage().data_ptr()
+                size = tensor.untyped_storage().nbytes()
+            except (RuntimeError, NotImplementedError):  # opaque tensors (oneDNN's blocked weights)
+                key, size = id(tensor), tensor.numel() * tensor.element_size()
+            if key not in seen:
+                seen.add(key)
+                total += size
+    return total
