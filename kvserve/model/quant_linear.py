@@ -1,17 +1,19 @@
 """Weight-only quantized linear layers (`--quantization`) and the pass that puts them in a model.
 
 A decode step at small batch reads every weight once per token, so its speed is the weights'
-size: int4 weights are a quarter of bf16's bytes. torch ships CPU kernels that multiply by them
-without materialising the weight: `aten._weight_int4pack_mm_for_cpu` (int4 in groups, a scale
-and zero per group) and `aten._weight_int8pack_mm` (int8, one scale per output channel). Both
-are fast only with bfloat16 activations (their float32 paths are scalar loops), also on CPUs
-without native bf16 (the kernels widen to float32 with vector shifts), so a float32 model runs
-them with its activations rounded to bfloat16 and the result widened back. At many rows
-(prefill chunks, large decode batches) they lose to oneDNN's dense GEMM, so a layer also keeps
-its dequantized weight for those when RAM allows (the plain-copy rule of cpu_linear.py).
+size: int4 weights are a quarter of bf16's bytes. torch ships a CPU kernel that multiplies by
+int4 weights in groups (a scale and zero per group of 32) without materialising them,
+`aten._weight_int4pack_mm_for_cpu`; int8 weights go through it too, as their high and low nibbles
+(`_int4_kernel_operands`), which keeps llama.cpp's Q8_0 group scales exact and at one row reads
+faster than torch's per-channel int8 kernel (`aten._weight_int8pack_mm`) or a bf16 GEMV. The kernel
+is fast only with bfloat16 activations (its float32 path is a scalar loop), also on CPUs without
+native bf16 (it widens to float32 with vector shifts), so a float32 model runs it with its
+activations rounded to bfloat16 and the result widened back. At many rows (prefill chunks, large
+decode batches) it loses to oneDNN's dense GEMM, so a layer also keeps its dequantized weight for
+those when RAM allows (the plain-copy rule of cpu_linear.py).
 
-Devices without these kernels (CUDA here) dequantize the weight on each call: correct, and the
-memory saving holds, but no faster than dense weights.
+Devices without the kernel (CUDA here) dequantize the weight on each call: correct, and the memory
+saving holds, but no faster than dense weights.
 """
 from __future__ import annotations
 
@@ -24,8 +26,7 @@ from torch import nn
 
 from kvserve.hardware import available_ram_bytes
 from kvserve.model.cpu_linear import PrepackedLinear, prepacking_available
-from kvserve.model.quantized import (QuantizedMatrix, concat_rows, quantize_int4, quantize_int8,
-                                     requantize_int8_per_channel, same_format)
+from kvserve.model.quantized import QuantizedMatrix, concat_rows, quantize_int4, quantize_int8, same_format
 from kvserve.units import format_size
 
 logger = logging.getLogger(__name__)
@@ -34,13 +35,30 @@ QUANTIZATION_MODES = ("auto", "none", "int8", "int4")
 # Rows up to which the int4/int8 kernels beat the dense GEMM (BENCHMARKS.md, "Quantized weights").
 KERNEL_MAX_ROWS = 4
 _KERNEL_DTYPE = torch.bfloat16
+_KERNEL_GROUP = 32  # the group size the layers give the int4 kernel
 # The model's fused linears and the checkpoint matrices they are made of, in order.
 _FUSED_PARTS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
                 "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
 
 
-def _cpu_kernels_available() -> bool:
-    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and hasattr(torch.ops.aten, "_weight_int8pack_mm")
+def _int4_kernel_operands(matrix: QuantizedMatrix) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int32 codes [out, in'] and float32 scales and zeros [in' / 32, out, 2] that make torch's
+    int4 kernel multiply by `matrix`. An int8 matrix becomes two int4 halves side by side (in' = 2 in):
+    with u = q + 128 = 16 hi + lo, d q = 16d (hi - 8) + (d (lo - 8) + 8d), so the high nibbles take
+    scale 16d and zero 0, the low ones scale d and zero 8d: the same weight, no rounding but the
+    kernel's bf16 scales (16d, 8d and d round alike)."""
+    out, cols = matrix.shape
+    repeat = matrix.group_size // _KERNEL_GROUP
+    scale = matrix.scale.repeat_interleave(repeat, dim=1)
+    if matrix.bits == 4:
+        zero = matrix.zero.repeat_interleave(repeat, dim=1) if matrix.zero is not None else torch.zeros_like(scale)
+        q, scales, zeros = matrix.q.to(torch.int32), scale, zero
+    else:
+        u = matrix.q.to(torch.int32) + 128
+        q = torch.cat((u >> 4, u & 15), dim=1)
+        scales = torch.cat((16 * scale, scale), dim=1)
+        zeros = torch.cat((torch.zeros_like(scale), 8 * scale), dim=1)
+    return q, torch.stack((scales, zeros), dim=-1).transpose(0, 1)
 
 
 class QuantizedLinear(nn.Module):
@@ -54,25 +72,19 @@ class QuantizedLinear(nn.Module):
         self.bits, self.group_size = matrix.bits, matrix.group_size
         self.bias = bias
         self.dtype = dtype
-        self.kernel: str | None = None
+        self.kernel = (device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+                       and self.in_features % _KERNEL_GROUP == 0 and matrix.group_size % _KERNEL_GROUP == 0)
         self.matrix: QuantizedMatrix | None = None
-        if device.type == "cpu" and _cpu_kernels_available():
-            if matrix.bits == 4:
-                self.kernel = "int4"
-                self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(matrix.q.to(torch.int32), 1)
-                zero = matrix.zero if matrix.zero is not None else torch.zeros_like(matrix.scale)
-                # [in / group, out, 2]: scale and zero per group, the kernel's layout.
-                self.scales_zeros = torch.stack((matrix.scale, zero), dim=-1).transpose(0, 1).to(_KERNEL_DTYPE).contiguous()
-            elif matrix.group_size == matrix.shape[1] and matrix.zero is None:
-                self.kernel = "int8"
-                self.packed = matrix.q.contiguous()
-                self.scales = matrix.scale.view(-1).to(_KERNEL_DTYPE)
-        if self.kernel is None:
+        if self.kernel:
+            q, scales_zeros = _int4_kernel_operands(matrix)
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+            self.scales_zeros = scales_zeros.to(_KERNEL_DTYPE).contiguous()
+        else:
             self.matrix = QuantizedMatrix(matrix.q.to(device), matrix.scale.to(device),
                                           None if matrix.zero is None else matrix.zero.to(device),
                                           matrix.group_size, matrix.bits)
         self.dense: nn.Module | torch.Tensor | None = None
-        if keep_dense and self.kernel is not None:
+        if keep_dense and self.kernel:
             weight = matrix.dequantize().to(dtype)
             if prepacking_available(device, dtype):
                 dense = nn.Linear(self.in_features, self.out_features, bias=False, device="meta")
@@ -83,12 +95,11 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if self.kernel is not None and (rows <= KERNEL_MAX_ROWS or self.dense is None):
+        if self.kernel and (rows <= KERNEL_MAX_ROWS or self.dense is None):
             flat = x.reshape(rows, self.in_features).to(_KERNEL_DTYPE)
-            if self.kernel == "int4":
-                y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size, self.scales_zeros)
-            else:
-                y = torch.ops.aten._weight_int8pack_mm(flat, self.packed, self.scales)
+            if self.bits == 8:  # the weight's high and low nibbles, each multiplied by x
+                flat = torch.cat((flat, flat), dim=1)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, _KERNEL_GROUP, self.scales_zeros)
             y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias
         if self.dense is not None:
@@ -131,22 +142,17 @@ def _source_matrix(name: str, sources: dict[str, QuantizedMatrix], tied_embeddin
 
 
 def _target(mode: str, name: str, source: QuantizedMatrix | None, weight: torch.Tensor) -> QuantizedMatrix | None:
-    """The matrix a linear is served with under `mode`. The LM head stays int8 under int4 (as
-    llama.cpp's quantizers keep the output layer at 6-8 bits: its errors reach the logits
-    directly). Int8 matrices with group scales (GGUF Q8_0) are rounded to per-channel scales,
-    the form torch's int8 kernel takes."""
-    if mode == "auto":
-        if source is None:
-            return None
-        return requantize_int8_per_channel(source) if source.bits == 8 and source.group_size != source.shape[1] else source
-    dense = source.dequantize() if source is not None else weight.float()
-    if mode == "int4" and name != "lm_head":
-        if source is not None and source.bits == 4:
-            return source
-        return quantize_int4(dense)
-    if source is not None and source.bits == 8 and source.group_size == source.shape[1]:
+    """The matrix a linear is served with under `mode`: a checkpoint's own quantized matrix where
+    it has the asked width (auto: whatever it has), else one quantized from its values. The LM
+    head stays 8-bit under int4 (as llama.cpp's quantizers keep the output layer at 6-8 bits: its
+    errors reach the logits directly)."""
+    bits = {"int8": 8, "int4": 8 if name == "lm_head" else 4}.get(mode)
+    if source is not None and (mode == "auto" or source.bits == bits):
         return source
-    return quantize_int8(dense)
+    if mode == "auto":
+        return None
+    dense = source.dequantize() if source is not None else weight.float()
+    return quantize_int4(dense) if bits == 4 else quantize_int8(dense)
 
 
 def quantize_linears(model: nn.Module, mode: str, sources: dict[str, QuantizedMatrix], dtype: torch.dtype,

@@ -97,8 +97,3 @@ def quantize_int4(weight: torch.Tensor, group_size: int = 32) -> QuantizedMatrix
     q = torch.round((groups - low.unsqueeze(-1)) / scale.unsqueeze(-1)).clamp_(0, 15).to(torch.uint8)
     return QuantizedMatrix(q.view(out, cols), scale, low + 8 * scale, group_size, 4)
 
-
-def requantize_int8_per_channel(matrix: QuantizedMatrix) -> QuantizedMatrix:
-    """An int8 matrix with group scales (GGUF Q8_0) as int8 with one scale per output channel, the
-    form torch's int8 kernel takes: its dequantized values rounded again onto the coarser grid."""
-    return quantize_int8(matrix.dequantize())
