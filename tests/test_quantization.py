@@ -140,3 +140,27 @@ def test_int8_weights_greedy_output_agrees_with_full_precision_on_the_readme_pro
                                       use_tqdm=False)[0].outputs[0].text)
     assert outputs["int8"] == outputs["none"]
     assert "Paris" in outputs["int8"][-1]
+
+
+def _plan(capsys, *args: str) -> dict:
+    import json
+
+    from kvserve.cli import main
+
+    assert main(["plan", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_plan_counts_weights_at_their_served_size_so_the_kv_budget_grows(capsys):
+    common = ("--gpu-memory", "2GiB", "--max-model-len", "2048", "--dtype", "bfloat16")
+    plans = {mode: _plan(capsys, *common, "--quantization", mode) for mode in ("none", "auto", "int8", "int4")}
+    dense = plans["none"]["weights"]["bytes"]
+    assert dense == 2 * plans["none"]["weights"]["num_params"]
+    # the default GGUF is Q4_1 with a Q8_0 embedding, tied: auto = int4 here
+    assert plans["auto"]["weights"]["bytes"] == plans["int4"]["weights"]["bytes"] < plans["int8"]["weights"]["bytes"] < dense
+    assert plans["auto"]["weights"]["quantization"] == "auto"
+    assert plans["auto"]["kv_budget"]["bytes"] - plans["none"]["kv_budget"]["bytes"] == \
+        dense - plans["auto"]["weights"]["bytes"]
+    preset = {mode: _plan(capsys, "llama-2-7b", "--gpu-memory", "32GiB", "--max-model-len", "2048", "--quantization",
+                          mode)["weights"] for mode in ("auto", "int4")}
+    assert preset["auto"]["quantization"] == "none" and preset["int4"]["bytes"] < preset["auto"]["bytes"] / 3

@@ -186,6 +186,16 @@ def quantize_linears(model: nn.Module, mode: str, sources: dict[str, QuantizedMa
     return report
 
 
+def served_matrix_bytes(values: int, bits: int | None, dtype: torch.dtype) -> int:
+    """Bytes a matrix of `values` weights takes in QuantizedLinear's kernel form (`bits` 4 or 8: the
+    codes at 4 bits each, 8-bit ones as two nibbles, plus a bfloat16 scale and zero per 32 codes),
+    or dense in `dtype` (bits None)."""
+    if bits is None:
+        return values * torch.empty((), dtype=dtype).element_size()
+    codes = values * bits // 4
+    return codes // 2 + codes // _KERNEL_GROUP * 4
+
+
 def resident_weight_bytes(model: nn.Module) -> int:
     """Bytes of every tensor the model holds (parameters, buffers and the tensors of quantized and
     prepacked layers), each storage counted once."""
