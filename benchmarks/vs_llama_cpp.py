@@ -191,7 +191,7 @@ def main() -> None:
         backends += [KvserveBackend(args.model, q, args.dtype) for q in args.kvserve_quantization.split(",")]
     if "llama.cpp" in wanted:
         backends.append(LlamaCppBackend(path, args.threads))
-    concurrency = [int(c) for c in args.concurrency.split(",")]
+    concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
     dtype = backends[0].dtype if backends and hasattr(backends[0], "dtype") else torch.float32
     if "hf" in wanted:
         backends.append(HFBackend(args.model, dtype))
@@ -217,7 +217,7 @@ def main() -> None:
                                                     args.decode_tokens))
                 record(b, "prefill", lambda: b.prefill(random_prompts(vocab, 1, args.prefill_tokens, seed + 1)[0]))
             for n in concurrency:
-                if isinstance(b, HFBackend) and n != max(concurrency):
+                if isinstance(b, HFBackend) and n != max(concurrency):  # HF: the largest only
                     continue
                 record(b, f"c{n}", lambda: b.concurrent(random_prompts(vocab, n, args.prompt_tokens, seed + 2 + n),
                                                        args.decode_tokens))
