@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from kvserve import LLM, SamplingParams
 from kvserve.model.gguf_file import GGUFTensor, quantized_matrix
-from kvserve.model.quant_linear import KERNEL_MAX_ROWS, QuantizedLinear, quantize_linears
+from kvserve.model.quant_linear import QuantizedLinear, quantize_linears
 from kvserve.model.quantized import quantize_int4, quantize_int8
 
 QUANTIZED_TYPES = [gguf.GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q8_0")]
@@ -68,7 +68,7 @@ def test_quantized_linear_computes_with_its_quantized_weight(form, dtype):
     assert (reference_weight - weight).abs().max() <= matrix.scale.max() * 0.51  # round to nearest
     bias = torch.randn(96).to(dtype)
     layer = QuantizedLinear(matrix, bias, dtype, torch.device("cpu"), keep_dense=True)
-    for rows in (1, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 3):
+    for rows in (1, layer.max_kernel_rows, layer.max_kernel_rows + 3):
         x = torch.randn(rows, 128).to(dtype)
         expected = F.linear(x.float(), reference_weight, bias.float())
         got = layer(x)
@@ -123,7 +123,7 @@ def test_no_dense_copy_when_memory_is_short(monkeypatch):
     served = quantize_int8(model[0].weight.detach()).dequantize()
     report = quantize_linears(model, "int8", {}, torch.float32, torch.device("cpu"))
     assert report.dense_copy_bytes == 0 and model[0].dense is None and model[0].kernel
-    x = torch.randn(KERNEL_MAX_ROWS + 5, 64)
+    x = torch.randn(model[0].max_kernel_rows + 5, 64)
     expected = F.linear(x, served)
     assert (model[0](x) - expected).abs().max() <= 0.02 * expected.abs().max()
 

@@ -24,7 +24,7 @@ from kvserve.model.config import ModelConfig
 from kvserve.model.attention_backend import AttentionBackend, make_attention_backend
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import LoadedModel, load_model, quantized_sources
-from kvserve.model.quant_linear import KERNEL_MAX_ROWS, QuantizationReport, quantize_linears, resident_weight_bytes
+from kvserve.model.quant_linear import QuantizationReport, kernel_max_rows, quantize_linears, resident_weight_bytes
 from kvserve.units import format_size
 from kvserve.model.shape import ModelShape
 
@@ -69,7 +69,7 @@ def load_engine_model(args: EngineArgs, loaded_model: LoadedModel | None = None)
                                              plan.device, replace_linears)
     logger.info("Loaded %s (%s, %s, %s) in %.1f s", loaded.path, loaded.config.architecture,
                 str(plan.dtype).removeprefix("torch."), plan.device, time.monotonic() - start)
-    _log_quantization(args.quantization, reports[0], model)
+    _log_quantization(args.quantization, reports[0], model, plan.dtype)
     return EngineModel(plan, model, loaded.config, loaded.path, loaded.tokenizer,
                        _eos_token_ids(loaded.config, loaded.tokenizer))
 
@@ -84,10 +84,10 @@ def _log_dtype(args: EngineArgs, plan: Preflight) -> None:
         logger.warning(warning)
 
 
-def _log_quantization(mode: str, report: QuantizationReport, model: torch.nn.Module) -> None:
+def _log_quantization(mode: str, report: QuantizationReport, model: torch.nn.Module, dtype: torch.dtype) -> None:
     """What --quantization chose and the weight bytes now resident, once at start-up."""
     dense = (f", of which {format_size(report.dense_copy_bytes)} dequantized copies for batches over "
-             f"{KERNEL_MAX_ROWS} rows") if report.dense_copy_bytes else ""
+             f"{kernel_max_rows(dtype)} rows") if report.dense_copy_bytes else ""
     logger.info("quantization %s -> linears %s; weights resident: %s%s", mode, report.describe(),
                 format_size(resident_weight_bytes(model)), dense)
 

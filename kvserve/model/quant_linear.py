@@ -32,8 +32,15 @@ from kvserve.units import format_size
 logger = logging.getLogger(__name__)
 
 QUANTIZATION_MODES = ("auto", "none", "int8", "int4")
-# Rows up to which the int4/int8 kernels beat the dense GEMM (BENCHMARKS.md, "Quantized weights").
+# Rows up to which the int4 kernel beats the dense GEMM: oneDNN's bf16 GEMM catches up sooner than
+# float32 F.linear (BENCHMARKS.md, "Quantized weights", benchmarks/quantized_linears.py).
 KERNEL_MAX_ROWS = 4
+KERNEL_MAX_ROWS_FLOAT32 = 8
+
+
+def kernel_max_rows(dtype: torch.dtype) -> int:
+    """Rows up to which a quantized layer of a `dtype` model multiplies through the int4 kernel."""
+    return KERNEL_MAX_ROWS_FLOAT32 if dtype == torch.float32 else KERNEL_MAX_ROWS
 _KERNEL_DTYPE = torch.bfloat16
 _KERNEL_GROUP = 32  # the group size the layers give the int4 kernel
 # The model's fused linears and the checkpoint matrices they are made of, in order.
@@ -63,7 +70,7 @@ def _int4_kernel_operands(matrix: QuantizedMatrix) -> tuple[torch.Tensor, torch.
 
 class QuantizedLinear(nn.Module):
     """y = x W^T + b with W held as a QuantizedMatrix: through torch's CPU kernel for up to
-    KERNEL_MAX_ROWS rows, through a dense copy (if kept) above that, else dequantized per call."""
+    `kernel_max_rows(dtype)` rows, through a dense copy (if kept) above that, else dequantized per call."""
 
     def __init__(self, matrix: QuantizedMatrix, bias: torch.Tensor | None, dtype: torch.dtype,
                  device: torch.device, keep_dense: bool):
@@ -72,6 +79,7 @@ class QuantizedLinear(nn.Module):
         self.bits, self.group_size = matrix.bits, matrix.group_size
         self.bias = bias
         self.dtype = dtype
+        self.max_kernel_rows = kernel_max_rows(dtype)
         self.kernel = (device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
                        and self.in_features % _KERNEL_GROUP == 0 and matrix.group_size % _KERNEL_GROUP == 0)
         self.matrix: QuantizedMatrix | None = None
@@ -95,7 +103,7 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if self.kernel and (rows <= KERNEL_MAX_ROWS or self.dense is None):
+        if self.kernel and (rows <= self.max_kernel_rows or self.dense is None):
             flat = x.reshape(rows, self.in_features).to(_KERNEL_DTYPE)
             if self.bits == 8:  # the weight's high and low nibbles, each multiplied by x
                 flat = torch.cat((flat, flat), dim=1)
