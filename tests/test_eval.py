@@ -135,3 +135,14 @@ def test_cli_errors_are_one_line(tiny_llama, capsys, argv, message):
         assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_weight_quantization_axis_compares_each_mode_with_the_first(tiny_llama):
+    report = evaluate(str(tiny_llama), ("auto",), scoring=SMALL_SCORING, passkey=None, quantizations=("none", "int4"),
+                      dtype="float32", kv_cache_memory="8MiB", max_model_len=512)
+    reference, int4 = report.results
+    assert (reference.quantization, int4.quantization) == ("none", "int4")
+    assert reference.fidelity.mean_kl == 0 and int4.fidelity.mean_kl > 0
+    assert int4.fidelity.perplexity != reference.fidelity.perplexity
+    table = render_table(report)
+    assert table.columns[0].header == "weights"

@@ -13,6 +13,7 @@ from kvserve.cache.eviction import NO_EVICTION, POLICY_CHOICES
 from kvserve.cache.formats import KV_CACHE_DTYPES
 from kvserve.units import parse_size
 from kvserve.model.cpu_attention import ATTENTION_BACKENDS
+from kvserve.model.quant_linear import QUANTIZATION_MODES
 
 # A --kv-cache-memory above this (1 PiB) is a typo, not a machine.
 MAX_KV_CACHE_BYTES = 1 << 50
@@ -80,6 +81,10 @@ class EngineArgs:
     dtype: str = field(default="auto", metadata=_opt(
         "weight and activation dtype; auto = bfloat16 on CUDA, and on CPUs with native bf16 matmul, else float32",
         choices=("auto", "float32", "bfloat16", "float16")))
+    quantization: str = field(default="auto", metadata=_opt(
+        "weight quantization: auto = as the checkpoint stores them (a GGUF's Q4_0/Q4_1 stay int4, Q8_0 int8; "
+        "a safetensors checkpoint stays --dtype); none = dequantize to --dtype; int8 (per output channel) or "
+        "int4 (groups of 32; the LM head int8) = quantize at load", choices=QUANTIZATION_MODES))
     device: str = field(default="auto", metadata=_opt("cpu, cuda, cuda:N or auto"))
     block_size: int = field(default=16, metadata=_opt("tokens per KV-cache block", choices=(8, 16, 32, 64, 128)))
     kv_cache_memory: str | int | None = field(default=None, metadata=_opt(
@@ -171,6 +176,9 @@ class EngineArgs:
         if self.tensor_parallel_size % self.nnodes:
             raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size} must be a multiple of --nnodes "
                              f"{self.nnodes} (each node runs the same number of processes)")
+        if self.tensor_parallel_size > 1 and self.quantization in ("int8", "int4"):
+            raise ValueError(f"--quantization {self.quantization} does not shard yet: with --tensor-parallel-size > 1 "
+                             "use --quantization none (auto serves the weights dequantized there)")
         if self.master_addr is not None and not isinstance(self.master_addr, str):
             raise ValueError(f"--master-addr must be a host name or address, got {self.master_addr!r}")
 

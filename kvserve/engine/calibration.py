@@ -84,6 +84,8 @@ def cached_calibration(kind: str, model: LlamaForCausalLM, kv_cache: KVCache, mo
         entry = disk_cache.entry_path(f"calibration-{kind}", {
             "model": disk_cache.file_fingerprint(model_file),
             "dtype": str(model.embed_tokens.weight.dtype),
+            # the served linears (--quantization): their kinds, widths and kernels
+            "linears": sorted({repr(m) for m in model.modules() if type(m).__name__.endswith("Linear")}),
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
             "kv_format": kv_cache.format.name, "block_size": kv_cache.spec.block_size, "seed": _SEED,
             "transforms_in_effect": _transforms_digest(model), "parameters": parameters,

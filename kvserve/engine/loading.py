@@ -23,7 +23,9 @@ from kvserve.engine.preflight import Preflight, emulated_bf16_warning, lowered_m
 from kvserve.model.config import ModelConfig
 from kvserve.model.attention_backend import AttentionBackend, make_attention_backend
 from kvserve.model.llama import LlamaForCausalLM
-from kvserve.model.loader import LoadedModel, load_model
+from kvserve.model.loader import LoadedModel, load_model, quantized_sources
+from kvserve.model.quant_linear import QuantizationReport, kernel_max_rows, quantize_linears, resident_weight_bytes
+from kvserve.units import format_size
 from kvserve.model.shape import ModelShape
 
 logger = logging.getLogger("kvserve")
@@ -59,10 +61,20 @@ def load_engine_model(args: EngineArgs, loaded_model: LoadedModel | None = None,
     if plan.lowered:
         logger.warning(lowered_max_model_len_warning(plan.max_model_len, plan.shape.max_position_embeddings,
                                                      plan.kv_budget))
+    reports: list[QuantizationReport] = []
+    # Tensor parallelism shards plain linears only (quantized ones do not shard yet, args.py).
+    mode = args.quantization if args.tensor_parallel_size == 1 else "none"
+    if mode != args.quantization:
+        logger.info("quantization auto -> none: tensor parallelism shards dequantized weights")
+
+    def replace_linears(model: torch.nn.Module) -> None:
+        reports.append(quantize_linears(model, mode, quantized_sources(loaded), plan.dtype, plan.device))
+
     model = LlamaForCausalLM.from_hf_weights(loaded.config, loaded.weights, plan.max_model_len, plan.dtype,
-                                             plan.device, prepack=prepack)
+                                             plan.device, shard=None, prepack=prepack, replace_linears=replace_linears)
     logger.info("Loaded %s (%s, %s, %s) in %.1f s", loaded.path, loaded.config.architecture,
                 str(plan.dtype).removeprefix("torch."), plan.device, time.monotonic() - start)
+    _log_quantization(mode, reports[0], model, plan.dtype)
     return EngineModel(plan, model, loaded.config, loaded.path, loaded.tokenizer,
                        _eos_token_ids(loaded.config, loaded.tokenizer))
 
@@ -75,6 +87,14 @@ def _log_dtype(args: EngineArgs, plan: Preflight) -> None:
         logger.info("dtype auto -> %s: %s", name, plan.dtype_reason)
     elif (warning := emulated_bf16_warning(plan.dtype, plan.device)) is not None:
         logger.warning(warning)
+
+
+def _log_quantization(mode: str, report: QuantizationReport, model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """What --quantization chose and the weight bytes now resident, once at start-up."""
+    dense = (f", of which {format_size(report.dense_copy_bytes)} dequantized copies for batches over "
+             f"{kernel_max_rows(dtype)} rows") if report.dense_copy_bytes else ""
+    logger.info("quantization %s -> linears %s; weights resident: %s%s", mode, report.describe(),
+                format_size(resident_weight_bytes(model)), dense)
 
 
 def _eos_token_ids(config: ModelConfig, tokenizer: Any) -> tuple[int, ...]:

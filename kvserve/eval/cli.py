@@ -2,6 +2,7 @@
 
     kvserve eval                                   # the default model, all dtypes, the bundled novel
     kvserve eval --kv-cache-dtypes auto,int8 --json --plot eval.png
+    kvserve eval --quantizations none,auto,int8,int4 --kv-cache-dtypes auto --no-passkey   # weights
     kvserve eval --output-json results/eval.json   # table on stdout, JSON to a file
     kvserve eval --long-context --kv-budget 1024 --plot long.png   # KV eviction policies on long text
 """
@@ -42,6 +43,17 @@ def _dtype_list(text: str) -> tuple[str, ...]:
     return names
 
 
+def _quantization_list(text: str) -> tuple[str, ...]:
+    from kvserve.model.quant_linear import QUANTIZATION_MODES
+
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    unknown = [n for n in names if n not in QUANTIZATION_MODES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown quantization {', '.join(unknown) or text!r}: "
+                                         f"choose from {', '.join(QUANTIZATION_MODES)}")
+    return names
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "eval", help="measure the quality cost and memory gain of KV-cache dtypes (perplexity, KL, passkey)",
@@ -50,6 +62,10 @@ def register(subparsers) -> None:
     p.add_argument("--kv-cache-dtypes", type=_dtype_list, default=DEFAULT_KV_CACHE_DTYPES,
                    help="comma-separated KV cache dtypes to compare; the first is the reference "
                         f"(default: {','.join(DEFAULT_KV_CACHE_DTYPES)})")
+    p.add_argument("--quantizations", type=_quantization_list, default=None,
+                   help="comma-separated weight quantizations (--quantization modes: auto,none,int8,int4) to "
+                        "compare, each with every KV cache dtype; the first configuration is the reference "
+                        "(default: just --quantization)")
     p.add_argument("--text", default=str(DEFAULT_TEXT), help="UTF-8 text file to score (default: the bundled novel)")
     d = ScoringConfig()
     p.add_argument("--num-tokens", type=int, default=d.num_tokens, help="scored tokens (default: %(default)s)")
@@ -84,7 +100,7 @@ def run_eval(args: argparse.Namespace) -> int:
     passkey = None if args.no_passkey else PasskeyConfig(args.passkey_lengths, args.passkey_depths, args.passkey_trials)
     engine = EngineArgs.from_cli_args(args)
     options = {k: v for k, v in vars(engine).items() if k not in ("model", "kv_cache_dtype")}
-    report = evaluate(engine.model, args.kv_cache_dtypes, args.text, scoring, passkey, **options)
+    report = evaluate(engine.model, args.kv_cache_dtypes, args.text, scoring, passkey, args.quantizations, **options)
     return _emit(args, report_json(report), [render_table(report)], lambda path: plot(report, path))
 
 

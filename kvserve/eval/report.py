@@ -27,8 +27,13 @@ def render_table(report: EvalReport):
     from rich.table import Table
 
     ref = report.reference
+    weights = len({r.quantization for r in report.results}) > 1
     table = Table(title=f"KV-cache quality and capacity: {Path(report.model).name} ({report.dtype}), "
-                        f"{ref.fidelity.num_tokens} scored tokens, reference {ref.kv_cache_dtype}")
+                        f"{ref.fidelity.num_tokens} scored tokens, reference {ref.kv_cache_dtype}"
+                        f"{f' with weights {ref.quantization}' if weights else ''}")
+    if weights:
+        table.add_column("weights", justify="left")
+        table.add_column("weight bytes", justify="right")
     for header in ("kv cache dtype", "bytes/token", "tokens/GiB", "capacity", "perplexity", "ppl change",
                    "KL (nats)", "top-1 agree"):
         table.add_column(header, justify="left" if header == "kv cache dtype" else "right")
@@ -39,7 +44,8 @@ def render_table(report: EvalReport):
     for r in report.results:
         f = r.fidelity
         name = r.kv_cache_dtype if r.kv_cache_dtype == r.format else f"{r.kv_cache_dtype} ({r.format})"
-        row = [name, f"{r.bytes_per_token:,.0f}", f"{r.tokens_per_gib:,}", f"{r.capacity_ratio:.2f}x",
+        row = [r.quantization, f"{r.weight_bytes:,}"] if weights else []
+        row += [name, f"{r.bytes_per_token:,.0f}", f"{r.tokens_per_gib:,}", f"{r.capacity_ratio:.2f}x",
                f"{f.perplexity:.3f}", f"{100 * r.perplexity_increase:+.2f}%", f"{f.mean_kl:.5f}",
                f"{100 * f.top1_agreement:.1f}%"]
         if r.passkey is not None:

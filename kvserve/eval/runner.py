@@ -21,6 +21,7 @@ from kvserve.engine.preflight import preflight
 from kvserve.eval.passkey import PasskeyConfig, PasskeyResult, make_prompts, run_passkey
 from kvserve.eval.perplexity import FidelityResult, ScoringConfig, make_windows, measure_fidelity
 from kvserve.model.loader import load_model
+from kvserve.model.quant_linear import resident_weight_bytes
 
 logger = logging.getLogger("kvserve.eval")
 
@@ -31,6 +32,8 @@ DEFAULT_KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "int4
 @dataclass(frozen=True)
 class ConfigResult:
     kv_cache_dtype: str
+    quantization: str  # the --quantization of the weights
+    weight_bytes: int  # weights resident in this configuration
     format: str  # the storage format's name (auto resolves to the model dtype)
     bytes_per_token: float  # all layers, K + V + scales
     tokens_per_gib: int
@@ -64,23 +67,28 @@ def read_text(path: Path | str) -> str:
 
 def evaluate(model: str | None = None, kv_cache_dtypes: tuple[str, ...] = DEFAULT_KV_CACHE_DTYPES,
              text: Path | str = DEFAULT_TEXT, scoring: ScoringConfig = ScoringConfig(),
-             passkey: PasskeyConfig | None = PasskeyConfig(), **engine_options: Any) -> EvalReport:
-    """Evaluate each KV-cache dtype in turn; the first is the reference. `engine_options` are
+             passkey: PasskeyConfig | None = PasskeyConfig(), quantizations: tuple[str, ...] | None = None,
+             **engine_options: Any) -> EvalReport:
+    """Evaluate each weight quantization (`quantizations`, default: engine_options' one) with each
+    KV-cache dtype in turn; the first configuration is the reference. `engine_options` are
     `EngineArgs` fields (kv_cache_memory, block_size, dtype, ...)."""
     if not kv_cache_dtypes:
         raise ValueError("give at least one KV cache dtype")
     base = EngineArgs(model=model, **engine_options)
-    for kv_cache_dtype in kv_cache_dtypes:  # every configuration's options, before the one load
-        preflight(replace(base, kv_cache_dtype=kv_cache_dtype))
+    configs = [replace(base, quantization=q, kv_cache_dtype=kv)
+               for q in (quantizations or (base.quantization,)) for kv in kv_cache_dtypes]
+    for config in configs:  # every configuration's options, before the one load
+        preflight(config)
     raw_text = read_text(text)
     loaded = load_model(model)
     windows = make_windows(loaded.tokenizer.encode(raw_text, add_special_tokens=False), scoring)
     prompts = make_prompts(loaded.tokenizer, passkey) if passkey is not None else []
     report = None
     reference_logprobs = None
-    for kv_cache_dtype in kv_cache_dtypes:
+    for config in configs:
+        kv_cache_dtype = config.kv_cache_dtype
         start = time.monotonic()
-        engine = LLMEngine(replace(base, kv_cache_dtype=kv_cache_dtype), loaded_model=loaded)
+        engine = LLMEngine(config, loaded_model=loaded)
         if report is None:
             _check_lengths(engine, windows, prompts, passkey)
             report = EvalReport(str(engine.model_path), str(engine.dtype).removeprefix("torch."), str(text),
@@ -93,6 +101,8 @@ def evaluate(model: str | None = None, kv_cache_dtypes: tuple[str, ...] = DEFAUL
         ref = report.results[0] if report.results else None
         result = ConfigResult(
             kv_cache_dtype=kv_cache_dtype,
+            quantization=config.quantization,
+            weight_bytes=resident_weight_bytes(engine.model),
             format=engine.kv_format.name,
             bytes_per_token=per_token,
             tokens_per_gib=int(GiB // per_token),
@@ -103,7 +113,8 @@ def evaluate(model: str | None = None, kv_cache_dtypes: tuple[str, ...] = DEFAUL
             seconds=time.monotonic() - start,
         )
         report.results.append(result)
-        logger.info("%s: perplexity %.4f, KL %.5f, top-1 %.2f%%%s (%.0f s)", kv_cache_dtype, fidelity.perplexity,
+        logger.info("weights %s, KV %s: perplexity %.4f, KL %.5f, top-1 %.2f%%%s (%.0f s)", config.quantization,
+                    kv_cache_dtype, fidelity.perplexity,
                     fidelity.mean_kl, 100 * fidelity.top1_agreement,
                     f", passkey {passkey_result.correct}/{passkey_result.total}" if passkey_result else "",
                     result.seconds)

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from kvserve.model.quantized import QuantizedMatrix
 from kvserve.torch_threads import one_thread
 
 GGUF_MAGIC = b"GGUF"
@@ -180,6 +181,23 @@ def dequantize(tensor: GGUFTensor) -> torch.Tensor:
         array = gguf.quants.dequantize(raw.numpy().reshape(-1, row_bytes), gguf.GGMLQuantizationType(type_id))
         values = torch.from_numpy(array.copy())
     return values.reshape(tensor.shape)
+
+
+def quantized_matrix(tensor: GGUFTensor) -> QuantizedMatrix | None:
+    """A Q4_0, Q4_1 or Q8_0 matrix as it is stored (quantized.py maps llama.cpp's blocks onto its
+    convention without changing a value), or None for other types and shapes."""
+    type_id = tensor.type_id
+    if type_id not in (Q4_0, Q4_1, Q8_0) or len(tensor.shape) != 2:
+        return None
+    rows, cols = tensor.shape
+    blocks = tensor.raw.view(-1, _BLOCKS[type_id][1])
+    scale = _scale(blocks, 0).view(rows, cols // 32)
+    if type_id == Q8_0:
+        return QuantizedMatrix(blocks[:, 2:].view(torch.int8).reshape(rows, cols), scale, None, 32, 8)
+    packed = blocks[:, 4:] if type_id == Q4_1 else blocks[:, 2:]
+    q = torch.cat((packed & 0x0F, packed >> 4), dim=1).reshape(rows, cols)
+    zero = _scale(blocks, 2).view(rows, cols // 32) + 8 * scale if type_id == Q4_1 else None
+    return QuantizedMatrix(q, scale, zero, 32, 4)
 
 
 def dequantize_all(gguf_file: GGUFFile) -> dict[str, torch.Tensor]:

@@ -132,10 +132,12 @@ class LlamaForCausalLM(nn.Module):
     def from_hf_weights(cls, config: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int,
                         dtype: torch.dtype, device: torch.device,
                         shard: Callable[["LlamaForCausalLM"], None] | None = None,
-                        prepack: bool = True) -> "LlamaForCausalLM":
+                        prepack: bool = True,
+                        replace_linears: Callable[[nn.Module], None] | None = None) -> "LlamaForCausalLM":
         """Build on the meta device (no throw-away random init), then adopt the checkpoint tensors.
         `shard` (tensor parallelism, parallel.shard_model) cuts the model down before it moves to
-        `device`; `prepack=False` leaves the linears plain, to be sharded later (`prepack()`)."""
+        `device`; `replace_linears` may swap linear layers (quantization) before the rest are
+        prepacked; `prepack=False` leaves the linears plain, to be sharded later (`prepack()`)."""
         with torch.device("meta"):
             model = cls(config)
         model.load_hf_state_dict(weights)
@@ -143,6 +145,8 @@ class LlamaForCausalLM(nn.Module):
             shard(model)
         model.rope = RotaryEmbedding(config, max_positions, dtype)
         model = model.to(device=device, dtype=dtype).eval()
+        if replace_linears is not None:
+            replace_linears(model)
         if prepack:
             model.prepack()
         return model

@@ -18,7 +18,8 @@ import torch
 
 from kvserve import disk_cache
 from kvserve.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedModelError
-from kvserve.model.gguf_file import GGUFFile, dequantize_all, read_gguf
+from kvserve.model.gguf_file import GGUFFile, dequantize_all, quantized_matrix, read_gguf
+from kvserve.model.quantized import QuantizedMatrix
 from kvserve.model.weight_check import check_weight_shapes
 
 logger = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ class LoadedModel:
     tokenizer: Any
     path: Path
     file_bytes: int  # size of the checkpoint on disk
+    gguf: GGUFFile | None = None  # the parsed file of a GGUF checkpoint (its quantized blocks)
 
 
 def default_model_path() -> Path:
@@ -266,7 +268,26 @@ def _load_gguf(path: Path) -> LoadedModel:
     except Exception as exc:
         raise ModelLoadError(f"{path}: cannot build the tokenizer from GGUF metadata: {exc}") from None
     _check_tokenizer(path, tokenizer, config)
-    return LoadedModel(config, weights, tokenizer, path, path.stat().st_size)
+    return LoadedModel(config, weights, tokenizer, path, path.stat().st_size, gguf_file)
+
+
+def quantized_sources(loaded: LoadedModel) -> dict[str, QuantizedMatrix]:
+    """The checkpoint's quantized matrices as stored (GGUF Q4_0, Q4_1, Q8_0), by HF name without
+    the "model." prefix, q/k rows un-permuted like the dequantized weights; {} for HF directories."""
+    if loaded.gguf is None:
+        return {}
+    sources = {}
+    config = loaded.config
+    for tensor in loaded.gguf.tensors:
+        matrix = quantized_matrix(tensor)
+        if matrix is None:
+            continue
+        name = _gguf_tensor_name(tensor.name)
+        if config.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config.num_heads if "q_proj" in name else config.num_kv_heads
+            matrix = matrix.rows(_unpermute_rope(torch.arange(matrix.shape[0]), heads))
+        sources[name.removeprefix("model.")] = matrix
+    return sources
 
 
 def _gguf_tokenizer(path: Path, gguf_file: GGUFFile) -> Any:

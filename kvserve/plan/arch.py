@@ -52,6 +52,10 @@ class ModelArch:
     num_params: int | None  # None when the config alone cannot tell (and no weights are at hand)
     file_bytes: int | None = None  # checkpoint size on disk (GGUF file or safetensors files)
     path: str | None = None
+    # GGUF only, per tensor: (role "embedding", "lm_head" or "other", values, whether a matrix, bits
+    # --quantization auto keeps it at: 4, 8 or None); tied: the embedding also serves as LM head.
+    gguf_tensors: tuple[tuple[str, int, bool, int | None], ...] | None = None
+    tied_embedding: bool = False
 
     @property
     def num_layers(self) -> int:
@@ -187,10 +191,12 @@ def arch_from_hf_config(cfg: Any, name: str, source: str, num_params: int | None
 
 
 def arch_from_model_config(config: ModelConfig, name: str, source: str, file_bytes: int | None,
-                           path: str | None) -> ModelArch:
+                           path: str | None, gguf_tensors: tuple[tuple[str, int, bool, int | None], ...] | None = None
+                           ) -> ModelArch:
     """Describe a model the engine has already parsed (e.g. from GGUF metadata)."""
     mha = 2 * config.num_heads * config.head_dim
     layers = tuple(AttentionLayer(config.num_kv_heads, config.head_dim, w, 0, mha) for w in config.sliding_windows)
     return ModelArch(name=name, source=source, architecture=config.architecture, layers=layers,
                      num_attention_heads=config.num_heads, max_position_embeddings=config.max_position_embeddings,
-                     num_params=config.num_params, file_bytes=file_bytes, path=path)
+                     num_params=config.num_params, file_bytes=file_bytes, path=path, gguf_tensors=gguf_tensors,
+                     tied_embedding=config.tie_word_embeddings)

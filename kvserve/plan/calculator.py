@@ -24,6 +24,7 @@ from kvserve.cache.formats import FORMATS, KV_CACHE_DTYPES, make_kv_format
 from kvserve.cache.kv_cache import KVCacheSpec, KVFormat
 from kvserve.cache.sizing import blocks_for_tokens, bytes_per_block, num_blocks_for_budget
 from kvserve.engine.llm_engine import CapacityError
+from kvserve.model.quant_linear import served_matrix_bytes
 from kvserve.plan.arch import AttentionLayer, ConfigError, ModelArch
 
 PLAN_KV_CACHE_DTYPES = KV_CACHE_DTYPES  # the engine's formats: each says its own value_bits
@@ -43,6 +44,7 @@ class PlanInputs:
     # tensor-parallel devices, each device keeping its share of the KV heads.
     kv_offloading_size: int | None = None  # host memory tier
     kv_offloading_disk_size: int | None = None  # disk tier
+    quantization: str = "none"  # --quantization: what the weights are held as
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "batch_size", "block_size", "tensor_parallel_size"):
@@ -65,7 +67,8 @@ class Weights:
     dtype: str
     bytes: int | None  # all devices
     bytes_per_device: int | None
-    file_bytes: int | None  # checkpoint on disk (a GGUF stays quantized there, not once loaded)
+    file_bytes: int | None  # checkpoint on disk
+    quantization: str = "none"  # what the weights are held as (dense in dtype, or --quantization's form)
 
 
 @dataclass(frozen=True)
@@ -250,13 +253,41 @@ def footprint(arch: ModelArch, kv_cache_dtype: str, inputs: PlanInputs, budget: 
         capacity=capacity, offload_tiers=tiers)
 
 
-def weights(arch: ModelArch, dtype: torch.dtype, tp: int) -> Weights:
+def weights(arch: ModelArch, dtype: torch.dtype, tp: int, quantization: str = "none") -> Weights:
     name = str(dtype).removeprefix("torch.")
     if arch.num_params is None:
         return Weights(None, name, None, None, arch.file_bytes)
-    total = arch.num_params * torch.empty((), dtype=dtype).element_size()
+    total = quantized_weight_bytes(arch, dtype, quantization)
+    held = "none" if total is None else quantization
+    if total is None:
+        total = arch.num_params * torch.empty((), dtype=dtype).element_size()
     # Tensor parallelism shards the weight matrices; the few replicated norms are rounding error.
-    return Weights(arch.num_params, name, total, math.ceil(total / tp), arch.file_bytes)
+    return Weights(arch.num_params, name, total, math.ceil(total / tp), arch.file_bytes, held)
+
+
+def quantized_weight_bytes(arch: ModelArch, dtype: torch.dtype, quantization: str) -> int | None:
+    """The engine's weight bytes under --quantization (kvserve/model/quant_linear.py), or None for
+    dense weights. GGUF files count tensor by tensor; other checkpoints as every parameter at the
+    mode's width (embedding and norms included, so a slight undercount). The embedding stays dense
+    (a tied one is kept twice: dense to embed, 8-bit as LM head), the LM head 8-bit under int4. On
+    CPU the engine may add a dense copy for large batches (its start-up log says)."""
+    width = {"int8": 8, "int4": 4}.get(quantization)
+    if arch.gguf_tensors is None:
+        return None if width is None else served_matrix_bytes(arch.num_params, width, dtype)
+    if quantization == "none" or (quantization == "auto" and not any(bits for *_, bits in arch.gguf_tensors)):
+        return None
+    total = 0
+    for role, values, is_matrix, stored in arch.gguf_tensors:
+        bits = stored if quantization == "auto" else (width if role == "other" else 8)
+        if not is_matrix:  # norms stay dense
+            total += served_matrix_bytes(values, None, dtype)
+        elif role == "embedding":
+            total += served_matrix_bytes(values, None, dtype)
+            if arch.tied_embedding and bits is not None:
+                total += served_matrix_bytes(values, bits, dtype)
+        else:
+            total += served_matrix_bytes(values, bits, dtype)
+    return total
 
 
 def kv_budget(inputs: PlanInputs, weights_: Weights, cpu_default: int | None) -> Budget | None:
@@ -301,7 +332,7 @@ class Plan:
 def make_plan(arch: ModelArch, inputs: PlanInputs, kv_cache_dtypes: list[str], cpu_default_budget: int | None) -> Plan:
     """`cpu_default_budget`: the engine's KV budget when planning for a CPU with no budget given."""
     tp = inputs.tensor_parallel_size
-    weights_ = weights(arch, inputs.weight_dtype, tp)
+    weights_ = weights(arch, inputs.weight_dtype, tp, inputs.quantization)
     budget = kv_budget(inputs, weights_, cpu_default_budget)
     footprints = [footprint(arch, name, inputs, budget) for name in kv_cache_dtypes]
     return Plan(arch, inputs, weights_, budget, footprints, _notes(arch, inputs, budget))
@@ -321,8 +352,8 @@ def _notes(arch: ModelArch, inputs: PlanInputs, budget: Budget | None) -> list[s
         layout = isinstance(kvserve_spec(arch, inputs.block_size, inputs.tensor_parallel_size), KVCacheSpec)
         notes.append(f"kvserve itself does not serve {arch.architecture!r} models"
                      + ("; its layout rows show what its paged pool would take" if layout else ""))
-    if arch.source == "gguf" and arch.file_bytes:
-        notes.append("the GGUF file holds quantized weights; kvserve dequantizes them to the weight dtype at load")
+    if arch.source == "gguf" and arch.file_bytes and inputs.quantization == "none":
+        notes.append("the GGUF file holds quantized weights; --quantization none dequantizes them to the weight dtype")
     if arch.num_params is None:
         notes.append("parameter count unknown (a config.json with no weights beside it, of a family kvserve "
                      "does not serve): weight bytes not given")

@@ -126,7 +126,7 @@ def run_plan(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len if args.max_model_len is not None else arch.max_position_embeddings,
         batch_size=args.batch_size, block_size=args.block_size, weight_dtype=_planning_dtype(args.dtype, device),
         tensor_parallel_size=args.tensor_parallel_size, kv_cache_memory=kv_cache_memory, gpu_memory=gpu_memory,
-        gpu_memory_utilization=args.gpu_memory_utilization,
+        gpu_memory_utilization=args.gpu_memory_utilization, quantization=args.quantization,
         kv_offloading_size=_gib_arg(args.kv_offloading_size, "--kv-offloading-size"),
         kv_offloading_disk_size=_gib_arg(args.kv_offloading_disk_size, "--kv-offloading-disk-size"))
     plan = make_plan(arch, inputs, kv_dtypes, default_cpu_budget() if device.type == "cpu" else None)

@@ -9,7 +9,7 @@ JSON keys (stable; a value is null where it does not apply; byte counts are inte
     inputs      max_model_len, batch_size, block_size, weight_dtype, tensor_parallel_size,
                 kv_cache_memory, gpu_memory, gpu_memory_utilization, kv_offloading_size,
                 kv_offloading_disk_size (bytes, totals over the devices; null when not given)
-    weights     num_params, dtype, bytes, bytes_per_device, file_bytes
+    weights     num_params, dtype, bytes, bytes_per_device, file_bytes, quantization
     kv_budget   {bytes (one device), source} or null
     kv_cache    one entry per --kv-cache-dtype:
                 kv_cache_dtype, bits_per_value, formula, value_bytes, mha_value_bytes,
@@ -166,7 +166,8 @@ def render(plan: Plan, console: Console) -> None:
     if w.bytes is not None:
         per_dev = (f"; {size(w.bytes_per_device)} on each of {plan.inputs.tensor_parallel_size} devices"
                    if plan.inputs.tensor_parallel_size > 1 else "")
-        console.print(f"Weights: {w.num_params:,} × {w.dtype} = {size(w.bytes)}{per_dev}", soft_wrap=True)
+        held = w.dtype if w.quantization == "none" else f"{w.dtype}, --quantization {w.quantization}"
+        console.print(f"Weights: {w.num_params:,} ({held}) = {size(w.bytes)}{per_dev}", soft_wrap=True)
     if w.file_bytes:
         console.print(f"Checkpoint on disk: {size(w.file_bytes)}", soft_wrap=True)
     if plan.budget is not None:

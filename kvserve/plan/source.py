@@ -26,7 +26,7 @@ def load_arch(model: str | None) -> ModelArch:
         path = resolve_model_path(model)  # None -> the bundled default GGUF
     if path.suffix == ".gguf":
         config, file_bytes = load_model_config(path)
-        return arch_from_model_config(config, path.stem, "gguf", file_bytes, str(path))
+        return arch_from_model_config(config, path.stem, "gguf", file_bytes, str(path), _gguf_tensors(path))
     config_file = path / "config.json" if path.is_dir() else path
     if not config_file.is_file():
         raise ConfigError(f"{path}: not a config.json, a directory holding one, or a .gguf file")
@@ -62,3 +62,21 @@ def _safetensors_params(files: list[Path]) -> int:
         except Exception as exc:
             raise ConfigError(f"{file}: cannot read the safetensors header ({exc})") from None
     return total
+
+
+def _gguf_tensors(path) -> tuple[tuple[str, int, bool, int | None], ...]:
+    """Each tensor of a GGUF as (role, values, whether a matrix, bits --quantization auto keeps it
+    at): Q4_0/Q4_1 4,
+    Q8_0 8, other types (float, k-quants) None (dequantized). Reads the tensor table only."""
+    from kvserve.model.gguf_file import Q4_0, Q4_1, Q8_0, read_gguf
+
+    bits = {Q4_0: 4, Q4_1: 4, Q8_0: 8}
+    rows = []
+    for tensor in read_gguf(path).tensors:
+        role = {"token_embd.weight": "embedding", "output.weight": "lm_head"}.get(tensor.name, "other")
+        values = 1
+        for dim in tensor.shape:
+            values *= dim
+        is_matrix = len(tensor.shape) == 2
+        rows.append((role, values, is_matrix, bits.get(tensor.type_id) if is_matrix else None))
+    return tuple(rows)

@@ -1,0 +1,99 @@
+"""Weight-only quantized matrices as plain data: group-wise int4 and int8 with float32 scales.
+
+One convention for both, that of torch's int4 CPU kernel (`aten._weight_int4pack_mm_for_cpu`):
+w = (q - offset) * scale + zero per group of `group_size` consecutive input columns, with
+q in 0..15 and offset 8 for int4, q in -127..127 and offset 0 (zero = 0) for int8. llama.cpp's
+blocks map onto it exactly (ggml-quants.c): Q4_0 `d * (q - 8)` is scale d, zero 0; Q4_1
+`d * q + m` is scale d, zero m + 8d; Q8_0 `d * q` is int8 with group scales d.
+
+A matrix is [out_features, in_features] like an nn.Linear weight; scales and zeros are
+[out_features, in_features / group_size].
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class QuantizedMatrix:
+    q: torch.Tensor  # uint8 (int4: values 0..15, one per byte) or int8 [out, in]
+    scale: torch.Tensor  # float32 [out, in / group_size]
+    zero: torch.Tensor | None  # float32 like scale, or None (symmetric: zero 0)
+    group_size: int
+    bits: int  # 4 or 8
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    @property
+    def offset(self) -> int:
+        return 8 if self.bits == 4 else 0
+
+    @property
+    def storage_bytes(self) -> int:
+        """Bytes at `bits` per value plus the float32 scales and zeros (what a kernel keeps)."""
+        values = self.q.numel() * self.bits // 8
+        return values + self.scale.nbytes + (self.zero.nbytes if self.zero is not None else 0)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [out, in]: (q - offset) * scale + zero, one rounding per value (the product is
+        exact in float32 for these small integers and float16-sized scales)."""
+        out, cols = self.shape
+        groups = self.q.float().view(out, cols // self.group_size, self.group_size)
+        if self.offset:
+            groups = groups.sub_(self.offset)
+        values = groups.mul_(self.scale.unsqueeze(-1))
+        if self.zero is not None:
+            values = values.add_(self.zero.unsqueeze(-1))
+        return values.view(out, cols)
+
+    def rows(self, index: torch.Tensor) -> "QuantizedMatrix":
+        """The matrix with its rows reordered (or selected) by `index`."""
+        return QuantizedMatrix(self.q[index], self.scale[index], None if self.zero is None else self.zero[index],
+                               self.group_size, self.bits)
+
+
+def concat_rows(parts: list[QuantizedMatrix]) -> QuantizedMatrix:
+    """Stack matrices of one format along the output dimension (fused q/k/v, gate/up)."""
+    first = parts[0]
+    if any(p.bits != first.bits or p.group_size != first.group_size or (p.zero is None) != (first.zero is None)
+           for p in parts):
+        raise ValueError("cannot fuse quantized matrices of different formats")
+    zero = None if first.zero is None else torch.cat([p.zero for p in parts])
+    return QuantizedMatrix(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), zero,
+                           first.group_size, first.bits)
+
+
+def same_format(parts: list[QuantizedMatrix | None]) -> bool:
+    """Whether the parts can be fused with `concat_rows`."""
+    if any(p is None for p in parts):
+        return False
+    first = parts[0]
+    return all(p.bits == first.bits and p.group_size == first.group_size
+               and (p.zero is None) == (first.zero is None) for p in parts)
+
+
+def quantize_int8(weight: torch.Tensor) -> QuantizedMatrix:
+    """Symmetric int8 per output channel (round to nearest): scale = max|w| / 127."""
+    w = weight.float()
+    scale = (w.abs().amax(dim=1, keepdim=True) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+    q = torch.round(w / scale).clamp_(-127, 127).to(torch.int8)
+    return QuantizedMatrix(q, scale, None, w.shape[1], 8)
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int = 32) -> QuantizedMatrix:
+    """Asymmetric int4 in groups of `group_size` input columns (min/max, round to nearest, like
+    llama.cpp's Q4_1): scale = (max - min) / 15, q = round((w - min) / scale)."""
+    w = weight.float()
+    out, cols = w.shape
+    if cols % group_size:
+        raise ValueError(f"int4 needs in_features divisible by {group_size}, got {cols}")
+    groups = w.view(out, cols // group_size, group_size)
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+    scale = ((high - low) / 15).clamp_min(torch.finfo(torch.float32).tiny)
+    q = torch.round((groups - low.unsqueeze(-1)) / scale.unsqueeze(-1)).clamp_(0, 15).to(torch.uint8)
+    return QuantizedMatrix(q.view(out, cols), scale, low + 8 * scale, group_size, 4)
+

@@ -1,0 +1,166 @@
+"""Weight-only quantization (`--quantization`; kvserve/model/quantized.py, quant_linear.py): a GGUF's
+quantized blocks are served as stored, the int kernels compute with the weights they were given,
+and each mode is a working engine option."""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvserve import LLM, SamplingParams
+from kvserve.model.gguf_file import GGUFTensor, quantized_matrix
+from kvserve.model.quant_linear import QuantizedLinear, quantize_linears
+from kvserve.model.quantized import quantize_int4, quantize_int8
+
+QUANTIZED_TYPES = [gguf.GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q8_0")]
+
+
+def _gguf_tensor(qtype: gguf.GGMLQuantizationType, values: np.ndarray) -> tuple[GGUFTensor, np.ndarray]:
+    """`values` quantized by the gguf package, as kvserve's reader would hold them, and gguf's
+    own float32 dequantization of them."""
+    raw = gguf.quants.quantize(values, qtype)
+    tensor = GGUFTensor("t", values.shape, int(qtype), torch.from_numpy(raw.reshape(-1).copy()))
+    return tensor, gguf.quants.dequantize(raw, qtype).astype(np.float32)
+
+
+@pytest.mark.parametrize("qtype", QUANTIZED_TYPES, ids=lambda t: t.name)
+def test_gguf_blocks_kept_quantized_dequantize_like_gguf_bit_for_bit(qtype):
+    values = np.random.default_rng(int(qtype)).standard_normal((12, 256)).astype(np.float32) * 0.05
+    values[3] += 0.2  # rows whose minimum is far from zero (Q4_1's m)
+    tensor, expected = _gguf_tensor(qtype, values)
+    matrix = quantized_matrix(tensor)
+    assert matrix.bits == (8 if qtype == gguf.GGMLQuantizationType.Q8_0 else 4) and matrix.group_size == 32
+    if matrix.bits == 4:  # one value per byte, 0..15: the int4 kernel's input
+        assert matrix.q.dtype == torch.uint8 and int(matrix.q.max()) <= 15
+    got = matrix.dequantize()
+    assert torch.equal(got.view(torch.int32), torch.from_numpy(expected).view(torch.int32)), qtype.name
+
+
+@pytest.mark.slow
+def test_default_gguf_quantized_weights_are_the_dequantized_ones():
+    """Every Q4_1/Q8_0 matrix of the default model kept quantized (q/k rows un-permuted as the
+    dense path does) dequantizes to exactly the float32 weight `--quantization none` loads."""
+    from kvserve.model.loader import load_model, quantized_sources
+
+    loaded = load_model(None)
+    sources = quantized_sources(loaded)
+    assert len(sources) == 211  # 30 layers x 7 matrices + token_embd
+    assert sources["embed_tokens.weight"].bits == 8 and sources["layers.0.self_attn.q_proj.weight"].bits == 4
+    for name, matrix in sources.items():
+        assert torch.equal(matrix.dequantize(), loaded.weights[f"model.{name}"]), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("form", ["int4", "int8", "Q4_1", "Q8_0"])
+def test_quantized_linear_computes_with_its_quantized_weight(form, dtype):
+    """The kernel (few rows) and the dense copy (many rows) both multiply by the quantized weight:
+    within bfloat16 rounding of it (the kernel takes bf16 activations and scales; 8-bit weights go
+    through it as two nibbles)."""
+    torch.manual_seed(0)
+    weight = torch.randn(96, 128) * 0.05
+    if form.startswith("Q"):
+        matrix = quantized_matrix(_gguf_tensor(gguf.GGMLQuantizationType[form], weight.numpy())[0])
+    else:
+        matrix = quantize_int4(weight) if form == "int4" else quantize_int8(weight)
+    reference_weight = matrix.dequantize()
+    assert (reference_weight - weight).abs().max() <= matrix.scale.max() * 0.51  # round to nearest
+    bias = torch.randn(96).to(dtype)
+    layer = QuantizedLinear(matrix, bias, dtype, torch.device("cpu"), keep_dense=True)
+    for rows in (1, layer.max_kernel_rows, layer.max_kernel_rows + 3):
+        x = torch.randn(rows, 128).to(dtype)
+        expected = F.linear(x.float(), reference_weight, bias.float())
+        got = layer(x)
+        assert got.dtype == dtype and got.shape == (rows, 96)
+        error = (got.float() - expected).abs().max().item()
+        assert error <= 0.02 * expected.abs().max().item(), (rows, error)
+
+
+def test_a_flag_value_outside_the_choices_fails_with_one_line(tiny_llama):
+    with pytest.raises(ValueError, match="--quantization must be one of auto, none, int8, int4"):
+        LLM(str(tiny_llama), quantization="fp4")
+
+
+@pytest.fixture(scope="module")
+def tiny_engines(tiny_llama):
+    """The tiny float32 llama under each mode (tiny engines: a fraction of a second each)."""
+    return {mode: LLM(str(tiny_llama), dtype="float32", quantization=mode, kv_cache_memory="16MiB")
+            for mode in ("auto", "none", "int8", "int4")}
+
+
+def test_auto_keeps_a_full_precision_checkpoint_and_int_modes_quantize_every_linear(tiny_engines):
+    def kinds(llm):
+        return {type(m).__name__ for m in llm.engine.model.modules() if "Linear" in type(m).__name__}
+
+    assert "QuantizedLinear" not in kinds(tiny_engines["auto"]) | kinds(tiny_engines["none"])
+    for mode in ("int8", "int4"):
+        model = tiny_engines[mode].engine.model
+        assert kinds(tiny_engines[mode]) == {"QuantizedLinear"}
+        assert model.layers[0].mlp.gate_up_proj.bits == int(mode[3:])
+        assert model.lm_head.bits == 8  # int4 keeps the LM head at 8 bits
+
+
+def test_quantized_engines_score_close_to_full_precision(tiny_engines):
+    ids = list(range(5, 69))
+    reference = tiny_engines["none"].engine.score(ids, chunk_size=16).log_softmax(-1)
+    for mode, limit in (("int8", 0.01), ("int4", 0.1)):
+        logprobs = tiny_engines[mode].engine.score(ids, chunk_size=16).log_softmax(-1)
+        kl = (reference.exp() * (reference - logprobs)).sum(-1).mean().item()
+        assert 0 <= kl <= limit, (mode, kl)
+        # decode steps (few rows: the int kernels) and prefill chunks (the dense copy) agree
+        out = tiny_engines[mode].generate([{"prompt_token_ids": ids[:8]}], SamplingParams(max_tokens=6, temperature=0),
+                                          use_tqdm=False)[0]
+        assert len(out.outputs[0].token_ids) == 6
+
+
+def test_no_dense_copy_when_memory_is_short(monkeypatch):
+    """Under the RAM rule every batch size runs through the kernel and nothing else is kept."""
+    import kvserve.model.quant_linear as quant_linear
+
+    monkeypatch.setattr(quant_linear, "available_ram_bytes", lambda: 0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False))
+    served = quantize_int8(model[0].weight.detach()).dequantize()
+    report = quantize_linears(model, "int8", {}, torch.float32, torch.device("cpu"))
+    assert report.dense_copy_bytes == 0 and model[0].dense is None and model[0].kernel
+    x = torch.randn(model[0].max_kernel_rows + 5, 64)
+    expected = F.linear(x, served)
+    assert (model[0](x) - expected).abs().max() <= 0.02 * expected.abs().max()
+
+
+@pytest.mark.slow
+def test_int8_weights_greedy_output_agrees_with_full_precision_on_the_readme_prompts():
+    readme_prompts = ["The capital of France is", "What is the capital of France?"]
+    params = SamplingParams(temperature=0, max_tokens=16)
+    outputs = {}
+    for mode in ("none", "int8"):
+        llm = LLM(quantization=mode, kv_cache_memory="256MiB", max_model_len=512)
+        outputs[mode] = [o.outputs[0].text for o in llm.generate(readme_prompts, params, use_tqdm=False)]
+        outputs[mode].append(llm.chat([{"role": "user", "content": readme_prompts[1]}], params,
+                                      use_tqdm=False)[0].outputs[0].text)
+    assert outputs["int8"] == outputs["none"]
+    assert "Paris" in outputs["int8"][-1]
+
+
+def _plan(capsys, *args: str) -> dict:
+    import json
+
+    from kvserve.cli import main
+
+    assert main(["plan", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_plan_counts_weights_at_their_served_size_so_the_kv_budget_grows(capsys):
+    common = ("--gpu-memory", "2GiB", "--max-model-len", "2048", "--dtype", "bfloat16")
+    plans = {mode: _plan(capsys, *common, "--quantization", mode) for mode in ("none", "auto", "int8", "int4")}
+    dense = plans["none"]["weights"]["bytes"]
+    assert dense == 2 * plans["none"]["weights"]["num_params"]
+    # the default GGUF is Q4_1 with a Q8_0 embedding, tied: auto = int4 here
+    assert plans["auto"]["weights"]["bytes"] == plans["int4"]["weights"]["bytes"] < plans["int8"]["weights"]["bytes"] < dense
+    assert plans["auto"]["weights"]["quantization"] == "auto"
+    assert plans["auto"]["kv_budget"]["bytes"] - plans["none"]["kv_budget"]["bytes"] == \
+        dense - plans["auto"]["weights"]["bytes"]
+    preset = {mode: _plan(capsys, "llama-2-7b", "--gpu-memory", "32GiB", "--max-model-len", "2048", "--quantization",
+                          mode)["weights"] for mode in ("auto", "int4")}
+    assert preset["auto"]["quantization"] == "none" and preset["int4"]["bytes"] < preset["auto"]["bytes"] / 3
