@@ -61,6 +61,14 @@ def test_default_model_refuses_tp2_before_loading():
     assert "\n" not in str(info.value)
 
 
+def test_packed_weights_under_tp_are_a_one_line_error():
+    """int8/int4 weights do not shard yet: asking for them with TP fails before anything loads."""
+    for mode in ("int8", "int4"):
+        with pytest.raises(ValueError, match=f"--quantization {mode} does not shard yet") as info:
+            EngineArgs(tensor_parallel_size=3, quantization=mode).validate()
+        assert "\n" not in str(info.value)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
 def test_tp2_matches_one_process(tiny_model_factory, arch):
     """Greedy tokens identical and teacher-forced logits within 1e-4, over a mixed batch with a
