@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from kvserve.cache.kv_cache_manager import KVCacheManager
+from kvserve.cache.kv_cache_manager import NO_TIER_HIT, KVCacheManager
 from kvserve.engine.request import Request, RequestStatus
 
 
@@ -110,15 +110,17 @@ class Scheduler:
             # A request that still needs prompt logprobs recomputes its whole prompt; the blocks it
             # writes are still published for others.
             cached = [] if request.needs_prompt_logprobs else self.kv.find_cached_prefix(request)
-            num_cached = len(cached) * self.kv.block_size
+            # The lookup goes on below the pool (KV tiers), if there are any.
+            loaded = NO_TIER_HIT if request.needs_prompt_logprobs else self.kv.fetch_tier_prefix(request, len(cached))
+            num_cached = (len(cached) + loaded.num_blocks) * self.kv.block_size
             num_new = min(request.num_tokens - num_cached, budget, self.kv.max_new_tokens(request, num_cached))
-            if not self.kv.allocate(request, num_new, cached):
+            if not self.kv.allocate(request, num_new, cached, loaded):
                 break
             self.waiting.popleft()
             if request.num_preemptions == 0 and not request.needs_prompt_logprobs:
                 # (recomputing its own blocks is not a cache hit; a prompt-logprobs request looked nothing up)
                 request.num_cached_tokens = num_cached
-                self.kv.record_lookup(request.num_tokens, num_cached)
+                self.kv.record_lookup(request.num_tokens, len(cached) * self.kv.block_size, loaded)
             request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
