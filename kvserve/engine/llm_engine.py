@@ -228,9 +228,10 @@ class LLMEngine:
             return
         start = time.monotonic()
         written = self.kv_manager.flush_tiers()
+        has_disk = self.tiers.disk is not None
         self.tiers.close()
         self.tiers = None
-        if written:
+        if has_disk:
             logger.info("KV disk tier: wrote %d blocks at shutdown in %.1f s", written, time.monotonic() - start)
 
     # ------------------------------------------------------------------ introspection
