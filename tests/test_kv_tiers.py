@@ -247,3 +247,49 @@ def test_host_overflow_spills_to_the_next_tier():
     for i in range(3):
         host.put(bytes([i]) * 32, torch.zeros(64, dtype=torch.uint8))
     assert spilled == [bytes([0]) * 32] and host.used_bytes == 128
+
+
+def test_a_request_waiting_for_disk_reads_does_not_hold_up_others(tmp_path, monkeypatch):
+    """Scheduler and block manager without a model: a prefix that is on disk only is read on the
+    loader thread while a request queued behind it runs; it is admitted with its hit once read."""
+    import threading
+
+    from kvserve.cache.kv_cache_manager import KVCacheManager
+    from kvserve.engine.request import Request
+    from kvserve.engine.scheduler import Scheduler, SchedulerConfig
+
+    cache = random_cache("float32", num_blocks=8)
+    store = TieredStore(TierConfig(disk_path=str(tmp_path)), cache, "ns")
+    kv = KVCacheManager(8, BLOCK, True, "ns", tiers=store)
+    scheduler = Scheduler(SchedulerConfig(8, 256, 256), kv)
+
+    def request(rid: str, tokens: list[int]) -> Request:
+        return Request(rid, tokens, SamplingParams(max_tokens=1, ignore_eos=True))
+
+    def run(*requests: Request) -> list[list[str]]:
+        for r in requests:
+            scheduler.add(r)
+        steps = []
+        while scheduler.has_unfinished():
+            scheduled = scheduler.schedule()
+            steps.append([s.request.request_id for s in scheduled])
+            scheduler.update(scheduled, {s.request.request_id: 1 for s in scheduled if s.samples})
+        return steps
+
+    shared = list(range(3 * BLOCK + 1))
+    run(request("first", shared))
+    run(request("filler", list(range(100, 100 + 8 * BLOCK - 1))))  # reclaims every block: first's go to disk
+    store.writer.drain()
+    released = threading.Event()
+    slow_get = store.disk.get
+    monkeypatch.setattr(store.disk, "get", lambda h: released.wait(30) and slow_get(h))
+    again, other = request("again", shared), request("other", list(range(300, 300 + BLOCK)))
+    scheduler.add(again)
+    scheduler.add(other)
+    assert [s.request.request_id for s in scheduler.schedule()] == ["other"]
+    released.set()
+    store.loader.submit(lambda: None).result()  # the read has finished
+    scheduled = scheduler.schedule()
+    assert [s.request.request_id for s in scheduled] == ["other", "again"]
+    assert again.num_cached_tokens == 3 * BLOCK and kv.stats.tier_hits["disk"] == 3 * BLOCK
+    store.close()

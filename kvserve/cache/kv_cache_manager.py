@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import sys
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -87,6 +88,15 @@ class TierHit:
 NO_TIER_HIT = TierHit(0)
 
 
+@dataclass
+class _TierLoad:
+    """Disk reads in flight for a request: the blocks after its pool hit of `start` blocks."""
+
+    start: int
+    hashes: list[bytes]
+    future: Future
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, namespace: str = "",
                  evictor: Evictor | None = None, tiers: TieredStore | None = None):
@@ -95,6 +105,7 @@ class KVCacheManager:
         if self.tiers is not None:
             self.pool.on_evict = self.tiers.offload
         self._fetched: dict[str, TierHit] = {}  # tier blocks read for a request not yet admitted
+        self._loading: dict[str, _TierLoad] = {}  # disk reads in flight, by request id
         self.evictor = evictor
         self._moves: dict[str, tuple[list[int], list[int]]] = {}  # eviction copies not yet carried out
         self.block_size = block_size
@@ -139,20 +150,44 @@ class KVCacheManager:
     def _max_prefix_blocks(self, request: CachedSequence) -> int:
         return (request.num_tokens - 1) // self.block_size
 
-    def fetch_tier_prefix(self, request: CachedSequence, num_pool_blocks: int) -> TierHit:
+    def fetch_tier_prefix(self, request: CachedSequence, num_pool_blocks: int) -> TierHit | None:
         """The blocks right after the request's pool hit of `num_pool_blocks` that the tiers hold
-        (longest run of consecutive hashes), read into memory. Kept until the request is admitted
-        or freed, so a request that waits for room reads them once."""
+        (longest run of consecutive hashes), read into memory; None while some are still being
+        read from disk on the loader thread (ask again next step). Kept until the request is
+        admitted or freed, so a request that waits for room reads them once."""
         if self.tiers is None or request.eviction is not None:
             return NO_TIER_HIT
-        hit = self._fetched.get(request.request_id)
+        rid = request.request_id
+        hit = self._fetched.get(rid)
         if hit is not None and hit.start == num_pool_blocks:
             return hit
-        hashes = self.block_hashes(request)[num_pool_blocks:self._max_prefix_blocks(request)]
-        fetched = self.tiers.fetch(hashes[:len(self.tiers.lookup(hashes))])
-        hit = TierHit(num_pool_blocks, hashes[:len(fetched)], [d for _, d in fetched], [t for t, _ in fetched])
-        self._fetched[request.request_id] = hit
+        load = self._loading.get(rid)
+        if load is not None and load.start == num_pool_blocks:
+            if not load.future.done():
+                return None
+            del self._loading[rid]
+            fetched = self.tiers.assemble(load.hashes, load.future.result())
+        else:
+            hashes = self.block_hashes(request)[num_pool_blocks:self._max_prefix_blocks(request)]
+            where = self.tiers.lookup(hashes)
+            hashes = hashes[:len(where)]
+            if "disk" in where:
+                disk = [h for h, tier in zip(hashes, where) if tier == "disk"]
+                self._loading[rid] = _TierLoad(num_pool_blocks, hashes, self.tiers.read_disk_async(disk))
+                return None
+            fetched = self.tiers.fetch(hashes)
+        hit = TierHit(num_pool_blocks, [h for h, _ in zip(self.block_hashes(request)[num_pool_blocks:], fetched)],
+                      [d for _, d in fetched], [t for t, _ in fetched])
+        self._fetched[rid] = hit
         return hit
+
+    def wait_for_tier_loads(self, request: CachedSequence) -> bool:
+        """Block until the request's disk reads finish; False if none were in flight."""
+        load = self._loading.get(request.request_id)
+        if load is None or load.future.done():
+            return False
+        load.future.result()
+        return True
 
     def blocks_needed(self, request: CachedSequence, num_new_tokens: int, cached: list[Block] = (),
                       num_loaded: int = 0) -> int:
@@ -253,6 +288,7 @@ class KVCacheManager:
         self._req_hashes.pop(request.request_id, None)
         self._moves.pop(request.request_id, None)  # its blocks may be someone else's by now
         self._fetched.pop(request.request_id, None)
+        self._loading.pop(request.request_id, None)  # a read in flight finishes unused
         if self.evictor is not None:
             self.evictor.forget(request.request_id)
 

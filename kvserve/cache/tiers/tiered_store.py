@@ -6,13 +6,15 @@
 
 Only the copy out of the pool runs on the engine thread (cheap: one index_select per pool tensor
 for all the blocks reclaimed at once); disk writes run on the writer thread, and blocks queued
-for it are served from memory until written. `flush` (at shutdown) writes the pool's published
+for it are served from memory until written. Disk reads run on a loader thread (`read_disk_async`):
+the scheduler lets a request whose blocks are still being read wait while others run. `flush` (at shutdown) writes the pool's published
 blocks and the host tier to disk, so a restarted server finds its prefixes there.
 """
 from __future__ import annotations
 
 import hashlib
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +66,8 @@ class TieredStore:
                               on_evict=self._spill if self.disk is not None else None)
                      if config.host_bytes > 0 else None)
         self.writer = BackgroundWriter(writer_queue) if self.disk is not None else None
+        self.loader = (ThreadPoolExecutor(1, thread_name_prefix="kvserve-kv-loader")
+                       if self.disk is not None else None)
         self._pending: dict[bytes, torch.Tensor] = {}  # queued for the disk, not yet written
         self._lock = threading.Lock()
         self.num_offloaded = 0  # blocks copied out of the pool
@@ -150,6 +154,36 @@ class TieredStore:
             out.append((tier, data))
         return out
 
+    def read_disk_async(self, hashes: list[bytes]) -> Future:
+        """Read blocks from the disk tier on the loader thread; the future's result maps each hash
+        read (a prefix of `hashes`: reading stops at the first miss) to its bytes."""
+        return self.loader.submit(self._read_disk, list(hashes))
+
+    def _read_disk(self, hashes: list[bytes]) -> dict[bytes, torch.Tensor]:
+        out = {}
+        for block_hash in hashes:
+            with self._lock:
+                data = self._pending.get(block_hash)
+            if data is None:
+                data = self.disk.get(block_hash)
+            if data is None:
+                break
+            out[block_hash] = data
+        return out
+
+    def assemble(self, hashes: list[bytes], from_disk: dict[bytes, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+        """The longest run of `hashes` found in `from_disk` (read by the loader) or the host tier."""
+        out = []
+        for block_hash in hashes:
+            if block_hash in from_disk:
+                out.append(("disk", from_disk[block_hash]))
+                continue
+            data = self.host.get(block_hash) if self.host is not None else None
+            if data is None:
+                break
+            out.append(("host", data))
+        return out
+
     def load(self, block_ids: list[int], blocks: list[torch.Tensor]) -> None:
         """Write fetched blocks into the pool."""
         if block_ids:
@@ -177,6 +211,8 @@ class TieredStore:
         return written
 
     def close(self) -> None:
+        if self.loader is not None:
+            self.loader.shutdown(wait=True, cancel_futures=True)
         if self.writer is not None:
             self.writer.close()
 
