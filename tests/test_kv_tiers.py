@@ -282,7 +282,7 @@ def test_a_request_waiting_for_disk_reads_does_not_hold_up_others(tmp_path, monk
     store.writer.drain()
     released = threading.Event()
     slow_get = store.disk.get
-    monkeypatch.setattr(store.disk, "get", lambda h: released.wait(30) and slow_get(h))
+    monkeypatch.setattr(store.disk, "get", lambda h, out=None: released.wait(30) and slow_get(h, out))
     again, other = request("again", shared), request("other", list(range(300, 300 + BLOCK)))
     scheduler.add(again)
     scheduler.add(other)

@@ -200,8 +200,13 @@ class KVCache:
         `out_device` (default: the pool's device)."""
         ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         n = len(block_ids)
-        rows = [t.index_select(1, ids).movedim(1, 0).reshape(n, -1) for t, _ in self._block_parts()]
-        data = torch.cat(rows, dim=1)
+        parts = self._block_parts()
+        data = torch.empty(n, sum(nbytes for _, nbytes in parts), dtype=torch.uint8, device=self.device)
+        offset = 0
+        for t, nbytes in parts:
+            picked = t.index_select(1, ids).movedim(1, 0)  # [n, heads, ...]
+            data[:, offset:offset + nbytes].view(n, t.shape[0], -1).copy_(picked.reshape(n, t.shape[0], -1))
+            offset += nbytes
         return data if out_device is None else data.to(out_device, non_blocking=True)
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:

@@ -43,6 +43,7 @@ EVICT_TO = 0.9  # fraction of the bound the size-limit eviction leaves used
 
 
 def checksum(payload: bytes | memoryview) -> bytes:
+    """blake2b-128: hashlib releases the GIL on large buffers, so the engine thread runs meanwhile."""
     return hashlib.blake2b(payload, digest_size=16).digest()
 
 
@@ -117,14 +118,20 @@ class DiskTier(BlockStore):
     def contains(self, block_hash: bytes) -> bool:
         return self.path(block_hash).exists()
 
-    def get(self, block_hash: bytes) -> torch.Tensor | None:
+    def get(self, block_hash: bytes, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The block's bytes, read into `out` (a 1-D uint8 CPU tensor of block_nbytes) when given."""
         path = self.path(block_hash)
+        if out is None:
+            out = torch.empty(self.block_nbytes, dtype=torch.uint8)
+        payload = memoryview(out.numpy())
         try:
             with open(path, "rb") as f:
-                raw = f.read()
+                header = f.read(HEADER.size)
+                got = f.readinto(payload) if len(header) == HEADER.size else 0
+                extra = len(f.read(1))
         except OSError:
             return None  # absent, or removed by a size-limit eviction meanwhile
-        problem = self._check(raw, block_hash)
+        problem = self._check(header, got, extra, payload, block_hash)
         if problem is not None:
             self.num_bad_files += 1
             logger.warning("KV disk tier: %s %s; treated as a miss and removed", path, problem)
@@ -134,21 +141,21 @@ class DiskTier(BlockStore):
             os.utime(path)  # least recently used goes first
         except OSError:
             pass
-        return torch.frombuffer(bytearray(memoryview(raw)[HEADER.size:]), dtype=torch.uint8)
+        return out
 
-    def _check(self, raw: bytes, block_hash: bytes) -> str | None:
-        if len(raw) < HEADER.size:
+    def _check(self, header: bytes, got: int, extra: int, payload: memoryview, block_hash: bytes) -> str | None:
+        if len(header) < HEADER.size:
             return "is truncated"
-        magic, version, _, namespace, stored_hash, length, digest = HEADER.unpack_from(raw)
+        magic, version, _, namespace, stored_hash, length, digest = HEADER.unpack(header)
         if magic != MAGIC:
             return "is not a kvserve block file"
         if version != FORMAT_VERSION:
             return f"has format version {version}, not {FORMAT_VERSION}"
         if namespace != self.namespace or stored_hash != block_hash:
             return "belongs to another model, KV layout or block"
-        if length != self.block_nbytes or len(raw) != HEADER.size + length:
+        if length != self.block_nbytes or got != length or extra:
             return "is truncated or has the wrong length"
-        if checksum(memoryview(raw)[HEADER.size:]) != digest:
+        if checksum(payload) != digest:
             return "fails its checksum"
         return None
 
@@ -156,9 +163,9 @@ class DiskTier(BlockStore):
         """Write one block (a CPU uint8 tensor); called by the background writer."""
         if self.disabled is not None:
             return
-        payload = data.numpy().tobytes() if data.numel() == self.block_nbytes else None
-        if payload is None:
+        if data.numel() != self.block_nbytes:
             raise ValueError(f"a block is {self.block_nbytes} bytes, got {data.numel()}")
+        payload = memoryview(data.contiguous().numpy())
         path = self.path(block_hash)
         header = HEADER.pack(MAGIC, FORMAT_VERSION, 0, self.namespace, block_hash, len(payload), checksum(payload))
         tmp = None

@@ -87,7 +87,7 @@ class TieredStore:
             if on_host:
                 self.host.put(block_hash, data[i])
             else:
-                self._spill(block_hash, data[i].clone() if len(todo) > 1 else data[i])
+                self._spill(block_hash, data[i])  # a row of `data`, freed once every row is written
 
     def _keep(self, block_hash: bytes) -> bool:
         """True if a tier already holds the block (then only its recency is refreshed)."""
@@ -160,12 +160,14 @@ class TieredStore:
         return self.loader.submit(self._read_disk, list(hashes))
 
     def _read_disk(self, hashes: list[bytes]) -> dict[bytes, torch.Tensor]:
+        """Files are read straight into the rows of one buffer (no copy per block)."""
         out = {}
-        for block_hash in hashes:
+        buffer = torch.empty(len(hashes), self.block_nbytes, dtype=torch.uint8)
+        for i, block_hash in enumerate(hashes):
             with self._lock:
                 data = self._pending.get(block_hash)
             if data is None:
-                data = self.disk.get(block_hash)
+                data = self.disk.get(block_hash, buffer[i])
             if data is None:
                 break
             out[block_hash] = data
@@ -187,7 +189,7 @@ class TieredStore:
     def load(self, block_ids: list[int], blocks: list[torch.Tensor]) -> None:
         """Write fetched blocks into the pool."""
         if block_ids:
-            self.kv_cache.write_blocks(block_ids, torch.stack([b.view(-1) for b in blocks]))
+            self.kv_cache.write_blocks(block_ids, _as_rows(blocks))
 
     # ------------------------------------------------------------------ shutdown and usage
     def flush(self, pool_blocks: list[tuple[int, bytes]]) -> int:
@@ -222,3 +224,14 @@ class TieredStore:
                          disk.used_bytes if disk else 0, disk.capacity_bytes if disk else 0,
                          self.writer.num_dropped if self.writer else 0,
                          disk is not None and disk.disabled is not None)
+
+
+def _as_rows(blocks: list[torch.Tensor]) -> torch.Tensor:
+    """[n, block bytes]: the consecutive rows of one buffer as they are (the loader's usual case),
+    else stacked."""
+    first = blocks[0]
+    nbytes = first.numel()
+    if first.dim() == 1 and all(b.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+                                and b.data_ptr() == first.data_ptr() + i * nbytes for i, b in enumerate(blocks)):
+        return first.as_strided((len(blocks), nbytes), (nbytes, 1))
+    return torch.stack([b.view(-1) for b in blocks])
