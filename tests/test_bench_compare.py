@@ -93,3 +93,21 @@ def test_prefix_caching_before_after_on_real_kvserve_servers(tiny_llama, tmp_pat
     assert off["model_id"] == str(tiny_llama)
     assert (on["server_metrics"]["prefix_cache_hit_rate"] or 0) > 0.3
     assert not off["server_metrics"]["prefix_cache_hit_rate"]
+
+
+def test_multi_turn_workload_on_fake_servers(tiny_llama, tmp_path, capsys):
+    """`--dataset-name multi-turn` goes through compare too: each configuration runs the same
+    sessions and reports them per turn."""
+    argv = ["bench", "compare", "--tokenizer", str(tiny_llama), "--dataset-name", "multi-turn",
+            "--multi-turn-sessions", "2", "--multi-turn-turns", "2", "--multi-turn-system-prompt-len", "16",
+            "--multi-turn-user-len", "8", "--multi-turn-output-len", "3", "--metrics-interval", "0",
+            "--disable-tqdm", "--server-log-dir", str(tmp_path / "logs"), "--save-result", str(tmp_path / "cmp.json"),
+            "--configs", "--delay 0.001", "--delay 0.002"]
+    assert run_compare(build_parser().parse_args(argv), fake_server) == 0
+    assert capsys.readouterr().out.count("Per turn (ms)") == 2
+    data = json.loads((tmp_path / "cmp.json").read_text())
+    for config in data["configs"]:
+        result = config["result"]
+        assert result["endpoint"] == "/v1/chat/completions" and result["completed"] == 4
+        assert [row["turn"] for row in result["per_turn"]] == [1, 2]
+        assert result["generated_texts"] == ["w0 w1 w2 "] * 4

@@ -227,6 +227,62 @@ def test_prediction_equals_engine_allocation_default_model(capsys):
     assert fp["capacity"]["kv_tokens"] == llm.engine.kv_cache.num_blocks * 16
 
 
+# --------------------------------------------------------------------------- offload tiers
+def test_offload_tiers_hold_the_pools_blocks(capsys, tiny_llama):
+    """A tier holds whole blocks of the engine's own layout (codes and scales): its tokens are its
+    size over the pool's bytes per block, and whole sequences of max-model-len follow."""
+    engine = LLMEngine(EngineArgs(model=str(tiny_llama), dtype="float32", kv_cache_dtype="int8",
+                                  kv_cache_memory="1MiB", max_model_len=256))
+    pool_block = engine.kv_cache.nbytes // (engine.kv_cache.num_blocks + 1)  # the null block included
+    plan = plan_json(capsys, str(tiny_llama), "--dtype", "float32", "--kv-cache-dtype", "int8,float32",
+                     "--kv-cache-memory", "1MiB", "--max-model-len", "256", "--kv-offloading-size", "0.5",
+                     "--kv-offloading-disk-size", "3MiB")
+    assert (plan["inputs"]["kv_offloading_size"], plan["inputs"]["kv_offloading_disk_size"]) == (1 << 29, 3 << 20)
+    int8, fp32 = plan["kv_cache"]
+    host, disk = int8["offload_tiers"]
+    assert (host["tier"], disk["tier"]) == ("host", "disk")
+    assert host["bytes_per_block"] == disk["bytes_per_block"] == pool_block == int8["layout"]["bytes_per_block"]
+    assert host["num_blocks"] == (1 << 29) // pool_block and disk["num_blocks"] == (3 << 20) // pool_block
+    assert host["kv_tokens"] == 16 * host["num_blocks"]
+    assert disk["max_concurrent_sequences"] == disk["num_blocks"] // 16  # 256 tokens = 16 blocks of 16
+    # float32 blocks are bigger than int8's (values plus scales): fewer tokens in the same bytes
+    assert fp32["offload_tiers"][0]["kv_tokens"] < host["kv_tokens"]
+    assert fp32["offload_tiers"][0]["num_blocks"] == (1 << 29) // fp32["layout"]["bytes_per_block"]
+    # no tier flags: no tiers
+    assert plan_json(capsys, str(tiny_llama), "--max-model-len", "256")["kv_cache"][0]["offload_tiers"] == []
+
+
+def test_offload_tiers_text_and_tensor_parallel(capsys):
+    """Tier sizes are totals over the devices (vLLM's rule); each device holds its heads' share of the
+    same tokens, so the token count does not change with the device count."""
+    args = ["llama-3-8b", "--max-model-len", "8192", "--kv-cache-dtype", "bfloat16", "--kv-cache-memory", "4GiB",
+            "--kv-offloading-size", "16", "--kv-offloading-disk-size", "1TiB"]
+    one = plan_json(capsys, *args)["kv_cache"][0]["offload_tiers"]
+    two = plan_json(capsys, *args, "--tensor-parallel-size", "2")["kv_cache"][0]["offload_tiers"]
+    per_token = 32 * 2 * 8 * 128 * 2  # layers × K and V × KV heads × head_dim × bf16 bytes
+    assert one[0]["kv_tokens"] == (16 << 30) // (16 * per_token) * 16
+    assert two[0]["bytes_per_device"] == 8 << 30 and two[0]["bytes_per_block"] * 2 == one[0]["bytes_per_block"]
+    assert [t["kv_tokens"] for t in two] == [t["kv_tokens"] for t in one]
+    assert one[1]["max_concurrent_sequences"] == one[1]["num_blocks"] // 512
+    assert main(["plan", *args, "--tensor-parallel-size", "2"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert (f"host memory tier of 17,179,869,184 B (17.18 GB, 16.00 GiB) (8,589,934,592 B (8.59 GB, 8.00 GiB) "
+            f"on each of 2 devices): {two[0]['num_blocks']:,} blocks of {two[0]['bytes_per_block']:,} bytes = "
+            f"{two[0]['kv_tokens']:,} tokens of bfloat16, {two[0]['max_concurrent_sequences']:,} sequences of "
+            f"8,192") in text
+    assert "disk tier of 1,099,511,627,776 B" in text and "KV tokens it holds" in text
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--kv-offloading-size", "0"], "--kv-offloading-size must be a positive number of GiB, got '0'"),
+    (["--kv-offloading-size", "-2"], "--kv-offloading-size must be a positive number of GiB"),
+    (["--kv-offloading-size", "nan"], "--kv-offloading-size must be a positive number of GiB"),
+    (["--kv-offloading-disk-size", "lots"], "--kv-offloading-disk-size: cannot parse size 'lots'"),
+])
+def test_offload_tier_sizes_bad_input(capsys, flags, message):
+    assert message in plan_error(capsys, "llama-3-8b", *flags)
+
+
 # --------------------------------------------------------------------------- config files
 def test_hf_directory_and_config_file(capsys, tiny_llama):
     config, file_bytes = load_model_config(tiny_llama)
@@ -300,7 +356,11 @@ def test_json_keys_are_the_documented_ones(capsys):
     for section in ("model", "inputs", "weights", "kv_budget", "kv_cache", "notes"):
         assert section in plan and section in doc
     entry = plan["kv_cache"][0]
-    for key in [*entry, *entry["layout"], *entry["capacity"], *plan["model"], *plan["inputs"], *plan["weights"]]:
+    plan = plan_json(capsys, "llama-3-8b", "--kv-cache-memory", "4GiB", "--max-model-len", "4096",
+                     "--kv-offloading-size", "1")
+    entry = plan["kv_cache"][0]
+    for key in [*entry, *entry["layout"], *entry["capacity"], *entry["offload_tiers"][0], *plan["model"],
+                *plan["inputs"], *plan["weights"]]:
         assert re.search(rf"\b{key}\b", doc), key
 
 

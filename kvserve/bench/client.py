@@ -53,7 +53,7 @@ def payload(config: ClientConfig, sample: SampleRequest) -> dict[str, Any]:
         "stream_options": {"include_usage": True},
     }
     if config.chat:
-        body["messages"] = [{"role": "user", "content": sample.prompt}]
+        body["messages"] = sample.messages or [{"role": "user", "content": sample.prompt}]
     else:
         body["prompt"] = sample.prompt
     if config.ignore_eos:

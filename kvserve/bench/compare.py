@@ -25,12 +25,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from kvserve.bench.client import ClientConfig, check_endpoint
-from kvserve.bench.datasets import add_dataset_args, build_dataset, load_tokenizer
+from kvserve.bench.datasets import add_dataset_args, load_tokenizer
 from kvserve.bench.launcher import ServerCommand, ServerStartError, kvserve_serve_command, running_server
 from kvserve.bench.metrics import METRIC_TITLES, parse_goodput, parse_percentile_args, percentile_key
 from kvserve.bench.report import save_json
-from kvserve.bench.serve import RunOutput, add_client_args, benchmark, failure_summary, load_config_from_args
+from kvserve.bench.serve import (RunOutput, add_client_args, benchmark, build_workload, client_config, failure_summary,
+                                 load_config_from_args, resolve_endpoint)
 
 SERVER_API_KEY_ENV = "KVSERVE_API_KEY"  # what `kvserve serve` reads when no --api-key is given
 
@@ -114,7 +114,9 @@ def comparison_rows(selected: list[str], percentiles: list[float]) -> list[Row]:
         rows += [Row(f"P{percentile_key(p)} {short} (ms)", f"p{percentile_key(p)}_{name}_ms") for p in percentiles]
     rows += [Row("Peak KV cache usage (%)", "max_kv_cache_usage", 100.0, "server_metrics"),
              Row("Preemptions", "num_preemptions", 1.0, "server_metrics"),
-             Row("Prefix cache hit rate (%)", "prefix_cache_hit_rate", 100.0, "server_metrics")]
+             Row("Prefix cache hit rate (%)", "prefix_cache_hit_rate", 100.0, "server_metrics"),
+             Row("Host tier hit rate (%)", "host_prefix_cache_hit_rate", 100.0, "server_metrics"),
+             Row("Disk tier hit rate (%)", "disk_prefix_cache_hit_rate", 100.0, "server_metrics")]
     return rows
 
 
@@ -168,7 +170,7 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser("compare", help="start kvserve serve per configuration, run one workload against "
                                               "each, compare them side by side")
     add_client_args(p, with_target=False)
-    add_dataset_args(p, num_prompts=100, input_len="512", output_len="128")
+    add_dataset_args(p, num_prompts=100, input_len="512", output_len="128", multi_turn=True)
     s = p.add_argument_group("configurations")
     s.add_argument("--server-args", default="", help="`kvserve serve` flags for every configuration, quoted "
                                                      "(e.g. \"--model DIR --kv-cache-memory 32MiB\"; one flag alone: "
@@ -188,7 +190,7 @@ def register(subparsers: Any) -> None:
 
 def run_compare(args: argparse.Namespace, server_command: ServerCommand = kvserve_serve_command) -> int:
     """Run every configuration; print, save and plot. `server_command` builds a server's argv."""
-    check_endpoint(args.endpoint)
+    endpoint = resolve_endpoint(args)
     load = load_config_from_args(args)
     selected, percentiles = parse_percentile_args(args.percentile_metrics, args.metric_percentiles)
     if args.goodput:
@@ -196,7 +198,7 @@ def run_compare(args: argparse.Namespace, server_command: ServerCommand = kvserv
     server_args, configs = resolve_configs(args, args.compare_flags)
     common = shlex.split(server_args)
     tokenizer = load_tokenizer(args.tokenizer or _flag_value(common, "--model"))
-    samples = build_dataset(args, tokenizer)
+    samples = build_workload(args, tokenizer)
     log_dir = Path(args.server_log_dir or tempfile.mkdtemp(prefix="kvserve-compare-"))
 
     results: list[dict[str, Any] | None] = []
@@ -211,7 +213,7 @@ def run_compare(args: argparse.Namespace, server_command: ServerCommand = kvserv
             # the key the server will demand, if any: its --api-key flag, else its environment
             api_key = _flag_value(flags, "--api-key") or os.environ.get(SERVER_API_KEY_ENV)
             with running_server(server_command, flags, log, args.server_timeout) as url:
-                client = ClientConfig(url, args.endpoint, _served_model(url, api_key), api_key, args.ignore_eos)
+                client = client_config(args, url, endpoint, _served_model(url, api_key), api_key)
                 args.label = config.label
                 result, run, table = benchmark(args, client, samples, load, tokenizer)
         except ServerStartError as exc:

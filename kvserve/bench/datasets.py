@@ -8,6 +8,8 @@ the length it claims (random tokens are decoded, re-encoded and trimmed, as vLLM
     prefix-repetition  a few shared random prefixes, each followed by a random suffix
     sharegpt           the first human/gpt turn of a local ShareGPT JSON file, or a synthetic set
     book               spans of the bundled novel (or any text file)
+    multi-turn         chat sessions whose every turn resends the whole conversation; closed-loop,
+                       so it is a workload of its own (kvserve/bench/multi_turn.py), not a list
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import numpy as np
 
 BOOK_PATH = Path(__file__).resolve().parent.parent / "data" / "pride-and-prejudice.txt"
 DATASET_NAMES = ("random", "prefix-repetition", "sharegpt", "book")
+MULTI_TURN = "multi-turn"  # only for the online benchmarks (`bench serve`, `bench compare`)
 
 # ShareGPT filters (as in vLLM's benchmark): drop turns too short to time, or too long for a
 # 2k-context model.
@@ -43,6 +46,8 @@ class SampleRequest:
     prompt: str
     prompt_len: int  # tokens of `prompt` under the benchmark's tokenizer (no special tokens)
     expected_output_len: int  # sent as max_tokens
+    # chat endpoints: the conversation to send (None: `prompt` as one user message)
+    messages: list[dict[str, str]] | None = None
 
 
 @dataclass(frozen=True)
@@ -163,7 +168,7 @@ def prefix_repetition_dataset(tokenizer: Any, num_prompts: int, prefix_len: int,
     return [requests[i] for i in order]
 
 
-class _Book:
+class BookText:
     """A text tokenized once; spans are cut at random token offsets."""
 
     def __init__(self, tokenizer: Any, path: str | os.PathLike | None):
@@ -192,7 +197,7 @@ def book_dataset(tokenizer: Any, num_prompts: int, input_len: LengthRange, outpu
                  path: str | os.PathLike | None = None, seed: int = 0) -> list[SampleRequest]:
     """Spans of real prose: the bundled novel, or any UTF-8 text file."""
     rng = np.random.default_rng(seed)
-    book = _Book(tokenizer, path)
+    book = BookText(tokenizer, path)
     inputs, outputs = input_len.sample(rng, num_prompts), output_len.sample(rng, num_prompts)
     requests = []
     for n_in, n_out in zip(inputs, outputs):
@@ -253,7 +258,7 @@ def synthetic_sharegpt_dataset(tokenizer: Any, num_prompts: int, output_len: int
                                seed: int = 0) -> list[SampleRequest]:
     """ShareGPT-like lengths with prompts cut from the bundled novel (no download needed)."""
     rng = np.random.default_rng(seed)
-    book = _Book(tokenizer, None)
+    book = BookText(tokenizer, None)
     requests = []
     for n_in, n_out in sharegpt_lengths(rng, num_prompts):
         text, n = book.span(rng, n_in)
@@ -281,17 +286,24 @@ def build_dataset(args: Any, tokenizer: Any) -> list[SampleRequest]:
     if name == "book":
         return book_dataset(tokenizer, n, LengthRange.parse(args.book_input_len),
                             LengthRange.parse(args.book_output_len), args.dataset_path, seed)
+    if name == MULTI_TURN:
+        raise ValueError("--dataset-name multi-turn is a closed-loop chat workload: "
+                         "only `kvserve bench serve` and `kvserve bench compare` run it")
     raise ValueError(f"unknown dataset {name!r}; choose from {', '.join(DATASET_NAMES)}")
 
 
-def add_dataset_args(parser: Any, num_prompts: int = 1000, input_len: str = "1024", output_len: str = "128") -> None:
-    """The workload flags (vLLM's names), shared by `bench serve`, `compare`, `throughput`."""
+def add_dataset_args(parser: Any, num_prompts: int = 1000, input_len: str = "1024", output_len: str = "128",
+                     multi_turn: bool = False) -> None:
+    """The workload flags (vLLM's names), shared by `bench serve`, `compare`, `throughput`; with
+    `multi_turn`, also the multi-turn chat workload and its flags."""
     g = parser.add_argument_group("workload")
-    g.add_argument("--dataset-name", default="random", choices=DATASET_NAMES)
+    g.add_argument("--dataset-name", default="random",
+                   choices=DATASET_NAMES + ((MULTI_TURN,) if multi_turn else ()))
     g.add_argument("--dataset-path", default=None,
                    help="sharegpt: a ShareGPT-format JSON file (default: synthetic ShareGPT-like set); "
-                        "book: a text file (default: the bundled novel)")
-    g.add_argument("--num-prompts", type=int, default=num_prompts)
+                        "book" + (", multi-turn" if multi_turn else "") + ": a text file (default: the bundled novel)")
+    g.add_argument("--num-prompts", type=int, default=num_prompts,
+                   help="requests to send" + (" (multi-turn: sessions x turns instead)" if multi_turn else ""))
     g.add_argument("--seed", type=int, default=0, help="seed of the workload and of the arrival times")
     g.add_argument("--random-input-len", default=input_len,
                    help="random: prompt tokens, N (spread by --random-range-ratio) or MIN:MAX")
@@ -307,3 +319,7 @@ def add_dataset_args(parser: Any, num_prompts: int = 1000, input_len: str = "102
                    help="sharegpt: fixed output length instead of each reply's length")
     g.add_argument("--book-input-len", default="512", help="book: span length in tokens, N or MIN:MAX")
     g.add_argument("--book-output-len", default="128", help="book: output tokens, N or MIN:MAX")
+    if multi_turn:
+        from kvserve.bench.multi_turn import add_multi_turn_args
+
+        add_multi_turn_args(parser)

@@ -193,6 +193,13 @@ def metrics_to_dict(m: BenchmarkMetrics, selected: list[str]) -> dict[str, Any]:
         "generated_texts": m.generated_texts,
         "errors": m.errors,
     }
+    out.update(distributions_to_dict(m, selected))
+    return out
+
+
+def distributions_to_dict(m: BenchmarkMetrics, selected: list[str]) -> dict[str, float]:
+    """`mean_ttft_ms`, `median_ttft_ms`, `std_ttft_ms`, `p99_ttft_ms`, ... for the selected metrics."""
+    out: dict[str, float] = {}
     for name in selected:
         d = m.distributions[name]
         out[f"mean_{name}_ms"] = d.mean

@@ -4,6 +4,9 @@ and concurrency, stream every response, and report vLLM's serving metrics.
 Arrivals follow vLLM: with --request-rate R and --burstiness k, the gaps between requests are
 Gamma(shape=k, scale=1/(R*k)): mean 1/R always; k = 1 is a Poisson process, k < 1 burstier,
 k > 1 more regular. R = inf sends everything at once (then --max-concurrency bounds what is in flight).
+
+`--dataset-name multi-turn` is a closed-loop chat workload instead (kvserve/bench/multi_turn.py and
+multi_turn_run.py): the arrival schedule then starts sessions, not requests.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ import numpy as np
 from tqdm import tqdm
 
 from kvserve.bench.client import ClientConfig, check_endpoint, list_models, send_request
-from kvserve.bench.datasets import SampleRequest, add_dataset_args, build_dataset, load_tokenizer
+from kvserve.bench.datasets import MULTI_TURN, SampleRequest, add_dataset_args, build_dataset, load_tokenizer
 from kvserve.bench.metrics import RequestResult, compute_metrics, metrics_to_dict, parse_goodput, parse_percentile_args
 from kvserve.bench.report import format_serving_table, save_json
 from kvserve.bench.server_metrics import MetricsSampler, ServerSample, samples_to_dicts, summarize
@@ -69,12 +72,12 @@ def send_times(n: int, rate: float, burstiness: float, seed: int) -> list[float]
     return [0.0, *np.cumsum(gaps).tolist()][:n]
 
 
-def _http_client(load: LoadConfig) -> httpx.AsyncClient:
+def http_client(load: LoadConfig) -> httpx.AsyncClient:
     return httpx.AsyncClient(timeout=httpx.Timeout(load.request_timeout, connect=30.0),
                              limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
 
 
-async def _warm_up(client: httpx.AsyncClient, config: ClientConfig, samples: list[SampleRequest], n: int,
+async def warm_up(client: httpx.AsyncClient, config: ClientConfig, samples: list[SampleRequest], n: int,
                    limit: asyncio.Semaphore | None) -> None:
     async def one(i: int) -> RequestResult:
         if limit is None:
@@ -93,9 +96,9 @@ async def run_load(config: ClientConfig, samples: list[SampleRequest], load: Loa
     server's /metrics meanwhile."""
     load.validate()
     limit = asyncio.Semaphore(load.max_concurrency) if load.max_concurrency else None
-    async with _http_client(load) as client:
+    async with http_client(load) as client:
         if load.num_warmups:
-            await _warm_up(client, config, samples, load.num_warmups, limit)
+            await warm_up(client, config, samples, load.num_warmups, limit)
         t0 = time.perf_counter()
         sampler = None
         sampler_task = None
@@ -138,12 +141,14 @@ def add_client_args(parser: argparse.ArgumentParser, with_target: bool = True) -
                        help="tokenizer for the workload (HF dir, GGUF, cached hub id; default: --model if it is "
                             "one of those, else kvserve's default model)")
     c = parser.add_argument_group("load")
-    c.add_argument("--endpoint", default="/v1/completions", help="/v1/completions or /v1/chat/completions")
+    c.add_argument("--endpoint", default=None,
+                   help="/v1/completions (default) or /v1/chat/completions (default and required for multi-turn)")
     c.add_argument("--request-rate", type=float, default=math.inf, help="requests per second, or inf (default)")
     c.add_argument("--burstiness", type=float, default=1.0, help="Gamma shape of the arrival gaps (1 = Poisson)")
     c.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
     c.add_argument("--num-warmups", type=int, default=0, help="requests sent (and not counted) before the run")
-    c.add_argument("--ignore-eos", action="store_true", help="ask the server to generate exactly max_tokens")
+    c.add_argument("--ignore-eos", action="store_true",
+                   help="ask the server to generate exactly max_tokens (multi-turn always does)")
     c.add_argument("--request-timeout", type=float, default=600.0, help="seconds without a byte before a request fails")
     o = parser.add_argument_group("metrics")
     o.add_argument("--percentile-metrics", default="ttft,tpot,itl", help="of ttft,tpot,itl,e2el")
@@ -165,7 +170,7 @@ def load_config_from_args(args: argparse.Namespace) -> LoadConfig:
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("serve", help="load-test an OpenAI-compatible server (kvserve, vLLM, SGLang, llama.cpp)")
     add_client_args(p)
-    add_dataset_args(p, num_prompts=100, input_len="512", output_len="128")
+    add_dataset_args(p, num_prompts=100, input_len="512", output_len="128", multi_turn=True)
     r = p.add_argument_group("results")
     r.add_argument("--label", default=None, help="a name for this run in the result file")
     r.add_argument("--save-result", default=None, metavar="PATH", help="write the result JSON (vLLM's keys) here")
@@ -204,9 +209,42 @@ def run_info(args: argparse.Namespace, config: ClientConfig, load: LoadConfig) -
     }
 
 
-def benchmark(args: argparse.Namespace, config: ClientConfig, samples: list[SampleRequest], load: LoadConfig,
+def resolve_endpoint(args: argparse.Namespace) -> str:
+    """--endpoint, defaulting by workload: chat for multi-turn (which needs it), else completions."""
+    multi_turn = args.dataset_name == MULTI_TURN
+    endpoint = args.endpoint or ("/v1/chat/completions" if multi_turn else "/v1/completions")
+    check_endpoint(endpoint)
+    if multi_turn and not endpoint.rstrip("/").endswith("chat/completions"):
+        raise ValueError(f"--dataset-name multi-turn sends chat conversations: --endpoint must be "
+                         f"/v1/chat/completions, got {endpoint!r}")
+    return endpoint
+
+
+Workload = Any  # list[SampleRequest], or a MultiTurnWorkload
+
+
+def build_workload(args: argparse.Namespace, tokenizer: Any) -> Workload:
+    """The request list the dataset flags describe, or the multi-turn sessions' texts."""
+    if args.dataset_name != MULTI_TURN:
+        return build_dataset(args, tokenizer)
+    from kvserve.bench.multi_turn import build_multi_turn, options_from_args
+
+    return build_multi_turn(tokenizer, options_from_args(args), args.dataset_path, args.seed, args.num_warmups)
+
+
+def client_config(args: argparse.Namespace, base_url: str, endpoint: str, model: str,
+                  api_key: str | None) -> ClientConfig:
+    """How to send requests; the multi-turn workload always asks for exact answer lengths."""
+    return ClientConfig(base_url, endpoint, model, api_key, args.ignore_eos or args.dataset_name == MULTI_TURN)
+
+
+def benchmark(args: argparse.Namespace, config: ClientConfig, samples: Workload, load: LoadConfig,
               tokenizer: Any) -> tuple[dict[str, Any], RunOutput, str]:
     """Run one workload against one server; returns (result JSON, raw run, printed table)."""
+    if not isinstance(samples, list):
+        from kvserve.bench.multi_turn_run import multi_turn_benchmark
+
+        return multi_turn_benchmark(args, config, samples, load, tokenizer)
     selected, percentiles = parse_percentile_args(args.percentile_metrics, args.metric_percentiles)
     goodput = parse_goodput(args.goodput) if args.goodput else None
     run = asyncio.run(run_load(config, samples, load, config.base_url.rstrip("/") + "/metrics"))
@@ -230,11 +268,15 @@ def failure_summary(result: dict[str, Any]) -> str | None:
 
 
 def run_serve_cli(args: argparse.Namespace) -> int:
-    check_endpoint(args.endpoint)
+    endpoint = resolve_endpoint(args)
     load = load_config_from_args(args)
     parse_percentile_args(args.percentile_metrics, args.metric_percentiles)  # fail before any work
     if args.goodput:
         parse_goodput(args.goodput)
+    if args.dataset_name == MULTI_TURN:
+        from kvserve.bench.multi_turn import options_from_args
+
+        options_from_args(args)
     model = args.model
     if model is None:
         async def first_model() -> list[str]:
@@ -246,8 +288,8 @@ def run_serve_cli(args: argparse.Namespace) -> int:
             raise ValueError(f"{args.base_url}/v1/models lists no model; pass --model")
         model = models[0]
     tokenizer = _tokenizer_for(args, model)
-    samples = build_dataset(args, tokenizer)
-    config = ClientConfig(args.base_url, args.endpoint, model, args.api_key, args.ignore_eos)
+    samples = build_workload(args, tokenizer)
+    config = client_config(args, args.base_url, endpoint, model, args.api_key)
     result, run, table = benchmark(args, config, samples, load, tokenizer)
     print(table)
     if args.save_result:

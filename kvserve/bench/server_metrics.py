@@ -4,6 +4,12 @@ waiting requests, preemptions and prefix-cache counters over time.
 kvserve exports vLLM's metric names under its own prefix (`kvserve:kv_cache_usage_perc`, ...);
 vLLM's own (`vllm:...`) are read the same way. `kv_cache_usage_perc` is a fraction (1 = full),
 as in vLLM. Servers without these metrics (llama.cpp, SGLang) simply yield no samples.
+
+Prefix-cache counters are prompt tokens: `prefix_cache_queries`/`prefix_cache_hits` for the
+device pool, `external_prefix_cache_*` for a KV connector (vLLM's names), and kvserve's
+`prefix_cache_tier_hits{tier="host"|"disk"}` for its offload tiers. A tier's hit rate is its hits
+over the pool's queries (every prompt token looked up), so pool + host + disk is the fraction of
+prompt tokens not computed. A server without the tier counters gets no tier rates (None).
 """
 from __future__ import annotations
 
@@ -28,7 +34,11 @@ FIELDS = {
     "num_preemptions": "preemptions",
     "prefix_cache_queries": "prefix_queries",
     "prefix_cache_hits": "prefix_hits",
+    "external_prefix_cache_queries": "external_queries",
+    "external_prefix_cache_hits": "external_hits",
 }
+TIER_HITS = "prefix_cache_tier_hits"  # labelled by tier; one ServerSample field per tier
+TIERS = ("host", "disk")
 
 
 @dataclass
@@ -40,6 +50,10 @@ class ServerSample:
     preemptions: float | None = None
     prefix_queries: float | None = None
     prefix_hits: float | None = None
+    external_queries: float | None = None
+    external_hits: float | None = None
+    host_hits: float | None = None  # kvserve's offload tiers
+    disk_hits: float | None = None
 
 
 def parse_metrics(text: str, t: float) -> ServerSample | None:
@@ -48,12 +62,19 @@ def parse_metrics(text: str, t: float) -> ServerSample | None:
     sample = ServerSample(t)
     found = False
     for family in text_string_to_metric_families(text):
+        if any(family.name == p + TIER_HITS for p in PREFIXES):
+            # the server has tiers: a tier with no hits yet (no labelled sample) has 0
+            found = True
+            for tier in TIERS:
+                setattr(sample, f"{tier}_hits", getattr(sample, f"{tier}_hits") or 0.0)
         for s in family.samples:
             prefix = next((p for p in PREFIXES if s.name.startswith(p)), None)
             if prefix is None:
                 continue
             name = s.name[len(prefix):].removesuffix("_total")
             field_name = FIELDS.get(name)
+            if name == TIER_HITS and s.labels.get("tier") in TIERS:
+                field_name = f"{s.labels['tier']}_hits"
             if field_name is None:
                 continue
             found = True
@@ -111,6 +132,11 @@ def summarize(samples: list[ServerSample]) -> dict[str, Any]:
 
     usage, running, waiting = values("kv_cache_usage"), values("running"), values("waiting")
     queries, hits = delta("prefix_queries"), delta("prefix_hits")
+    ext_queries, ext_hits = delta("external_queries"), delta("external_hits")
+
+    def share(part: float | None, whole: float | None) -> float | None:
+        return part / whole if whole and part is not None else None
+
     return {
         "num_samples": len(samples),
         "max_kv_cache_usage": max(usage) if usage else None,
@@ -119,7 +145,14 @@ def summarize(samples: list[ServerSample]) -> dict[str, Any]:
         "mean_num_requests_running": sum(running) / len(running) if running else None,
         "max_num_requests_waiting": max(waiting) if waiting else None,
         "num_preemptions": delta("preemptions"),
-        "prefix_cache_hit_rate": hits / queries if queries and hits is not None else None,
+        "prefix_cache_hit_rate": share(hits, queries),  # the pool's
+        "host_prefix_cache_hit_rate": share(delta("host_hits"), queries),
+        "disk_prefix_cache_hit_rate": share(delta("disk_hits"), queries),
+        "external_prefix_cache_hit_rate": share(ext_hits, ext_queries),
+        "prefix_cache_queries": queries,
+        "prefix_cache_hits": hits,
+        "host_prefix_cache_hits": delta("host_hits"),
+        "disk_prefix_cache_hits": delta("disk_hits"),
     }
 
 

@@ -10,6 +10,8 @@ Two answers, kept apart on purpose:
   every token in every layer, plus the scale/zero-point bytes of quantized formats.
 
 Capacity (blocks, tokens, concurrent sequences) follows kvserve's layout wherever it applies.
+The offload tiers below the pool (host memory, disk) hold the same blocks, codes and scales
+together, so their capacity is their size over the same bytes per block (no null block there).
 """
 from __future__ import annotations
 
@@ -37,6 +39,10 @@ class PlanInputs:
     kv_cache_memory: int | None = None  # the KV pool budget per device, as the engine takes it
     gpu_memory: int | None = None  # memory of one device
     gpu_memory_utilization: float = 0.9
+    # Offload tiers (vLLM's --kv-offloading-size rule): total bytes summed over the
+    # tensor-parallel devices, each device keeping its share of the KV heads.
+    kv_offloading_size: int | None = None  # host memory tier
+    kv_offloading_disk_size: int | None = None  # disk tier
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "batch_size", "block_size", "tensor_parallel_size"):
@@ -89,6 +95,20 @@ class Capacity:
 
 
 @dataclass(frozen=True)
+class TierCapacity:
+    """What one offload tier holds of this model in this KV dtype."""
+
+    tier: str  # "host" or "disk"
+    bytes: int  # the tier's size, all devices together
+    bytes_per_device: int
+    layout: str  # "kvserve" or "formula", as the pool's capacity
+    bytes_per_block: int  # one device
+    num_blocks: int
+    kv_tokens: int
+    max_concurrent_sequences: int  # whole sequences of max-model-len
+
+
+@dataclass(frozen=True)
 class KVFootprint:
     kv_cache_dtype: str  # as asked ("auto" resolved to the weight dtype's name)
     bits_per_value: int
@@ -102,6 +122,7 @@ class KVFootprint:
     pool_bytes_per_device: int
     pool_layout: str  # "kvserve" or "formula"
     capacity: Capacity | None
+    offload_tiers: list[TierCapacity]  # one per tier given, host first
 
 
 def resolve_kv_dtype(name: str, weight_dtype: torch.dtype) -> str:
@@ -185,6 +206,20 @@ def _capacity(layout_name: str, per_block: int, num_blocks: int, inputs: PlanInp
                     num_blocks * bs, concurrent >= inputs.batch_size)
 
 
+def offload_tiers(layout_name: str, per_block: int, inputs: PlanInputs) -> list[TierCapacity]:
+    """Blocks, tokens and full-length sequences each offload tier holds, one device's share of its
+    size over one device's bytes per block."""
+    tiers = []
+    for tier, size in (("host", inputs.kv_offloading_size), ("disk", inputs.kv_offloading_disk_size)):
+        if size is None:
+            continue
+        per_device = size // inputs.tensor_parallel_size
+        blocks = per_device // per_block
+        tiers.append(TierCapacity(tier, size, per_device, layout_name, per_block, blocks, blocks * inputs.block_size,
+                                  blocks // blocks_for_tokens(inputs.max_model_len, inputs.block_size)))
+    return tiers
+
+
 def footprint(arch: ModelArch, kv_cache_dtype: str, inputs: PlanInputs, budget: Budget | None) -> KVFootprint:
     kv_dtype = resolve_kv_dtype(kv_cache_dtype, inputs.weight_dtype)
     kv_format = make_kv_format(kv_dtype, inputs.weight_dtype)
@@ -199,18 +234,20 @@ def footprint(arch: ModelArch, kv_cache_dtype: str, inputs: PlanInputs, budget: 
             capacity = _capacity("kvserve", layout.bytes_per_block, num_blocks, inputs)
     if layout is not None:
         pool_bytes = layout.bytes_per_device
+        tiers = offload_tiers("kvserve", layout.bytes_per_block, inputs)
     else:
         values = sum(_device_values_per_token(layer, tp) for layer in arch.layers)
         per_block = -(-inputs.block_size * values * bits // 8)
         pool_bytes = batch * blocks_for_tokens(seq, inputs.block_size) * per_block
         if budget is not None:
             capacity = _capacity("formula", per_block, budget.bytes // per_block, inputs)
+        tiers = offload_tiers("formula", per_block, inputs)
     return KVFootprint(
         kv_cache_dtype=kv_dtype, bits_per_value=bits, formula=formula_text(arch, seq, batch, bits),
         value_bytes=value_bytes(arch, seq, batch, bits), mha_value_bytes=value_bytes(arch, seq, batch, bits, mha=True),
         layout=layout, layout_unavailable=unavailable, pool_bytes_per_device=pool_bytes,
         pool_layout="kvserve" if layout is not None else "formula",
-        capacity=capacity)
+        capacity=capacity, offload_tiers=tiers)
 
 
 def weights(arch: ModelArch, dtype: torch.dtype, tp: int) -> Weights:
@@ -297,4 +334,10 @@ def _notes(arch: ModelArch, inputs: PlanInputs, budget: Budget | None) -> list[s
         notes.append("the MLA latent is shared by all heads, so every device keeps a full copy")
     if budget is None:
         notes.append("no capacity figures: give --kv-cache-memory, or --gpu-memory for a GPU")
+    tp = inputs.tensor_parallel_size
+    if tp > 1 and (inputs.kv_offloading_size or inputs.kv_offloading_disk_size):
+        notes.append(f"offload tier sizes are totals over the {tp} devices (vLLM's rule for --kv-offloading-size): "
+                     f"each device's share holds its KV heads of the same tokens")
+    if inputs.kv_offloading_disk_size:
+        notes.append("disk tier: block contents only; file-system overhead and per-file headers are not counted")
     return notes

@@ -14,12 +14,16 @@ EPILOG = """presets: {presets}
 examples:
   kvserve plan llama-2-70b --max-model-len 32768 --kv-cache-dtype float16,fp8
   kvserve plan llama-3-70b --gpu-memory 80GiB --tensor-parallel-size 2 --max-model-len 8192
-  kvserve plan --kv-cache-memory 1GiB --json          (the bundled default model)"""
+  kvserve plan --kv-cache-memory 1GiB --json          (the bundled default model)
+  kvserve plan --kv-cache-memory 256MiB --kv-offloading-size 2 --kv-offloading-disk-size 50"""
 
 # Engine options that do not change KV sizes; --kv-cache-dtype is the planner's own (a
 # comma-separated list of the engine's formats) and MODEL is positional.
 _SKIPPED_ENGINE_ARGS = ("model", "kv_cache_dtype", "max_num_seqs", "max_num_batched_tokens",
-                        "enable_prefix_caching", "seed")
+                        "enable_prefix_caching", "seed",
+                        # the offload tiers: the planner takes their sizes itself and needs no directory
+                        "kv_offloading_size", "kv_offloading_disk_size", "kv_offloading_disk_path",
+                        "kv_offloading_backend")
 
 
 def register(subparsers) -> None:
@@ -43,6 +47,11 @@ def register(subparsers) -> None:
                             "--gpu-memory-utilization of it leaves after the weights")
     group.add_argument("--tensor-parallel-size", type=int, default=1,
                        help="devices sharing the KV heads and the weights (planning only)")
+    group.add_argument("--kv-offloading-size", default=None, metavar="GIB",
+                       help="host-memory offload tier in GiB (or with a unit: 512MiB), total over the "
+                            "tensor-parallel devices: the tokens and sequences it holds")
+    group.add_argument("--kv-offloading-disk-size", default=None, metavar="GIB",
+                       help="disk offload tier in GiB (or with a unit), the same way")
     group.add_argument("--json", action="store_true", help="print the plan as JSON (keys: see kvserve/plan/report.py)")
     group.add_argument("--plot", metavar="PNG", default=None,
                        help="draw KV bytes against context length for the chosen dtypes, with the budget line")
@@ -69,6 +78,22 @@ def _size_arg(value: str | None, flag: str) -> int | None:
         return parse_size(value)
     except ValueError as exc:
         raise ValueError(f"{flag}: {exc}") from None
+
+
+def _gib_arg(value: str | None, flag: str) -> int | None:
+    """vLLM's GiB number (`4`, `0.5`), or a size with its unit (`512MiB`); bytes, positive."""
+    from kvserve.units import GiB
+
+    if value is None:
+        return None
+    text = str(value).strip()
+    try:
+        gib = float(text)
+    except ValueError:
+        return _size_arg(text, flag)
+    if not 0 < gib < float("inf") or int(gib * GiB) == 0:
+        raise ValueError(f"{flag} must be a positive number of GiB, got {value!r}")
+    return int(gib * GiB)
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -99,7 +124,9 @@ def run_plan(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len if args.max_model_len is not None else arch.max_position_embeddings,
         batch_size=args.batch_size, block_size=args.block_size, weight_dtype=_planning_dtype(args.dtype, device),
         tensor_parallel_size=args.tensor_parallel_size, kv_cache_memory=kv_cache_memory, gpu_memory=gpu_memory,
-        gpu_memory_utilization=args.gpu_memory_utilization)
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_offloading_size=_gib_arg(args.kv_offloading_size, "--kv-offloading-size"),
+        kv_offloading_disk_size=_gib_arg(args.kv_offloading_disk_size, "--kv-offloading-disk-size"))
     plan = make_plan(arch, inputs, kv_dtypes, default_cpu_budget() if device.type == "cpu" else None)
 
     if args.json:

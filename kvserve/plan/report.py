@@ -7,7 +7,8 @@ JSON keys (stable; a value is null where it does not apply; byte counts are inte
                 max_position_embeddings, num_params, file_bytes,
                 layer_groups: [{layers, num_kv_heads, head_dim, sliding_window, latent_dim}]
     inputs      max_model_len, batch_size, block_size, weight_dtype, tensor_parallel_size,
-                kv_cache_memory, gpu_memory, gpu_memory_utilization
+                kv_cache_memory, gpu_memory, gpu_memory_utilization, kv_offloading_size,
+                kv_offloading_disk_size (bytes, totals over the devices; null when not given)
     weights     num_params, dtype, bytes, bytes_per_device, file_bytes
     kv_budget   {bytes (one device), source} or null
     kv_cache    one entry per --kv-cache-dtype:
@@ -16,7 +17,10 @@ JSON keys (stable; a value is null where it does not apply; byte counts are inte
                 layout: {format_name, bytes_per_block, value_bytes_per_block, blocks_per_sequence,
                          bytes_per_device, bytes, value_bytes, scale_bytes} or null,
                 capacity: {layout, bytes_per_block, num_blocks, kv_tokens, blocks_per_sequence,
-                           max_concurrent_sequences, largest_max_model_len, batch_fits} or null
+                           max_concurrent_sequences, largest_max_model_len, batch_fits} or null,
+                offload_tiers: one per tier given (--kv-offloading-size: host, then
+                           --kv-offloading-disk-size: disk): {tier, bytes, bytes_per_device, layout,
+                           bytes_per_block, num_blocks, kv_tokens, max_concurrent_sequences}
     notes       list of strings
 """
 from __future__ import annotations
@@ -28,7 +32,9 @@ from rich.console import Console
 from rich.table import Table
 
 from kvserve.units import GiB
-from kvserve.plan.calculator import KVFootprint, Plan
+from kvserve.plan.calculator import KVFootprint, Plan, TierCapacity
+
+TIER_NAMES = {"host": "host memory", "disk": "disk"}
 
 
 def size(num_bytes: int | None) -> str:
@@ -62,6 +68,7 @@ def to_dict(plan: Plan) -> dict[str, Any]:
             "weight_dtype": plan.weights.dtype, "tensor_parallel_size": inputs.tensor_parallel_size,
             "kv_cache_memory": inputs.kv_cache_memory, "gpu_memory": inputs.gpu_memory,
             "gpu_memory_utilization": inputs.gpu_memory_utilization,
+            "kv_offloading_size": inputs.kv_offloading_size, "kv_offloading_disk_size": inputs.kv_offloading_disk_size,
         },
         "weights": dataclasses.asdict(plan.weights),
         "kv_budget": dataclasses.asdict(plan.budget) if plan.budget else None,
@@ -135,7 +142,22 @@ def _table(plan: Plan) -> Table:
         row(f"sequences of {inputs.max_model_len:,}\nat once", [f"{c.max_concurrent_sequences:,}" for c in caps])
         row("largest max-model-len\n(one sequence)", [f"{c.largest_max_model_len:,}" for c in caps])
         row(f"batch of {inputs.batch_size} fits", ["yes" if c.batch_fits else "NO" for c in caps])
+    for i, tier in enumerate(fps[0].offload_tiers):
+        name = TIER_NAMES[tier.tier]
+        row(f"{name} tier" + per_dev, [size_cell(fp.offload_tiers[i].bytes_per_device) for fp in fps])
+        row("  KV tokens it holds", [f"{fp.offload_tiers[i].kv_tokens:,}" for fp in fps])
+        row(f"  sequences of {inputs.max_model_len:,}", [f"{fp.offload_tiers[i].max_concurrent_sequences:,}"
+                                                         for fp in fps])
     return table
+
+
+def tier_line(plan: Plan, fp: KVFootprint, tier: TierCapacity) -> str:
+    """One offload tier's capacity in words, for one KV dtype."""
+    tp = plan.inputs.tensor_parallel_size
+    where = f" ({size(tier.bytes_per_device)} on each of {tp} devices)" if tp > 1 else ""
+    return (f"{TIER_NAMES[tier.tier]} tier of {size(tier.bytes)}{where}: {tier.num_blocks:,} blocks of "
+            f"{tier.bytes_per_block:,} bytes = {tier.kv_tokens:,} tokens of {fp.kv_cache_dtype}, "
+            f"{tier.max_concurrent_sequences:,} sequences of {plan.inputs.max_model_len:,}")
 
 
 def render(plan: Plan, console: Console) -> None:
@@ -155,6 +177,9 @@ def render(plan: Plan, console: Console) -> None:
         if fp.layout is not None and fp.layout.scale_bytes:
             console.print(f"  kvserve {fp.layout.format_name} layout adds {fp.layout.scale_bytes:,} bytes of scales "
                           f"/ zero points", soft_wrap=True)
+    for fp in plan.footprints:
+        for tier in fp.offload_tiers:
+            console.print(tier_line(plan, fp, tier), soft_wrap=True)
     console.print(comparison_line(plan, plan.footprints[0]), soft_wrap=True)
     for note in plan.notes:
         console.print(f"note: {note}", soft_wrap=True)
