@@ -217,12 +217,15 @@ class AsyncEngine:
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine thread; then flush the engine's KV tiers to disk (only once the thread
-        has stopped: the engine is not thread-safe)."""
+        has stopped: the engine is not thread-safe; and not after the engine died, when cached
+        blocks may hold K/V a failed step never wrote)."""
         self._commands.put(_STOP)
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 return
+        if self.dead is not None:
+            return
         try:
             self.engine.close()
         except Exception:
