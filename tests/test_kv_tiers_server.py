@@ -63,6 +63,9 @@ def test_a_server_killed_mid_write_restarts_on_its_disk_tier_with_identical_outp
         assert metrics["kvserve:external_prefix_cache_hits_total"] > 0
         assert metrics["kvserve:external_prefix_cache_queries_total"] >= metrics[
             "kvserve:external_prefix_cache_hits_total"]
+        tiers = httpx.get(second.base_url + "/dashboard/state", timeout=10).json()["kv_offload_tiers"]
+        assert tiers["disk_capacity_bytes"] == 10 << 30 and tiers["host_capacity_bytes"] == 0
+        assert tiers["tier_hits"]["disk"] == disk_hits(second)
     finally:
         second.stop()  # SIGTERM: the pool's cached prefixes go to disk
     assert second.process.returncode == 0, second.log()
