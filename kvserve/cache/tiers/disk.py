@@ -47,6 +47,20 @@ def checksum(payload: bytes | memoryview) -> bytes:
     return hashlib.blake2b(payload, digest_size=16).digest()
 
 
+def check_directory(root: str | os.PathLike) -> None:
+    """Create the tier's directory (0700) if needed and check that a file can be written in it;
+    ValueError with one line otherwise. Runs at start-up, before the weights load."""
+    root = Path(root).expanduser()
+    try:
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=TMP_PREFIX, dir=root)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise ValueError(f"--kv-offloading-disk-path {str(root)!r} is not a usable directory: "
+                         f"{exc.strerror or exc}") from None
+
+
 class DiskTier(BlockStore):
     name = "disk"
 
@@ -65,15 +79,11 @@ class DiskTier(BlockStore):
         self.num_bad_files = 0
         self.num_evicted_files = 0
         self._lock = threading.Lock()
+        check_directory(self.root)
         try:
-            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
             self.dir.mkdir(mode=0o700, exist_ok=True)
-            fd, probe = tempfile.mkstemp(prefix=TMP_PREFIX, dir=self.dir)
-            os.close(fd)
-            os.unlink(probe)
         except OSError as exc:
-            raise ValueError(f"--kv-offloading-disk-path {str(root)!r} is not a usable directory: "
-                             f"{exc.strerror or exc}") from None
+            raise ValueError(f"--kv-offloading-disk-path {str(root)!r}: {exc.strerror or exc}") from None
         self._used = self._scan()[1]
 
     # ------------------------------------------------------------------ paths and scanning
