@@ -110,14 +110,19 @@ def distinct(args, loaded) -> dict:
     for i in range(args.pairs):
         prompts = [[rng.randrange(100, vocab) for _ in range(args.distinct_len)] for _ in range(args.num_prompts)]
         order = ("off", "on") if i % 2 == 0 else ("on", "off")
-        result = {name: throughput(engines[name], prompts, args.output_len) for name in order}
+        result = {}
+    for name in order:
+        start = time.perf_counter()
+        result[name] = throughput(engines[name], prompts, args.output_len)
+        result[f"{name}_s"] = time.perf_counter() - start
         result["ratio"] = result["on"] / result["off"]
         pairs.append(result)
         print(json.dumps(result), flush=True)
     on = engines["on"]
     usage = on.tiers.usage()
     out = {"pairs": pairs, "median_ratio": statistics.median(p["ratio"] for p in pairs),
-           "offloaded_blocks": on.tiers.num_offloaded, "dropped_writes": usage.dropped_writes,
+           "offloaded_blocks": on.tiers.num_offloaded, "offload_engine_thread_s": on.tiers.offload_s,
+           "on_total_s": sum(p["on_s"] for p in pairs), "dropped_writes": usage.dropped_writes,
            "disk_used_bytes": usage.disk_used_bytes, "host_used_bytes": usage.host_used_bytes}
     on.close()
     shutil.rmtree(directory)

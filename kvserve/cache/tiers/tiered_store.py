@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -71,11 +72,19 @@ class TieredStore:
         self._pending: dict[bytes, torch.Tensor] = {}  # queued for the disk, not yet written
         self._lock = threading.Lock()
         self.num_offloaded = 0  # blocks copied out of the pool
+        self.offload_s = 0.0  # engine-thread time spent copying blocks out (what going down costs a step)
 
     # ------------------------------------------------------------------ going down
     def offload(self, evicted: list[tuple[int, bytes]]) -> None:
         """Called by the block pool with (block id, hash) of published blocks it is about to reuse,
         while their contents are still intact."""
+        start = time.perf_counter()
+        try:
+            self._offload(evicted)
+        finally:
+            self.offload_s += time.perf_counter() - start
+
+    def _offload(self, evicted: list[tuple[int, bytes]]) -> None:
         todo = [(block_id, h) for block_id, h in evicted if not self._keep(h)]
         if not todo:
             return
