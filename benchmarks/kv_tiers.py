@@ -111,10 +111,10 @@ def distinct(args, loaded) -> dict:
         prompts = [[rng.randrange(100, vocab) for _ in range(args.distinct_len)] for _ in range(args.num_prompts)]
         order = ("off", "on") if i % 2 == 0 else ("on", "off")
         result = {}
-    for name in order:
-        start = time.perf_counter()
-        result[name] = throughput(engines[name], prompts, args.output_len)
-        result[f"{name}_s"] = time.perf_counter() - start
+        for name in order:
+            start = time.perf_counter()
+            result[name] = throughput(engines[name], prompts, args.output_len)
+            result[f"{name}_s"] = time.perf_counter() - start
         result["ratio"] = result["on"] / result["off"]
         pairs.append(result)
         print(json.dumps(result), flush=True)
