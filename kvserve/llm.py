@@ -23,6 +23,17 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def close(self) -> None:
+        """Flush the KV tiers (with `kv_offloading_disk_path`, the cached prefixes go to disk for
+        the next process) and stop their threads. Also what leaving a `with LLM(...)` block does."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for every prompt, batched by the scheduler; results in prompt order."""

@@ -69,6 +69,14 @@ def test_packed_weights_under_tp_are_a_one_line_error():
         assert "\n" not in str(info.value)
 
 
+def test_offload_tiers_under_tp_are_a_one_line_error(tmp_path):
+    """The tiers copy rank 0's pool only: with TP they are refused before anything loads."""
+    for options in ({"kv_offloading_size": 1.0}, {"kv_offloading_disk_path": str(tmp_path)}):
+        with pytest.raises(ValueError, match="do not work with --tensor-parallel-size > 1") as info:
+            EngineArgs(tensor_parallel_size=3, **options).validate()
+        assert "\n" not in str(info.value)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
 def test_tp2_matches_one_process(tiny_model_factory, arch):
     """Greedy tokens identical and teacher-forced logits within 1e-4, over a mixed batch with a

@@ -4,10 +4,13 @@ A block with ref-count 0 is free, whether or not it still holds cached data. The
 ordered for eviction (least recently freed first) and doubles as the prefix cache's LRU queue:
 a free block that still carries a hash can be revived by a cache hit (O(1) removal from the
 queue) until the pool needs it for new data, at which point its hash is dropped (an eviction).
+With KV tiers (kvserve/cache/tiers) `on_evict` first receives the evicted blocks' ids and hashes,
+while their contents are still intact, to copy them down.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvserve.cache.kv_events import KVEventLog
@@ -44,6 +47,7 @@ class BlockPool:
         self.free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached: dict[bytes, Block] = {}
         self.num_evictions = 0  # cached blocks whose contents were dropped to make room
+        self.on_evict: Callable[[list[tuple[int, bytes]]], None] | None = None
         self.events: KVEventLog | None = None  # prefix-cache events, for routers (kv_events.py)
 
     def attach_events(self, log: KVEventLog) -> None:
@@ -69,10 +73,11 @@ class BlockPool:
         """Take `count` blocks from the head of the free queue, evicting their cached contents."""
         if count > len(self.free_queue):
             raise OutOfBlocksError(f"need {count} blocks, {len(self.free_queue)} free")
-        taken = []
+        taken, evicted = [], []
         for _ in range(count):
             _, block = self.free_queue.popitem(last=False)
             if block.block_hash is not None:
+                evicted.append((block.block_id, block.block_hash))
                 del self.cached[block.block_hash]
                 if self.events is not None:
                     self.events.removed(block.block_hash)
@@ -80,6 +85,8 @@ class BlockPool:
                 self.num_evictions += 1
             block.ref_cnt = 1
             taken.append(block)
+        if evicted and self.on_evict is not None:
+            self.on_evict(evicted)  # before anyone can write into the blocks
         return taken
 
     def lookup(self, block_hash: bytes) -> Block | None:

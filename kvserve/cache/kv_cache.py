@@ -168,3 +168,54 @@ class KVCache:
     def nbytes(self) -> int:
         """Real bytes held by the pool tensors (scales included)."""
         return sum(t.nbytes for layer in self.layers for t in layer.values())
+
+    # ------------------------------------------------------------------ whole blocks as bytes
+    # Every pool tensor of every format is [heads, blocks, ...]: a block's codes and scales are the
+    # dim-1 slices of each tensor of each layer. The tiers (kvserve/cache/tiers) store exactly those
+    # bytes, so any KV dtype round-trips bit for bit.
+
+    def _block_parts(self) -> list[tuple[torch.Tensor, int]]:
+        """(tensor, bytes of one block in it) for every layer and tensor, in a fixed order."""
+        parts = []
+        for layer in self.layers:
+            for _, t in sorted(layer.items()):
+                raw = t.view(torch.uint8)  # index ops on bytes: not every storage dtype has them
+                parts.append((raw, raw[:, 0].numel()))
+        return parts
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block across all layers: codes and scales together."""
+        return sum(nbytes for _, nbytes in self._block_parts())
+
+    def layout_signature(self) -> str:
+        """Names, dtypes and per-block shapes of every pool tensor: what a block's bytes mean."""
+        layer = self.layers[0]
+        parts = [f"{name}:{str(t.dtype).removeprefix('torch.')}:{tuple(t.shape[:1] + t.shape[2:])}"
+                 for name, t in sorted(layer.items())]
+        return f"{self.spec.num_layers}x[{','.join(parts)}]"
+
+    def read_blocks(self, block_ids: list[int], out_device: torch.device | None = None) -> torch.Tensor:
+        """The bytes of `block_ids` as a uint8 tensor [len(block_ids), block_nbytes] on
+        `out_device` (default: the pool's device)."""
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        n = len(block_ids)
+        parts = self._block_parts()
+        data = torch.empty(n, sum(nbytes for _, nbytes in parts), dtype=torch.uint8, device=self.device)
+        offset = 0
+        for t, nbytes in parts:
+            picked = t.index_select(1, ids).movedim(1, 0)  # [n, heads, ...]
+            data[:, offset:offset + nbytes].view(n, t.shape[0], -1).copy_(picked.reshape(n, t.shape[0], -1))
+            offset += nbytes
+        return data if out_device is None else data.to(out_device, non_blocking=True)
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Store `data` [len(block_ids), block_nbytes] (uint8, any device) into `block_ids`."""
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        n = len(block_ids)
+        data = data.to(self.device, non_blocking=True)
+        offset = 0
+        for t, nbytes in self._block_parts():
+            part = data[:, offset:offset + nbytes]
+            t.index_copy_(1, ids, part.view(n, t.shape[0], *t.shape[2:]).movedim(0, 1))
+            offset += nbytes

@@ -18,12 +18,18 @@ usual; `make_room` then drops tokens and compacts the table, and from then on no
 published (blocks it shared before stay valid for the others: they are never rewritten).
 Its cache then holds fewer tokens than it has computed: `num_computed_tokens -
 num_evicted_tokens`, which is what block counts and positions follow.
+
+KV tiers (kvserve/cache/tiers): with a `TieredStore`, a published block the pool reclaims is
+copied down first, and the prefix lookup continues past the pool's longest hit into the tiers
+(`fetch_tier_prefix`); `allocate` writes the fetched blocks into fresh pool blocks and publishes
+them, so the rest of the engine sees an ordinary prefix hit. Sequences under KV eviction skip the tiers.
 """
 from __future__ import annotations
 
 import hashlib
 import sys
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -32,6 +38,7 @@ from kvserve.cache.block_pool import Block, BlockPool
 from kvserve.cache.eviction.compaction import plan_compaction
 from kvserve.cache.eviction.config import EvictionConfig
 from kvserve.cache.eviction.evictor import Evictor
+from kvserve.cache.tiers import TieredStore
 
 # Extra key of the root hash for sequences that store keys before RoPE (evicting sequences).
 KEYS_BEFORE_ROPE = "keys-before-rope"
@@ -79,13 +86,47 @@ class CachedSequence(Protocol):
 @dataclass
 class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up
-    hits: int = 0  # of which found in the cache
+    hits: int = 0  # of which found in the pool
+    external_queries: int = 0  # prompt tokens not found in the pool, looked up in the tiers
+    external_hits: int = 0  # of which found there
+    tier_hits: dict[str, int] = field(default_factory=lambda: {"host": 0, "disk": 0})  # tokens loaded per tier
+
+
+@dataclass
+class TierHit:
+    """Blocks fetched from the tiers for a request: they continue its pool hit of `start` blocks."""
+
+    start: int
+    hashes: list[bytes] = field(default_factory=list)
+    data: list = field(default_factory=list)  # one uint8 tensor per block
+    tiers: list[str] = field(default_factory=list)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.hashes)
+
+
+NO_TIER_HIT = TierHit(0)
+
+
+@dataclass
+class _TierLoad:
+    """Disk reads in flight for a request: the blocks after its pool hit of `start` blocks."""
+
+    start: int
+    hashes: list[bytes]
+    future: Future
 
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, namespace: str = "",
-                 evictor: Evictor | None = None):
+                 evictor: Evictor | None = None, tiers: TieredStore | None = None):
         self.pool = BlockPool(num_blocks)
+        self.tiers = tiers if enable_prefix_caching else None
+        if self.tiers is not None:
+            self.pool.on_evict = self.tiers.offload
+        self._fetched: dict[str, TierHit] = {}  # tier blocks read for a request not yet admitted
+        self._loading: dict[str, _TierLoad] = {}  # disk reads in flight, by request id
         self.evictor = evictor
         self._moves: dict[str, tuple[list[int], list[int]]] = {}  # eviction copies not yet carried out
         self.block_size = block_size
@@ -125,26 +166,76 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
-    def blocks_needed(self, request: CachedSequence, num_new_tokens: int, cached: list[Block] = ()) -> int:
-        """Free blocks an allocation would consume (new blocks plus cached ones to revive)."""
+    def _max_prefix_blocks(self, request: CachedSequence) -> int:
+        return (request.num_tokens - 1) // self.block_size
+
+    def fetch_tier_prefix(self, request: CachedSequence, num_pool_blocks: int) -> TierHit | None:
+        """The blocks right after the request's pool hit of `num_pool_blocks` that the tiers hold
+        (longest run of consecutive hashes), read into memory; None while some are still being
+        read from disk on the loader thread (ask again next step). Kept until the request is
+        admitted or freed, so a request that waits for room reads them once."""
+        if self.tiers is None or request.eviction is not None:
+            return NO_TIER_HIT
+        rid = request.request_id
+        hit = self._fetched.get(rid)
+        if hit is not None and hit.start == num_pool_blocks:
+            return hit
+        load = self._loading.get(rid)
+        if load is not None and load.start == num_pool_blocks:
+            if not load.future.done():
+                return None
+            del self._loading[rid]
+            fetched = self.tiers.assemble(load.hashes, load.future.result())
+        else:
+            hashes = self.block_hashes(request)[num_pool_blocks:self._max_prefix_blocks(request)]
+            where = self.tiers.lookup(hashes)
+            hashes = hashes[:len(where)]
+            if "disk" in where:
+                disk = [h for h, tier in zip(hashes, where) if tier == "disk"]
+                self._loading[rid] = _TierLoad(num_pool_blocks, hashes, self.tiers.read_disk_async(disk))
+                return None
+            fetched = self.tiers.fetch(hashes)
+        hit = TierHit(num_pool_blocks, [h for h, _ in zip(self.block_hashes(request)[num_pool_blocks:], fetched)],
+                      [d for _, d in fetched], [t for t, _ in fetched])
+        self._fetched[rid] = hit
+        return hit
+
+    def wait_for_tier_loads(self, request: CachedSequence) -> bool:
+        """Block until the request's disk reads finish; False if none were in flight."""
+        load = self._loading.get(request.request_id)
+        if load is None or load.future.done():
+            return False
+        load.future.result()
+        return True
+
+    def blocks_needed(self, request: CachedSequence, num_new_tokens: int, cached: list[Block] = (),
+                      num_loaded: int = 0) -> int:
+        """Free blocks an allocation would consume (new blocks, tier blocks to load, cached ones to revive)."""
         have = len(self.req_blocks.get(request.request_id, ())) + len(cached)
-        total_tokens = request.num_kv_tokens + len(cached) * self.block_size + num_new_tokens
+        total_tokens = request.num_kv_tokens + (len(cached) + num_loaded) * self.block_size + num_new_tokens
         new = max(0, -(-total_tokens // self.block_size) - have)
         return new + sum(1 for b in cached if b.ref_cnt == 0)
 
-    def allocate(self, request: CachedSequence, num_new_tokens: int, cached: list[Block] = ()) -> bool:
-        """Give the request room for `num_new_tokens` more tokens (after any cached prefix),
-        first letting an evicting request drop tokens (`make_room`). Returns False if the pool
-        cannot supply the blocks, having changed nothing but a compaction that was due anyway."""
-        if not cached and not self.make_room(request, num_new_tokens):
+    def allocate(self, request: CachedSequence, num_new_tokens: int, cached: list[Block] = (),
+                 loaded: TierHit = NO_TIER_HIT) -> bool:
+        """Give the request room for `num_new_tokens` more tokens (after any cached prefix: pool
+        blocks `cached`, then the tier blocks `loaded`, written into fresh blocks here), first
+        letting an evicting request drop tokens (`make_room`). Returns False if the pool cannot
+        supply the blocks, having changed nothing but a compaction that was due anyway."""
+        if not cached and not loaded.num_blocks and not self.make_room(request, num_new_tokens):
             return False
-        if self.blocks_needed(request, num_new_tokens, cached) > self.pool.num_free_blocks:
+        if self.blocks_needed(request, num_new_tokens, cached, loaded.num_blocks) > self.pool.num_free_blocks:
             return False
         blocks = self.req_blocks.setdefault(request.request_id, [])
         self.pool.share(list(cached))
         blocks.extend(cached)
-        total_tokens = request.num_kv_tokens + len(cached) * self.block_size + num_new_tokens
-        blocks.extend(self.pool.allocate(max(0, -(-total_tokens // self.block_size) - len(blocks))))
+        total_tokens = request.num_kv_tokens + (len(cached) + loaded.num_blocks) * self.block_size + num_new_tokens
+        fresh = self.pool.allocate(max(0, -(-total_tokens // self.block_size) - len(blocks)))
+        if loaded.num_blocks:
+            # The pool copied out anything it reclaimed for `fresh` already; now fill the first ones.
+            self.tiers.load([b.block_id for b in fresh[:loaded.num_blocks]], loaded.data)
+            self._fetched.pop(request.request_id, None)
+        blocks.extend(fresh)
         if self.enable_prefix_caching and request.num_evicted_tokens == 0:
             # Publish blocks that this step fills completely; their K/V are written by this step's
             # forward pass, before any later step can schedule a request that reads them.
@@ -202,9 +293,16 @@ class KVCacheManager:
         self._moves.clear()
         return src, dst
 
-    def record_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+    def record_lookup(self, num_query_tokens: int, num_hit_tokens: int, loaded: TierHit = NO_TIER_HIT) -> None:
+        """Count one admitted request's lookup: `num_hit_tokens` found in the pool, then `loaded`
+        from the tiers (counted only when tiers are on)."""
         self.stats.queries += num_query_tokens
         self.stats.hits += num_hit_tokens
+        if self.tiers is not None:
+            self.stats.external_queries += num_query_tokens - num_hit_tokens
+            self.stats.external_hits += loaded.num_blocks * self.block_size
+            for tier in loaded.tiers:
+                self.stats.tier_hits[tier] += self.block_size
 
     def free(self, request: CachedSequence) -> None:
         """Release the request's blocks, tail first: the shared head of a prefix outlives its tail
@@ -213,8 +311,17 @@ class KVCacheManager:
         self.pool.release(list(reversed(blocks)))
         self._req_hashes.pop(request.request_id, None)
         self._moves.pop(request.request_id, None)  # its blocks may be someone else's by now
+        self._fetched.pop(request.request_id, None)
+        self._loading.pop(request.request_id, None)  # a read in flight finishes unused
         if self.evictor is not None:
             self.evictor.forget(request.request_id)
+
+    def flush_tiers(self) -> int:
+        """Write every published pool block and the host tier to the disk tier (at shutdown);
+        returns the blocks written."""
+        if self.tiers is None:
+            return 0
+        return self.tiers.flush([(b.block_id, h) for h, b in self.pool.cached.items()])
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]

@@ -120,6 +120,14 @@ class EngineArgs:
         "decode attention: cpu_paged = a C++ kernel reading the paged pool in place (kvserve build-kernel); "
         "torch = gather the blocks, then torch matmuls (the CUDA path); auto = cpu_paged on CPU when it "
         "builds and reads the KV cache dtype (the model dtype, fp8, int8, int4), else torch", choices=ATTENTION_BACKENDS))
+    kv_offloading_size: float | None = field(default=None, metadata=_opt(
+        "GiB of host memory for the KV offload tier (vLLM's flag): published prefix-cache blocks the pool "
+        "reclaims are kept there and loaded back on a prefix hit; 0 or absent: off", type=float))
+    kv_offloading_disk_path: str | None = field(default=None, metadata=_opt(
+        "directory of the disk KV tier (created 0700; shareable by several servers): blocks leaving the "
+        "host tier (or the pool, without one) are written there and survive restarts; absent: off"))
+    kv_offloading_disk_size: float = field(default=10.0, metadata=_opt(
+        "GiB the disk KV tier's directory may hold (least recently used files are removed beyond it)"))
     max_logprobs: int = field(default=20, metadata=_opt(
         "most logprobs (per generated token) and prompt_logprobs a request may ask for; -1: no limit"))
     seed: int = field(default=0, metadata=_opt("seed of the global random generator"))
@@ -166,8 +174,25 @@ class EngineArgs:
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         _check_int("max_logprobs", self.max_logprobs, -1)
+        for name, optional in (("kv_offloading_size", True), ("kv_offloading_disk_size", False)):
+            value = getattr(self, name)
+            if value is None and optional:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < (1 << 20):
+                raise ValueError(f"{_flag(name)} must be a number of GiB >= 0, got {value!r}")
+        if self.kv_offloading_disk_size <= 0:
+            raise ValueError(f"--kv-offloading-disk-size must be positive, got {self.kv_offloading_disk_size!r}")
+        path = self.kv_offloading_disk_path
+        if path is not None and (not isinstance(path, (str, os.PathLike)) or not str(path)):
+            raise ValueError(f"--kv-offloading-disk-path must be a directory path, got {path!r}")
+        if (self.kv_offloading_size or path is not None) and not self.enable_prefix_caching:
+            raise ValueError("the KV offload tiers (--kv-offloading-size, --kv-offloading-disk-path) hold "
+                             "prefix-cache blocks: they need --enable-prefix-caching")
         _check_int("seed", self.seed, -(1 << 63))
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        if self.tensor_parallel_size > 1 and (self.kv_offloading_size or path is not None):
+            raise ValueError("the KV offload tiers (--kv-offloading-size, --kv-offloading-disk-path) copy one "
+                             "process's pool: they do not work with --tensor-parallel-size > 1 yet")
         _check_int("nnodes", self.nnodes, 1)
         _check_int("node_rank", self.node_rank, 0)
         _check_int("master_port", self.master_port, 1, optional=True)

@@ -13,8 +13,10 @@ this process is rank 0: it starts the workers, and its runner sends them each fo
 from __future__ import annotations
 
 import itertools
-from dataclasses import replace
+import logging
+import time
 from collections.abc import Iterator
+from dataclasses import replace
 
 import torch
 
@@ -23,9 +25,11 @@ from kvserve.cache.eviction.config import resolve_eviction
 from kvserve.cache.eviction.evictor import Evictor
 from kvserve.cache.kv_cache import KVCache
 from kvserve.cache.kv_cache_manager import KVCacheManager
+from kvserve.cache.tiers import TierConfig, TieredStore
 from kvserve.engine import scoring
 from kvserve.engine.args import EngineArgs
 from kvserve.engine.key_transforms import calibrate_key_transforms
+from kvserve.engine.kv_identity import kv_namespace
 from kvserve.engine.loading import load_engine_model, select_attention
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.parallel.executor import TensorParallelExecutor
@@ -42,6 +46,26 @@ from kvserve.model.loader import LoadedModel
 from kvserve.model.shape import ModelShape
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
+from kvserve.units import GiB, format_size
+
+logger = logging.getLogger("kvserve")
+
+
+def _make_tiers(args: EngineArgs, kv_cache: KVCache, namespace: str) -> TieredStore | None:
+    """The KV offload tiers the options ask for (None: none); logs their sizes in blocks."""
+    config = TierConfig(int((args.kv_offloading_size or 0) * GiB), args.kv_offloading_disk_path,
+                        int(args.kv_offloading_disk_size * GiB))
+    if not config.enabled:
+        return None
+    tiers = TieredStore(config, kv_cache, namespace)
+    block = kv_cache.block_nbytes
+    if tiers.host is not None:
+        logger.info("KV host tier: %s, %d blocks of %d tokens", format_size(tiers.host.capacity_bytes),
+                    tiers.host.max_blocks, kv_cache.spec.block_size)
+    if tiers.disk is not None:
+        logger.info("KV disk tier: %s in %s, up to %d blocks (%s in use)", format_size(config.disk_bytes),
+                    tiers.disk.root, config.disk_bytes // (block + 128), format_size(tiers.disk.used_bytes))
+    return tiers
 
 
 class LLMEngine:
@@ -86,8 +110,10 @@ class LLMEngine:
             calibrate_key_transforms(self.runner, self.max_model_len, self.model_path)
         self.eviction_defaults = EvictionSpec(args.kv_eviction, args.kv_budget, args.sink_tokens, args.recent_tokens)
         self.resolve_eviction(None)  # bad --kv-eviction flags fail at start-up
+        namespace = kv_namespace(self.kv_cache, self.model_config, self.model_path, self.dtype, self.model)
+        self.tiers = _make_tiers(args, self.kv_cache, namespace)
         self.kv_manager = KVCacheManager(pool.num_blocks, self.kv_spec.block_size, args.enable_prefix_caching,
-                                         namespace=self.kv_format.name, evictor=self.evictor)
+                                         namespace=namespace, evictor=self.evictor, tiers=self.tiers)
         self.scheduler = Scheduler(
             SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len), self.kv_manager)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
@@ -220,7 +246,17 @@ class LLMEngine:
         return scoring.score_chunks(self.runner, self.kv_manager, request, chunk_size)
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers, if any (idempotent; a single process has nothing to stop)."""
+        """Flush the KV tiers (the pool's prefix-cache blocks and the host tier to the disk tier, so
+        a restart finds them) and stop their writer, then stop the tensor-parallel workers, if any.
+        Idempotent; the engine must not step after."""
+        if self.tiers is not None:
+            start = time.monotonic()
+            written = self.kv_manager.flush_tiers()
+            has_disk = self.tiers.disk is not None
+            self.tiers.close()
+            self.tiers = None
+            if has_disk:
+                logger.info("KV disk tier: wrote %d blocks at shutdown in %.1f s", written, time.monotonic() - start)
         if self.parallel is not None:
             self.parallel.close()
 

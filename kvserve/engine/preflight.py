@@ -17,6 +17,7 @@ from kvserve.cache.eviction.config import resolve_eviction
 from kvserve.cache.formats import make_kv_format
 from kvserve.cache.kv_cache import KVCacheSpec
 from kvserve.cache.sizing import blocks_for_tokens, blocks_in_budget, bytes_per_block, default_cpu_budget
+from kvserve.cache.tiers.disk import check_directory
 from kvserve.engine.args import EngineArgs
 from kvserve.hardware import available_ram_bytes, cpu_flags, native_bf16_missing
 from kvserve.model.parallel import check_tensor_parallel_size, kv_heads_per_rank
@@ -155,5 +156,7 @@ def preflight(args: EngineArgs, shape: ModelShape | None = None) -> Preflight:
                                           given=args.max_model_len is not None)
     resolve_eviction(None, EvictionSpec(args.kv_eviction, args.kv_budget, args.sink_tokens, args.recent_tokens),
                      max_model_len, POLICIES)
+    if args.kv_offloading_disk_path is not None:
+        check_directory(args.kv_offloading_disk_path)
     lowered = args.max_model_len is None and max_model_len < shape.max_position_embeddings
     return Preflight(device, dtype, reason, shape, max_model_len, lowered, kv_spec, per_block, budget)

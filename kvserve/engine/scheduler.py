@@ -15,13 +15,16 @@ A request under KV eviction advances at most budget - sinks tokens per step, and
 blocks first lets its policy drop tokens (`KVCacheManager.make_room`, kvserve/cache/eviction). A
 preempted one is recomputed from its whole token history with the policy applied again
 between chunks, which need not reproduce the uninterrupted run bit for bit.
+
+With KV tiers, a waiting request's prefix lookup continues below the pool; one whose blocks are
+still being read from disk is passed over until they are in, unless nothing else can run.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
 
-from kvserve.cache.kv_cache_manager import KVCacheManager
+from kvserve.cache.kv_cache_manager import NO_TIER_HIT, KVCacheManager
 from kvserve.engine.request import Request, RequestStatus
 
 
@@ -104,26 +107,37 @@ class Scheduler:
                 budget -= num_new
 
         # New requests wait while anything was preempted this step: admitting them would only
-        # take blocks the preempted (older) requests need to resume.
-        while self.waiting and not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+        # take blocks the preempted (older) requests need to resume. A request whose prefix blocks
+        # are still being read from the disk tier is passed over (others go first) until they are in.
+        index, loading = 0, []
+        while (index < len(self.waiting) and not preempted and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            request = self.waiting[index]
             # A request that still needs prompt logprobs recomputes its whole prompt; the blocks it
             # writes are still published for others.
             cached = [] if request.needs_prompt_logprobs else self.kv.find_cached_prefix(request)
-            num_cached = len(cached) * self.kv.block_size
+            # The lookup goes on below the pool (KV tiers), if there are any.
+            loaded = NO_TIER_HIT if request.needs_prompt_logprobs else self.kv.fetch_tier_prefix(request, len(cached))
+            if loaded is None:
+                loading.append(request)
+                index += 1
+                continue
+            num_cached = (len(cached) + loaded.num_blocks) * self.kv.block_size
             num_new = min(request.num_tokens - num_cached, budget, self.kv.max_new_tokens(request, num_cached))
-            if not self.kv.allocate(request, num_new, cached):
+            if not self.kv.allocate(request, num_new, cached, loaded):
                 break
-            self.waiting.popleft()
+            del self.waiting[index]
             if request.num_preemptions == 0 and not request.needs_prompt_logprobs:
                 # (recomputing its own blocks is not a cache hit; a prompt-logprobs request looked nothing up)
                 request.num_cached_tokens = num_cached
-                self.kv.record_lookup(request.num_tokens, num_cached)
+                self.kv.record_lookup(request.num_tokens, len(cached) * self.kv.block_size, loaded)
             request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
+        if not scheduled and loading and self.kv.wait_for_tier_loads(loading[0]):
+            return self.schedule()  # nothing else to run: wait for the disk instead of spinning
         return scheduled
 
     def update(self, scheduled: list[ScheduledRequest], sampled: dict[str, int]) -> list[Request]:

@@ -7,6 +7,7 @@ thread, on demand); everything it returns is a copy that other threads may read 
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,6 +43,7 @@ class EngineState:
     num_preemptions: int  # since start
     prefix_queries: int  # prompt tokens looked up in the prefix cache, since start
     prefix_hits: int
+    tiers: dict | None = None  # KV offload tiers: bytes used and bounds, tokens loaded per tier; None: off
 
 
 def _view(engine: LLMEngine, request: Request, status: str, pool: PoolSnapshot) -> RequestView:
@@ -64,4 +66,7 @@ def engine_state(engine: LLMEngine, step: int) -> EngineState:
         step=step, block_size=engine.kv_manager.block_size, kv_cache_dtype=engine.kv_format.name, pool=pool,
         running=[_view(engine, r, "running", pool) for r in scheduler.running],
         waiting=[_view(engine, r, "waiting", pool) for r in scheduler.waiting],
-        num_preemptions=scheduler.num_preemptions, prefix_queries=stats.queries, prefix_hits=stats.hits)
+        num_preemptions=scheduler.num_preemptions, prefix_queries=stats.queries, prefix_hits=stats.hits,
+        tiers=None if engine.tiers is None else {
+            **dataclasses.asdict(engine.tiers.usage()), "external_prefix_cache_queries": stats.external_queries,
+            "external_prefix_cache_hits": stats.external_hits, "tier_hits": dict(stats.tier_hits)})

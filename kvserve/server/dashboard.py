@@ -79,6 +79,7 @@ def state_json(snap: StateSnapshot, engine: AsyncEngine, model: str) -> dict:
         "totals": {"prompt_tokens": snap.prompt_tokens, "generation_tokens": snap.generation_tokens,
                    "preemptions": state.num_preemptions, "prefix_cache_queries": state.prefix_queries,
                    "prefix_cache_hits": state.prefix_hits},
+        "kv_offload_tiers": state.tiers,
     }
 
 

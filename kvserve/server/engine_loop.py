@@ -228,9 +228,20 @@ class AsyncEngine:
             parallel.on_failure = lambda message: self._commands.put(_Fatal(message))
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread; then flush the engine's KV tiers to disk (only once the thread
+        has stopped: the engine is not thread-safe; and not after the engine died, when cached
+        blocks may hold K/V a failed step never wrote)."""
         self._commands.put(_STOP)
         if self._thread is not None:
             self._thread.join(timeout)
+            if self._thread.is_alive():
+                return
+        if self.dead is not None:
+            return
+        try:
+            self.engine.close()
+        except Exception:
+            logger.exception("flushing the KV tiers at shutdown failed")
 
     @property
     def healthy(self) -> bool:
@@ -437,7 +448,10 @@ class AsyncEngine:
             num_running=len(e.scheduler.running), num_waiting=len(e.scheduler.waiting),
             num_blocks=e.kv_manager.pool.num_blocks, num_free_blocks=e.kv_manager.pool.num_free_blocks,
             prefix_queries=e.kv_manager.stats.queries, prefix_hits=e.kv_manager.stats.hits,
-            num_preemptions=e.scheduler.num_preemptions)
+            num_preemptions=e.scheduler.num_preemptions,
+            external_queries=e.kv_manager.stats.external_queries, external_hits=e.kv_manager.stats.external_hits,
+            tier_hits=dict(e.kv_manager.stats.tier_hits),
+            tiers=e.tiers.usage() if e.tiers is not None else None)
 
 
 def _deliver(by_stream: dict[RequestStream, list[RequestOutput]]) -> None:

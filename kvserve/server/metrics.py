@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from kvserve.cache.tiers.tiered_store import TierUsage
 from kvserve.outputs import RequestOutput
 
 logger = logging.getLogger("kvserve.server")
@@ -31,6 +32,10 @@ class EngineSnapshot:
     prefix_queries: int  # prompt tokens looked up in the prefix cache, since start
     prefix_hits: int  # of which found
     num_preemptions: int
+    external_queries: int = 0  # prompt tokens looked up in the KV tiers past the pool, since start
+    external_hits: int = 0  # of which found there
+    tier_hits: dict[str, int] = field(default_factory=dict)  # tokens loaded per tier ("host", "disk")
+    tiers: TierUsage | None = None  # None: no KV tiers
 
     @property
     def kv_usage(self) -> float:
@@ -81,6 +86,15 @@ class ServerMetrics:
                                      "(free, possibly still holding reusable prefix-cache data).")
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.external_queries = counter("external_prefix_cache_queries", "Prompt tokens looked up in the KV "
+                                        "offload tiers (host memory, disk) after missing the pool.")
+        self.external_hits = counter("external_prefix_cache_hits", "Prompt tokens found in the KV offload tiers.")
+        self._tier_hits = Counter("kvserve:prefix_cache_tier_hits", "Prompt tokens loaded from each KV "
+                                  "offload tier.", labels + ["tier"], registry=r)
+        self.tier_used = Gauge("kvserve:kv_offload_tier_used_bytes", "Bytes held by each KV offload tier.",
+                               labels + ["tier"], registry=r)
+        self.tier_capacity = Gauge("kvserve:kv_offload_tier_capacity_bytes", "Size bound of each KV offload "
+                                   "tier.", labels + ["tier"], registry=r)
         self.preemptions = counter("num_preemptions", "Sequences preempted (blocks freed, recomputed later).")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed (prefilled).")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
@@ -158,6 +172,16 @@ class ServerMetrics:
             self.prefix_queries.inc(snap.prefix_queries - last.prefix_queries)
             self.prefix_hits.inc(snap.prefix_hits - last.prefix_hits)
             self.preemptions.inc(snap.num_preemptions - last.num_preemptions)
+            self.external_queries.inc(snap.external_queries - last.external_queries)
+            self.external_hits.inc(snap.external_hits - last.external_hits)
+            for tier, tokens in snap.tier_hits.items():
+                self._tier_hits.labels(self.model_name, tier).inc(tokens - last.tier_hits.get(tier, 0))
+        if snap.tiers is not None:
+            for tier, used, capacity in (("host", snap.tiers.host_used_bytes, snap.tiers.host_capacity_bytes),
+                                         ("disk", snap.tiers.disk_used_bytes, snap.tiers.disk_capacity_bytes)):
+                if capacity:
+                    self.tier_used.labels(self.model_name, tier).set(used)
+                    self.tier_capacity.labels(self.model_name, tier).set(capacity)
         self._last = snap
         if snap.num_running or snap.num_waiting:
             self._mark_active(now)
@@ -178,5 +202,20 @@ class ServerMetrics:
                     "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
                     self._interval.prompt_tokens / elapsed, self._interval.generation_tokens / elapsed,
                     snap.num_running, snap.num_waiting, 100.0 * snap.kv_usage, hit_rate)
+        if snap.tiers is not None:
+            logger.info("KV offload tiers: %s, external prefix cache hit rate: %.1f%% (host %d, disk %d tokens), "
+                        "dropped writes: %d%s", _tier_usage(snap.tiers),
+                        100.0 * snap.external_hits / snap.external_queries if snap.external_queries else 0.0,
+                        snap.tier_hits.get("host", 0), snap.tier_hits.get("disk", 0), snap.tiers.dropped_writes,
+                        " (disk writes stopped)" if snap.tiers.disk_writes_stopped else "")
         # Still busy: the next interval starts active; if idle, the next arrival restarts it.
         self._interval = _Interval(start=now, active=bool(snap.num_running or snap.num_waiting))
+
+
+def _tier_usage(usage: TierUsage) -> str:
+    parts = []
+    for name, used, capacity in (("host", usage.host_used_bytes, usage.host_capacity_bytes),
+                                 ("disk", usage.disk_used_bytes, usage.disk_capacity_bytes)):
+        if capacity:
+            parts.append(f"{name} {100.0 * used / capacity:.1f}% of {capacity / (1 << 30):.2f} GiB")
+    return ", ".join(parts)

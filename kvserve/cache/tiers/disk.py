@@ -1,0 +1,221 @@
+"""The disk tier: one file per block under DIR/<namespace>/<xx>/<hash>.kvb, shareable by several
+processes (servers, data-parallel replicas) pointed at one directory.
+
+A file is a fixed header, then the block's bytes::
+
+    magic "KVSB" | format version u16 | 0 u16 | namespace 32 B | block hash 32 B | payload length u64
+    | blake2b-128 of the payload | payload
+
+A file is written under a temporary name in its final directory and renamed into place
+(`os.replace` is atomic), so a reader, or a process killed mid-write, never sees a partial
+file under a block's name; concurrent writers of one block write identical bytes. A file that
+fails any check (short, wrong magic/version/namespace/hash/length/checksum) is a miss with a
+warning, and is removed. The size bound is enforced by whichever process crosses it: it scans the
+directory and removes the least recently used files (mtime; a hit touches its file) down to 90%
+of the bound; a reader whose file vanishes meanwhile just misses. Files are 0600 and directories
+0700: they hold tenants' KV. A write failing with ENOSPC, EROFS, EACCES (any OSError) stops
+further writes with one warning; reads go on.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import struct
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from kvserve.cache.tiers.block_store import BlockStore
+
+logger = logging.getLogger("kvserve")
+
+MAGIC = b"KVSB"
+FORMAT_VERSION = 1
+HEADER = struct.Struct("<4sHH32s32sQ16s")
+SUFFIX = ".kvb"
+TMP_PREFIX = ".tmp-"
+STALE_TMP_S = 600.0  # a temporary file this old belongs to a writer that died
+EVICT_TO = 0.9  # fraction of the bound the size-limit eviction leaves used
+
+
+def checksum(payload: bytes | memoryview) -> bytes:
+    """blake2b-128: hashlib releases the GIL on large buffers, so the engine thread runs meanwhile."""
+    return hashlib.blake2b(payload, digest_size=16).digest()
+
+
+def check_directory(root: str | os.PathLike) -> None:
+    """Create the tier's directory (0700) if needed and check that a file can be written in it;
+    ValueError with one line otherwise. Runs at start-up, before the weights load."""
+    root = Path(root).expanduser()
+    try:
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=TMP_PREFIX, dir=root)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise ValueError(f"--kv-offloading-disk-path {str(root)!r} is not a usable directory: "
+                         f"{exc.strerror or exc}") from None
+
+
+class DiskTier(BlockStore):
+    name = "disk"
+
+    def __init__(self, root: str | os.PathLike, namespace: bytes, capacity_bytes: int, block_nbytes: int):
+        """Raises ValueError (one line) if the directory cannot be created or written."""
+        if len(namespace) != 32:
+            raise ValueError("the disk tier's namespace is a 32-byte digest")
+        self.root = Path(root).expanduser()
+        self.namespace = namespace
+        self.dir = self.root / namespace.hex()
+        self.max_bytes = capacity_bytes
+        self.block_nbytes = block_nbytes
+        self.file_nbytes = HEADER.size + block_nbytes
+        self.disabled: str | None = None  # why writes stopped
+        self.num_writes = 0
+        self.num_bad_files = 0
+        self.num_evicted_files = 0
+        self._lock = threading.Lock()
+        check_directory(self.root)
+        try:
+            self.dir.mkdir(mode=0o700, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"--kv-offloading-disk-path {str(root)!r}: {exc.strerror or exc}") from None
+        self._used = self._scan()[1]
+
+    # ------------------------------------------------------------------ paths and scanning
+    def path(self, block_hash: bytes) -> Path:
+        name = block_hash.hex()
+        return self.dir / name[:2] / (name + SUFFIX)
+
+    def _scan(self) -> tuple[list[tuple[float, int, str]], int]:
+        """(mtime, size, path) of every block file under the root (all namespaces: the bound is the
+        directory's), and their total size; removes stale temporary files on the way."""
+        files, total, now = [], 0, time.time()
+        for dirpath, _, names in os.walk(self.root):
+            for name in names:
+                path = os.path.join(dirpath, name)
+                try:
+                    st = os.stat(path)
+                except OSError:
+                    continue  # removed meanwhile by another process
+                if name.startswith(TMP_PREFIX):
+                    if now - st.st_mtime > STALE_TMP_S:
+                        _unlink(path)
+                    else:
+                        total += st.st_size
+                elif name.endswith(SUFFIX):
+                    files.append((st.st_mtime, st.st_size, path))
+                    total += st.st_size
+        return files, total
+
+    def _enforce_bound(self) -> None:
+        files, total = self._scan()
+        if total > self.max_bytes:
+            target = self.max_bytes * EVICT_TO
+            for _, size, path in sorted(files):
+                if total <= target:
+                    break
+                if _unlink(path):
+                    self.num_evicted_files += 1
+                total -= size
+        self._used = total
+
+    # ------------------------------------------------------------------ BlockStore
+    def contains(self, block_hash: bytes) -> bool:
+        return self.path(block_hash).exists()
+
+    def get(self, block_hash: bytes, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The block's bytes, read into `out` (a 1-D uint8 CPU tensor of block_nbytes) when given."""
+        path = self.path(block_hash)
+        if out is None:
+            out = torch.empty(self.block_nbytes, dtype=torch.uint8)
+        payload = memoryview(out.numpy())
+        try:
+            with open(path, "rb") as f:
+                header = f.read(HEADER.size)
+                got = f.readinto(payload) if len(header) == HEADER.size else 0
+                extra = len(f.read(1))
+        except OSError:
+            return None  # absent, or removed by a size-limit eviction meanwhile
+        problem = self._check(header, got, extra, payload, block_hash)
+        if problem is not None:
+            self.num_bad_files += 1
+            logger.warning("KV disk tier: %s %s; treated as a miss and removed", path, problem)
+            _unlink(str(path))
+            return None
+        try:
+            os.utime(path)  # least recently used goes first
+        except OSError:
+            pass
+        return out
+
+    def _check(self, header: bytes, got: int, extra: int, payload: memoryview, block_hash: bytes) -> str | None:
+        if len(header) < HEADER.size:
+            return "is truncated"
+        magic, version, _, namespace, stored_hash, length, digest = HEADER.unpack(header)
+        if magic != MAGIC:
+            return "is not a kvserve block file"
+        if version != FORMAT_VERSION:
+            return f"has format version {version}, not {FORMAT_VERSION}"
+        if namespace != self.namespace or stored_hash != block_hash:
+            return "belongs to another model, KV layout or block"
+        if length != self.block_nbytes or got != length or extra:
+            return "is truncated or has the wrong length"
+        if checksum(payload) != digest:
+            return "fails its checksum"
+        return None
+
+    def put(self, block_hash: bytes, data: torch.Tensor) -> None:
+        """Write one block (a CPU uint8 tensor); called by the background writer."""
+        if self.disabled is not None:
+            return
+        if data.numel() != self.block_nbytes:
+            raise ValueError(f"a block is {self.block_nbytes} bytes, got {data.numel()}")
+        payload = memoryview(data.contiguous().numpy())
+        path = self.path(block_hash)
+        header = HEADER.pack(MAGIC, FORMAT_VERSION, 0, self.namespace, block_hash, len(payload), checksum(payload))
+        tmp = None
+        try:
+            path.parent.mkdir(mode=0o700, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, dir=path.parent)  # created 0600
+            with os.fdopen(fd, "wb") as f:
+                f.write(header)
+                f.write(payload)
+            os.replace(tmp, path)
+            tmp = None
+        except OSError as exc:
+            if tmp is not None:
+                _unlink(tmp)
+            self.disable(f"{exc.strerror or exc} ({self.root})")
+            return
+        self.num_writes += 1
+        with self._lock:
+            self._used += self.file_nbytes
+            if self._used > self.max_bytes:
+                self._enforce_bound()
+
+    def disable(self, reason: str) -> None:
+        if self.disabled is None:
+            self.disabled = reason
+            logger.warning("KV disk tier: writes stopped: %s; serving goes on (blocks already on disk "
+                           "are still read)", reason)
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.max_bytes
+
+
+def _unlink(path: str) -> bool:
+    try:
+        os.unlink(path)
+        return True
+    except OSError:
+        return False

@@ -1,0 +1,246 @@
+"""The tiers below the pool as one store the block manager talks to.
+
+    pool ──(published block about to be reclaimed: copied out, synchronously)──> host tier
+    host tier ──(LRU overflow; or directly when there is no host tier)──> writer thread ──> disk tier
+    prefix lookup past the pool ──> host tier, then disk tier ──> bytes written into fresh pool blocks
+
+Only the copy out of the pool runs on the engine thread (cheap: one index_select per pool tensor
+for all the blocks reclaimed at once); disk writes run on the writer thread, and blocks queued
+for it are served from memory until written. Disk reads run on a loader thread (`read_disk_async`):
+the scheduler lets a request whose blocks are still being read wait while others run. `flush` (at shutdown) writes the pool's published
+blocks and the host tier to disk, so a restarted server finds its prefixes there.
+"""
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.cache.kv_cache import KVCache
+from kvserve.cache.tiers.disk import DiskTier
+from kvserve.cache.tiers.host import HostTier
+from kvserve.cache.tiers.writer import BackgroundWriter
+from kvserve.units import GiB
+
+DEFAULT_DISK_GIB = 10.0
+WRITER_QUEUE_BLOCKS = 1024
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """Sizes in bytes; a tier is off when its size is 0 (host) or its path is None (disk)."""
+
+    host_bytes: int = 0
+    disk_path: str | None = None
+    disk_bytes: int = int(DEFAULT_DISK_GIB * GiB)
+
+    @property
+    def enabled(self) -> bool:
+        return self.host_bytes > 0 or self.disk_path is not None
+
+
+@dataclass(frozen=True)
+class TierUsage:
+    """Plain numbers for logs, metrics and the dashboard."""
+
+    host_used_bytes: int
+    host_capacity_bytes: int
+    disk_used_bytes: int
+    disk_capacity_bytes: int
+    dropped_writes: int
+    disk_writes_stopped: bool
+
+
+class TieredStore:
+    def __init__(self, config: TierConfig, kv_cache: KVCache, namespace: str,
+                 writer_queue: int = WRITER_QUEUE_BLOCKS):
+        self.kv_cache = kv_cache
+        self.block_nbytes = kv_cache.block_nbytes
+        on_cuda = kv_cache.device.type == "cuda"
+        self.disk = (DiskTier(config.disk_path, hashlib.sha256(namespace.encode()).digest(), config.disk_bytes,
+                              self.block_nbytes) if config.disk_path is not None else None)
+        self.host = (HostTier(config.host_bytes, self.block_nbytes, pin_memory=on_cuda,
+                              on_evict=self._spill if self.disk is not None else None)
+                     if config.host_bytes > 0 else None)
+        self.writer = BackgroundWriter(writer_queue) if self.disk is not None else None
+        self.loader = (ThreadPoolExecutor(1, thread_name_prefix="kvserve-kv-loader")
+                       if self.disk is not None else None)
+        self._pending: dict[bytes, torch.Tensor] = {}  # queued for the disk, not yet written
+        self._lock = threading.Lock()
+        self.num_offloaded = 0  # blocks copied out of the pool
+        self.offload_s = 0.0  # engine-thread time spent copying blocks out (what going down costs a step)
+
+    # ------------------------------------------------------------------ going down
+    def offload(self, evicted: list[tuple[int, bytes]]) -> None:
+        """Called by the block pool with (block id, hash) of published blocks it is about to reuse,
+        while their contents are still intact."""
+        start = time.perf_counter()
+        try:
+            self._offload(evicted)
+        finally:
+            self.offload_s += time.perf_counter() - start
+
+    def _offload(self, evicted: list[tuple[int, bytes]]) -> None:
+        todo = [(block_id, h) for block_id, h in evicted if not self._keep(h)]
+        if not todo:
+            return
+        on_host = self.host is not None
+        data = self.kv_cache.read_blocks([block_id for block_id, _ in todo],
+                                         None if on_host else torch.device("cpu"))
+        self.num_offloaded += len(todo)
+        for i, (_, block_hash) in enumerate(todo):
+            if on_host:
+                self.host.put(block_hash, data[i])
+            else:
+                self._spill(block_hash, data[i])  # a row of `data`, freed once every row is written
+
+    def _keep(self, block_hash: bytes) -> bool:
+        """True if a tier already holds the block (then only its recency is refreshed)."""
+        if self.host is not None:
+            if self.host.contains(block_hash):
+                self.host.touch(block_hash)
+                return True
+            return False  # the host tier takes it; the disk copy, if any, stays
+        return self._on_disk(block_hash)
+
+    def _on_disk(self, block_hash: bytes) -> bool:
+        with self._lock:
+            if block_hash in self._pending:
+                return True
+        return self.disk.contains(block_hash)
+
+    def _spill(self, block_hash: bytes, data: torch.Tensor) -> None:
+        """Queue one block for the disk tier (host overflow, or offload without a host tier)."""
+        if self.disk is None or self.disk.disabled is not None or self._on_disk(block_hash):
+            return
+        if data.is_pinned() and torch.cuda.is_available():
+            torch.cuda.current_stream().synchronize()  # the copy into pinned memory has landed
+        with self._lock:
+            self._pending[block_hash] = data
+        if not self.writer.submit(lambda: self._write(block_hash, data)):
+            with self._lock:
+                self._pending.pop(block_hash, None)
+
+    def _write(self, block_hash: bytes, data: torch.Tensor) -> None:
+        try:
+            self.disk.put(block_hash, data)
+        finally:
+            with self._lock:
+                self._pending.pop(block_hash, None)
+
+    # ------------------------------------------------------------------ coming up
+    def lookup(self, hashes: list[bytes]) -> list[str]:
+        """The tier ("host" or "disk") of each block of the longest run of `hashes` held below the pool."""
+        found = []
+        for block_hash in hashes:
+            if self.host is not None and self.host.contains(block_hash):
+                found.append("host")
+            elif self.disk is not None and self._on_disk(block_hash):
+                found.append("disk")
+            else:
+                break
+        return found
+
+    def fetch(self, hashes: list[bytes]) -> list[tuple[str, torch.Tensor]]:
+        """The bytes of the longest run of `hashes` that can be read (and pass the disk checks),
+        each with its tier."""
+        out = []
+        for block_hash in hashes:
+            data = self.host.get(block_hash) if self.host is not None else None
+            tier = "host"
+            if data is None and self.disk is not None:
+                tier = "disk"
+                with self._lock:
+                    data = self._pending.get(block_hash)
+                if data is None:
+                    data = self.disk.get(block_hash)
+            if data is None:
+                break
+            out.append((tier, data))
+        return out
+
+    def read_disk_async(self, hashes: list[bytes]) -> Future:
+        """Read blocks from the disk tier on the loader thread; the future's result maps each hash
+        read (a prefix of `hashes`: reading stops at the first miss) to its bytes."""
+        return self.loader.submit(self._read_disk, list(hashes))
+
+    def _read_disk(self, hashes: list[bytes]) -> dict[bytes, torch.Tensor]:
+        """Files are read straight into the rows of one buffer (no copy per block)."""
+        out = {}
+        buffer = torch.empty(len(hashes), self.block_nbytes, dtype=torch.uint8)
+        for i, block_hash in enumerate(hashes):
+            with self._lock:
+                data = self._pending.get(block_hash)
+            if data is None:
+                data = self.disk.get(block_hash, buffer[i])
+            if data is None:
+                break
+            out[block_hash] = data
+        return out
+
+    def assemble(self, hashes: list[bytes], from_disk: dict[bytes, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+        """The longest run of `hashes` found in `from_disk` (read by the loader) or the host tier."""
+        out = []
+        for block_hash in hashes:
+            if block_hash in from_disk:
+                out.append(("disk", from_disk[block_hash]))
+                continue
+            data = self.host.get(block_hash) if self.host is not None else None
+            if data is None:
+                break
+            out.append(("host", data))
+        return out
+
+    def load(self, block_ids: list[int], blocks: list[torch.Tensor]) -> None:
+        """Write fetched blocks into the pool."""
+        if block_ids:
+            self.kv_cache.write_blocks(block_ids, _as_rows(blocks))
+
+    # ------------------------------------------------------------------ shutdown and usage
+    def flush(self, pool_blocks: list[tuple[int, bytes]]) -> int:
+        """Write the given published pool blocks and the host tier to disk and wait for the writer;
+        returns the blocks written. Nothing without a disk tier."""
+        if self.disk is None:
+            return 0
+        self.writer.drain()
+        written = 0
+        todo = [(block_id, h) for block_id, h in pool_blocks if not self._on_disk(h)]
+        for start in range(0, len(todo), 64):
+            chunk = todo[start:start + 64]
+            data = self.kv_cache.read_blocks([block_id for block_id, _ in chunk], torch.device("cpu"))
+            for i, (_, block_hash) in enumerate(chunk):
+                self.disk.put(block_hash, data[i])
+                written += 1
+        for block_hash, data in self.host.items() if self.host is not None else ():
+            if not self.disk.contains(block_hash):
+                self.disk.put(block_hash, data)
+                written += 1
+        return written
+
+    def close(self) -> None:
+        if self.loader is not None:
+            self.loader.shutdown(wait=True, cancel_futures=True)
+        if self.writer is not None:
+            self.writer.close()
+
+    def usage(self) -> TierUsage:
+        host, disk = self.host, self.disk
+        return TierUsage(host.used_bytes if host else 0, host.capacity_bytes if host else 0,
+                         disk.used_bytes if disk else 0, disk.capacity_bytes if disk else 0,
+                         self.writer.num_dropped if self.writer else 0,
+                         disk is not None and disk.disabled is not None)
+
+
+def _as_rows(blocks: list[torch.Tensor]) -> torch.Tensor:
+    """[n, block bytes]: the consecutive rows of one buffer as they are (the loader's usual case),
+    else stacked."""
+    first = blocks[0]
+    nbytes = first.numel()
+    if first.dim() == 1 and all(b.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+                                and b.data_ptr() == first.data_ptr() + i * nbytes for i, b in enumerate(blocks)):
+        return first.as_strided((len(blocks), nbytes), (nbytes, 1))
+    return torch.stack([b.view(-1) for b in blocks])

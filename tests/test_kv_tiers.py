@@ -1,0 +1,295 @@
+"""KV offload tiers (issue 21): blocks the pool reclaims go to host memory and disk and come back on
+a prefix hit with identical outputs; every KV dtype round-trips bit for bit; a bad disk file is a
+miss; a failing disk stops writing while serving goes on; nothing leaks."""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import random
+import stat
+
+import pytest
+import torch
+
+from kvserve import SamplingParams
+from kvserve.cache.formats import KV_CACHE_DTYPES, make_kv_format
+from kvserve.cache.kv_cache import KVCache, KVCacheSpec
+from kvserve.cache.tiers import DiskTier, HostTier, TierConfig, TieredStore
+from kvserve.cache.tiers import disk as disk_module
+from kvserve.engine.args import EngineArgs
+from kvserve.engine.kv_identity import weights_fingerprint
+from kvserve.engine.llm_engine import LLMEngine
+
+BLOCK = 16
+# The tiny model (2 layers, 2 KV heads of 16) in float32 takes 512 bytes per token: 8 KiB a block.
+TOKEN_BYTES = 512
+POOL_BLOCKS = 40
+GIB = 1 << 30
+
+
+def engine_for(model, **options) -> LLMEngine:
+    return LLMEngine(EngineArgs(model=str(model), dtype="float32", kv_cache_memory=POOL_BLOCKS * BLOCK * TOKEN_BYTES,
+                                max_model_len=512, **options))
+
+
+def multi_turn(engine: LLMEngine, sessions: int = 5, turns: int = 3, seed: int = 0) -> list[list[int]]:
+    """Sessions sharing a 64-token system prompt take turns one after the other; each turn resends
+    the whole conversation plus 48 new tokens and gets 8 greedy tokens. The pool holds fewer
+    blocks than the sessions' histories, so each turn reclaims others' cached blocks."""
+    rng = random.Random(seed)
+    system = [rng.randrange(3, 500) for _ in range(64)]
+    history = {s: list(system) for s in range(sessions)}
+    outputs = []
+    for turn in range(turns):
+        for s in range(sessions):
+            prompt = history[s] + [rng.randrange(3, 500) for _ in range(48)]
+            engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), f"{s}-{turn}")
+            tokens = None
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        tokens = list(out.outputs[0].token_ids)
+            outputs.append(tokens)
+            history[s] = prompt + tokens
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_llama) -> list[list[int]]:
+    engine = engine_for(tiny_llama)
+    return multi_turn(engine)
+
+
+def assert_no_leak(engine: LLMEngine) -> None:
+    pool = engine.kv_manager.pool
+    assert pool.num_free_blocks == pool.num_blocks
+    tiers = engine.tiers
+    if tiers is not None:
+        if tiers.writer is not None:
+            tiers.writer.drain()
+        assert not tiers._pending
+        if tiers.host is not None:
+            assert tiers.host.used_bytes <= tiers.host.capacity_bytes
+            assert all(t.numel() == tiers.block_nbytes for _, t in tiers.host.items())
+
+
+def test_multi_turn_outputs_identical_with_hits_from_each_tier(tiny_llama, baseline, tmp_path):
+    engine = engine_for(tiny_llama, kv_offloading_size=6 * BLOCK * TOKEN_BYTES / GIB,
+                        kv_offloading_disk_path=str(tmp_path / "kv"))
+    assert multi_turn(engine) == baseline
+    stats = engine.kv_manager.stats
+    assert stats.tier_hits["host"] > 0 and stats.tier_hits["disk"] > 0
+    assert stats.external_hits == stats.tier_hits["host"] + stats.tier_hits["disk"] <= stats.external_queries
+    assert_no_leak(engine)
+    engine.close()
+    # Block files are private to the user that runs the server.
+    namespace_dir = next((tmp_path / "kv").iterdir())
+    assert stat.S_IMODE((tmp_path / "kv").stat().st_mode) == 0o700
+    files = list(namespace_dir.rglob("*.kvb"))
+    assert files and all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in files)
+
+
+def test_a_restarted_engine_serves_its_prefixes_from_disk(tiny_llama, baseline, tmp_path):
+    options = dict(kv_offloading_disk_path=str(tmp_path / "kv"))
+    first = engine_for(tiny_llama, **options)
+    assert multi_turn(first) == baseline
+    first.close()  # flushes the pool's cached blocks to disk
+    second = engine_for(tiny_llama, **options)
+    assert multi_turn(second) == baseline
+    assert second.kv_manager.stats.tier_hits["disk"] > 0
+    assert_no_leak(second)
+    second.close()
+
+
+def test_a_failing_disk_stops_writing_and_serving_goes_on(tiny_llama, baseline, tmp_path, monkeypatch, caplog):
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    engine = engine_for(tiny_llama, kv_offloading_disk_path=str(tmp_path / "kv"))
+    monkeypatch.setattr(disk_module.tempfile, "mkstemp", no_space)
+    with caplog.at_level(logging.WARNING, logger="kvserve"):
+        assert multi_turn(engine) == baseline
+    assert engine.tiers.disk.disabled is not None
+    assert sum("writes stopped" in r.getMessage() for r in caplog.records) == 1
+    assert engine.tiers.usage().disk_writes_stopped
+    assert_no_leak(engine)
+    engine.close()
+
+
+def test_an_unusable_disk_directory_fails_at_start_up(tiny_llama, tmp_path):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    with pytest.raises(ValueError, match="kv-offloading-disk-path"):
+        engine_for(tiny_llama, kv_offloading_disk_path=str(not_a_dir))
+
+
+@pytest.mark.parametrize("options", [dict(kv_offloading_size=-1.0), dict(kv_offloading_disk_size=0),
+                                     dict(kv_offloading_size=1.0, enable_prefix_caching=False)])
+def test_bad_tier_options_are_refused(options):
+    with pytest.raises(ValueError, match="kv-offloading|prefix"):
+        EngineArgs(**options).validate()
+
+
+# ---------------------------------------------------------------------- the tiers without a model
+def random_cache(kv_dtype: str, num_blocks: int = 6) -> KVCache:
+    cache = KVCache(KVCacheSpec(2, 2, 16, BLOCK), make_kv_format(kv_dtype, torch.float32), num_blocks,
+                    torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    for layer in cache.layers:
+        for t in layer.values():
+            raw = t.view(torch.uint8)
+            raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
+    return cache
+
+
+def block_bytes(cache: KVCache, block_id: int) -> list[torch.Tensor]:
+    return [t.view(torch.uint8)[:, block_id].clone() for layer in cache.layers for t in layer.values()]
+
+
+def assert_same_block(cache: KVCache, a: int, b: int) -> None:
+    assert all(torch.equal(x, y) for x, y in zip(block_bytes(cache, a), block_bytes(cache, b)))
+
+
+@pytest.mark.parametrize("kv_dtype", sorted(set(KV_CACHE_DTYPES) - {"auto"}))
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_every_kv_dtype_round_trips_bit_exactly(kv_dtype, tier, tmp_path):
+    cache = random_cache(kv_dtype)
+    config = TierConfig(host_bytes=GIB) if tier == "host" else TierConfig(disk_path=str(tmp_path))
+    store = TieredStore(config, cache, "ns")
+    hashes = [bytes([i]) * 32 for i in range(3)]
+    store.offload([(1, hashes[0]), (2, hashes[1]), (3, hashes[2])])
+    if store.writer is not None:
+        store.writer.drain()
+        assert len(list(tmp_path.rglob("*.kvb"))) == 3
+    assert store.lookup(hashes + [b"\xff" * 32]) == [tier] * 3
+    fetched = store.fetch(hashes)
+    store.load([4, 5, 6], [data for _, data in fetched])
+    for src, dst in ((1, 4), (2, 5), (3, 6)):
+        assert_same_block(cache, src, dst)
+    store.close()
+
+
+def disk_with_block(tmp_path, namespace: bytes = b"n" * 32) -> tuple[DiskTier, bytes, torch.Tensor]:
+    tier = DiskTier(tmp_path, namespace, GIB, 64)
+    block_hash, data = b"h" * 32, torch.arange(64, dtype=torch.uint8)
+    tier.put(block_hash, data)
+    return tier, block_hash, data
+
+
+@pytest.mark.parametrize("damage", ["flip a payload byte", "truncate", "flip a header byte"])
+def test_a_damaged_disk_block_is_a_miss_with_a_warning(tmp_path, damage, caplog):
+    tier, block_hash, data = disk_with_block(tmp_path)
+    path = tier.path(block_hash)
+    assert torch.equal(tier.get(block_hash), data)
+    raw = bytearray(path.read_bytes())
+    if damage == "truncate":
+        raw = raw[:-10]
+    else:
+        raw[-5 if damage == "flip a payload byte" else 5] ^= 0x40
+    path.write_bytes(bytes(raw))
+    with caplog.at_level(logging.WARNING, logger="kvserve"):
+        assert tier.get(block_hash) is None
+    assert len(caplog.records) == 1 and tier.num_bad_files == 1
+    assert not path.exists()  # removed, so a good copy can be written again
+
+
+def test_a_block_of_another_namespace_is_never_read(tmp_path, caplog):
+    ours, block_hash, _ = disk_with_block(tmp_path, b"a" * 32)
+    foreign = DiskTier(tmp_path, b"b" * 32, GIB, 64)
+    assert not foreign.contains(block_hash) and foreign.get(block_hash) is None
+    # Even a foreign file copied under our name fails its header check.
+    foreign.path(block_hash).parent.mkdir(parents=True, exist_ok=True)
+    foreign.path(block_hash).write_bytes(ours.path(block_hash).read_bytes())
+    with caplog.at_level(logging.WARNING, logger="kvserve"):
+        assert foreign.get(block_hash) is None
+    assert "another model" in caplog.text
+
+
+def test_the_model_fingerprint_follows_the_weights(tiny_llama, tmp_path):
+    import shutil
+    copy = tmp_path / "model"
+    shutil.copytree(tiny_llama, copy)
+    assert weights_fingerprint(copy) == weights_fingerprint(tiny_llama)
+    weights = next(copy.glob("*.safetensors"))
+    raw = bytearray(weights.read_bytes())
+    raw[-1] ^= 1  # one bit of the last tensor
+    weights.write_bytes(bytes(raw))
+    assert weights_fingerprint(copy) != weights_fingerprint(tiny_llama)
+
+
+def test_a_half_written_file_is_never_read(tmp_path):
+    """A writer killed mid-write leaves only a temporary file, which no lookup reads."""
+    tier, block_hash, data = disk_with_block(tmp_path)
+    tier.path(block_hash).unlink()
+    partial = tier.path(block_hash).parent / (disk_module.TMP_PREFIX + "killed")
+    partial.write_bytes(b"KVSB" + bytes(20))
+    assert not tier.contains(block_hash) and tier.get(block_hash) is None
+
+
+def test_the_disk_bound_evicts_least_recently_used_files(tmp_path):
+    file_bytes = disk_module.HEADER.size + 64
+    tier = DiskTier(tmp_path, b"n" * 32, 10 * file_bytes, 64)
+    hashes = [bytes([i]) * 32 for i in range(30)]
+    for i, h in enumerate(hashes):
+        tier.put(h, torch.full((64,), i, dtype=torch.uint8))
+        os.utime(tier.path(h), (1000 + i, 1000 + i))
+        if i == 5:
+            tier.get(hashes[0])  # touched: now the most recent
+    assert tier.used_bytes <= 10 * file_bytes
+    assert sum(f.stat().st_size for f in tmp_path.rglob("*.kvb")) == tier.used_bytes
+    assert tier.contains(hashes[-1]) and not tier.contains(hashes[1])
+
+
+def test_host_overflow_spills_to_the_next_tier():
+    spilled = []
+    host = HostTier(2 * 64, 64, on_evict=lambda h, d: spilled.append(h))
+    for i in range(3):
+        host.put(bytes([i]) * 32, torch.zeros(64, dtype=torch.uint8))
+    assert spilled == [bytes([0]) * 32] and host.used_bytes == 128
+
+
+def test_a_request_waiting_for_disk_reads_does_not_hold_up_others(tmp_path, monkeypatch):
+    """Scheduler and block manager without a model: a prefix that is on disk only is read on the
+    loader thread while a request queued behind it runs; it is admitted with its hit once read."""
+    import threading
+
+    from kvserve.cache.kv_cache_manager import KVCacheManager
+    from kvserve.engine.request import Request
+    from kvserve.engine.scheduler import Scheduler, SchedulerConfig
+
+    cache = random_cache("float32", num_blocks=8)
+    store = TieredStore(TierConfig(disk_path=str(tmp_path)), cache, "ns")
+    kv = KVCacheManager(8, BLOCK, True, "ns", tiers=store)
+    scheduler = Scheduler(SchedulerConfig(8, 256, 256), kv)
+
+    def request(rid: str, tokens: list[int]) -> Request:
+        return Request(rid, tokens, SamplingParams(max_tokens=1, ignore_eos=True))
+
+    def run(*requests: Request) -> list[list[str]]:
+        for r in requests:
+            scheduler.add(r)
+        steps = []
+        while scheduler.has_unfinished():
+            scheduled = scheduler.schedule()
+            steps.append([s.request.request_id for s in scheduled])
+            scheduler.update(scheduled, {s.request.request_id: 1 for s in scheduled if s.samples})
+        return steps
+
+    shared = list(range(3 * BLOCK + 1))
+    run(request("first", shared))
+    run(request("filler", list(range(100, 100 + 8 * BLOCK - 1))))  # reclaims every block: first's go to disk
+    store.writer.drain()
+    released = threading.Event()
+    slow_get = store.disk.get
+    monkeypatch.setattr(store.disk, "get", lambda h, out=None: released.wait(30) and slow_get(h, out))
+    again, other = request("again", shared), request("other", list(range(300, 300 + BLOCK)))
+    scheduler.add(again)
+    scheduler.add(other)
+    assert [s.request.request_id for s in scheduler.schedule()] == ["other"]
+    released.set()
+    store.loader.submit(lambda: None).result()  # the read has finished
+    scheduled = scheduler.schedule()
+    assert [s.request.request_id for s in scheduled] == ["other", "again"]
+    assert again.num_cached_tokens == 3 * BLOCK and kv.stats.tier_hits["disk"] == 3 * BLOCK
+    store.close()
