@@ -75,6 +75,7 @@ class LLMEngine:
         only read."""
         self.args = args
         self.parallel: TensorParallelExecutor | None = None
+        self.tiers: TieredStore | None = None
         tp = args.tensor_parallel_size
         if tp > 1:  # the workers load while this process does; a bad option fails before they start
             plan = preflight(args, ModelShape.of(loaded_model.config) if loaded_model else None)
@@ -248,10 +249,10 @@ class LLMEngine:
     def close(self) -> None:
         """Flush the KV tiers (the pool's prefix-cache blocks and the host tier to the disk tier, so
         a restart finds them) and stop their writer, then stop the tensor-parallel workers, if any.
-        Idempotent; the engine must not step after."""
+        Idempotent (also on an engine whose start-up failed); the engine must not step after."""
         if self.tiers is not None:
             start = time.monotonic()
-            written = self.kv_manager.flush_tiers()
+            written = self.kv_manager.flush_tiers() if hasattr(self, "kv_manager") else 0
             has_disk = self.tiers.disk is not None
             self.tiers.close()
             self.tiers = None
