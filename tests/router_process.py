@@ -3,7 +3,6 @@ read its /router/state."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from server_process import free_port
+from server_process import free_port, stop_process
 
 
 @dataclass
@@ -63,10 +62,4 @@ class RouterProcess:
         return self.log_path.read_text(errors="replace")[-5000:]
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process)

@@ -23,6 +23,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_process(process: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL after 15 s; returns once the process is gone."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 def raw_request_status(port: int, request: bytes) -> int:
     """Send `request` as is over a fresh socket (no client library normalises the path or headers)
     and return the HTTP status of the reply."""
@@ -90,13 +101,7 @@ class ServerProcess:
         return samples
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process)
 
 
 # The configuration of the shared `tiny_server` fixture; offline comparisons use the same engine options.
