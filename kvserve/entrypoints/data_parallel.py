@@ -146,7 +146,8 @@ def run_data_parallel(args: argparse.Namespace, serve_argv: list[str], sock, uvi
     try:
         for i, port in enumerate(ports):
             command = [sys.executable, "-m", "kvserve.cli", "--log-level", args.log_level, "serve", *child,
-                       "--host", "127.0.0.1", "--port", str(port), "--api-key", key]
+                       # `=`: a random key may start with "-", which argparse would take for an option
+                       "--host", "127.0.0.1", "--port", str(port), f"--api-key={key}"]
             processes.append(subprocess.Popen(command, env=_replica_env(i, count, devices, args.tensor_parallel_size),
                                               preexec_fn=_die_with_parent))
         policy = args.routing_policy or "kv_aware"
