@@ -34,24 +34,24 @@ def _float_list(text: str) -> tuple[float, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
 
 
-def _dtype_list(text: str) -> tuple[str, ...]:
+def _choice_list(text: str, choices: tuple[str, ...], what: str) -> tuple[str, ...]:
+    """A comma-separated list of names, each one of `choices` (argparse's error otherwise)."""
     names = tuple(x.strip() for x in text.split(",") if x.strip())
-    unknown = [n for n in names if n not in KV_CACHE_DTYPES]
+    unknown = [n for n in names if n not in choices]
     if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown KV cache dtype {', '.join(unknown) or text!r}: "
-                                         f"choose from {', '.join(KV_CACHE_DTYPES)}")
+        raise argparse.ArgumentTypeError(f"unknown {what} {', '.join(unknown) or text!r}: "
+                                         f"choose from {', '.join(choices)}")
     return names
+
+
+def _dtype_list(text: str) -> tuple[str, ...]:
+    return _choice_list(text, KV_CACHE_DTYPES, "KV cache dtype")
 
 
 def _quantization_list(text: str) -> tuple[str, ...]:
     from kvserve.model.quant_linear import QUANTIZATION_MODES
 
-    names = tuple(x.strip() for x in text.split(",") if x.strip())
-    unknown = [n for n in names if n not in QUANTIZATION_MODES]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown quantization {', '.join(unknown) or text!r}: "
-                                         f"choose from {', '.join(QUANTIZATION_MODES)}")
-    return names
+    return _choice_list(text, QUANTIZATION_MODES, "quantization")
 
 
 def register(subparsers) -> None:
