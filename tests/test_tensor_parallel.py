@@ -19,6 +19,7 @@ import torch
 from engine_runs import greedy_tokens
 from kvserve.engine.args import EngineArgs
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.parallel.worker import sharded_layer_bytes
 from kvserve.engine.preflight import preflight
 from kvserve.model.parallel import (
     TensorParallelSizeError, check_tensor_parallel_size, shard_layout, valid_tensor_parallel_sizes)
@@ -27,12 +28,12 @@ from server_process import free_port
 BLOCKS = 12  # a pool too small for the batch below: it preempts
 
 
-def engine(model, tp: int = 1, **options) -> LLMEngine:
-    """An engine over `model` with BLOCKS KV blocks per rank, chunked prefill and float32."""
+def engine(model, tp: int = 1, blocks: int = BLOCKS, **options) -> LLMEngine:
+    """An engine over `model` with `blocks` KV blocks per rank, chunked prefill and float32."""
     options = {"dtype": "float32", "max_model_len": 160, "max_num_batched_tokens": 32, **options}
     per_block = preflight(EngineArgs(model=str(model), tensor_parallel_size=tp, kv_cache_memory="1GiB",
                                      **options)).bytes_per_block
-    return LLMEngine(EngineArgs(model=str(model), tensor_parallel_size=tp, kv_cache_memory=(BLOCKS + 1) * per_block,
+    return LLMEngine(EngineArgs(model=str(model), tensor_parallel_size=tp, kv_cache_memory=(blocks + 1) * per_block,
                                 **options))
 
 
@@ -61,12 +62,51 @@ def test_default_model_refuses_tp2_before_loading():
     assert "\n" not in str(info.value)
 
 
-def test_packed_weights_under_tp_are_a_one_line_error():
-    """int8/int4 weights do not shard yet: asking for them with TP fails before anything loads."""
-    for mode in ("int8", "int4"):
-        with pytest.raises(ValueError, match=f"--quantization {mode} does not shard yet") as info:
-            EngineArgs(tensor_parallel_size=3, quantization=mode).validate()
-        assert "\n" not in str(info.value)
+def test_quantized_shards_must_hold_whole_groups(tiny_llama):
+    """int4 weights shard in whole groups of 32 input columns: 4 ranks of the tiny model's 64
+    o_proj columns would hold 16 each, a one-line error naming the sizes before anything loads;
+    int8 (one scale per output channel) cuts anywhere."""
+    with pytest.raises(ValueError, match="whole groups of 32: each rank would hold 16 input columns of o_proj") as info:
+        preflight(EngineArgs(model=str(tiny_llama), tensor_parallel_size=4, quantization="int4"))
+    assert "\n" not in str(info.value)
+    preflight(EngineArgs(model=str(tiny_llama), tensor_parallel_size=4, quantization="int8"))
+    preflight(EngineArgs(tensor_parallel_size=3, quantization="int4"))  # the default model: 192 and 512 columns
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_tp2_quantized_weights_match_one_process(tiny_llama, mode):
+    """Each rank serves its cut of the full model's quantized codes, scales and zeros.
+
+    Batches over 8 rows multiply through dense copies dequantized from each rank's codes: greedy
+    tokens identical, logits within float32 rounding. Up to 8 rows go through the int4 kernel,
+    whose outputs are bfloat16: each rank's partial sum of a row-parallel layer is rounded before
+    the all-reduce (one process rounds the whole sum once), and the logits themselves are bfloat16
+    (the LM head is int8), so there the logits agree within a few bfloat16 steps of the largest
+    (2^-5 of it: 4 steps), and the argmax agrees wherever one process's top two are further apart
+    than twice that."""
+    options = {"quantization": mode, "blocks": 40, "max_num_batched_tokens": 256}  # no preemption: 9 rows a step
+    single, parallel = engine(tiny_llama, **options), engine(tiny_llama, 2, **options)
+    try:
+        g = torch.Generator().manual_seed(0)
+        vocab = single.model_config.vocab_size
+        batch = {f"p{i}": (torch.randint(5, vocab, (10 + i,), generator=g).tolist(), None) for i in range(9)}
+        assert greedy_tokens(parallel, batch) == greedy_tokens(single, batch)
+        prompt = torch.randint(5, vocab, (96,), generator=g).tolist()
+        assert (single.score(prompt) - parallel.score(prompt)).abs().max().item() < 1e-4  # chunks of 256 rows
+        one, two = single.score(prompt[:32], chunk_size=1), parallel.score(prompt[:32], chunk_size=1)  # the kernel
+        tolerance = 2**-5 * one.abs().max().item()
+        assert (one - two).abs().max().item() <= tolerance
+        top = one.topk(2, dim=-1).values
+        clear = top[:, 0] - top[:, 1] > 2 * tolerance
+        assert clear.any() and torch.equal(one.argmax(-1)[clear], two.argmax(-1)[clear])
+        stats = parallel.parallel.describe()
+        full = sharded_layer_bytes(single.model)
+        kind = "int4 g32" if mode == "int4" else "int8 per channel"
+        for s in stats:
+            assert s.sharded_layer_bytes * 2 == full  # the packed codes and their scales and zeros
+            assert kind in s.linears
+    finally:
+        parallel.close()
 
 
 def test_offload_tiers_under_tp_are_a_one_line_error(tmp_path):

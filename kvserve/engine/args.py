@@ -201,9 +201,6 @@ class EngineArgs:
         if self.tensor_parallel_size % self.nnodes:
             raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size} must be a multiple of --nnodes "
                              f"{self.nnodes} (each node runs the same number of processes)")
-        if self.tensor_parallel_size > 1 and self.quantization in ("int8", "int4"):
-            raise ValueError(f"--quantization {self.quantization} does not shard yet: with --tensor-parallel-size > 1 "
-                             "use --quantization none (auto serves the weights dequantized there)")
         if self.master_addr is not None and not isinstance(self.master_addr, str):
             raise ValueError(f"--master-addr must be a host name or address, got {self.master_addr!r}")
 

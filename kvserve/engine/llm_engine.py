@@ -99,7 +99,7 @@ class LLMEngine:
         if self.parallel is not None:
             self.device = self.parallel.device
             start_rank_zero(self.parallel, built, self.kv_format, self.attention_backend, pool.num_blocks,
-                            self.max_model_len)
+                            self.max_model_len, args.quantization)
         self.kv_cache = KVCache(self.kv_spec, self.kv_format, pool.num_blocks, self.device)
         if self.parallel is not None:  # the pool's real size, for describe()
             self.parallel.local_stats = replace(self.parallel.local_stats, kv_pool_bytes=self.kv_cache.nbytes)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,9 @@ from kvserve.model.config import ModelConfig
 from kvserve.model.attention_backend import AttentionBackend, make_attention_backend
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import LoadedModel, load_model, quantized_sources
-from kvserve.model.quant_linear import QuantizationReport, kernel_max_rows, quantize_linears, resident_weight_bytes
+from kvserve.model.quant_linear import (
+    QuantizationReport, install_quantized, kernel_max_rows, quantization_targets, resident_weight_bytes)
+from kvserve.model.quantized import QuantizedMatrix
 from kvserve.units import format_size
 from kvserve.model.shape import ModelShape
 
@@ -42,6 +44,9 @@ class EngineModel:
     path: Path
     tokenizer: Any
     eos_token_ids: tuple[int, ...]
+    # Tensor parallelism only: the full model's quantized matrices by linear name, to be cut per
+    # rank (the model's linears are still plain); empty otherwise.
+    quantized: dict[str, QuantizedMatrix] = field(default_factory=dict)
 
 
 def load_engine_model(args: EngineArgs, loaded_model: LoadedModel | None = None, prepack: bool = True) -> EngineModel:
@@ -62,21 +67,26 @@ def load_engine_model(args: EngineArgs, loaded_model: LoadedModel | None = None,
         logger.warning(lowered_max_model_len_warning(plan.max_model_len, plan.shape.max_position_embeddings,
                                                      plan.kv_budget))
     reports: list[QuantizationReport] = []
-    # Tensor parallelism shards plain linears only (quantized ones do not shard yet, args.py).
-    mode = args.quantization if args.tensor_parallel_size == 1 else "none"
-    if mode != args.quantization:
-        logger.info("quantization auto -> none: tensor parallelism shards dequantized weights")
+    # Under tensor parallelism the full model's quantized matrices are only planned here: each
+    # rank installs its cut of them once the model is sharded (parallel/rank_zero.py, worker.py).
+    quantized: dict[str, QuantizedMatrix] = {}
+    sharded = args.tensor_parallel_size > 1
 
     def replace_linears(model: torch.nn.Module) -> None:
-        reports.append(quantize_linears(model, mode, quantized_sources(loaded), plan.dtype, plan.device))
+        targets = quantization_targets(model, args.quantization, quantized_sources(loaded), plan.dtype)
+        if sharded:
+            quantized.update(targets)
+        else:
+            reports.append(install_quantized(model, targets, args.quantization, plan.dtype, plan.device))
 
     model = LlamaForCausalLM.from_hf_weights(loaded.config, loaded.weights, plan.max_model_len, plan.dtype,
                                              plan.device, shard=None, prepack=prepack, replace_linears=replace_linears)
     logger.info("Loaded %s (%s, %s, %s) in %.1f s", loaded.path, loaded.config.architecture,
                 str(plan.dtype).removeprefix("torch."), plan.device, time.monotonic() - start)
-    _log_quantization(mode, reports[0], model, plan.dtype)
+    if not sharded:
+        log_quantization(reports[0], model, plan.dtype)
     return EngineModel(plan, model, loaded.config, loaded.path, loaded.tokenizer,
-                       _eos_token_ids(loaded.config, loaded.tokenizer))
+                       _eos_token_ids(loaded.config, loaded.tokenizer), quantized)
 
 
 def _log_dtype(args: EngineArgs, plan: Preflight) -> None:
@@ -89,11 +99,12 @@ def _log_dtype(args: EngineArgs, plan: Preflight) -> None:
         logger.warning(warning)
 
 
-def _log_quantization(mode: str, report: QuantizationReport, model: torch.nn.Module, dtype: torch.dtype) -> None:
-    """What --quantization chose and the weight bytes now resident, once at start-up."""
+def log_quantization(report: QuantizationReport, model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """What --quantization chose and the weight bytes now resident (a rank's, under tensor
+    parallelism), once at start-up."""
     dense = (f", of which {format_size(report.dense_copy_bytes)} dequantized copies for batches over "
              f"{kernel_max_rows(dtype)} rows") if report.dense_copy_bytes else ""
-    logger.info("quantization %s -> linears %s; weights resident: %s%s", mode, report.describe(),
+    logger.info("quantization %s -> linears %s; weights resident: %s%s", report.mode, report.describe(),
                 format_size(resident_weight_bytes(model)), dense)
 
 

@@ -20,13 +20,30 @@ from kvserve.cache.sizing import blocks_for_tokens, blocks_in_budget, bytes_per_
 from kvserve.cache.tiers.disk import check_directory
 from kvserve.engine.args import EngineArgs
 from kvserve.hardware import available_ram_bytes, cpu_flags, native_bf16_missing
-from kvserve.model.parallel import check_tensor_parallel_size, kv_heads_per_rank
+from kvserve.model.parallel import check_quantized_shards, check_tensor_parallel_size, kv_heads_per_rank
 from kvserve.model.shape import ModelShape, read_model_shape
 from kvserve.units import GiB, parse_size
 
 logger = logging.getLogger("kvserve")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# The group width of the grouped quantized weights: --quantization int4's, and the blocks of a GGUF's
+# Q4_0/Q4_1/Q8_0 tensors that --quantization auto keeps (quantized.py).
+QUANT_GROUP_SIZE = 32
+
+
+def _grouped_quantization(args: EngineArgs) -> bool:
+    """Whether the served weights may be quantized in groups of QUANT_GROUP_SIZE input columns
+    (int8 is per output channel, none and a safetensors checkpoint under auto are dense)."""
+    if args.quantization == "int4":
+        return True
+    if args.quantization != "auto":
+        return False
+    from kvserve.model.loader import resolve_model_path
+
+    return resolve_model_path(args.model).suffix == ".gguf"
 
 
 class CapacityError(ValueError):
@@ -143,6 +160,8 @@ def preflight(args: EngineArgs, shape: ModelShape | None = None) -> Preflight:
     max_model_len = resolve_max_model_len(args.max_model_len, shape.max_position_embeddings)
     tp = args.tensor_parallel_size
     check_tensor_parallel_size(tp, shape.num_heads, shape.num_kv_heads, shape.intermediate_size)
+    if tp > 1 and _grouped_quantization(args):
+        check_quantized_shards(tp, shape.num_heads, shape.head_dim, shape.intermediate_size, QUANT_GROUP_SIZE)
     # Under tensor parallelism the pool, its budget and its blocks are per rank (per device).
     kv_spec = KVCacheSpec(shape.num_layers, kv_heads_per_rank(shape.num_kv_heads, tp), shape.head_dim,
                           args.block_size)

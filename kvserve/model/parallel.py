@@ -14,11 +14,13 @@ A single-process engine never touches this module: the model's `reduce` hooks st
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from kvserve.model.quantized import QuantizedMatrix
 
 
 class TensorParallelSizeError(ValueError):
@@ -77,12 +79,20 @@ def shard_layout(rank: int, size: int, num_heads: int, num_kv_heads: int, interm
     return ShardLayout(rank, size, rank * q_heads, q_heads, kv_start, kv_heads, rank * mlp, mlp, num_kv_heads)
 
 
-def shard_model(model: nn.Module, layout: ShardLayout, reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+def shard_model(model: nn.Module, layout: ShardLayout, reduce: Callable[[torch.Tensor], torch.Tensor],
+                quantized: Mapping[str, QuantizedMatrix] | None = None) -> dict[str, QuantizedMatrix]:
     """Cut a full LlamaForCausalLM (plain nn.Linear layers, before any prepacking) down to the
-    rank's shard in place, and hook `reduce` (a sum over ranks) after o_proj and down_proj."""
+    rank's shard in place, and hook `reduce` (a sum over ranks) after o_proj and down_proj.
+
+    `quantized`: the full model's quantized matrices by module name (quant_linear.quantization_targets);
+    the returned dict holds the rank's matrices, for the caller to install once the model is on
+    its device: the cut of each sharded layer's along the same rows or columns as the plain weights
+    (row-parallel cuts fall on whole groups: check_quantized_shards), the others (the LM head) whole."""
+    quantized = quantized or {}
+    shards = dict(quantized)
     config = model.config
     d = config.head_dim
-    for layer in model.layers:
+    for i, layer in enumerate(model.layers):
         attention = layer.self_attn
         q_rows = torch.arange(layout.q_start * d, (layout.q_start + layout.q_heads) * d)
         kv_rows = torch.arange(layout.kv_start * d, (layout.kv_start + layout.kv_heads) * d)
@@ -94,9 +104,31 @@ def shard_model(model: nn.Module, layout: ShardLayout, reduce: Callable[[torch.T
         attention.reduce = reduce
         mlp = layer.mlp
         cols = torch.arange(layout.mlp_start, layout.mlp_start + layout.mlp_size)
-        mlp.gate_up_proj = _rows(mlp.gate_up_proj, torch.cat([cols, config.intermediate_size + cols]))
+        gate_up_rows = torch.cat([cols, config.intermediate_size + cols])
+        mlp.gate_up_proj = _rows(mlp.gate_up_proj, gate_up_rows)
         mlp.down_proj = _columns(mlp.down_proj, cols)
         mlp.reduce = reduce
+        prefix = f"layers.{i}."
+        for name, cut in ((f"{prefix}self_attn.qkv_proj", lambda m: m.rows(qkv_rows)),
+                          (f"{prefix}self_attn.o_proj", lambda m: m.columns(int(q_rows[0]), int(q_rows[-1]) + 1)),
+                          (f"{prefix}mlp.gate_up_proj", lambda m: m.rows(gate_up_rows)),
+                          (f"{prefix}mlp.down_proj", lambda m: m.columns(int(cols[0]), int(cols[-1]) + 1))):
+            if name in quantized:
+                shards[name] = cut(quantized[name])
+    return shards
+
+
+def check_quantized_shards(size: int, num_heads: int, head_dim: int, intermediate_size: int,
+                           group_size: int) -> None:
+    """Raise TensorParallelSizeError (one line naming the sizes) unless each rank's inputs of the
+    row-parallel layers (o_proj: its query heads' columns; down_proj: its MLP columns) are whole
+    groups of `group_size`, as a group's one scale and zero cannot be split between ranks."""
+    o_cols, down_cols = num_heads // size * head_dim, intermediate_size // size
+    if o_cols % group_size or down_cols % group_size:
+        raise TensorParallelSizeError(
+            f"--tensor-parallel-size {size} cannot split the quantized weights in whole groups of {group_size}: "
+            f"each rank would hold {o_cols} input columns of o_proj (of {num_heads * head_dim}) and {down_cols} "
+            f"of down_proj (of {intermediate_size}); use another size or --quantization none")
 
 
 def shard_heads(per_layer: list[torch.Tensor] | None, layout: ShardLayout) -> list[torch.Tensor] | None:

@@ -18,6 +18,8 @@ saving holds, but no faster than dense weights.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -163,35 +165,81 @@ def _target(mode: str, name: str, source: QuantizedMatrix | None, weight: torch.
     return quantize_int4(dense) if bits == 4 else quantize_int8(dense)
 
 
-def quantize_linears(model: nn.Module, mode: str, sources: dict[str, QuantizedMatrix], dtype: torch.dtype,
-                     device: torch.device) -> QuantizationReport:
-    """Replace the model's nn.Linear layers by QuantizedLinear under `mode` (auto: what the
-    checkpoint stores, `sources`, by HF name without the "model." prefix; int8/int4: every linear,
-    quantized from the checkpoint's values; none: nothing)."""
-    report = QuantizationReport(mode)
+def quantization_targets(model: nn.Module, mode: str, sources: dict[str, QuantizedMatrix], dtype: torch.dtype,
+                         skip: tuple[str, ...] = ()) -> dict[str, QuantizedMatrix]:
+    """The quantized matrix each of the model's nn.Linear layers (by module name, those in `skip`
+    left out) is served with under `mode` (auto: what the checkpoint stores, `sources`, by HF name
+    without the "model." prefix; int8/int4: every linear, quantized from its weight in `dtype`;
+    none: nothing). Tensor parallelism computes these on the full model and shards them, so that
+    every rank holds the codes and scales a single process would."""
     if mode == "none":
-        return report
-    linears = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+        return {}
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
-    plans = []
-    for name, linear in linears:
-        target = _target(mode, name, _source_matrix(name, sources, tied), linear.weight)
+    targets = {}
+    for name, linear in model.named_modules():
+        if not isinstance(linear, nn.Linear) or name in skip:
+            continue
+        target = _target(mode, name, _source_matrix(name, sources, tied), linear.weight.to(dtype))
         if target is not None:
-            plans.append((name, linear, target))
-    dense_bytes = sum(t.shape[0] * t.shape[1] for _, _, t in plans) * torch.finfo(dtype).bits // 8
+            targets[name] = target
+    return targets
+
+
+def install_quantized(model: nn.Module, targets: dict[str, QuantizedMatrix], mode: str, dtype: torch.dtype,
+                      device: torch.device) -> QuantizationReport:
+    """Replace the nn.Linear layers named in `targets` by QuantizedLinear layers of those matrices
+    (each keeping its linear's bias)."""
+    report = QuantizationReport(mode)
+    dense_bytes = sum(t.shape[0] * t.shape[1] for t in targets.values()) * torch.finfo(dtype).bits // 8
     keep_dense = device.type == "cpu" and dense_bytes <= available_ram_bytes() // 4
-    for name, linear, target in plans:
+    for name, target in targets.items():
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, QuantizedLinear(target, linear.bias, dtype, device, keep_dense))
-        kind = f"int{target.bits} " + ("per channel" if target.group_size == target.shape[1] else f"g{target.group_size}")
+        bias = getattr(parent, child).bias
+        setattr(parent, child, QuantizedLinear(target, bias, dtype, device, keep_dense))
+        per_channel = target.bits == 8 and target.group_size == target.shape[1]
+        kind = f"int{target.bits} " + ("per channel" if per_channel else f"g{target.group_size}")
         report.kinds[kind] = report.kinds.get(kind, 0) + 1
-    if keep_dense and plans:
+    if keep_dense and targets:
         report.dense_copy_bytes = dense_bytes
-    if plans and device.type == "cpu" and not keep_dense:
+    if targets and device.type == "cpu" and not keep_dense:
         logger.info("Quantized linears run every batch size through the int kernels: a dense copy for large "
                     "batches (%s) would take more than a quarter of the available RAM", format_size(dense_bytes))
     return report
+
+
+@contextmanager
+def quantized_for_a_while(model: nn.Module, targets: dict[str, QuantizedMatrix], mode: str, dtype: torch.dtype,
+                          device: torch.device) -> Iterator[None]:
+    """Serve `targets` (install_quantized) inside the block, then put the plain linears back: rank 0
+    of a tensor-parallel engine calibrates the KV format over the full model as one process would
+    serve it, then shards the plain layers."""
+    plain = {name: model.get_submodule(name) for name in targets}
+    install_quantized(model, targets, mode, dtype, device)
+    try:
+        yield
+    finally:
+        for name, linear in plain.items():
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, child, linear)
+
+
+def quantize_linears(model: nn.Module, mode: str, sources: dict[str, QuantizedMatrix], dtype: torch.dtype,
+                     device: torch.device) -> QuantizationReport:
+    """Replace the model's nn.Linear layers by QuantizedLinear under `mode` (quantization_targets)."""
+    return install_quantized(model, quantization_targets(model, mode, sources, dtype), mode, dtype, device)
+
+
+def quantized_bytes(linear: nn.Module) -> int:
+    """Bytes of a linear's weight in the form it is served (QuantizedLinear: the packed codes and
+    the scales and zeros, not its dense copy for large batches; nn.Linear: its weight) and bias."""
+    bias = linear.bias.nbytes if getattr(linear, "bias", None) is not None else 0
+    if isinstance(linear, QuantizedLinear):
+        if linear.kernel:
+            return linear.packed.nbytes + linear.scales_zeros.nbytes + bias
+        m = linear.matrix
+        return m.q.nbytes + m.scale.nbytes + (m.zero.nbytes if m.zero is not None else 0) + bias
+    return linear.weight.nbytes + bias
 
 
 def served_matrix_bytes(values: int, bits: int | None, dtype: torch.dtype) -> int:

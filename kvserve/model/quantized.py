@@ -56,6 +56,22 @@ class QuantizedMatrix:
                                self.group_size, self.bits)
 
 
+    def columns(self, start: int, stop: int) -> "QuantizedMatrix":
+        """The input columns [start, stop) (a row-parallel shard). The cut must fall on group
+        boundaries; a matrix of one group per row (per-channel int8) can be cut anywhere, its one
+        scale per row then covering the `stop - start` columns kept."""
+        cols = self.shape[1]
+        if self.group_size == cols:
+            return QuantizedMatrix(self.q[:, start:stop].contiguous(), self.scale, self.zero, stop - start, self.bits)
+        if start % self.group_size or stop % self.group_size:
+            raise ValueError(f"cannot cut columns [{start}, {stop}) of a {self.shape[0]}x{cols} int{self.bits} "
+                             f"matrix into whole groups of {self.group_size}")
+        first, last = start // self.group_size, stop // self.group_size
+        zero = None if self.zero is None else self.zero[:, first:last].contiguous()
+        return QuantizedMatrix(self.q[:, start:stop].contiguous(), self.scale[:, first:last].contiguous(), zero,
+                               self.group_size, self.bits)
+
+
 def concat_rows(parts: list[QuantizedMatrix]) -> QuantizedMatrix:
     """Stack matrices of one format along the output dimension (fused q/k/v, gate/up)."""
     first = parts[0]

@@ -52,11 +52,12 @@ class RankStats:
     """One rank's shard, measured on its real tensors."""
 
     rank: int
-    weight_bytes: int  # every parameter and buffer the rank holds (replicated ones included)
-    sharded_layer_bytes: int  # the q/k/v, o, gate/up and down projections
+    weight_bytes: int  # every weight tensor the rank holds (replicated ones included; quant_linear.resident_weight_bytes)
+    sharded_layer_bytes: int  # the q/k/v, o, gate/up and down projections, as served (quant_linear.quantized_bytes)
     kv_pool_bytes: int
     q_heads: int
     kv_heads: int
+    linears: str = "none (full-precision weights)"  # its quantized linears (QuantizationReport.describe)
 
 
 @dataclass

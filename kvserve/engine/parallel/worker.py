@@ -27,8 +27,11 @@ from kvserve.engine.parallel.messages import Describe, Heartbeat, MoveTokens, Ra
 from kvserve.engine.preflight import select_device
 from kvserve.model.attention_backend import AttentionBackend, make_attention_backend
 from kvserve.model.llama import LlamaForCausalLM
-from kvserve.model.loader import load_model
+from kvserve.model.loader import load_model, quantized_sources
 from kvserve.model.parallel import shard_heads, shard_layout, shard_model
+from kvserve.model.quant_linear import (
+    QuantizationReport, install_quantized, quantization_targets, quantized_bytes, resident_weight_bytes)
+from kvserve.model.quantized import QuantizedMatrix
 
 logger = logging.getLogger("kvserve")
 
@@ -58,10 +61,19 @@ def run_worker(rank: int, config: DistributedConfig, args: EngineArgs) -> None:
     loaded = load_model(args.model)
     c = loaded.config
     layout = shard_layout(rank, config.world_size, c.num_heads, c.num_kv_heads, c.intermediate_size)
-    model = LlamaForCausalLM.from_hf_weights(c, loaded.weights, setup.max_positions, setup.dtype, device,
-                                             shard=lambda m: shard_model(m, layout, groups.all_reduce), prepack=False)
-    del loaded
-    weights = parameter_bytes(model)
+    shards: dict[str, QuantizedMatrix] = {}
+
+    def shard(model: LlamaForCausalLM) -> None:
+        # The full model's quantized matrices, cut like its plain layers (the LM head runs on rank 0 only).
+        full = quantization_targets(model, args.quantization, quantized_sources(loaded), setup.dtype, skip=("lm_head",))
+        shards.update(shard_model(model, layout, groups.all_reduce, full))
+
+    reports: list[QuantizationReport] = []
+    model = LlamaForCausalLM.from_hf_weights(
+        c, loaded.weights, setup.max_positions, setup.dtype, device, shard=shard, prepack=False,
+        replace_linears=lambda m: reports.append(install_quantized(m, shards, args.quantization, setup.dtype, device)))
+    del loaded, shards
+    weights = resident_weight_bytes(model)
     sharded = sharded_layer_bytes(model)
     model.prepack()
     model.set_key_centers(shard_heads(setup.key_centers, layout))
@@ -74,7 +86,7 @@ def run_worker(rank: int, config: DistributedConfig, args: EngineArgs) -> None:
                 "KV pool %s", rank, time.monotonic() - start, threads, layout.q_start,
                 layout.q_start + layout.q_heads, layout.kv_start, layout.kv_start + layout.kv_heads,
                 mib(weights), mib(kv_cache.nbytes))
-    stats = RankStats(rank, weights, sharded, kv_cache.nbytes, layout.q_heads, layout.kv_heads)
+    stats = RankStats(rank, weights, sharded, kv_cache.nbytes, layout.q_heads, layout.kv_heads, reports[0].describe())
     dist.barrier()  # ready (on the start-up group): rank 0 starts stepping
     serve(groups, model, kv_cache, backend, stats)
     leave()
@@ -117,20 +129,10 @@ def receive(groups: RankGroups, start_up: bool = False):
     return box[0]
 
 
-def parameter_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the model's distinct parameter and buffer tensors (a tied head counted once)."""
-    seen, total = set(), 0
-    for tensor in [*model.parameters(), *model.buffers()]:
-        if tensor.data_ptr() not in seen:
-            seen.add(tensor.data_ptr())
-            total += tensor.nbytes
-    return total
-
-
 def sharded_layer_bytes(model: LlamaForCausalLM) -> int:
-    """Bytes of the layers tensor parallelism splits (q/k/v, o, gate/up and down projections)."""
-    return sum(linear.weight.nbytes + (linear.bias.nbytes if linear.bias is not None else 0)
-               for layer in model.layers
+    """Bytes of the layers tensor parallelism splits (q/k/v, o, gate/up and down projections), in
+    the form they are served (quantized ones: their codes, scales and zeros)."""
+    return sum(quantized_bytes(linear) for layer in model.layers
                for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                               layer.mlp.down_proj))
 
