@@ -205,23 +205,6 @@ def test_two_nodes_on_loopback(tiny_llama, tmp_path):
             node1.wait()
 
 
-@pytest.mark.slow
-def test_tp3_on_the_default_model():
-    """9 query heads and 3 KV heads over 3 ranks, greedy-identical to one process (float32)."""
-    from kvserve import LLM, SamplingParams
-
-    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
-    params = SamplingParams(temperature=0, max_tokens=8)
-    single = LLM(dtype="float32", kv_cache_memory="64MiB", max_model_len=256)
-    expected = [o.outputs[0].token_ids for o in single.generate(prompts, params, use_tqdm=False)]
-    del single
-    parallel = LLM(dtype="float32", kv_cache_memory="64MiB", max_model_len=256, tensor_parallel_size=3)
-    try:
-        assert [o.outputs[0].token_ids for o in parallel.generate(prompts, params, use_tqdm=False)] == expected
-    finally:
-        parallel.engine.close()
-
-
 def test_a_hung_worker_fails_the_step_within_the_timeout(tiny_llama, monkeypatch):
     """A worker that stops answering (SIGSTOP) fails the step once the data group's timeout
     passes (FatalEngineError, never a hang); every later step fails at once; close() kills it."""

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import pytest
 
 from kvserve import LLM, SamplingParams
 from server_process import ServerProcess
@@ -122,5 +123,31 @@ def test_data_parallel_replicas_of_tensor_parallel_engines(tiny_llama, tmp_path)
         while any(alive(p) for p in replicas + workers) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not any(alive(p) for p in replicas + workers)
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+def test_tp3_server_on_the_default_model(tmp_path):
+    """`kvserve serve --tensor-parallel-size 3` on the default model (9 query heads and 3 KV heads
+    over 3 ranks; --quantization auto keeps its GGUF's int4 weights, each rank serving its cut)
+    answers the openai client, streamed and not, with the text one process generates greedily."""
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+    common = ["--dtype", "float32", "--kv-cache-memory", "64MiB", "--max-model-len", "256", "--quantization", "auto"]
+    llm = LLM(dtype="float32", kv_cache_memory="64MiB", max_model_len=256, quantization="auto")
+    expected = [o.outputs[0].text for o in llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0),
+                                                         use_tqdm=False)]
+    del llm
+    server = ServerProcess.start([*common, "--tensor-parallel-size", "3", "--served-model-name", "smol"], tmp_path)
+    try:
+        log = server.log_path.read_text()
+        assert "quantization auto -> linears" in log and "int4 g32" in log, log
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused")
+        for prompt, text in zip(prompts, expected):
+            reply = client.completions.create(model="smol", prompt=prompt, max_tokens=8, temperature=0)
+            assert reply.choices[0].text == text
+        streamed = "".join(c.choices[0].text for c in client.completions.create(
+            model="smol", prompt=prompts[0], max_tokens=8, temperature=0, stream=True) if c.choices)
+        assert streamed == expected[0]
     finally:
         server.stop()

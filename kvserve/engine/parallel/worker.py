@@ -82,11 +82,12 @@ def run_worker(rank: int, config: DistributedConfig, args: EngineArgs) -> None:
     backend = make_attention_backend(args.attention_backend, kv_format, setup.kv_spec, setup.dtype, model.rope,
                                      device)
     kv_cache = KVCache(setup.kv_spec, kv_format, setup.num_blocks, device)
-    logger.info("rank %d ready in %.1f s (%d threads): query heads [%d, %d), KV heads [%d, %d), weights %s, "
-                "KV pool %s", rank, time.monotonic() - start, threads, layout.q_start,
+    linears = reports[0].describe()
+    logger.info("rank %d ready in %.1f s (%d threads): query heads [%d, %d), KV heads [%d, %d), weights %s "
+                "(linears %s), KV pool %s", rank, time.monotonic() - start, threads, layout.q_start,
                 layout.q_start + layout.q_heads, layout.kv_start, layout.kv_start + layout.kv_heads,
-                mib(weights), mib(kv_cache.nbytes))
-    stats = RankStats(rank, weights, sharded, kv_cache.nbytes, layout.q_heads, layout.kv_heads, reports[0].describe())
+                mib(weights), linears, mib(kv_cache.nbytes))
+    stats = RankStats(rank, weights, sharded, kv_cache.nbytes, layout.q_heads, layout.kv_heads, linears)
     dist.barrier()  # ready (on the start-up group): rank 0 starts stepping
     serve(groups, model, kv_cache, backend, stats)
     leave()
