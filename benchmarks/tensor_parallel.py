@@ -6,7 +6,7 @@ KV pool it holds (measured on its tensors) and its resident memory. Rank 0's all
 timed around each call (their time includes waiting for the slowest rank), giving their share
 of the decode time.
 
-    python benchmarks/tensor_parallel.py --tp 3 --rounds 3
+    python benchmarks/tensor_parallel.py --tp 3 --rounds 3 [--quantization auto|none]
 """
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 
 from kvserve import LLM, SamplingParams
+from kvserve.engine.parallel.worker import sharded_layer_bytes
+from kvserve.model.quant_linear import resident_weight_bytes
 
 PROMPTS = ["Write a short story about a lighthouse keeper.", "Explain how a paged KV cache works.",
            "List five uses of copper.", "What is the capital of Australia, and why?"]
@@ -106,10 +108,13 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", default="auto", help="--quantization of both engines")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
-    options = {"dtype": args.dtype, "kv_cache_memory": "256MiB", "max_model_len": 512}
+    options = {"dtype": args.dtype, "kv_cache_memory": "256MiB", "max_model_len": 512,
+               "quantization": args.quantization}
     single = LLM(**options)
+    tp1_weights, tp1_sharded = resident_weight_bytes(single.engine.model), sharded_layer_bytes(single.engine.model)
     parallel = LLM(**options, tensor_parallel_size=args.tp)
     timer = ReduceTimer(parallel)
     run(single, 2, 4), run(parallel, 2, 4)  # warm-up
@@ -137,13 +142,13 @@ def main() -> None:
         "output_tok_s_rounds": rates,
         "all_reduce_share_of_generate_median": statistics.median(reduce_share),
         "all_reduce_calls_per_round": timer.calls,
-        # The unsharded model: rank 0's replicated part plus every rank's sharded layers.
-        "tp1": {"weights_mib": (stats[0].weight_bytes - stats[0].sharded_layer_bytes
-                                + sum(s.sharded_layer_bytes for s in stats)) / 2**20,
+        "quantization": args.quantization,
+        # Measured on the TP=1 engine's tensors (resident: dense copies for large batches included).
+        "tp1": {"weights_mib": tp1_weights / 2**20, "sharded_layers_mib": tp1_sharded / 2**20,
                 "kv_pool_mib": single.engine.kv_cache.nbytes / 2**20, "num_blocks": single.engine.num_blocks},
         "ranks": [{"rank": s.rank, "weights_mib": s.weight_bytes / 2**20,
                    "sharded_layers_mib": s.sharded_layer_bytes / 2**20, "kv_pool_mib": s.kv_pool_bytes / 2**20,
-                   "q_heads": s.q_heads, "kv_heads": s.kv_heads} for s in stats],
+                   "q_heads": s.q_heads, "kv_heads": s.kv_heads, "linears": s.linears} for s in stats],
         "rss_mib": rss,
         "num_blocks_per_rank": parallel.engine.num_blocks,
         "allreduce_alone_s": micro,
