@@ -1,6 +1,7 @@
 """`kvserve serve --tensor-parallel-size 2`: it answers the openai client, and a worker killed
 mid-request fails that request, turns /health 503 and ends the server with a non-zero status,
-leaving no process behind."""
+leaving no process behind. `--tensor-parallel-size 3` on the default model (slow) answers as one
+process does."""
 from __future__ import annotations
 
 import json

@@ -7,6 +7,11 @@ multiplies its slice of the inputs; one all-reduce sums the partial outputs). So
 costs two all-reduces of [tokens, hidden]. The embedding, the norms and the LM head stay
 replicated: the head runs on rank 0 only (sampling happens there), so workers never pay for it.
 
+Quantized weights (--quantization) are cut the same way, as the full model's codes, scales and
+zeros (quantized.py) before each rank packs its part: rows of the column-parallel layers, whole
+groups of input columns of the row-parallel ones, so every rank multiplies by exactly the values
+one process would.
+
 When there are more ranks than KV heads, each rank holds one KV head and a head is replicated
 on `size // num_kv_heads` ranks (vLLM's rule), the query heads that read it split among them.
 
