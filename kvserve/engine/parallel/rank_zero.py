@@ -23,7 +23,7 @@ from kvserve.engine.loading import EngineModel, log_quantization
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.parallel.executor import TensorParallelExecutor
 from kvserve.engine.parallel.messages import RankStats, Setup
-from kvserve.engine.parallel.worker import mib, sharded_layer_bytes
+from kvserve.engine.parallel.worker import mib, release_freed_memory, sharded_layer_bytes
 from kvserve.model.attention_backend import AttentionBackend
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.parallel import ShardLayout, shard_heads, shard_layout, shard_model
@@ -55,6 +55,7 @@ def start_rank_zero(executor: TensorParallelExecutor, built: EngineModel, kv_for
                                      num_blocks * built.plan.bytes_per_block, layout.q_heads, layout.kv_heads,
                                      report.describe())
     model.prepack()
+    release_freed_memory()  # the full model's pages
     if layout.kv_replicas > 1:
         logger.info("Tensor parallel: %d ranks share %d KV heads: each KV head is replicated on %d ranks",
                     layout.size, config.num_kv_heads, layout.kv_replicas)

@@ -7,6 +7,7 @@ code; rank 0 then sees its collectives fail (a closed connection) and stops the 
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
@@ -76,6 +77,7 @@ def run_worker(rank: int, config: DistributedConfig, args: EngineArgs) -> None:
     weights = resident_weight_bytes(model)
     sharded = sharded_layer_bytes(model)
     model.prepack()
+    release_freed_memory()
     model.set_key_centers(shard_heads(setup.key_centers, layout))
     model.set_key_bases(shard_heads(setup.key_bases, layout))
     kv_format = make_kv_format(args.kv_cache_dtype, setup.dtype)
@@ -128,6 +130,16 @@ def receive(groups: RankGroups, start_up: bool = False):
     box = [None]
     dist.broadcast_object_list(box, src=0, group=None if start_up else groups.control)
     return box[0]
+
+
+def release_freed_memory() -> None:
+    """Hand the heap pages freed after sharding back to the OS (glibc's malloc_trim): a worker
+    reads the full checkpoint to cut its shard, and without this the freed pages of those tensors
+    stay in the process's resident memory. Does nothing where the C library has no malloc_trim."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def sharded_layer_bytes(model: LlamaForCausalLM) -> int:
