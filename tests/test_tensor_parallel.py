@@ -73,6 +73,59 @@ def test_quantized_shards_must_hold_whole_groups(tiny_llama):
     preflight(EngineArgs(tensor_parallel_size=3, quantization="int4"))  # the default model: 192 and 512 columns
 
 
+def _gguf_blocks(type_id: int, rows: int, cols: int, seed: int = 0):
+    """A synthetic GGUF matrix of Q8_0, Q4_1 or F32 values."""
+    from kvserve.model.gguf_file import F32, Q8_0, GGUFTensor
+
+    g = torch.Generator().manual_seed(seed)
+    if type_id == F32:
+        raw = torch.randn(rows, cols, generator=g).view(torch.uint8)
+    else:
+        blocks = rows * cols // 32
+        scales = (torch.rand(blocks, 2 if type_id != Q8_0 else 1, generator=g) * 0.1).half().view(torch.uint8)
+        codes = torch.randint(0, 256, (blocks, 32 if type_id == Q8_0 else 16), generator=g, dtype=torch.uint8)
+        raw = torch.cat([scales, codes], dim=1)
+    return GGUFTensor("t", (rows, cols), type_id, raw.reshape(-1))
+
+
+def test_checkpoint_cuts_read_only_the_shard():
+    """A rank reads its rows or whole-block columns of a GGUF matrix as stored (no dequantizing of
+    the rest): the same values as cutting the dequantized whole; a cut inside a block is refused
+    (the loader then dequantizes and cuts); the layout names each HF tensor's cut."""
+    from kvserve.model.gguf_file import F32, Q4_1, Q8_0, cut_tensor, dequantize, quantized_matrix
+
+    for type_id in (Q8_0, Q4_1, F32):
+        tensor = _gguf_blocks(type_id, 6, 128)
+        whole = dequantize(tensor)
+        assert torch.equal(dequantize(cut_tensor(tensor, 0, 2, 4)), whole[2:4])
+        assert torch.equal(dequantize(cut_tensor(tensor, 1, 32, 96)), whole[:, 32:96])
+        if type_id != F32:
+            assert torch.equal(quantized_matrix(cut_tensor(tensor, 1, 64, 128)).q,
+                               quantized_matrix(tensor).columns(64, 128).q)
+            assert cut_tensor(tensor, 1, 16, 48) is None
+    layout = shard_layout(1, 3, 9, 3, 1536)  # the default model's rank 1
+    assert layout.checkpoint_cut("model.layers.0.self_attn.q_proj.weight", 64) == (0, 192, 384)
+    assert layout.checkpoint_cut("model.layers.0.self_attn.v_proj.weight", 64) == (0, 64, 128)
+    assert layout.checkpoint_cut("model.layers.0.self_attn.o_proj.weight", 64) == (1, 192, 384)
+    assert layout.checkpoint_cut("model.layers.0.mlp.down_proj.weight", 64) == (1, 512, 1024)
+    assert layout.checkpoint_cut("model.layers.0.self_attn.k_proj.bias", 64) == (0, 64, 128)
+    assert layout.checkpoint_cut("model.embed_tokens.weight", 64) is None
+
+
+def test_safetensors_cut_load_equals_cutting_the_full_load(tiny_model_factory):
+    from kvserve.model.loader import load_model
+
+    path = tiny_model_factory("qwen2")  # q/k/v biases
+    layout = shard_layout(1, 2, 4, 2, 128)
+    full = load_model(path).weights
+    cut = load_model(path, cut=lambda name: layout.checkpoint_cut(name, 16)).weights
+    assert full.keys() == cut.keys()
+    for name, tensor in full.items():
+        part = layout.checkpoint_cut(name, 16)
+        expected = tensor if part is None else tensor.narrow(part[0], part[1], part[2] - part[1])
+        assert torch.equal(cut[name], expected), name
+
+
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_tp2_quantized_weights_match_one_process(tiny_llama, mode):
     """Each rank serves its cut of the full model's quantized codes, scales and zeros.

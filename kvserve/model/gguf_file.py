@@ -158,6 +158,26 @@ def _nibbles(packed: torch.Tensor) -> torch.Tensor:
     return values
 
 
+def cut_tensor(tensor: GGUFTensor, dim: int, start: int, stop: int) -> GGUFTensor | None:
+    """Rows (dim 0) or columns (dim 1) [start, stop) of a matrix as stored, without dequantizing:
+    its rows are whole blocks, so a row range is a byte range and a column range that falls on
+    block boundaries is the same byte range of every row. None for other types, shapes or cuts
+    (the caller dequantizes and cuts then)."""
+    if tensor.type_id not in _BLOCKS or len(tensor.shape) != 2:
+        return None
+    rows, cols = tensor.shape
+    values_per_block, bytes_per_block = _BLOCKS[tensor.type_id]
+    if dim == 1 and (start % values_per_block or stop % values_per_block):
+        return None
+    table = tensor.raw.view(rows, cols // values_per_block * bytes_per_block)
+    if dim == 0:
+        raw, shape = table[start:stop], (stop - start, cols)
+    else:
+        raw = table[:, start // values_per_block * bytes_per_block: stop // values_per_block * bytes_per_block]
+        shape = (rows, stop - start)
+    return GGUFTensor(tensor.name, shape, tensor.type_id, raw.contiguous().view(-1))
+
+
 def dequantize(tensor: GGUFTensor) -> torch.Tensor:
     """The tensor as float32, equal bit for bit to `gguf.quants.dequantize` (the same float32
     operations in the same order). In-place arithmetic: fresh memory is what costs most here."""

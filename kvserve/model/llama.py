@@ -133,15 +133,20 @@ class LlamaForCausalLM(nn.Module):
                         dtype: torch.dtype, device: torch.device,
                         shard: Callable[["LlamaForCausalLM"], None] | None = None,
                         prepack: bool = True,
-                        replace_linears: Callable[[nn.Module], None] | None = None) -> "LlamaForCausalLM":
+                        replace_linears: Callable[[nn.Module], None] | None = None,
+                        weights_cut: bool = False) -> "LlamaForCausalLM":
         """Build on the meta device (no throw-away random init), then adopt the checkpoint tensors.
         `shard` (tensor parallelism, parallel.shard_model) cuts the model down before it moves to
-        `device`; `replace_linears` may swap linear layers (quantization) before the rest are
-        prepacked; `prepack=False` leaves the linears plain, to be sharded later (`prepack()`)."""
+        `device` (`weights_cut`: the checkpoint tensors are the shard's already, so it cuts the
+        empty model before they load); `replace_linears` may swap linear layers (quantization)
+        before the rest are prepacked; `prepack=False` leaves the linears plain, to be sharded
+        later (`prepack()`)."""
         with torch.device("meta"):
             model = cls(config)
+        if shard is not None and weights_cut:
+            shard(model)
         model.load_hf_state_dict(weights)
-        if shard is not None:
+        if shard is not None and not weights_cut:
             shard(model)
         model.rope = RotaryEmbedding(config, max_positions, dtype)
         model = model.to(device=device, dtype=dtype).eval()

@@ -9,7 +9,8 @@ import importlib.util
 import json
 import logging
 import os
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -18,7 +19,7 @@ import torch
 
 from kvserve import disk_cache
 from kvserve.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedModelError
-from kvserve.model.gguf_file import GGUFFile, dequantize_all, quantized_matrix, read_gguf
+from kvserve.model.gguf_file import GGUFFile, cut_tensor, dequantize, dequantize_all, quantized_matrix, read_gguf
 from kvserve.model.quantized import QuantizedMatrix
 from kvserve.model.weight_check import check_weight_shapes
 
@@ -76,13 +77,21 @@ def resolve_model_path(model: str | os.PathLike | None) -> Path:
                              "Hugging Face cache (kvserve never downloads at run time)") from None
 
 
-def load_model(model: str | os.PathLike | None) -> LoadedModel:
+# A cut of a checkpoint tensor (tensor parallelism): (dim, start, stop) for an HF tensor name, or
+# None to load it whole.
+TensorCut = Callable[[str], "tuple[int, int, int] | None"]
+
+
+def load_model(model: str | os.PathLike | None, cut: TensorCut | None = None) -> LoadedModel:
+    """The checkpoint's config, tensors (HF names) and tokenizer. `cut`: read only that part of
+    each tensor it names (safetensors slices, whole GGUF blocks), so that a tensor-parallel rank
+    never holds the full model; shapes are checked against the config before cutting."""
     path = resolve_model_path(model)
     try:
         if path.suffix == ".gguf":
-            return _load_gguf(path)
+            return _load_gguf(path, cut)
         if path.is_dir():
-            return _load_hf_dir(path)
+            return _load_hf_dir(path, cut)
     except ModelLoadError:
         raise
     except UnsupportedModelError as exc:
@@ -162,7 +171,7 @@ def _check_tokenizer(path: Path, tokenizer: Any, config: ModelConfig) -> None:
 
 
 # --------------------------------------------------------------------------- Hugging Face directory
-def _load_hf_dir(path: Path) -> LoadedModel:
+def _load_hf_dir(path: Path, cut: TensorCut | None = None) -> LoadedModel:
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoTokenizer
 
@@ -172,18 +181,40 @@ def _load_hf_dir(path: Path) -> LoadedModel:
     if not files:
         raise ModelLoadError(f"{path}: no *.safetensors weights (kvserve does not load pickled .bin files)")
     weights: dict[str, torch.Tensor] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
     for file in files:
         try:
-            weights.update(load_file(file))
+            if cut is None:
+                weights.update(load_file(file))
+            else:
+                _read_cut_safetensors(file, cut, weights, shapes)
         except Exception as exc:
             raise ModelLoadError(f"{file}: cannot read safetensors file ({exc}); is it truncated?") from None
-    _check_weights(path / "config.json", config, {name: tuple(t.shape) for name, t in weights.items()})
+    _check_weights(path / "config.json", config, shapes or {name: tuple(t.shape) for name, t in weights.items()})
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as exc:
         raise ModelLoadError(f"{path}: cannot load the tokenizer: {exc}") from None
     _check_tokenizer(path, tokenizer, config)
     return LoadedModel(config, weights, tokenizer, path, sum(f.stat().st_size for f in files))
+
+
+def _read_cut_safetensors(file: Path, cut: TensorCut, weights: dict[str, torch.Tensor],
+                          shapes: dict[str, tuple[int, ...]]) -> None:
+    """The tensors of one safetensors file into `weights`, those `cut` names as their slice only
+    (read through safetensors' get_slice); `shapes` gets every tensor's full shape."""
+    from safetensors import safe_open
+
+    with safe_open(file, framework="pt") as f:
+        for name in f.keys():
+            tensor = f.get_slice(name)
+            shapes[name] = tuple(tensor.get_shape())
+            part = cut(name)
+            if part is None:
+                weights[name] = f.get_tensor(name)
+            else:  # rows of a matrix or a bias (dim 0), or columns of a matrix
+                dim, start, stop = part
+                weights[name] = tensor[start:stop] if dim == 0 else tensor[:, start:stop]
 
 
 # --------------------------------------------------------------------------- GGUF
@@ -249,7 +280,7 @@ def _gguf_hf_config(gguf_file: GGUFFile, has_output: bool) -> Any:
     return (LlamaConfig if arch == "llama" else Qwen2Config)(**kwargs)
 
 
-def _load_gguf(path: Path) -> LoadedModel:
+def _load_gguf(path: Path, cut: TensorCut | None = None) -> LoadedModel:
     try:
         gguf_file = read_gguf(path)
     except Exception as exc:
@@ -259,16 +290,36 @@ def _load_gguf(path: Path) -> LoadedModel:
     # Names and shapes come from the file's tensor table: checked before dequantizing, which grows
     # quantized weights several-fold into float32.
     _check_weights(path, config, {_gguf_tensor_name(t.name): tuple(t.shape) for t in gguf_file.tensors})
-    weights = {_gguf_tensor_name(name): value for name, value in dequantize_all(gguf_file).items()}
-    if config.architecture == "llama":
+    dense: dict[str, torch.Tensor] = {}
+    if cut is not None:
+        gguf_file, dense = _cut_gguf(gguf_file, cut)
+    weights = {_gguf_tensor_name(name): value for name, value in {**dequantize_all(gguf_file), **dense}.items()}
+    if config.architecture == "llama":  # the permutation is within each head: a cut of whole heads keeps it
         for name in [n for n in weights if n.endswith(("q_proj.weight", "k_proj.weight"))]:
-            weights[name] = _unpermute_rope(weights[name], config.num_heads if "q_proj" in name else config.num_kv_heads)
+            weights[name] = _unpermute_rope(weights[name], weights[name].shape[0] // config.head_dim)
     try:
         tokenizer = _gguf_tokenizer(path, gguf_file)
     except Exception as exc:
         raise ModelLoadError(f"{path}: cannot build the tokenizer from GGUF metadata: {exc}") from None
     _check_tokenizer(path, tokenizer, config)
     return LoadedModel(config, weights, tokenizer, path, path.stat().st_size, gguf_file)
+
+
+def _cut_gguf(gguf_file: GGUFFile, cut: TensorCut) -> tuple[GGUFFile, dict[str, torch.Tensor]]:
+    """The file with the tensors `cut` names cut as stored (whole blocks: cut_tensor), and float32
+    cuts of those that cannot be cut so (biases, other types, a cut inside a block), by GGUF name:
+    dequantized whole, then cut. Those leave the file's tensor list, so that quantized_sources
+    never offers a whole matrix where a cut is due."""
+    tensors, dense = [], {}
+    for tensor in gguf_file.tensors:
+        part = cut(_gguf_tensor_name(tensor.name))
+        piece = None if part is None else cut_tensor(tensor, *part)
+        if part is None or piece is not None:
+            tensors.append(piece or tensor)
+        else:
+            dim, start, stop = part
+            dense[tensor.name] = dequantize(tensor).narrow(dim, start, stop - start).contiguous()
+    return replace(gguf_file, tensors=tensors), dense
 
 
 def quantized_sources(loaded: LoadedModel) -> dict[str, QuantizedMatrix]:
@@ -284,8 +335,7 @@ def quantized_sources(loaded: LoadedModel) -> dict[str, QuantizedMatrix]:
             continue
         name = _gguf_tensor_name(tensor.name)
         if config.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = config.num_heads if "q_proj" in name else config.num_kv_heads
-            matrix = matrix.rows(_unpermute_rope(torch.arange(matrix.shape[0]), heads))
+            matrix = matrix.rows(_unpermute_rope(torch.arange(matrix.shape[0]), matrix.shape[0] // config.head_dim))
         sources[name.removeprefix("model.")] = matrix
     return sources
 

@@ -52,6 +52,21 @@ class ShardLayout:
         """How many ranks hold each KV head (1: split, no replication)."""
         return max(self.size // self.total_kv_heads, 1)
 
+    def checkpoint_cut(self, name: str, head_dim: int) -> tuple[int, int, int] | None:
+        """The part (dim, start, stop) of the HF checkpoint tensor `name` this rank holds, or None
+        for a replicated one: rows of q/k/v (weights and biases) and gate/up, columns of o_proj and
+        down_proj, as shard_model cuts the fused layers (a loader reads only that: loader.load_model)."""
+        q = (self.q_start * head_dim, (self.q_start + self.q_heads) * head_dim)
+        kv = (self.kv_start * head_dim, (self.kv_start + self.kv_heads) * head_dim)
+        mlp = (self.mlp_start, self.mlp_start + self.mlp_size)
+        for suffix, dim, (start, stop) in (("self_attn.q_proj", 0, q), ("self_attn.k_proj", 0, kv),
+                                           ("self_attn.v_proj", 0, kv), ("self_attn.o_proj", 1, q),
+                                           ("mlp.gate_proj", 0, mlp), ("mlp.up_proj", 0, mlp),
+                                           ("mlp.down_proj", 1, mlp)):
+            if name.endswith((f"{suffix}.weight", f"{suffix}.bias")):
+                return (0 if name.endswith(".bias") else dim), start, stop
+        return None
+
 
 def valid_tensor_parallel_sizes(num_heads: int, num_kv_heads: int, intermediate_size: int) -> list[int]:
     """Every rank count that splits the query heads and the MLP width evenly and either splits

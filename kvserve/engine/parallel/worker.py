@@ -29,7 +29,8 @@ from kvserve.engine.preflight import select_device
 from kvserve.model.attention_backend import AttentionBackend, make_attention_backend
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import load_model, quantized_sources
-from kvserve.model.parallel import shard_heads, shard_layout, shard_model
+from kvserve.model.parallel import ShardLayout, shard_heads, shard_layout, shard_model
+from kvserve.model.shape import read_model_shape
 from kvserve.model.quant_linear import (
     QuantizationReport, install_quantized, quantization_targets, quantized_bytes, resident_weight_bytes)
 from kvserve.model.quantized import QuantizedMatrix
@@ -59,21 +60,8 @@ def run_worker(rank: int, config: DistributedConfig, args: EngineArgs) -> None:
     groups = join(rank, config, device)
     setup: Setup = receive(groups, start_up=True)
     start = time.monotonic()
-    loaded = load_model(args.model)
-    c = loaded.config
-    layout = shard_layout(rank, config.world_size, c.num_heads, c.num_kv_heads, c.intermediate_size)
-    shards: dict[str, QuantizedMatrix] = {}
-
-    def shard(model: LlamaForCausalLM) -> None:
-        # The full model's quantized matrices, cut like its plain layers (the LM head runs on rank 0 only).
-        full = quantization_targets(model, args.quantization, quantized_sources(loaded), setup.dtype, skip=("lm_head",))
-        shards.update(shard_model(model, layout, groups.all_reduce, full))
-
-    reports: list[QuantizationReport] = []
-    model = LlamaForCausalLM.from_hf_weights(
-        c, loaded.weights, setup.max_positions, setup.dtype, device, shard=shard, prepack=False,
-        replace_linears=lambda m: reports.append(install_quantized(m, shards, args.quantization, setup.dtype, device)))
-    del loaded, shards
+    layout = layout_of(rank, config.world_size, args)
+    model, reports = build_shard(args, layout, setup, device, groups.all_reduce)
     weights = resident_weight_bytes(model)
     sharded = sharded_layer_bytes(model)
     model.prepack()
@@ -130,6 +118,47 @@ def receive(groups: RankGroups, start_up: bool = False):
     box = [None]
     dist.broadcast_object_list(box, src=0, group=None if start_up else groups.control)
     return box[0]
+
+
+def layout_of(rank: int, size: int, args: EngineArgs) -> ShardLayout:
+    """The rank's shard of `args.model`, from its config (no weights read)."""
+    shape = read_model_shape(args.model)
+    return shard_layout(rank, size, shape.num_heads, shape.num_kv_heads, shape.intermediate_size)
+
+
+def build_shard(args: EngineArgs, layout: ShardLayout, setup: Setup, device: torch.device,
+                reduce) -> tuple[LlamaForCausalLM, list[QuantizationReport]]:
+    """The rank's part of the model, with its cut of the quantized weights (the LM head, which
+    runs on rank 0 only, left plain). The loader reads only the rank's slices of the sharded
+    tensors, except under --quantization int8, whose per-channel scales span whole rows: then the
+    full checkpoint is read, quantized and cut."""
+    mode, dtype = args.quantization, setup.dtype
+    reports: list[QuantizationReport] = []
+    if mode == "int8":
+        loaded = load_model(args.model)
+        shards: dict[str, QuantizedMatrix] = {}
+
+        def shard(model: LlamaForCausalLM) -> None:  # the full model's matrices, cut like its plain layers
+            full = quantization_targets(model, mode, quantized_sources(loaded), dtype, skip=("lm_head",))
+            shards.update(shard_model(model, layout, reduce, full))
+
+        def install(model: LlamaForCausalLM) -> None:
+            reports.append(install_quantized(model, shards, mode, dtype, device))
+    else:
+        head_dim = read_model_shape(args.model).head_dim
+        loaded = load_model(args.model, cut=lambda name: layout.checkpoint_cut(name, head_dim))
+
+        def shard(model: LlamaForCausalLM) -> None:  # the empty model, before its cut weights load
+            shard_model(model, layout, reduce)
+
+        def install(model: LlamaForCausalLM) -> None:  # from the cut sources: the cut of the full ones
+            targets = quantization_targets(model, mode, quantized_sources(loaded), dtype, skip=("lm_head",))
+            reports.append(install_quantized(model, targets, mode, dtype, device))
+
+    model = LlamaForCausalLM.from_hf_weights(loaded.config, loaded.weights, setup.max_positions, dtype, device,
+                                             shard=shard, prepack=False, replace_linears=install,
+                                             weights_cut=mode != "int8")
+    return model, reports
 
 
 def release_freed_memory() -> None:
