@@ -28,9 +28,10 @@ PROMPTS = ["Write a short story about a lighthouse keeper.", "Explain how a page
            "List five uses of copper.", "What is the capital of Australia, and why?"]
 
 
-def rss_mib(pid: int) -> float:
+def rss_mib(pid: int, field: str = "VmRSS") -> float:
+    """Resident memory now (VmRSS) or at its peak (VmHWM), MiB."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) / 1024
     return float("nan")
 
@@ -130,7 +131,8 @@ def main() -> None:
     stats = parallel.engine.parallel.describe()
     pids = [os.getpid()] + [p.pid for p in parallel.engine.parallel.processes]
     rss = {"tp1 engine + rank 0 (one process)": rss_mib(pids[0]),
-           **{f"rank{i + 1}": rss_mib(p) for i, p in enumerate(pids[1:])}}
+           **{f"rank{i + 1}": rss_mib(p) for i, p in enumerate(pids[1:])},
+           **{f"rank{i + 1} peak": rss_mib(p, "VmHWM") for i, p in enumerate(pids[1:])}}
     hidden = parallel.engine.model_config.hidden_size
     layers = parallel.engine.model_config.num_layers
     parallel.engine.close()  # idle ranks for the all-reduce alone
