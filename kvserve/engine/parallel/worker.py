@@ -14,6 +14,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -127,7 +128,7 @@ def layout_of(rank: int, size: int, args: EngineArgs) -> ShardLayout:
 
 
 def build_shard(args: EngineArgs, layout: ShardLayout, setup: Setup, device: torch.device,
-                reduce) -> tuple[LlamaForCausalLM, list[QuantizationReport]]:
+                reduce: Callable[[torch.Tensor], torch.Tensor]) -> tuple[LlamaForCausalLM, list[QuantizationReport]]:
     """The rank's part of the model, with its cut of the quantized weights (the LM head, which
     runs on rank 0 only, left plain). The loader reads only the rank's slices of the sharded
     tensors, except under --quantization int8, whose per-channel scales span whole rows: then the
