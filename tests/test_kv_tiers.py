@@ -293,3 +293,31 @@ def test_a_request_waiting_for_disk_reads_does_not_hold_up_others(tmp_path, monk
     assert [s.request.request_id for s in scheduled] == ["other", "again"]
     assert again.num_cached_tokens == 3 * BLOCK and kv.stats.tier_hits["disk"] == 3 * BLOCK
     store.close()
+
+
+def test_a_request_under_kv_eviction_reuses_its_blocks_from_the_tiers(tiny_llama, tmp_path):
+    """Like the pool, the tiers serve an evicting sequence the blocks it published before its first
+    eviction (under its own keys-before-RoPE root); a plain request never sees them."""
+    engine = engine_for(tiny_llama, kv_offloading_disk_path=str(tmp_path / "kv"))
+    rng = random.Random(1)
+    prompt = [rng.randrange(3, 500) for _ in range(5 * BLOCK + 3)]
+    evicting = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, kv_eviction={"policy": "h2o", "budget": 256})
+
+    def run(rid: str, tokens: list[int], params: SamplingParams):
+        engine.add_request(tokens, params, rid)
+        done = None
+        while engine.has_unfinished_requests():
+            done = next((o for o in engine.step() if o.finished), done)
+        return done
+
+    first = run("first", prompt, evicting)
+    for i in range(2):  # distinct prompts that reclaim every pool block: the first's go to disk
+        run(f"filler-{i}", [rng.randrange(3, 500) for _ in range(300)], SamplingParams(max_tokens=1))
+    engine.tiers.writer.drain()
+    again = run("again", prompt, evicting)
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert again.num_cached_tokens == 5 * BLOCK and engine.kv_manager.stats.tier_hits["disk"] > 0
+    plain = run("plain", prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert plain.num_cached_tokens == 0
+    assert_no_leak(engine)
+    engine.close()

@@ -22,7 +22,9 @@ num_evicted_tokens`, which is what block counts and positions follow.
 KV tiers (kvserve/cache/tiers): with a `TieredStore`, a published block the pool reclaims is
 copied down first, and the prefix lookup continues past the pool's longest hit into the tiers
 (`fetch_tier_prefix`); `allocate` writes the fetched blocks into fresh pool blocks and publishes
-them, so the rest of the engine sees an ordinary prefix hit. Sequences under KV eviction skip the tiers.
+them, so the rest of the engine sees an ordinary prefix hit. Sequences under KV eviction use the
+tiers as they use the pool: only the blocks they published before their first eviction (under
+their own keys-before-RoPE root), and no more of a hit than admission allows without evicting.
 """
 from __future__ import annotations
 
@@ -155,11 +157,8 @@ class KVCacheManager:
         at least the last token is recomputed: its logits are needed to sample."""
         if not self.enable_prefix_caching:
             return []
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        if request.eviction is not None:  # admission then needs no eviction (see max_new_tokens)
-            max_blocks = min(max_blocks, (request.eviction.max_chunk - 1) // self.block_size)
         hits = []
-        for block_hash in self.block_hashes(request)[:max_blocks]:
+        for block_hash in self.block_hashes(request)[:self._max_prefix_blocks(request)]:
             block = self.pool.lookup(block_hash)
             if block is None:
                 break
@@ -167,14 +166,19 @@ class KVCacheManager:
         return hits
 
     def _max_prefix_blocks(self, request: CachedSequence) -> int:
-        return (request.num_tokens - 1) // self.block_size
+        """Most blocks a prefix hit (pool and tiers together) may cover: the last token is always
+        computed, and under KV eviction admission must need no eviction (see max_new_tokens)."""
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        if request.eviction is not None:
+            max_blocks = min(max_blocks, (request.eviction.max_chunk - 1) // self.block_size)
+        return max_blocks
 
     def fetch_tier_prefix(self, request: CachedSequence, num_pool_blocks: int) -> TierHit | None:
         """The blocks right after the request's pool hit of `num_pool_blocks` that the tiers hold
         (longest run of consecutive hashes), read into memory; None while some are still being
         read from disk on the loader thread (ask again next step). Kept until the request is
         admitted or freed, so a request that waits for room reads them once."""
-        if self.tiers is None or request.eviction is not None:
+        if self.tiers is None:
             return NO_TIER_HIT
         rid = request.request_id
         hit = self._fetched.get(rid)
