@@ -321,3 +321,54 @@ def test_a_request_under_kv_eviction_reuses_its_blocks_from_the_tiers(tiny_llama
     assert plain.num_cached_tokens == 0
     assert_no_leak(engine)
     engine.close()
+
+
+def test_a_waiting_request_keeps_its_disk_reads_when_its_pool_hit_shrinks(tmp_path, monkeypatch):
+    """Model-free: blocks read from disk for a waiting request stay usable when the pool then
+    reclaims part of its pool hit (those blocks just went down and are taken from memory): no
+    second read, and the blocks written into the pool are the ones first computed."""
+    import threading
+
+    from kvserve.cache.kv_cache_manager import KVCacheManager
+    from kvserve.engine.request import Request
+
+    cache = random_cache("float32", num_blocks=8)
+    store = TieredStore(TierConfig(disk_path=str(tmp_path)), cache, "ns")
+    written = threading.Event()  # disk writes wait: the offloaded blocks stay queued in memory
+    real_put = store.disk.put
+    monkeypatch.setattr(store.disk, "put", lambda h, d: written.wait(30) and real_put(h, d))
+    reads = []
+    real_read = store.read_disk_async
+    monkeypatch.setattr(store, "read_disk_async", lambda hashes: reads.append(len(hashes)) or real_read(hashes))
+    kv = KVCacheManager(8, BLOCK, True, "ns", tiers=store)
+
+    def request(rid: str, tokens: list[int]) -> Request:
+        return Request(rid, tokens, SamplingParams(max_tokens=1, ignore_eos=True))
+
+    try:
+        prompt = list(range(4 * BLOCK + 1))
+        first = request("first", prompt)
+        assert kv.allocate(first, first.num_tokens)
+        original = {i: cache.read_blocks([b]) for i, b in enumerate(kv.block_ids("first")[:4])}
+        kv.free(first)
+        filler = request("filler", list(range(1000, 1000 + 6 * BLOCK)))
+        assert kv.allocate(filler, filler.num_tokens)  # reclaims the first's blocks 2 and 3
+        kv.free(filler)
+        again = request("again", prompt)
+        assert len(kv.find_cached_prefix(again)) == 2
+        assert kv.fetch_tier_prefix(again, 2) is None  # blocks 2 and 3 are being read
+        store.loader.submit(lambda: None).result()
+        assert kv.fetch_tier_prefix(again, 2).num_blocks == 2
+        other = request("other", [7])
+        assert kv.allocate(other, 1)  # the pool reclaims block 1 of the prefix while `again` waits
+        cached = kv.find_cached_prefix(again)
+        hit = kv.fetch_tier_prefix(again, len(cached))
+        assert len(cached) == 1 and hit is not None and hit.num_blocks == 3 and reads == [2]
+        assert kv.allocate(again, again.num_tokens - 4 * BLOCK, cached, hit)
+        for i, block_id in enumerate(kv.block_ids("again")[:4]):
+            assert torch.equal(cache.read_blocks([block_id]), original[i]), i
+        kv.free(again)
+        kv.free(other)
+    finally:
+        written.set()
+        store.close()

@@ -177,32 +177,54 @@ class KVCacheManager:
         """The blocks right after the request's pool hit of `num_pool_blocks` that the tiers hold
         (longest run of consecutive hashes), read into memory; None while some are still being
         read from disk on the loader thread (ask again next step). Kept until the request is
-        admitted or freed, so a request that waits for room reads them once."""
+        admitted or freed, so a request that waits for room reads them once: when its pool hit
+        shrinks meanwhile (the pool reclaimed some of its blocks, so they just went down, into
+        memory) or grows, the blocks read are reused and only the difference is looked up."""
         if self.tiers is None:
             return NO_TIER_HIT
         rid = request.request_id
-        hit = self._fetched.get(rid)
-        if hit is not None and hit.start == num_pool_blocks:
-            return hit
         load = self._loading.get(rid)
-        if load is not None and load.start == num_pool_blocks:
+        if load is not None:
             if not load.future.done():
                 return None
             del self._loading[rid]
             fetched = self.tiers.assemble(load.hashes, load.future.result())
-        else:
-            hashes = self.block_hashes(request)[num_pool_blocks:self._max_prefix_blocks(request)]
-            where = self.tiers.lookup(hashes)
-            hashes = hashes[:len(where)]
-            if "disk" in where:
-                disk = [h for h, tier in zip(hashes, where) if tier == "disk"]
-                self._loading[rid] = _TierLoad(num_pool_blocks, hashes, self.tiers.read_disk_async(disk))
-                return None
-            fetched = self.tiers.fetch(hashes)
-        hit = TierHit(num_pool_blocks, [h for h, _ in zip(self.block_hashes(request)[num_pool_blocks:], fetched)],
-                      [d for _, d in fetched], [t for t, _ in fetched])
+            self._fetched[rid] = TierHit(load.start, load.hashes[:len(fetched)], [d for _, d in fetched],
+                                         [t for t, _ in fetched])
+        hit = self._fetched.get(rid)
+        if hit is not None:
+            hit = self._rebase(request, hit, num_pool_blocks)
+            if hit is not None:
+                self._fetched[rid] = hit
+                return hit
+        hashes = self.block_hashes(request)[num_pool_blocks:self._max_prefix_blocks(request)]
+        where = self.tiers.lookup(hashes)
+        hashes = hashes[:len(where)]
+        if "disk" in where:
+            disk = [h for h, tier in zip(hashes, where) if tier == "disk"]
+            self._loading[rid] = _TierLoad(num_pool_blocks, hashes, self.tiers.read_disk_async(disk))
+            return None
+        fetched = self.tiers.fetch(hashes)
+        hit = TierHit(num_pool_blocks, hashes[:len(fetched)], [d for _, d in fetched], [t for t, _ in fetched])
         self._fetched[rid] = hit
         return hit
+
+    def _rebase(self, request: CachedSequence, hit: TierHit, num_pool_blocks: int) -> TierHit | None:
+        """`hit` made to start right after a pool hit of `num_pool_blocks`: blocks now in the pool
+        dropped from its head; blocks the pool reclaimed since (between the new and the old pool
+        hit: they are in the host tier or still queued for the disk) prepended from memory. None if
+        that is not possible (a new lookup is needed)."""
+        if num_pool_blocks >= hit.start:
+            skip = num_pool_blocks - hit.start
+            if skip > hit.num_blocks or (skip == hit.num_blocks and skip > 0):
+                return None  # the pool now covers the whole hit: look again past it
+            return TierHit(num_pool_blocks, hit.hashes[skip:], hit.data[skip:], hit.tiers[skip:])
+        gap = self.block_hashes(request)[num_pool_blocks:hit.start]
+        head = self.tiers.fetch_from_memory(gap)
+        if head is None:
+            return None
+        return TierHit(num_pool_blocks, gap + hit.hashes, [d for _, d in head] + hit.data,
+                       [t for t, _ in head] + hit.tiers)
 
     def wait_for_tier_loads(self, request: CachedSequence) -> bool:
         """Block until the request's disk reads finish; False if none were in flight."""
@@ -316,7 +338,9 @@ class KVCacheManager:
         self._req_hashes.pop(request.request_id, None)
         self._moves.pop(request.request_id, None)  # its blocks may be someone else's by now
         self._fetched.pop(request.request_id, None)
-        self._loading.pop(request.request_id, None)  # a read in flight finishes unused
+        load = self._loading.pop(request.request_id, None)
+        if load is not None:
+            load.future.cancel()  # a read not started yet is dropped; one under way finishes unused
         if self.evictor is not None:
             self.evictor.forget(request.request_id)
 

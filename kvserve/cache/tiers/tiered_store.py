@@ -163,6 +163,25 @@ class TieredStore:
             out.append((tier, data))
         return out
 
+    def fetch_from_memory(self, hashes: list[bytes]) -> list[tuple[str, torch.Tensor]] | None:
+        """The bytes of every one of `hashes` from the host tier or the disk writer's queue (blocks
+        the pool has just reclaimed are there), each with its tier; None if one is elsewhere."""
+        out = []
+        for block_hash in hashes:
+            found = self._from_memory(block_hash)
+            if found is None:
+                return None
+            out.append(found)
+        return out
+
+    def _from_memory(self, block_hash: bytes) -> tuple[str, torch.Tensor] | None:
+        data = self.host.get(block_hash) if self.host is not None else None
+        if data is not None:
+            return "host", data
+        with self._lock:
+            data = self._pending.get(block_hash)
+        return None if data is None else ("disk", data)
+
     def read_disk_async(self, hashes: list[bytes]) -> Future:
         """Read blocks from the disk tier on the loader thread; the future's result maps each hash
         read (a prefix of `hashes`: reading stops at the first miss) to its bytes."""
@@ -189,10 +208,10 @@ class TieredStore:
             if block_hash in from_disk:
                 out.append(("disk", from_disk[block_hash]))
                 continue
-            data = self.host.get(block_hash) if self.host is not None else None
-            if data is None:
+            found = self._from_memory(block_hash)  # a host block may have overflowed to the writer meanwhile
+            if found is None:
                 break
-            out.append(("host", data))
+            out.append(found)
         return out
 
     def load(self, block_ids: list[int], blocks: list[torch.Tensor]) -> None:
