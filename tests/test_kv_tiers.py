@@ -372,3 +372,36 @@ def test_a_waiting_request_keeps_its_disk_reads_when_its_pool_hit_shrinks(tmp_pa
     finally:
         written.set()
         store.close()
+
+
+def test_the_host_tier_holds_only_blocks_the_pool_does_not():
+    """A block loaded from the host tier into the pool leaves the host tier (no copy held twice in
+    RAM); when the pool reclaims it again it goes back down."""
+    from kvserve.cache.kv_cache_manager import KVCacheManager
+    from kvserve.engine.request import Request
+
+    cache = random_cache("float32", num_blocks=8)
+    store = TieredStore(TierConfig(host_bytes=32 * cache.block_nbytes), cache, "ns")
+    kv = KVCacheManager(8, BLOCK, True, "ns", tiers=store)
+    hits = []
+
+    def cycle(rid: str, tokens: list[int]) -> list[bytes]:
+        r = Request(rid, tokens, SamplingParams(max_tokens=1, ignore_eos=True))
+        cached = kv.find_cached_prefix(r)
+        hit = kv.fetch_tier_prefix(r, len(cached))
+        hits.append(hit.num_blocks)
+        assert kv.allocate(r, r.num_tokens - (len(cached) + hit.num_blocks) * BLOCK, cached, hit)
+        hashes = list(kv.block_hashes(r))
+        kv.free(r)
+        return hashes
+
+    prompt = list(range(2 * BLOCK + 1))
+    hashes = cycle("first", prompt)[:2]
+    cycle("filler", list(range(1000, 1000 + 8 * BLOCK - 1)))  # reclaims every block
+    assert all(store.host.contains(h) for h in hashes)
+    cycle("again", prompt)
+    assert hits[-1] == 2
+    assert not any(store.host.contains(h) for h in hashes)
+    cycle("filler-2", list(range(2000, 2000 + 8 * BLOCK - 1)))
+    assert all(store.host.contains(h) for h in hashes)
+    store.close()

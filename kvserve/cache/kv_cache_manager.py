@@ -259,7 +259,7 @@ class KVCacheManager:
         fresh = self.pool.allocate(max(0, -(-total_tokens // self.block_size) - len(blocks)))
         if loaded.num_blocks:
             # The pool copied out anything it reclaimed for `fresh` already; now fill the first ones.
-            self.tiers.load([b.block_id for b in fresh[:loaded.num_blocks]], loaded.data)
+            self.tiers.load([b.block_id for b in fresh[:loaded.num_blocks]], loaded.data, loaded.hashes)
             self._fetched.pop(request.request_id, None)
         blocks.extend(fresh)
         if self.enable_prefix_caching and request.num_evicted_tokens == 0:

@@ -214,10 +214,15 @@ class TieredStore:
             out.append(found)
         return out
 
-    def load(self, block_ids: list[int], blocks: list[torch.Tensor]) -> None:
-        """Write fetched blocks into the pool."""
+    def load(self, block_ids: list[int], blocks: list[torch.Tensor], hashes: list[bytes] = ()) -> None:
+        """Write fetched blocks into the pool. The host tier then lets go of them (`hashes`): the
+        pool holds them now, and copies them down again if it reclaims them, so host memory
+        holds only blocks the pool does not (disk copies stay: the disk tier is for capacity)."""
         if block_ids:
             self.kv_cache.write_blocks(block_ids, _as_rows(blocks))
+        if self.host is not None:
+            for block_hash in hashes:
+                self.host.discard(block_hash)
 
     # ------------------------------------------------------------------ shutdown and usage
     def flush(self, pool_blocks: list[tuple[int, bytes]]) -> int:
