@@ -405,3 +405,42 @@ def test_the_host_tier_holds_only_blocks_the_pool_does_not():
     cycle("filler-2", list(range(2000, 2000 + 8 * BLOCK - 1)))
     assert all(store.host.contains(h) for h in hashes)
     store.close()
+
+
+def test_host_blocks_of_a_hit_that_overflow_to_disk_during_its_read_still_count(tmp_path, monkeypatch):
+    """Model-free: a prefix lies partly in the host tier and partly on disk; while the disk part is
+    read, the host tier passes the other part on to the disk. The hit still covers every block."""
+    import threading
+
+    from kvserve.cache.kv_cache_manager import KVCacheManager
+    from kvserve.engine.request import Request
+
+    cache = random_cache("float32", num_blocks=8)
+    store = TieredStore(TierConfig(host_bytes=2 * cache.block_nbytes, disk_path=str(tmp_path)), cache, "ns")
+    kv = KVCacheManager(8, BLOCK, True, "ns", tiers=store)
+
+    def request(rid: str, tokens: list[int]) -> Request:
+        return Request(rid, tokens, SamplingParams(max_tokens=1, ignore_eos=True))
+
+    prompt = list(range(4 * BLOCK + 1))
+    first = request("first", prompt)
+    assert kv.allocate(first, first.num_tokens)
+    kv.free(first)
+    filler = request("filler", list(range(1000, 1000 + 8 * BLOCK)))
+    assert kv.allocate(filler, filler.num_tokens)  # reclaims every block: two to the host, two to disk
+    kv.free(filler)
+    store.writer.drain()
+    again = request("again", prompt)
+    assert store.lookup(kv.block_hashes(again)[:4]) == ["host", "host", "disk", "disk"]
+    released = threading.Event()
+    slow_get = store.disk.get
+    monkeypatch.setattr(store.disk, "get", lambda h, out=None: released.wait(30) and slow_get(h, out))
+    assert kv.fetch_tier_prefix(again, 0) is None
+    for i in range(2):  # newer blocks push the prefix's host blocks on to the disk
+        store.host.put(bytes([i]) * 32, torch.zeros(cache.block_nbytes, dtype=torch.uint8))
+    store.writer.drain()
+    released.set()
+    store.loader.submit(lambda: None).result()
+    hit = kv.fetch_tier_prefix(again, 0)
+    assert hit.num_blocks == 4 and hit.tiers == ["host", "host", "disk", "disk"]
+    store.close()

@@ -117,7 +117,10 @@ class _TierLoad:
 
     start: int
     hashes: list[bytes]
-    future: Future
+    future: Future  # -> {hash: bytes} of the disk blocks read
+    # The host-tier blocks among `hashes`, taken when the read started: the host tier may pass
+    # them on to the disk meanwhile, and the hit must not stop there.
+    held: dict[bytes, tuple[str, object]] = field(default_factory=dict)
 
 
 class KVCacheManager:
@@ -188,7 +191,12 @@ class KVCacheManager:
             if not load.future.done():
                 return None
             del self._loading[rid]
-            fetched = self.tiers.assemble(load.hashes, load.future.result())
+            from_disk, fetched = load.future.result(), []
+            for block_hash in load.hashes:
+                found = load.held.get(block_hash) or (("disk", from_disk[block_hash]) if block_hash in from_disk else None)
+                if found is None:
+                    break
+                fetched.append(found)
             self._fetched[rid] = TierHit(load.start, load.hashes[:len(fetched)], [d for _, d in fetched],
                                          [t for t, _ in fetched])
         hit = self._fetched.get(rid)
@@ -202,7 +210,9 @@ class KVCacheManager:
         hashes = hashes[:len(where)]
         if "disk" in where:
             disk = [h for h, tier in zip(hashes, where) if tier == "disk"]
-            self._loading[rid] = _TierLoad(num_pool_blocks, hashes, self.tiers.read_disk_async(disk))
+            on_host = [h for h, tier in zip(hashes, where) if tier == "host"]
+            held = dict(zip(on_host, self.tiers.fetch_from_memory(on_host) or ()))
+            self._loading[rid] = _TierLoad(num_pool_blocks, hashes, self.tiers.read_disk_async(disk), held)
             return None
         fetched = self.tiers.fetch(hashes)
         hit = TierHit(num_pool_blocks, hashes[:len(fetched)], [d for _, d in fetched], [t for t, _ in fetched])

@@ -201,19 +201,6 @@ class TieredStore:
             out[block_hash] = data
         return out
 
-    def assemble(self, hashes: list[bytes], from_disk: dict[bytes, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
-        """The longest run of `hashes` found in `from_disk` (read by the loader) or the host tier."""
-        out = []
-        for block_hash in hashes:
-            if block_hash in from_disk:
-                out.append(("disk", from_disk[block_hash]))
-                continue
-            found = self._from_memory(block_hash)  # a host block may have overflowed to the writer meanwhile
-            if found is None:
-                break
-            out.append(found)
-        return out
-
     def load(self, block_ids: list[int], blocks: list[torch.Tensor], hashes: list[bytes] = ()) -> None:
         """Write fetched blocks into the pool. The host tier then lets go of them (`hashes`): the
         pool holds them now, and copies them down again if it reclaims them, so host memory
