@@ -301,7 +301,8 @@ def test_a_request_under_kv_eviction_reuses_its_blocks_from_the_tiers(tiny_llama
     engine = engine_for(tiny_llama, kv_offloading_disk_path=str(tmp_path / "kv"))
     rng = random.Random(1)
     prompt = [rng.randrange(3, 500) for _ in range(5 * BLOCK + 3)]
-    evicting = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, kv_eviction={"policy": "h2o", "budget": 256})
+    evicting = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
+                              kv_eviction={"policy": "h2o", "budget": 256})
 
     def run(rid: str, tokens: list[int], params: SamplingParams):
         engine.add_request(tokens, params, rid)

@@ -314,7 +314,7 @@ def add_dataset_args(parser: Any, num_prompts: int = 1000, input_len: str = "102
                    help="sharegpt: a ShareGPT-format JSON file (default: synthetic ShareGPT-like set); "
                         "book" + (", multi-turn" if multi_turn else "") + ": a text file (default: the bundled novel)")
     g.add_argument("--num-prompts", type=int, default=num_prompts, action=_GivenAction,
-                   help="requests to send" + (" (not with multi-turn: it sends sessions x turns)" if multi_turn else ""))
+                   help="requests to send" + (" (not with multi-turn: it sends S x T)" if multi_turn else ""))
     g.add_argument("--seed", type=int, default=0, help="seed of the workload and of the arrival times")
     g.add_argument("--random-input-len", default=input_len,
                    help="random: prompt tokens, N (spread by --random-range-ratio) or MIN:MAX")

@@ -193,10 +193,12 @@ class KVCacheManager:
             del self._loading[rid]
             from_disk, fetched = load.future.result(), []
             for block_hash in load.hashes:
-                found = load.held.get(block_hash) or (("disk", from_disk[block_hash]) if block_hash in from_disk else None)
-                if found is None:
+                if block_hash in load.held:
+                    fetched.append(load.held[block_hash])
+                elif block_hash in from_disk:
+                    fetched.append(("disk", from_disk[block_hash]))
+                else:
                     break
-                fetched.append(found)
             self._fetched[rid] = TierHit(load.start, load.hashes[:len(fetched)], [d for _, d in fetched],
                                          [t for t, _ in fetched])
         hit = self._fetched.get(rid)
