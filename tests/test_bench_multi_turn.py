@@ -126,6 +126,7 @@ kvserve:prefix_cache_hits_total{{model_name="m"}} {h}
     (["--multi-turn-think-time", "-1"], "--multi-turn-think-time must be a non-negative number"),
     (["--multi-turn-think-time", "nan"], "--multi-turn-think-time must be a non-negative number"),
     (["--endpoint", "/v1/completions"], "multi-turn sends chat conversations: --endpoint must be"),
+    (["--num-prompts", "100"], "--num-prompts does not apply to --dataset-name multi-turn"),
 ])
 def test_bad_multi_turn_options_fail_in_one_line(tiny_llama, capsys, flags, message):
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens: the options fail before any request

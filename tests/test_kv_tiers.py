@@ -293,3 +293,155 @@ def test_a_request_waiting_for_disk_reads_does_not_hold_up_others(tmp_path, monk
     assert [s.request.request_id for s in scheduled] == ["other", "again"]
     assert again.num_cached_tokens == 3 * BLOCK and kv.stats.tier_hits["disk"] == 3 * BLOCK
     store.close()
+
+
+def test_a_request_under_kv_eviction_reuses_its_blocks_from_the_tiers(tiny_llama, tmp_path):
+    """Like the pool, the tiers serve an evicting sequence the blocks it published before its first
+    eviction (under its own keys-before-RoPE root); a plain request never sees them."""
+    engine = engine_for(tiny_llama, kv_offloading_disk_path=str(tmp_path / "kv"))
+    rng = random.Random(1)
+    prompt = [rng.randrange(3, 500) for _ in range(5 * BLOCK + 3)]
+    evicting = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
+                              kv_eviction={"policy": "h2o", "budget": 256})
+
+    def run(rid: str, tokens: list[int], params: SamplingParams):
+        engine.add_request(tokens, params, rid)
+        done = None
+        while engine.has_unfinished_requests():
+            done = next((o for o in engine.step() if o.finished), done)
+        return done
+
+    first = run("first", prompt, evicting)
+    for i in range(2):  # distinct prompts that reclaim every pool block: the first's go to disk
+        run(f"filler-{i}", [rng.randrange(3, 500) for _ in range(300)], SamplingParams(max_tokens=1))
+    engine.tiers.writer.drain()
+    again = run("again", prompt, evicting)
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert again.num_cached_tokens == 5 * BLOCK and engine.kv_manager.stats.tier_hits["disk"] > 0
+    plain = run("plain", prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert plain.num_cached_tokens == 0
+    assert_no_leak(engine)
+    engine.close()
+
+
+def test_a_waiting_request_keeps_its_disk_reads_when_its_pool_hit_shrinks(tmp_path, monkeypatch):
+    """Model-free: blocks read from disk for a waiting request stay usable when the pool then
+    reclaims part of its pool hit (those blocks just went down and are taken from memory): no
+    second read, and the blocks written into the pool are the ones first computed."""
+    import threading
+
+    from kvserve.cache.kv_cache_manager import KVCacheManager
+    from kvserve.engine.request import Request
+
+    cache = random_cache("float32", num_blocks=8)
+    store = TieredStore(TierConfig(disk_path=str(tmp_path)), cache, "ns")
+    written = threading.Event()  # disk writes wait: the offloaded blocks stay queued in memory
+    real_put = store.disk.put
+    monkeypatch.setattr(store.disk, "put", lambda h, d: written.wait(30) and real_put(h, d))
+    reads = []
+    real_read = store.read_disk_async
+    monkeypatch.setattr(store, "read_disk_async", lambda hashes: reads.append(len(hashes)) or real_read(hashes))
+    kv = KVCacheManager(8, BLOCK, True, "ns", tiers=store)
+
+    def request(rid: str, tokens: list[int]) -> Request:
+        return Request(rid, tokens, SamplingParams(max_tokens=1, ignore_eos=True))
+
+    try:
+        prompt = list(range(4 * BLOCK + 1))
+        first = request("first", prompt)
+        assert kv.allocate(first, first.num_tokens)
+        original = {i: cache.read_blocks([b]) for i, b in enumerate(kv.block_ids("first")[:4])}
+        kv.free(first)
+        filler = request("filler", list(range(1000, 1000 + 6 * BLOCK)))
+        assert kv.allocate(filler, filler.num_tokens)  # reclaims the first's blocks 2 and 3
+        kv.free(filler)
+        again = request("again", prompt)
+        assert len(kv.find_cached_prefix(again)) == 2
+        assert kv.fetch_tier_prefix(again, 2) is None  # blocks 2 and 3 are being read
+        store.loader.submit(lambda: None).result()
+        assert kv.fetch_tier_prefix(again, 2).num_blocks == 2
+        other = request("other", [7])
+        assert kv.allocate(other, 1)  # the pool reclaims block 1 of the prefix while `again` waits
+        cached = kv.find_cached_prefix(again)
+        hit = kv.fetch_tier_prefix(again, len(cached))
+        assert len(cached) == 1 and hit is not None and hit.num_blocks == 3 and reads == [2]
+        assert kv.allocate(again, again.num_tokens - 4 * BLOCK, cached, hit)
+        for i, block_id in enumerate(kv.block_ids("again")[:4]):
+            assert torch.equal(cache.read_blocks([block_id]), original[i]), i
+        kv.free(again)
+        kv.free(other)
+    finally:
+        written.set()
+        store.close()
+
+
+def test_the_host_tier_holds_only_blocks_the_pool_does_not():
+    """A block loaded from the host tier into the pool leaves the host tier (no copy held twice in
+    RAM); when the pool reclaims it again it goes back down."""
+    from kvserve.cache.kv_cache_manager import KVCacheManager
+    from kvserve.engine.request import Request
+
+    cache = random_cache("float32", num_blocks=8)
+    store = TieredStore(TierConfig(host_bytes=32 * cache.block_nbytes), cache, "ns")
+    kv = KVCacheManager(8, BLOCK, True, "ns", tiers=store)
+    hits = []
+
+    def cycle(rid: str, tokens: list[int]) -> list[bytes]:
+        r = Request(rid, tokens, SamplingParams(max_tokens=1, ignore_eos=True))
+        cached = kv.find_cached_prefix(r)
+        hit = kv.fetch_tier_prefix(r, len(cached))
+        hits.append(hit.num_blocks)
+        assert kv.allocate(r, r.num_tokens - (len(cached) + hit.num_blocks) * BLOCK, cached, hit)
+        hashes = list(kv.block_hashes(r))
+        kv.free(r)
+        return hashes
+
+    prompt = list(range(2 * BLOCK + 1))
+    hashes = cycle("first", prompt)[:2]
+    cycle("filler", list(range(1000, 1000 + 8 * BLOCK - 1)))  # reclaims every block
+    assert all(store.host.contains(h) for h in hashes)
+    cycle("again", prompt)
+    assert hits[-1] == 2
+    assert not any(store.host.contains(h) for h in hashes)
+    cycle("filler-2", list(range(2000, 2000 + 8 * BLOCK - 1)))
+    assert all(store.host.contains(h) for h in hashes)
+    store.close()
+
+
+def test_host_blocks_of_a_hit_that_overflow_to_disk_during_its_read_still_count(tmp_path, monkeypatch):
+    """Model-free: a prefix lies partly in the host tier and partly on disk; while the disk part is
+    read, the host tier passes the other part on to the disk. The hit still covers every block."""
+    import threading
+
+    from kvserve.cache.kv_cache_manager import KVCacheManager
+    from kvserve.engine.request import Request
+
+    cache = random_cache("float32", num_blocks=8)
+    store = TieredStore(TierConfig(host_bytes=2 * cache.block_nbytes, disk_path=str(tmp_path)), cache, "ns")
+    kv = KVCacheManager(8, BLOCK, True, "ns", tiers=store)
+
+    def request(rid: str, tokens: list[int]) -> Request:
+        return Request(rid, tokens, SamplingParams(max_tokens=1, ignore_eos=True))
+
+    prompt = list(range(4 * BLOCK + 1))
+    first = request("first", prompt)
+    assert kv.allocate(first, first.num_tokens)
+    kv.free(first)
+    filler = request("filler", list(range(1000, 1000 + 8 * BLOCK)))
+    assert kv.allocate(filler, filler.num_tokens)  # reclaims every block: two to the host, two to disk
+    kv.free(filler)
+    store.writer.drain()
+    again = request("again", prompt)
+    assert store.lookup(kv.block_hashes(again)[:4]) == ["host", "host", "disk", "disk"]
+    released = threading.Event()
+    slow_get = store.disk.get
+    monkeypatch.setattr(store.disk, "get", lambda h, out=None: released.wait(30) and slow_get(h, out))
+    assert kv.fetch_tier_prefix(again, 0) is None
+    for i in range(2):  # newer blocks push the prefix's host blocks on to the disk
+        store.host.put(bytes([i]) * 32, torch.zeros(cache.block_nbytes, dtype=torch.uint8))
+    store.writer.drain()
+    released.set()
+    store.loader.submit(lambda: None).result()
+    hit = kv.fetch_tier_prefix(again, 0)
+    assert hit.num_blocks == 4 and hit.tiers == ["host", "host", "disk", "disk"]
+    store.close()

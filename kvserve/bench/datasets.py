@@ -13,6 +13,7 @@ the length it claims (random tokens are decoded, re-encoded and trimmed, as vLLM
 """
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -292,6 +293,16 @@ def build_dataset(args: Any, tokenizer: Any) -> list[SampleRequest]:
     raise ValueError(f"unknown dataset {name!r}; choose from {', '.join(DATASET_NAMES)}")
 
 
+class _GivenAction(argparse.Action):
+    """Stores the value and records that the flag was given (`<dest>_given`), so that a workload it
+    does not apply to can refuse it rather than ignore it."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, values)
+        setattr(namespace, f"{self.dest}_given", True)
+
+
 def add_dataset_args(parser: Any, num_prompts: int = 1000, input_len: str = "1024", output_len: str = "128",
                      multi_turn: bool = False) -> None:
     """The workload flags (vLLM's names), shared by `bench serve`, `compare`, `throughput`; with
@@ -302,8 +313,8 @@ def add_dataset_args(parser: Any, num_prompts: int = 1000, input_len: str = "102
     g.add_argument("--dataset-path", default=None,
                    help="sharegpt: a ShareGPT-format JSON file (default: synthetic ShareGPT-like set); "
                         "book" + (", multi-turn" if multi_turn else "") + ": a text file (default: the bundled novel)")
-    g.add_argument("--num-prompts", type=int, default=num_prompts,
-                   help="requests to send" + (" (multi-turn: sessions x turns instead)" if multi_turn else ""))
+    g.add_argument("--num-prompts", type=int, default=num_prompts, action=_GivenAction,
+                   help="requests to send" + (" (not with multi-turn: it sends S x T)" if multi_turn else ""))
     g.add_argument("--seed", type=int, default=0, help="seed of the workload and of the arrival times")
     g.add_argument("--random-input-len", default=input_len,
                    help="random: prompt tokens, N (spread by --random-range-ratio) or MIN:MAX")

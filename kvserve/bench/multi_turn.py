@@ -131,6 +131,9 @@ def add_multi_turn_args(parser: argparse.ArgumentParser) -> None:
 
 
 def options_from_args(args: argparse.Namespace) -> MultiTurnOptions:
+    if getattr(args, "num_prompts_given", False):
+        raise ValueError("--num-prompts does not apply to --dataset-name multi-turn: it sends "
+                         "--multi-turn-sessions x --multi-turn-turns requests")
     options = MultiTurnOptions(args.multi_turn_sessions, args.multi_turn_turns, args.multi_turn_system_prompt_len,
                                args.multi_turn_user_len, args.multi_turn_output_len, args.multi_turn_think_time)
     options.validate()

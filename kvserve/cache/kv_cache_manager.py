@@ -22,7 +22,9 @@ num_evicted_tokens`, which is what block counts and positions follow.
 KV tiers (kvserve/cache/tiers): with a `TieredStore`, a published block the pool reclaims is
 copied down first, and the prefix lookup continues past the pool's longest hit into the tiers
 (`fetch_tier_prefix`); `allocate` writes the fetched blocks into fresh pool blocks and publishes
-them, so the rest of the engine sees an ordinary prefix hit. Sequences under KV eviction skip the tiers.
+them, so the rest of the engine sees an ordinary prefix hit. Sequences under KV eviction use the
+tiers as they use the pool: only the blocks they published before their first eviction (under
+their own keys-before-RoPE root), and no more of a hit than admission allows without evicting.
 """
 from __future__ import annotations
 
@@ -115,7 +117,10 @@ class _TierLoad:
 
     start: int
     hashes: list[bytes]
-    future: Future
+    future: Future  # -> {hash: bytes} of the disk blocks read
+    # The host-tier blocks among `hashes`, taken when the read started: the host tier may pass
+    # them on to the disk meanwhile, and the hit must not stop there.
+    held: dict[bytes, tuple[str, object]] = field(default_factory=dict)
 
 
 class KVCacheManager:
@@ -155,11 +160,8 @@ class KVCacheManager:
         at least the last token is recomputed: its logits are needed to sample."""
         if not self.enable_prefix_caching:
             return []
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        if request.eviction is not None:  # admission then needs no eviction (see max_new_tokens)
-            max_blocks = min(max_blocks, (request.eviction.max_chunk - 1) // self.block_size)
         hits = []
-        for block_hash in self.block_hashes(request)[:max_blocks]:
+        for block_hash in self.block_hashes(request)[:self._max_prefix_blocks(request)]:
             block = self.pool.lookup(block_hash)
             if block is None:
                 break
@@ -167,38 +169,74 @@ class KVCacheManager:
         return hits
 
     def _max_prefix_blocks(self, request: CachedSequence) -> int:
-        return (request.num_tokens - 1) // self.block_size
+        """Most blocks a prefix hit (pool and tiers together) may cover: the last token is always
+        computed, and under KV eviction admission must need no eviction (see max_new_tokens)."""
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        if request.eviction is not None:
+            max_blocks = min(max_blocks, (request.eviction.max_chunk - 1) // self.block_size)
+        return max_blocks
 
     def fetch_tier_prefix(self, request: CachedSequence, num_pool_blocks: int) -> TierHit | None:
         """The blocks right after the request's pool hit of `num_pool_blocks` that the tiers hold
         (longest run of consecutive hashes), read into memory; None while some are still being
         read from disk on the loader thread (ask again next step). Kept until the request is
-        admitted or freed, so a request that waits for room reads them once."""
-        if self.tiers is None or request.eviction is not None:
+        admitted or freed, so a request that waits for room reads them once: when its pool hit
+        shrinks meanwhile (the pool reclaimed some of its blocks, so they just went down, into
+        memory) or grows, the blocks read are reused and only the difference is looked up."""
+        if self.tiers is None:
             return NO_TIER_HIT
         rid = request.request_id
-        hit = self._fetched.get(rid)
-        if hit is not None and hit.start == num_pool_blocks:
-            return hit
         load = self._loading.get(rid)
-        if load is not None and load.start == num_pool_blocks:
+        if load is not None:
             if not load.future.done():
                 return None
             del self._loading[rid]
-            fetched = self.tiers.assemble(load.hashes, load.future.result())
-        else:
-            hashes = self.block_hashes(request)[num_pool_blocks:self._max_prefix_blocks(request)]
-            where = self.tiers.lookup(hashes)
-            hashes = hashes[:len(where)]
-            if "disk" in where:
-                disk = [h for h, tier in zip(hashes, where) if tier == "disk"]
-                self._loading[rid] = _TierLoad(num_pool_blocks, hashes, self.tiers.read_disk_async(disk))
-                return None
-            fetched = self.tiers.fetch(hashes)
-        hit = TierHit(num_pool_blocks, [h for h, _ in zip(self.block_hashes(request)[num_pool_blocks:], fetched)],
-                      [d for _, d in fetched], [t for t, _ in fetched])
+            from_disk, fetched = load.future.result(), []
+            for block_hash in load.hashes:
+                if block_hash in load.held:
+                    fetched.append(load.held[block_hash])
+                elif block_hash in from_disk:
+                    fetched.append(("disk", from_disk[block_hash]))
+                else:
+                    break
+            self._fetched[rid] = TierHit(load.start, load.hashes[:len(fetched)], [d for _, d in fetched],
+                                         [t for t, _ in fetched])
+        hit = self._fetched.get(rid)
+        if hit is not None:
+            hit = self._rebase(request, hit, num_pool_blocks)
+            if hit is not None:
+                self._fetched[rid] = hit
+                return hit
+        hashes = self.block_hashes(request)[num_pool_blocks:self._max_prefix_blocks(request)]
+        where = self.tiers.lookup(hashes)
+        hashes = hashes[:len(where)]
+        if "disk" in where:
+            disk = [h for h, tier in zip(hashes, where) if tier == "disk"]
+            on_host = [h for h, tier in zip(hashes, where) if tier == "host"]
+            held = dict(zip(on_host, self.tiers.fetch_from_memory(on_host) or ()))
+            self._loading[rid] = _TierLoad(num_pool_blocks, hashes, self.tiers.read_disk_async(disk), held)
+            return None
+        fetched = self.tiers.fetch(hashes)
+        hit = TierHit(num_pool_blocks, hashes[:len(fetched)], [d for _, d in fetched], [t for t, _ in fetched])
         self._fetched[rid] = hit
         return hit
+
+    def _rebase(self, request: CachedSequence, hit: TierHit, num_pool_blocks: int) -> TierHit | None:
+        """`hit` made to start right after a pool hit of `num_pool_blocks`: blocks now in the pool
+        dropped from its head; blocks the pool reclaimed since (between the new and the old pool
+        hit: they are in the host tier or still queued for the disk) prepended from memory. None if
+        that is not possible (a new lookup is needed)."""
+        if num_pool_blocks >= hit.start:
+            skip = num_pool_blocks - hit.start
+            if skip > hit.num_blocks or (skip == hit.num_blocks and skip > 0):
+                return None  # the pool now covers the whole hit: look again past it
+            return TierHit(num_pool_blocks, hit.hashes[skip:], hit.data[skip:], hit.tiers[skip:])
+        gap = self.block_hashes(request)[num_pool_blocks:hit.start]
+        head = self.tiers.fetch_from_memory(gap)
+        if head is None:
+            return None
+        return TierHit(num_pool_blocks, gap + hit.hashes, [d for _, d in head] + hit.data,
+                       [t for t, _ in head] + hit.tiers)
 
     def wait_for_tier_loads(self, request: CachedSequence) -> bool:
         """Block until the request's disk reads finish; False if none were in flight."""
@@ -233,7 +271,7 @@ class KVCacheManager:
         fresh = self.pool.allocate(max(0, -(-total_tokens // self.block_size) - len(blocks)))
         if loaded.num_blocks:
             # The pool copied out anything it reclaimed for `fresh` already; now fill the first ones.
-            self.tiers.load([b.block_id for b in fresh[:loaded.num_blocks]], loaded.data)
+            self.tiers.load([b.block_id for b in fresh[:loaded.num_blocks]], loaded.data, loaded.hashes)
             self._fetched.pop(request.request_id, None)
         blocks.extend(fresh)
         if self.enable_prefix_caching and request.num_evicted_tokens == 0:
@@ -312,7 +350,9 @@ class KVCacheManager:
         self._req_hashes.pop(request.request_id, None)
         self._moves.pop(request.request_id, None)  # its blocks may be someone else's by now
         self._fetched.pop(request.request_id, None)
-        self._loading.pop(request.request_id, None)  # a read in flight finishes unused
+        load = self._loading.pop(request.request_id, None)
+        if load is not None:
+            load.future.cancel()  # a read not started yet is dropped; one under way finishes unused
         if self.evictor is not None:
             self.evictor.forget(request.request_id)
 

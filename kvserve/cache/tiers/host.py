@@ -35,6 +35,9 @@ class HostTier(BlockStore):
             self._blocks.move_to_end(block_hash)
         return data
 
+    def discard(self, block_hash: bytes) -> None:
+        self._blocks.pop(block_hash, None)
+
     def put(self, block_hash: bytes, data: torch.Tensor) -> None:
         """Keep a copy of `data` (any device); the least recently used block overflows."""
         if self.max_blocks == 0:

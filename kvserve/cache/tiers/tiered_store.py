@@ -163,6 +163,25 @@ class TieredStore:
             out.append((tier, data))
         return out
 
+    def fetch_from_memory(self, hashes: list[bytes]) -> list[tuple[str, torch.Tensor]] | None:
+        """The bytes of every one of `hashes` from the host tier or the disk writer's queue (blocks
+        the pool has just reclaimed are there), each with its tier; None if one is elsewhere."""
+        out = []
+        for block_hash in hashes:
+            found = self._from_memory(block_hash)
+            if found is None:
+                return None
+            out.append(found)
+        return out
+
+    def _from_memory(self, block_hash: bytes) -> tuple[str, torch.Tensor] | None:
+        data = self.host.get(block_hash) if self.host is not None else None
+        if data is not None:
+            return "host", data
+        with self._lock:
+            data = self._pending.get(block_hash)
+        return None if data is None else ("disk", data)
+
     def read_disk_async(self, hashes: list[bytes]) -> Future:
         """Read blocks from the disk tier on the loader thread; the future's result maps each hash
         read (a prefix of `hashes`: reading stops at the first miss) to its bytes."""
@@ -182,23 +201,15 @@ class TieredStore:
             out[block_hash] = data
         return out
 
-    def assemble(self, hashes: list[bytes], from_disk: dict[bytes, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
-        """The longest run of `hashes` found in `from_disk` (read by the loader) or the host tier."""
-        out = []
-        for block_hash in hashes:
-            if block_hash in from_disk:
-                out.append(("disk", from_disk[block_hash]))
-                continue
-            data = self.host.get(block_hash) if self.host is not None else None
-            if data is None:
-                break
-            out.append(("host", data))
-        return out
-
-    def load(self, block_ids: list[int], blocks: list[torch.Tensor]) -> None:
-        """Write fetched blocks into the pool."""
+    def load(self, block_ids: list[int], blocks: list[torch.Tensor], hashes: list[bytes] = ()) -> None:
+        """Write fetched blocks into the pool. The host tier then lets go of them (`hashes`): the
+        pool holds them now, and copies them down again if it reclaims them, so host memory
+        holds only blocks the pool does not (disk copies stay: the disk tier is for capacity)."""
         if block_ids:
             self.kv_cache.write_blocks(block_ids, _as_rows(blocks))
+        if self.host is not None:
+            for block_hash in hashes:
+                self.host.discard(block_hash)
 
     # ------------------------------------------------------------------ shutdown and usage
     def flush(self, pool_blocks: list[tuple[int, bytes]]) -> int:
