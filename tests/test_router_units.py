@@ -65,6 +65,24 @@ def test_round_robin_and_least_loaded():
     assert ll.choose([], [1], None) is None
 
 
+def test_a_request_still_prefilling_weighs_more_than_one_decoding():
+    """Replacements for a batch that just finished on one replica must not all pile their prefills
+    onto it: a request without its first answer bytes counts twice."""
+    backends = _backends()
+    ll = Router("least_loaded", PrefixIndex(), PendingHints())
+    decoding = [backends[0].open() for _ in range(2)]
+    for ticket in decoding:
+        ticket.answer()
+    backends[1].open().answer()
+    fresh = backends[1].open()  # 1 decoding + 1 prefilling on "1" against 2 decoding on "0"
+    assert {ll.choose(backends, [1], None).backend.name for _ in range(4)} == {"0"}
+    fresh.answer()
+    assert {ll.choose(backends, [1], None).backend.name for _ in range(4)} == {"0", "1"}  # a tie: in turn
+    fresh.close()
+    fresh.close()  # a second close (stream end after an error) counts nothing
+    assert (backends[1].in_flight, backends[1].prefilling) == (1, 0)
+
+
 def test_merged_metrics_label_each_replica_and_keep_families_together():
     page = ('# HELP kvserve:x doc\n# TYPE kvserve:x counter\nkvserve:x_total{model_name="m"} 1.0\n'
             '# HELP kvserve:y doc\n# TYPE kvserve:y gauge\nkvserve:y 2.0\n')

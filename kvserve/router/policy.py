@@ -1,8 +1,9 @@
 """Routing policies: which up backend gets the next request.
 
     round_robin   in turn
-    least_loaded  the least load (Backend.load: the requests this router has open on it, plus
-                  its KV-cache pressure near a full pool)
+    least_loaded  the least load (Backend.load: the requests this router has open on it, those
+                  still waiting for their first bytes counted twice, plus its KV-cache pressure
+                  near a full pool)
     kv_aware      the longest cached run of the request's prompt blocks, weighed against load:
                   score = cached prompt tokens - load_cost_tokens x load; the best score wins,
                   ties go to the less loaded. A hot prefix thus stays on one replica until that
