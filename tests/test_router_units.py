@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from kvserve.entrypoints.data_parallel import replica_argv
 from kvserve.router.backends import Backend
-from kvserve.router.index import PendingHints, PrefixIndex, matched_blocks
+from kvserve.cache.kv_events import DISK, HOST, POOL
+from kvserve.router.index import PendingHints, PrefixIndex, matched_blocks, matched_media
 from kvserve.router.metrics_merge import merge_metrics
 from kvserve.router.policy import Router
 from kvserve.router.prompt_hashes import block_hashes
@@ -32,6 +33,48 @@ def test_matched_blocks_counts_the_leading_run_only():
     hints.add("1", [b"h0", b"h1"])
     assert matched_blocks(index, hints, "0", [b"h0", b"h1", b"h2"]) == 1
     assert matched_blocks(index, hints, "1", [b"h0", b"h1", b"h2"]) == 2
+
+
+def test_the_index_keeps_each_medium_apart_and_matches_as_the_replica_looks_up():
+    index, hints = PrefixIndex(), PendingHints()
+    index.add("0", b"h0")
+    index.add("0", b"h0", HOST)  # in the pool and still on the host tier
+    index.add("0", b"h1", DISK)
+    index.add("0", b"h2")  # in the pool, but after a tier block: the replica does not look there
+    assert matched_media(index, hints, "0", [b"h0", b"h1", b"h2"]) == [POOL, DISK]
+    index.add("0", b"h2", HOST)
+    assert matched_media(index, hints, "0", [b"h0", b"h1", b"h2"]) == [POOL, DISK, HOST]
+    index.remove("0", b"h0")  # a pool removal leaves the host copy
+    assert matched_media(index, hints, "0", [b"h0"]) == [HOST]
+    index.clear("0", HOST)
+    assert index.hashes("0", DISK) == {b"h1"} and index.hashes("0") == {b"h2"} and not index.hashes("0", HOST)
+    index.clear("0")
+    assert len(index) == 0
+
+
+def test_kv_aware_prefers_a_pool_hit_over_host_over_disk_over_nothing():
+    backends = [Backend(str(i), f"http://replica-{i}") for i in range(4)]
+    for b in backends:
+        b.up, b.namespace, b.block_size = True, "float32", 4
+    index = PrefixIndex()
+    router = Router("kv_aware", index, PendingHints(), load_cost_tokens=4)
+    tokens = list(range(33))  # 8 full blocks
+    hashes = block_hashes(tokens, "float32", 4, None)
+    for name, medium in (("1", DISK), ("2", HOST), ("3", POOL)):
+        for h in hashes:
+            index.add(name, h, medium)
+    order = []
+    for _ in range(3):
+        choice = router.choose(backends, tokens, None)
+        assert choice.cached_tokens == 32
+        order.append(choice.backend.name)
+        index.clear(choice.backend.name)
+    assert order == ["3", "2", "1"]
+    assert router.choose(backends, tokens, None).cached_tokens == 0
+    for h in hashes:  # a disk holder keeps the prefix against a little more load than the others
+        index.add("1", h, DISK)
+    backends[1].in_flight = 1
+    assert router.choose(backends, tokens, None).backend.name == "1"
 
 
 def _backends() -> list[Backend]:

@@ -29,6 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
+from kvserve.cache.kv_events import DISK, HOST
 from kvserve.router import DEFAULT_LOAD_COST_TOKENS
 from kvserve.router.backends import CONNECT_TIMEOUT_S, Backend, BackendWatcher, Ticket
 from kvserve.router.index import PendingHints, PrefixIndex
@@ -289,7 +290,9 @@ class RouterService:
                               "namespace": b.namespace, "block_size": b.block_size, "seq": b.seq,
                               "in_flight": b.in_flight, "prefilling": b.prefilling, "running": b.running, "waiting": b.waiting,
                               "kv_cache_usage": b.kv_usage, "routed": b.routed,
-                              **({"block_hashes": sorted(h.hex() for h in self.index.hashes(b.name))}
+                              **({"block_hashes": sorted(h.hex() for h in self.index.hashes(b.name)),
+                                  "tier_block_hashes": {m: sorted(h.hex() for h in self.index.hashes(b.name, m))
+                                                        for m in (HOST, DISK)}}
                                  if with_hashes else {})} for b in self.backends]}
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from kvserve.cache.kv_events import MEDIA, POOL
 from kvserve.router.index import PendingHints, PrefixIndex
 
 logger = logging.getLogger("kvserve.router")
@@ -161,8 +162,7 @@ class BackendWatcher:
                     self._hello(message["replica"])
                     hello = True
                 elif kind == "Snapshot":
-                    self.index.replace(b.name, (bytes.fromhex(h) for h in message["block_hashes"]))
-                    b.seq = message["seq"]
+                    self._snapshot(message)
                 elif kind == "Events":
                     self._apply(message["events"])
                 elif kind == "Load":
@@ -182,16 +182,28 @@ class BackendWatcher:
         b.block_size = replica["block_size"]
         self._mark_up()
 
+    def _snapshot(self, message: dict) -> None:
+        """The replica's whole state: its pool's hashes and each tier's (a tier not listed holds none)."""
+        b = self.backend
+        self.index.clear(b.name)
+        self.index.replace(b.name, (bytes.fromhex(h) for h in message["block_hashes"]))
+        for medium, hashes in message.get("tier_block_hashes", {}).items():
+            if medium in MEDIA:
+                self.index.replace(b.name, (bytes.fromhex(h) for h in hashes), medium)
+        b.seq = message["seq"]
+
     def _apply(self, events: list[dict]) -> None:
         b = self.backend
         for event in events:
-            kind = event["type"]
-            if kind == "BlockStored":
-                self.index.add(b.name, bytes.fromhex(event["block_hash"]))
+            kind, medium = event["type"], event.get("medium", POOL)
+            if medium not in MEDIA:
+                pass  # a medium this router does not know: not a place it can route to
+            elif kind == "BlockStored":
+                self.index.add(b.name, bytes.fromhex(event["block_hash"]), medium)
             elif kind == "BlockRemoved":
-                self.index.remove(b.name, bytes.fromhex(event["block_hash"]))
+                self.index.remove(b.name, bytes.fromhex(event["block_hash"]), medium)
             elif kind == "AllBlocksCleared":
-                self.index.clear(b.name)
+                self.index.clear(b.name, medium)
             b.seq = event["seq"]
 
     async def _health_only(self) -> None:
