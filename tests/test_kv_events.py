@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import random
 
+import torch
+
 from kvserve.cache.kv_cache_manager import KVCacheManager, prompt_block_hashes, root_hash
 from kvserve.cache.kv_events import CLEARED, DISK, HOST, POOL, REMOVED, STORED, KVEventLog
+from kvserve.cache.tiers import DiskTier
+from kvserve.cache.tiers import disk as disk_module
 from kvserve.engine.args import EngineArgs
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.request import Request
@@ -136,3 +140,28 @@ def test_tier_moves_are_events_and_replay_to_each_tiers_real_contents(tiny_llama
         assert all(h in state[DISK] and h not in state[POOL] | state[HOST] for h in first)
     finally:
         engine.close()
+
+
+def test_the_disk_tiers_events_follow_its_files_through_the_size_bound_a_bad_file_and_a_restart(tmp_path):
+    """A restarted server publishes the blocks already on disk; the size bound's removals, a
+    damaged file and a file removed by another process are BlockRemoved events."""
+    def files() -> set[bytes]:
+        return {bytes.fromhex(p.name[:64]) for p in tmp_path.rglob("*.kvb")}
+
+    tier = DiskTier(tmp_path, b"n" * 32, 10 * (disk_module.HEADER.size + 64), 64)
+    tier.put(b"\xff" * 32, torch.zeros(64, dtype=torch.uint8))  # there before the server (re)started
+    log = KVEventLog()
+    tier.attach_events(log)
+    assert log.snapshot().by_medium[DISK] == {b"\xff" * 32}
+    for i in range(30):
+        tier.put(bytes([i]) * 32, torch.full((64,), i, dtype=torch.uint8))
+    assert log.snapshot().by_medium[DISK] == files() and len(files()) < 30
+    assert any(e.kind == REMOVED and e.medium == DISK for e in log.since(0))
+    victim = sorted(files())[0]
+    with open(tier.path(victim), "r+b") as f:  # damaged: a miss, removed
+        f.seek(disk_module.HEADER.size)
+        f.write(b"\x01")
+    gone = sorted(files())[1]
+    tier.path(gone).unlink()  # removed by another process sharing the directory
+    assert tier.get(victim) is None and tier.get(gone) is None
+    assert log.snapshot().by_medium[DISK] == files() and not {victim, gone} & files()
