@@ -126,6 +126,15 @@ def test_a_request_still_prefilling_weighs_more_than_one_decoding():
     assert (backends[1].in_flight, backends[1].prefilling) == (1, 0)
 
 
+def test_kv_aware_takes_turns_on_ties_whatever_the_reported_kv_usage():
+    """With nothing cached and equal load, kv_aware spreads requests like least_loaded: a stale,
+    lower KV usage report (the replica whose batch just finished) must not draw every new prompt."""
+    backends = _backends()
+    backends[0].kv_usage, backends[1].kv_usage = 0.1, 0.5
+    router = Router("kv_aware", PrefixIndex(), PendingHints())
+    assert [router.choose(backends, [7, 8, 9], None).backend.name for _ in range(4)] == ["0", "1", "0", "1"]
+
+
 def test_merged_metrics_label_each_replica_and_keep_families_together():
     page = ('# HELP kvserve:x doc\n# TYPE kvserve:x counter\nkvserve:x_total{model_name="m"} 1.0\n'
             '# HELP kvserve:y doc\n# TYPE kvserve:y gauge\nkvserve:y 2.0\n')

@@ -6,7 +6,7 @@
                   near a full pool)
     kv_aware      the longest cached run of the request's prompt blocks, weighed against load:
                   score = cached prompt tokens x tier weight - load_cost_tokens x load; the best
-                  score wins, ties go to the less loaded. A hot prefix thus stays on one replica
+                  score wins, ties go to the next in turn. A hot prefix thus stays on one replica
                   until that replica is (its cached tokens / load_cost_tokens) requests busier
                   than another, and then spreads (the balance SGLang's cache-aware router keeps
                   with thresholds).
@@ -61,7 +61,7 @@ class Router:
             return Choice(rotated[0], [], 0)
         if self.policy == "least_loaded" or not token_ids:
             return Choice(min(rotated, key=lambda b: b.load), [], 0)
-        best: tuple[float, float, float] | None = None
+        best: float | None = None
         choice = None
         hashes_by_ns: dict[tuple[str, int], list[bytes]] = {}
         for backend in rotated:
@@ -77,7 +77,10 @@ class Router:
                 media = matched_media(self.index, self.hints, backend.name, usable)
                 cached = len(media) * backend.block_size
                 worth = sum(TIER_WEIGHTS[m] for m in media) * backend.block_size
-            score = (worth - self.load_cost_tokens * backend.load, -backend.load, -backend.kv_usage)
+            # Ties go to the next in turn, as in least_loaded. Not to the lowest reported KV usage: that
+            # report lags and favours the replica whose batch just finished, so the replacements'
+            # prefills all went to it (a higher mean TTFT on all-distinct prompts; BENCHMARKS.md).
+            score = worth - self.load_cost_tokens * backend.load
             if best is None or score > best:
                 best, choice = score, Choice(backend, hashes, cached)
         return choice
