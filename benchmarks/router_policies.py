@@ -143,22 +143,29 @@ def main() -> None:
                     seed += 1
                     results[policy].append(bench(routers[policy], args, seed, False, out))
                     print(f"round {r} {policy}: {results[policy][-1]}", flush=True)
+                    save(args, results, distinct)
                 for i in range(len(POLICIES)):
                     policy = POLICIES[(r + i + 1) % len(POLICIES)]
                     seed += 1
                     distinct[policy].append(bench(routers[policy], args, seed, True,
                                                   out, num_prompts=args.distinct_prompts))
                     print(f"round {r} distinct {policy}: {distinct[policy][-1]}", flush=True)
+                    save(args, results, distinct)
     finally:
         for process in processes:
             process.send_signal(signal.SIGTERM)
         for process in processes:
             process.wait()
 
+    save(args, results, distinct)
+    report(results, distinct)
+
+
+def save(args: argparse.Namespace, results: dict, distinct: dict) -> None:
+    """After every run, so a benchmark stopped early keeps what it measured."""
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "runs": results, "distinct": distinct},
                                               indent=1))
-    report(results, distinct)
 
 
 def report(results: dict[str, list[dict]], distinct: dict[str, list[dict]]) -> None:
