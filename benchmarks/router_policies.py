@@ -83,13 +83,13 @@ def bench(url: str, args: argparse.Namespace, seed: int, distinct: bool, out: Pa
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--num-prompts", type=int, default=256)
+    parser.add_argument("--num-prompts", type=int, default=256, help="prefix-repetition requests per run (0: none)")
     parser.add_argument("--num-prefixes", type=int, default=8)
     parser.add_argument("--prefix-len", type=int, default=1024)
     parser.add_argument("--suffix-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=16)
     parser.add_argument("--distinct-len", type=int, default=256)
-    parser.add_argument("--distinct-prompts", type=int, default=48, help="all-distinct prompts per run")
+    parser.add_argument("--distinct-prompts", type=int, default=48, help="all-distinct prompts per run (0: none)")
     parser.add_argument("--max-concurrency", type=int, default=8)
     parser.add_argument("--kv-cache-memory", default="99MiB",
                         help="per replica: about half the prefixes plus the running requests' blocks")
@@ -144,7 +144,7 @@ def main() -> None:
                     results[policy].append(bench(routers[policy], args, seed, False, out))
                     print(f"round {r} {policy}: {results[policy][-1]}", flush=True)
                     save(args, results, distinct)
-                for i in range(len(POLICIES)):
+                for i in range(len(POLICIES) if args.distinct_prompts > 0 else 0):
                     policy = POLICIES[(r + i + 1) % len(POLICIES)]
                     seed += 1
                     distinct[policy].append(bench(routers[policy], args, seed, True,
