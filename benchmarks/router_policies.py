@@ -9,6 +9,9 @@ counters over the run), mean TTFT and output tokens/s, medians over the rounds. 
 prompts (nothing to share): kv_aware vs round_robin output throughput, median ratio.
 
     python benchmarks/router_policies.py [--rounds 3] [--json out.json]
+
+Rounds can be split over several invocations (`--first-round K` numbers them, and so seeds them,
+from K) and reported together: `--combine a.json b.json`.
 """
 from __future__ import annotations
 
@@ -49,7 +52,12 @@ def wait_health(url: str, process: subprocess.Popen, timeout: float = 600) -> No
     sys.exit(f"{url} not healthy in {timeout} s")
 
 
-def bench(url: str, args: argparse.Namespace, seed: int, distinct: bool, out: Path) -> dict:
+def routed(url: str) -> dict[str, int]:
+    return {b["name"]: b["routed"] for b in httpx.get(f"{url}/router/state", timeout=5).json()["backends"]}
+
+
+def bench(url: str, args: argparse.Namespace, seed: int, distinct: bool, out: Path,
+          num_prompts: int | None = None) -> dict:
     workload = (["--dataset-name", "random", "--random-input-len", str(args.distinct_len),
                  "--random-output-len", str(args.output_len)] if distinct else
                 ["--dataset-name", "prefix-repetition", "--prefix-repetition-prefix-len", str(args.prefix_len),
@@ -57,29 +65,45 @@ def bench(url: str, args: argparse.Namespace, seed: int, distinct: bool, out: Pa
                  "--prefix-repetition-num-prefixes", str(args.num_prefixes),
                  "--prefix-repetition-output-len", str(args.output_len)])
     command = [sys.executable, "-m", "kvserve.cli", "bench", "serve", "--base-url", url, "--num-prompts",
-               str(args.num_prompts), "--max-concurrency", str(args.max_concurrency), "--ignore-eos", "--seed",
+               str(num_prompts or args.num_prompts), "--max-concurrency", str(args.max_concurrency), "--ignore-eos", "--seed",
                str(seed), "--disable-tqdm", "--metrics-interval", "0.5", "--save-result", str(out), *workload]
+    before = routed(url)
+    started, load_before = time.strftime("%H:%M:%S", time.gmtime()), os.getloadavg()[0]
+    start = time.monotonic()
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    after = routed(url)
     result = json.loads(out.read_text())
     return {"hit_rate": result["server_metrics"]["prefix_cache_hit_rate"], "mean_ttft_ms": result["mean_ttft_ms"],
-            "output_tok_s": result["output_throughput"]}
+            "output_tok_s": result["output_throughput"], "seed": seed, "wall_s": round(time.monotonic() - start, 1),
+            "started_utc": started, "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+            "routed": {name: after[name] - before[name] for name in after},
+            "ttfts_ms": [round(1000 * t, 1) for t in result["ttfts"]]}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--num-prompts", type=int, default=256, help="prefix-repetition requests per run (0: none)")
     parser.add_argument("--num-prefixes", type=int, default=8)
-    parser.add_argument("--prefix-len", type=int, default=512)
+    parser.add_argument("--prefix-len", type=int, default=1024)
     parser.add_argument("--suffix-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=16)
     parser.add_argument("--distinct-len", type=int, default=256)
+    parser.add_argument("--distinct-prompts", type=int, default=48, help="all-distinct prompts per run (0: none)")
     parser.add_argument("--max-concurrency", type=int, default=8)
-    parser.add_argument("--kv-cache-memory", default="54MiB",
+    parser.add_argument("--kv-cache-memory", default="99MiB",
                         help="per replica: about half the prefixes plus the running requests' blocks")
-    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--first-round", type=int, default=0, help="number (and seed) rounds from here")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--combine", nargs="+", default=None, metavar="JSON",
+                        help="only report the runs saved by earlier invocations together")
     args = parser.parse_args()
+    if args.combine:
+        saved = [json.loads(Path(path).read_text()) for path in args.combine]
+        report({p: [run for s in saved for run in s["runs"][p]] for p in POLICIES},
+               {p: [run for s in saved for run in s["distinct"].get(p, [])] for p in POLICIES})
+        return
 
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     processes = []
@@ -108,40 +132,76 @@ def main() -> None:
                     break
                 time.sleep(0.5)
         results: dict[str, list[dict]] = {p: [] for p in POLICIES}
-        distinct: dict[str, list[dict]] = {"kv_aware": [], "round_robin": []}
+        distinct: dict[str, list[dict]] = {p: [] for p in POLICIES}
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "result.json"
             bench(routers["round_robin"], argparse.Namespace(**{**vars(args), "num_prompts": 8}), 999, True, out)
-            seed = 1000
-            for r in range(args.rounds):
-                for i in range(len(POLICIES)):
+            seed = 1000 + 10 * args.first_round
+            for r in range(args.first_round, args.first_round + args.rounds):
+                for i in range(len(POLICIES) if args.num_prompts > 0 else 0):
                     policy = POLICIES[(r + i) % len(POLICIES)]
                     seed += 1
                     results[policy].append(bench(routers[policy], args, seed, False, out))
                     print(f"round {r} {policy}: {results[policy][-1]}", flush=True)
-                for policy in (("kv_aware", "round_robin") if r % 2 == 0 else ("round_robin", "kv_aware")):
+                    save(args, results, distinct)
+                for i in range(len(POLICIES) if args.distinct_prompts > 0 else 0):
+                    policy = POLICIES[(r + i + 1) % len(POLICIES)]
                     seed += 1
-                    distinct[policy].append(bench(routers[policy], args, seed, True, out))
+                    distinct[policy].append(bench(routers[policy], args, seed, True,
+                                                  out, num_prompts=args.distinct_prompts))
                     print(f"round {r} distinct {policy}: {distinct[policy][-1]}", flush=True)
+                    save(args, results, distinct)
     finally:
         for process in processes:
             process.send_signal(signal.SIGTERM)
         for process in processes:
             process.wait()
 
-    summary = {p: {k: statistics.median(run[k] for run in runs) for k in runs[0]} for p, runs in results.items()}
-    ratio = statistics.median(k["output_tok_s"] / rr["output_tok_s"]
-                              for k, rr in zip(distinct["kv_aware"], distinct["round_robin"]))
-    print("\n| policy | prefix hit rate | mean TTFT (ms) | output tok/s |\n|---|---|---|---|")
-    for policy, s in summary.items():
-        print(f"| {policy} | {100 * s['hit_rate']:.1f}% | {s['mean_ttft_ms']:.0f} | {s['output_tok_s']:.1f} |")
-    kv, rr = summary["kv_aware"], summary["round_robin"]
-    print(f"\nkv_aware / round_robin: hit rate x{kv['hit_rate'] / rr['hit_rate']:.2f}, mean TTFT "
-          f"x{rr['mean_ttft_ms'] / kv['mean_ttft_ms']:.2f} lower; all-distinct output throughput ratio "
-          f"{ratio:.3f} (median of {len(distinct['kv_aware'])} interleaved pairs)")
+    save(args, results, distinct)
+    report(results, distinct)
+
+
+def save(args: argparse.Namespace, results: dict, distinct: dict) -> None:
+    """After every run, so a benchmark stopped early keeps what it measured."""
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "runs": results, "distinct": distinct,
-                                               "summary": summary, "distinct_ratio": ratio}, indent=1))
+        Path(args.json).write_text(json.dumps({"args": vars(args), "runs": results, "distinct": distinct},
+                                              indent=1))
+
+
+def report(results: dict[str, list[dict]], distinct: dict[str, list[dict]]) -> None:
+    """Medians over rounds per policy, and kv_aware / round_robin both ways: per round (paired
+    runs of one round) and as the ratio of the per-policy means over the rounds."""
+    keys = ("hit_rate", "mean_ttft_ms", "output_tok_s")
+    print("\n| policy | hit rate per round | mean TTFT (ms) per round | output tok/s per round |\n|---|---|---|---|")
+    for policy, runs in results.items():
+        hits = " / ".join(f"{100 * r['hit_rate']:.1f}%" for r in runs)
+        ttfts = " / ".join(f"{r['mean_ttft_ms']:.0f}" for r in runs)
+        tputs = " / ".join(f"{r['output_tok_s']:.1f}" for r in runs)
+        print(f"| {policy} | {hits} | {ttfts} | {tputs} |")
+    kv, rr = results["kv_aware"], results["round_robin"]
+    if kv and rr:
+        mean = {p: {k: statistics.mean(r[k] for r in runs) for k in keys} for p, runs in results.items()}
+        hit = [a["hit_rate"] / b["hit_rate"] for a, b in zip(kv, rr)]
+        ttft = [b["mean_ttft_ms"] / a["mean_ttft_ms"] for a, b in zip(kv, rr)]
+        tput = [a["output_tok_s"] / b["output_tok_s"] for a, b in zip(kv, rr)]
+        print(f"\nkv_aware / round_robin: hit rate x{statistics.median(hit):.2f} (per round "
+              f"{', '.join(f'{x:.2f}' for x in hit)}); mean TTFT {statistics.median(ttft):.2f}x lower as the median "
+              f"of per-round ratios ({', '.join(f'{x:.2f}' for x in ttft)}), "
+              f"{mean['round_robin']['mean_ttft_ms'] / mean['kv_aware']['mean_ttft_ms']:.2f}x as the ratio of the "
+              f"per-policy means over rounds ({mean['kv_aware']['mean_ttft_ms']:.0f} vs "
+              f"{mean['round_robin']['mean_ttft_ms']:.0f} ms); output tok/s x{statistics.median(tput):.2f}")
+    for policy, runs in distinct.items():
+        if runs:
+            print(f"all-distinct {policy}: output tok/s {' / '.join(str(round(r['output_tok_s'], 1)) for r in runs)}, "
+                  f"mean TTFT ms {' / '.join(str(round(r['mean_ttft_ms'])) for r in runs)}")
+    if distinct["kv_aware"]:
+        ratios = [a["output_tok_s"] / b["output_tok_s"] for a, b in zip(distinct["kv_aware"], distinct["round_robin"])]
+        print("\nall-distinct pairs (kv_aware vs round_robin): output tok/s "
+              + "; ".join(f"{a['output_tok_s']:.1f} vs {b['output_tok_s']:.1f}"
+                          for a, b in zip(distinct["kv_aware"], distinct["round_robin"]))
+              + "; mean TTFT ms " + "; ".join(f"{a['mean_ttft_ms']:.0f} vs {b['mean_ttft_ms']:.0f}"
+                                               for a, b in zip(distinct["kv_aware"], distinct["round_robin"]))
+              + f"; throughput ratio median {statistics.median(ratios):.3f} ({', '.join(f'{x:.3f}' for x in ratios)})")
 
 
 def _up(url: str) -> bool:

@@ -1,17 +1,20 @@
 """Data-parallel replicas and the KV-cache-aware router, with real processes: two `kvserve serve`
-replicas behind a `kvserve router`, and one `kvserve serve --data-parallel-size 2`, all on the
-tiny model with small pools (so blocks get evicted). The test that kills a replica runs last."""
+replicas (with host and disk offload tiers) behind a `kvserve router`, and one `kvserve serve
+--data-parallel-size 2`, all on the tiny model with small pools (so blocks get evicted and move
+down the tiers). The test that kills a replica runs last."""
 from __future__ import annotations
 
 import json
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
 from openai import OpenAI
 
+from kvserve.cache.kv_cache_manager import prompt_block_hashes, root_hash
 from router_process import RouterProcess
 from server_process import ServerProcess
 from tiny_models import BOOK
@@ -20,6 +23,8 @@ KEY = "router-test-key"
 # 256 KiB of float32 KV is 32 blocks of 16 tokens: a dozen prompts evict.
 REPLICA_ARGS = ["--dtype", "float32", "--kv-cache-memory", "256KiB", "--max-model-len", "256",
                 "--served-model-name", "tiny"]
+BLOCK_TOKENS, BLOCK_BYTES = 16, 16 * 512
+HOST_TIER_GIB = 8 * BLOCK_BYTES / (1 << 30)  # the two separate replicas' host tier: 8 blocks, then disk
 TEXT = BOOK.read_text()[5000:40000]
 SHARED = TEXT[:400]  # about 100 tokens: several full blocks
 
@@ -30,8 +35,13 @@ def cluster(tiny_llama, tmp_path_factory):
     def start(args, env=None):
         return ServerProcess.start([str(tiny_llama), *args], tmp_path_factory.mktemp("replica"), env, wait=False)
 
+    def tiers(name: str) -> list[str]:
+        return ["--kv-offloading-size", str(HOST_TIER_GIB),
+                "--kv-offloading-disk-path", str(tmp_path_factory.mktemp(f"kv-{name}"))]
+
     fault_env = {"KVSERVE_FAULT_INJECTION": "1"}
-    a, b = start([*REPLICA_ARGS, "--api-key", KEY], fault_env), start([*REPLICA_ARGS, "--api-key", KEY], fault_env)
+    a = start([*REPLICA_ARGS, *tiers("a"), "--api-key", KEY], fault_env)
+    b = start([*REPLICA_ARGS, *tiers("b"), "--api-key", KEY], fault_env)
     dp = start([*REPLICA_ARGS, "--data-parallel-size", "2"])
     router = RouterProcess.start([a.base_url, b.base_url], tmp_path_factory.mktemp("router"), "--api-key", KEY)
     try:
@@ -108,22 +118,103 @@ def test_requests_sharing_a_prefix_land_on_the_replica_that_holds_it(cluster):
         assert hits()[1 - holder] == before_hits[1 - holder]
 
 
-def test_the_routers_index_equals_the_replicas_cached_blocks(cluster):
+def snapshot(server: ServerProcess) -> dict:
+    return httpx.get(f"{server.base_url}/v1/kv_events/snapshot", headers={"Authorization": f"Bearer {KEY}"},
+                     timeout=10).json()
+
+
+def settled_snapshot(server: ServerProcess) -> dict:
+    """The replica's snapshot once its disk writes have landed: its disk tier's hashes are then the
+    block files in its directory, and its host tier's count matches the host tier's usage."""
+    args = server.process.args
+    directory = Path(args[args.index("--kv-offloading-disk-path") + 1])
+    deadline = time.monotonic() + 20
+    while True:
+        snap = snapshot(server)
+        files = sorted(p.name[:64] for p in directory.rglob("*.kvb"))
+        host = httpx.get(f"{server.base_url}/dashboard/state", headers={"Authorization": f"Bearer {KEY}"},
+                         timeout=10).json()["kv_offload_tiers"]["host_used_bytes"]
+        if (snap["tier_block_hashes"]["disk"] == files and len(snap["tier_block_hashes"]["host"]) * BLOCK_BYTES == host
+                and snap == snapshot(server)):
+            return snap
+        assert time.monotonic() < deadline, f"the snapshot's tiers never matched the tiers: {snap}, {files}, {host}"
+        time.sleep(0.2)
+
+
+def test_the_routers_index_equals_the_replicas_cached_blocks_in_every_tier(cluster):
     a, b, router, dp = cluster
     with ThreadPoolExecutor(4) as pool:  # a dozen distinct prompts into 32-block pools: evictions
         list(pool.map(lambda i: complete(router.base_url, TEXT[2000 + 450 * i:2000 + 450 * i + 400], 4), range(12)))
-    snapshots = {}
-    for name, server in (("0", a), ("1", b)):
-        snapshots[name] = httpx.get(f"{server.base_url}/v1/kv_events/snapshot", headers={"Authorization": f"Bearer {KEY}"}).json()
+    snapshots = {"0": settled_snapshot(a), "1": settled_snapshot(b)}
     assert any(s["seq"] > len(s["block_hashes"]) for s in snapshots.values()), "no block was removed"
+    assert any(s["tier_block_hashes"]["host"] for s in snapshots.values()), "nothing went down to a host tier"
     router.wait_until(lambda s: all(x["seq"] == snapshots[x["name"]]["seq"] for x in s["backends"]),
                       timeout=10, what="the router caught up with the replicas' events")
     state = router.state(hashes=True)
     for backend in state["backends"]:
         snap = snapshots[backend["name"]]
         assert backend["instance_id"] == snap["replica"]["instance_id"]
+        assert snap["replica"]["tiers"] == ["host", "disk"]
         assert backend["block_hashes"] == snap["block_hashes"]
-        assert backend["in_flight"] == 0  # every finished request counted out
+        assert backend["tier_block_hashes"] == snap["tier_block_hashes"]
+        assert backend["in_flight"] == backend["prefilling"] == 0  # every finished request counted out
+
+
+def events_until(server: ServerProcess, seq: int) -> list[dict]:
+    """The replica's event stream from its start, up to event `seq`."""
+    events = []
+    with httpx.stream("GET", f"{server.base_url}/v1/kv_events", params={"since": 0}, timeout=30,
+                      headers={"Authorization": f"Bearer {KEY}"}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data:"):
+                message = json.loads(line[5:])
+                assert message["type"] != "Snapshot", "the ring should still hold every event"
+                events += message.get("events", [])
+                if events and events[-1]["seq"] >= seq:
+                    return events
+
+
+def test_a_prefix_only_on_one_replicas_disk_is_routed_there(cluster):
+    """Three prefixes are pushed down replica A's pool and host tier onto its disk: the event
+    stream shows each move, and the router, seeing them on A's disk and nowhere else, sends every
+    one of them to A (taking turns, it would send some to B), which reads them back from disk."""
+    a, b, router, dp = cluster
+    salt = "disk-only"
+    prompts = [TEXT[25000 + 500 * i:25000 + 500 * i + 360] for i in range(3)]
+    for prompt in prompts:
+        complete(a.base_url, prompt, max_tokens=1, cache_salt=salt)
+    for i in range(6):  # 6 x 12 blocks through A's 32-block pool and 8-block host tier
+        complete(a.base_url, TEXT[27000 + 450 * i:27000 + 450 * i + 400], max_tokens=1)
+    snap = settled_snapshot(a)
+    namespace, block_size = snap["replica"]["namespace"], snap["replica"]["block_size"]
+    hashes = []
+    for prompt in prompts:
+        tokens = httpx.post(f"{a.base_url}/tokenize", json={"model": "tiny", "prompt": prompt},
+                            headers={"Authorization": f"Bearer {KEY}"}).json()["tokens"]
+        hashes.append([h.hex() for h in prompt_block_hashes(root_hash(namespace, salt), tokens, block_size)
+                       [:(len(tokens) - 1) // block_size]])
+    for held in hashes:
+        assert len(held) >= 6
+        assert set(held) <= set(snap["tier_block_hashes"]["disk"])
+        assert not set(held) & (set(snap["block_hashes"]) | set(snap["tier_block_hashes"]["host"]))
+    events = events_until(a, snap["seq"])
+    first = hashes[0][0]
+    path = [(e["type"], e["medium"]) for e in events if e.get("block_hash") == first]
+    assert path[:2] == [("BlockStored", "pool"), ("BlockRemoved", "pool")], path
+    assert ("BlockStored", "host") in path and ("BlockRemoved", "host") in path and path[-1] == ("BlockStored", "disk")
+
+    router.wait_until(lambda s: s["backends"][0]["seq"] == snap["seq"], timeout=10, what="the router caught up")
+    routed = [x["routed"] for x in router.state()["backends"]]
+    disk_hits = a.metrics().get('kvserve:prefix_cache_tier_hits_total{tier="disk"}', 0.0)
+    for prompt in prompts:
+        complete(router.base_url, prompt, max_tokens=1, cache_salt=salt)
+    went = [x["routed"] - r for x, r in zip(router.state()["backends"], routed)]
+    assert went == [3, 0], f"disk-held prefixes routed {went}"
+    loaded = sum(len(h) for h in hashes) * block_size
+    deadline = time.monotonic() + 10  # the counters follow the engine's step a moment later
+    while a.metrics().get('kvserve:prefix_cache_tier_hits_total{tier="disk"}', 0.0) - disk_hits < loaded:
+        assert time.monotonic() < deadline, "A did not read the prefixes back from its disk tier"
+        time.sleep(0.1)
 
 
 def test_no_reachable_backend_is_a_503_with_an_openai_error(tmp_path):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from kvserve.entrypoints.data_parallel import replica_argv
 from kvserve.router.backends import Backend
-from kvserve.router.index import PendingHints, PrefixIndex, matched_blocks
+from kvserve.cache.kv_events import DISK, HOST, POOL
+from kvserve.router.index import PendingHints, PrefixIndex, matched_blocks, matched_media
 from kvserve.router.metrics_merge import merge_metrics
 from kvserve.router.policy import Router
 from kvserve.router.prompt_hashes import block_hashes
@@ -32,6 +33,48 @@ def test_matched_blocks_counts_the_leading_run_only():
     hints.add("1", [b"h0", b"h1"])
     assert matched_blocks(index, hints, "0", [b"h0", b"h1", b"h2"]) == 1
     assert matched_blocks(index, hints, "1", [b"h0", b"h1", b"h2"]) == 2
+
+
+def test_the_index_keeps_each_medium_apart_and_matches_as_the_replica_looks_up():
+    index, hints = PrefixIndex(), PendingHints()
+    index.add("0", b"h0")
+    index.add("0", b"h0", HOST)  # in the pool and still on the host tier
+    index.add("0", b"h1", DISK)
+    index.add("0", b"h2")  # in the pool, but after a tier block: the replica does not look there
+    assert matched_media(index, hints, "0", [b"h0", b"h1", b"h2"]) == [POOL, DISK]
+    index.add("0", b"h2", HOST)
+    assert matched_media(index, hints, "0", [b"h0", b"h1", b"h2"]) == [POOL, DISK, HOST]
+    index.remove("0", b"h0")  # a pool removal leaves the host copy
+    assert matched_media(index, hints, "0", [b"h0"]) == [HOST]
+    index.clear("0", HOST)
+    assert index.hashes("0", DISK) == {b"h1"} and index.hashes("0") == {b"h2"} and not index.hashes("0", HOST)
+    index.clear("0")
+    assert len(index) == 0
+
+
+def test_kv_aware_prefers_a_pool_hit_over_host_over_disk_over_nothing():
+    backends = [Backend(str(i), f"http://replica-{i}") for i in range(4)]
+    for b in backends:
+        b.up, b.namespace, b.block_size = True, "float32", 4
+    index = PrefixIndex()
+    router = Router("kv_aware", index, PendingHints(), load_cost_tokens=4)
+    tokens = list(range(33))  # 8 full blocks
+    hashes = block_hashes(tokens, "float32", 4, None)
+    for name, medium in (("1", DISK), ("2", HOST), ("3", POOL)):
+        for h in hashes:
+            index.add(name, h, medium)
+    order = []
+    for _ in range(3):
+        choice = router.choose(backends, tokens, None)
+        assert choice.cached_tokens == 32
+        order.append(choice.backend.name)
+        index.clear(choice.backend.name)
+    assert order == ["3", "2", "1"]
+    assert router.choose(backends, tokens, None).cached_tokens == 0
+    for h in hashes:  # a disk holder keeps the prefix against a little more load than the others
+        index.add("1", h, DISK)
+    backends[1].in_flight = 1
+    assert router.choose(backends, tokens, None).backend.name == "1"
 
 
 def _backends() -> list[Backend]:
@@ -63,6 +106,33 @@ def test_round_robin_and_least_loaded():
     ll = Router("least_loaded", PrefixIndex(), PendingHints())
     assert {ll.choose(backends, [1, 2], None).backend.name for _ in range(4)} == {"1"}
     assert ll.choose([], [1], None) is None
+
+
+def test_a_request_still_prefilling_weighs_more_than_one_decoding():
+    """Replacements for a batch that just finished on one replica must not all pile their prefills
+    onto it: a request without its first answer bytes counts twice."""
+    backends = _backends()
+    ll = Router("least_loaded", PrefixIndex(), PendingHints())
+    decoding = [backends[0].open() for _ in range(2)]
+    for ticket in decoding:
+        ticket.answer()
+    backends[1].open().answer()
+    fresh = backends[1].open()  # 1 decoding + 1 prefilling on "1" against 2 decoding on "0"
+    assert {ll.choose(backends, [1], None).backend.name for _ in range(4)} == {"0"}
+    fresh.answer()
+    assert {ll.choose(backends, [1], None).backend.name for _ in range(4)} == {"0", "1"}  # a tie: in turn
+    fresh.close()
+    fresh.close()  # a second close (stream end after an error) counts nothing
+    assert (backends[1].in_flight, backends[1].prefilling) == (1, 0)
+
+
+def test_kv_aware_takes_turns_on_ties_whatever_the_reported_kv_usage():
+    """With nothing cached and equal load, kv_aware spreads requests like least_loaded: a stale,
+    lower KV usage report (the replica whose batch just finished) must not draw every new prompt."""
+    backends = _backends()
+    backends[0].kv_usage, backends[1].kv_usage = 0.1, 0.5
+    router = Router("kv_aware", PrefixIndex(), PendingHints())
+    assert [router.choose(backends, [7, 8, 9], None).backend.name for _ in range(4)] == ["0", "1", "0", "1"]
 
 
 def test_merged_metrics_label_each_replica_and_keep_families_together():

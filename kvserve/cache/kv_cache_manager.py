@@ -40,6 +40,7 @@ from kvserve.cache.block_pool import Block, BlockPool
 from kvserve.cache.eviction.compaction import plan_compaction
 from kvserve.cache.eviction.config import EvictionConfig
 from kvserve.cache.eviction.evictor import Evictor
+from kvserve.cache.kv_events import KVEventLog
 from kvserve.cache.tiers import TieredStore
 
 # Extra key of the root hash for sequences that store keys before RoPE (evicting sequences).
@@ -355,6 +356,13 @@ class KVCacheManager:
             load.future.cancel()  # a read not started yet is dropped; one under way finishes unused
         if self.evictor is not None:
             self.evictor.forget(request.request_id)
+
+    def attach_events(self, log: KVEventLog) -> None:
+        """Publish the prefix cache's changes in `log` (kv_events.py): the pool's, and the tiers'
+        when there are tiers."""
+        self.pool.attach_events(log)
+        if self.tiers is not None:
+            self.tiers.attach_events(log)
 
     def flush_tiers(self) -> int:
         """Write every published pool block and the host tier to the disk tier (at shutdown);

@@ -29,8 +29,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
+from kvserve.cache.kv_events import DISK, HOST
 from kvserve.router import DEFAULT_LOAD_COST_TOKENS
-from kvserve.router.backends import CONNECT_TIMEOUT_S, Backend, BackendWatcher
+from kvserve.router.backends import CONNECT_TIMEOUT_S, Backend, BackendWatcher, Ticket
 from kvserve.router.index import PendingHints, PrefixIndex
 from kvserve.router.metrics_merge import merge_metrics
 from kvserve.router.policy import Router
@@ -167,18 +168,18 @@ class RouterService:
             if choice is None:
                 return JSONResponse(error_body(503, NO_BACKEND), status_code=503)
             backend = choice.backend
-            backend.in_flight += 1
+            ticket = backend.open()
             try:
                 upstream = await self.client.send(
                     self.client.build_request("POST", f"{backend.url}{request.url.path}", content=raw,
                                               headers=headers), stream=True)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-                backend.in_flight -= 1
+                ticket.close()
                 tried.add(backend.name)
                 self.watchers[backend.name].mark_down(f"connection failed: {type(exc).__name__}")
                 continue
             except BaseException:
-                backend.in_flight -= 1
+                ticket.close()
                 raise
             break
         self.router.routed(choice)
@@ -190,20 +191,21 @@ class RouterService:
         media_type = upstream.headers.get("content-type", "application/json")
         if stream and upstream.status_code == 200:
             def closed() -> None:  # however the response ends, even before its first chunk
-                backend.finished()
+                ticket.close()
                 asyncio.ensure_future(upstream.aclose())
-            return EventStreamResponse(self._relay_stream(upstream, backend), closed)
+            return EventStreamResponse(self._relay_stream(upstream, ticket), closed)
         try:
-            content = b"".join([chunk async for chunk in self._relay(upstream, backend)])
+            content = b"".join([chunk async for chunk in self._relay(upstream, ticket)])
         except BackendGone as exc:
             return JSONResponse(error_body(502, str(exc)), status_code=502)
         finally:
             await upstream.aclose()
-            backend.finished()
+            ticket.close()
         return Response(content, status_code=upstream.status_code, media_type=media_type)
 
-    async def _relay(self, upstream: httpx.Response, backend: Backend) -> AsyncIterator[bytes]:
+    async def _relay(self, upstream: httpx.Response, ticket: Ticket) -> AsyncIterator[bytes]:
         """The backend's body as it arrives; BackendGone if it fails or is taken out meanwhile."""
+        backend = ticket.backend
         gone = f"The backend {backend.name} was taken out of service while answering."
         down = asyncio.ensure_future(backend.down.wait())
         chunks = upstream.aiter_raw().__aiter__()
@@ -225,6 +227,7 @@ class RouterService:
                     self.m_failed.labels(backend.name).inc()
                     raise BackendGone(f"The backend {backend.name} failed while answering "
                                       f"({type(exc).__name__}).") from None
+                ticket.answer()
                 yield chunk
         finally:
             down.cancel()
@@ -235,12 +238,12 @@ class RouterService:
                 else:
                     step.cancel()
 
-    async def _relay_stream(self, upstream: httpx.Response, backend: Backend) -> AsyncIterator[bytes]:
+    async def _relay_stream(self, upstream: httpx.Response, ticket: Ticket) -> AsyncIterator[bytes]:
         """An SSE body passed on whole message by message, so that an error event, if the backend
         fails, never lands inside one."""
         pending = b""
         try:
-            async for chunk in self._relay(upstream, backend):
+            async for chunk in self._relay(upstream, ticket):
                 pending += chunk
                 end = pending.rfind(b"\n\n")
                 if end >= 0:
@@ -285,9 +288,11 @@ class RouterService:
                 "index_entries": len(self.index),
                 "backends": [{"name": b.name, "url": b.url, "up": b.up, "instance_id": b.instance_id,
                               "namespace": b.namespace, "block_size": b.block_size, "seq": b.seq,
-                              "in_flight": b.in_flight, "running": b.running, "waiting": b.waiting,
+                              "in_flight": b.in_flight, "prefilling": b.prefilling, "running": b.running, "waiting": b.waiting,
                               "kv_cache_usage": b.kv_usage, "routed": b.routed,
-                              **({"block_hashes": sorted(h.hex() for h in self.index.hashes(b.name))}
+                              **({"block_hashes": sorted(h.hex() for h in self.index.hashes(b.name)),
+                                  "tier_block_hashes": {m: sorted(h.hex() for h in self.index.hashes(b.name, m))
+                                                        for m in (HOST, DISK)}}
                                  if with_hashes else {})} for b in self.backends]}
 
 

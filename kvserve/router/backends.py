@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from kvserve.cache.kv_events import MEDIA, POOL
 from kvserve.router.index import PendingHints, PrefixIndex
 
 logger = logging.getLogger("kvserve.router")
@@ -29,6 +30,7 @@ HEALTH_POLL_S = 1.0  # backends without event routes
 CONNECT_TIMEOUT_S = 3.0
 KV_PRESSURE_FROM = 0.8  # KV usage above which a replica counts as busier
 STREAM_READ_TIMEOUT_S = 10.0  # the replica sends a keepalive every 2 s
+PREFILL_WEIGHT = 1.0  # extra load of a request still waiting for its first answer byte (Backend.load)
 
 
 @dataclass(eq=False)
@@ -41,6 +43,7 @@ class Backend:
     block_size: int | None = None
     seq: int | None = None  # last event applied
     in_flight: int = 0  # requests this router has open on it
+    prefilling: int = 0  # of which no answer byte has come back yet (their prompts still being computed)
     running: int = 0  # as the replica last reported
     waiting: int = 0
     kv_usage: float = 0.0
@@ -53,14 +56,45 @@ class Backend:
     @property
     def load(self) -> float:
         """The requests this router has open on it (exact and without delay: the replica's own
-        running/waiting report lags its finishes by up to a Load interval), plus up to one more
-        as its reported KV usage climbs from KV_PRESSURE_FROM to full: a pool about to preempt
-        is busier than its request count says (and the usage reflects other clients' work)."""
-        return self.in_flight + max(0.0, self.kv_usage - KV_PRESSURE_FROM) / (1.0 - KV_PRESSURE_FROM)
+        running/waiting report lags its finishes by up to a Load interval), those still waiting for
+        their first answer byte counted twice, plus up to one more as its reported KV usage climbs
+        from KV_PRESSURE_FROM to full: a pool about to preempt is busier than its request count
+        says (and the usage reflects other clients' work).
 
-    def finished(self) -> None:
-        """One of this router's requests on it ended."""
-        self.in_flight -= 1
+        Why prefills count twice: a prompt still being computed costs its replica far more per step
+        than a request that is decoding, and it delays every prompt sent after it. Counting requests
+        alone, the replacements for a batch that finished together on one replica (a closed loop of
+        equal requests does this every time) all went back to that replica, whose load had just
+        dropped, and queued behind each other's prefills while the other replica only decoded."""
+        return (self.in_flight + PREFILL_WEIGHT * self.prefilling
+                + max(0.0, self.kv_usage - KV_PRESSURE_FROM) / (1.0 - KV_PRESSURE_FROM))
+
+    def open(self) -> Ticket:
+        """Count one of this router's requests as sent to it, until the ticket is closed."""
+        self.in_flight += 1
+        self.prefilling += 1
+        return Ticket(self)
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One request on a backend: counted as prefilling until its first answer bytes, as in flight
+    until it ends. Both calls may repeat; only the first counts."""
+
+    backend: Backend
+    answered: bool = False
+    closed: bool = False
+
+    def answer(self) -> None:
+        if not self.answered:
+            self.answered = True
+            self.backend.prefilling -= 1
+
+    def close(self) -> None:
+        if not self.closed:
+            self.answer()
+            self.closed = True
+            self.backend.in_flight -= 1
 
 
 class BackendWatcher:
@@ -128,8 +162,7 @@ class BackendWatcher:
                     self._hello(message["replica"])
                     hello = True
                 elif kind == "Snapshot":
-                    self.index.replace(b.name, (bytes.fromhex(h) for h in message["block_hashes"]))
-                    b.seq = message["seq"]
+                    self._snapshot(message)
                 elif kind == "Events":
                     self._apply(message["events"])
                 elif kind == "Load":
@@ -149,16 +182,28 @@ class BackendWatcher:
         b.block_size = replica["block_size"]
         self._mark_up()
 
+    def _snapshot(self, message: dict) -> None:
+        """The replica's whole state: its pool's hashes and each tier's (a tier not listed holds none)."""
+        b = self.backend
+        self.index.clear(b.name)
+        self.index.replace(b.name, (bytes.fromhex(h) for h in message["block_hashes"]))
+        for medium, hashes in message.get("tier_block_hashes", {}).items():
+            if medium in MEDIA:
+                self.index.replace(b.name, (bytes.fromhex(h) for h in hashes), medium)
+        b.seq = message["seq"]
+
     def _apply(self, events: list[dict]) -> None:
         b = self.backend
         for event in events:
-            kind = event["type"]
-            if kind == "BlockStored":
-                self.index.add(b.name, bytes.fromhex(event["block_hash"]))
+            kind, medium = event["type"], event.get("medium", POOL)
+            if medium not in MEDIA:
+                pass  # a medium this router does not know: not a place it can route to
+            elif kind == "BlockStored":
+                self.index.add(b.name, bytes.fromhex(event["block_hash"]), medium)
             elif kind == "BlockRemoved":
-                self.index.remove(b.name, bytes.fromhex(event["block_hash"]))
+                self.index.remove(b.name, bytes.fromhex(event["block_hash"]), medium)
             elif kind == "AllBlocksCleared":
-                self.index.clear(b.name)
+                self.index.clear(b.name, medium)
             b.seq = event["seq"]
 
     async def _health_only(self) -> None:

@@ -1,31 +1,42 @@
 """Routing policies: which up backend gets the next request.
 
     round_robin   in turn
-    least_loaded  the least load (Backend.load: the requests this router has open on it, plus
-                  its KV-cache pressure near a full pool)
+    least_loaded  the least load (Backend.load: the requests this router has open on it, those
+                  still waiting for their first bytes counted twice, plus its KV-cache pressure
+                  near a full pool)
     kv_aware      the longest cached run of the request's prompt blocks, weighed against load:
-                  score = cached prompt tokens - load_cost_tokens x load; the best score wins,
-                  ties go to the less loaded. A hot prefix thus stays on one replica until that
-                  replica is (its cached tokens / load_cost_tokens) requests busier than another,
-                  and then spreads (the balance SGLang's cache-aware router keeps with thresholds).
+                  score = cached prompt tokens x tier weight - load_cost_tokens x load; the best
+                  score wins, ties go to the next in turn. A hot prefix thus stays on one replica
+                  until that replica is (its cached tokens / load_cost_tokens) requests busier
+                  than another, and then spreads (the balance SGLang's cache-aware router keeps
+                  with thresholds).
+
+Tier weights (TIER_WEIGHTS): a block in a replica's pool is reused as it is (1.0); one in its host
+tier first costs a copy into the pool (0.9); one in its disk tier a file read and its checks,
+slower and more variable with the device (0.75). Each is still far cheaper than computing the
+block's tokens again (BENCHMARKS.md, "KV offload tiers"), so all stay near 1, ordered: with equal
+load a pool hit beats a host hit beats a disk hit beats nothing, and a disk holder keeps a long
+prefix until it is several requests busier than a replica holding nothing.
 """
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
 
+from kvserve.cache.kv_events import DISK, HOST, POOL
 from kvserve.router import DEFAULT_LOAD_COST_TOKENS, POLICIES
 from kvserve.router.backends import Backend
-from kvserve.router.index import PendingHints, PrefixIndex, matched_blocks
+from kvserve.router.index import PendingHints, PrefixIndex, matched_media
 from kvserve.router.prompt_hashes import block_hashes
 
+TIER_WEIGHTS = {POOL: 1.0, HOST: 0.9, DISK: 0.75}  # worth of a cached token, by where it is (above)
 
 
 @dataclass
 class Choice:
     backend: Backend
     hashes: list[bytes]  # the prompt's block hashes under the backend's namespace ([] unknown)
-    cached_tokens: int  # how many prompt tokens the router expects it to find cached
+    cached_tokens: int  # how many prompt tokens the router expects it to find cached (in any tier)
 
 
 @dataclass
@@ -50,11 +61,11 @@ class Router:
             return Choice(rotated[0], [], 0)
         if self.policy == "least_loaded" or not token_ids:
             return Choice(min(rotated, key=lambda b: b.load), [], 0)
-        best: tuple[float, float, float] | None = None
+        best: float | None = None
         choice = None
         hashes_by_ns: dict[tuple[str, int], list[bytes]] = {}
         for backend in rotated:
-            hashes, cached = [], 0
+            hashes, cached, worth = [], 0, 0.0
             if backend.namespace is not None and backend.block_size:
                 key = (backend.namespace, backend.block_size)
                 if key not in hashes_by_ns:
@@ -63,8 +74,13 @@ class Router:
                 # The last prompt token is always recomputed: a prompt's last full block counts only
                 # if a token follows it (as the engine caps its hits).
                 usable = hashes[:(len(token_ids) - 1) // backend.block_size]
-                cached = matched_blocks(self.index, self.hints, backend.name, usable) * backend.block_size
-            score = (cached - self.load_cost_tokens * backend.load, -backend.load, -backend.kv_usage)
+                media = matched_media(self.index, self.hints, backend.name, usable)
+                cached = len(media) * backend.block_size
+                worth = sum(TIER_WEIGHTS[m] for m in media) * backend.block_size
+            # Ties go to the next in turn, as in least_loaded. Not to the lowest reported KV usage: that
+            # report lags and favours the replica whose batch just finished, so the replacements'
+            # prefills all went to it (a higher mean TTFT on all-distinct prompts; BENCHMARKS.md).
+            score = worth - self.load_cost_tokens * backend.load
             if best is None or score > best:
                 best, choice = score, Choice(backend, hashes, cached)
         return choice

@@ -1,6 +1,7 @@
 """The replica's prefix-cache events over HTTP, for KV-cache-aware routers (README "KV-cache events").
 
-    GET /v1/kv_events/snapshot   {"replica": {...}, "seq": S, "block_hashes": [hex, ...]}
+    GET /v1/kv_events/snapshot   {"replica": {...}, "seq": S, "block_hashes": [hex, ...],
+                                  "tier_block_hashes": {"host": [hex, ...], "disk": [...]}}
     GET /v1/kv_events?since=S    SSE: a "Hello" message (the replica), then a "Snapshot" when the
                                  events after S are no longer kept (or S is absent or from
                                  another instance), then "Events" batches in order, and "Load"
@@ -10,7 +11,8 @@
 Every message and answer names the replica: its `instance_id` (new on every start, so a router
 sees a restart and drops what it knew) and the hash namespace (`namespace`, `block_size`): a
 router computes a prompt's block hashes with kv_cache_manager.root_hash(namespace, cache_salt)
-and prompt_block_hashes, exactly as this replica does. All of it needs the API key, like every
+and prompt_block_hashes, exactly as this replica does. With KV offload tiers, events and snapshots
+also cover the host and disk tiers (each event's `medium`: "pool", "host" or "disk"). All of it needs the API key, like every
 data route. The stream is polled from the event log (the engine thread never waits on a reader)
 and ends when the server begins to shut down, so a router's connection never holds a shutdown.
 """
@@ -25,7 +27,7 @@ from dataclasses import asdict, dataclass
 from fastapi import FastAPI, Query
 from fastapi.responses import StreamingResponse
 
-from kvserve.cache.kv_events import KVEventLog
+from kvserve.cache.kv_events import POOL, KVEventLog
 from kvserve.server.engine_loop import AsyncEngine
 
 POLL_S = 0.02  # how often an open stream looks for new events
@@ -43,15 +45,17 @@ class ReplicaInfo:
     namespace: str  # root of the hash chain (the KV storage format)
     block_size: int
     prefix_caching: bool
+    tiers: tuple[str, ...] = ()  # the offload tiers whose blocks are published too ("host", "disk")
 
 
 def attach_kv_events(async_engine: AsyncEngine, capacity: int) -> tuple[KVEventLog, ReplicaInfo]:
     """Start recording the engine's prefix-cache events (before its thread starts)."""
     engine = async_engine.engine
     log = KVEventLog(capacity)
-    engine.kv_manager.pool.attach_events(log)
+    engine.kv_manager.attach_events(log)
     info = ReplicaInfo(uuid.uuid4().hex, engine.model_path.name, engine.kv_manager.namespace,
-                       engine.kv_manager.block_size, engine.kv_manager.enable_prefix_caching)
+                       engine.kv_manager.block_size, engine.kv_manager.enable_prefix_caching,
+                       tuple(m for m in log.media if m != POOL))
     return log, info
 
 
@@ -66,7 +70,9 @@ def add_kv_event_routes(app: FastAPI, async_engine: AsyncEngine, log: KVEventLog
     def snapshot_body() -> dict:
         snap = log.snapshot()
         return {"type": "Snapshot", "replica": replica, "seq": snap.seq,
-                "block_hashes": sorted(h.hex() for h in snap.block_hashes)}
+                "block_hashes": sorted(h.hex() for h in snap.block_hashes),
+                "tier_block_hashes": {m: sorted(h.hex() for h in hashes)
+                                      for m, hashes in snap.by_medium.items() if m != POOL}}
 
     @app.get("/v1/kv_events/snapshot")
     async def kv_events_snapshot() -> dict:

@@ -121,6 +121,8 @@ class DiskTier(BlockStore):
                     break
                 if _unlink(path):
                     self.num_evicted_files += 1
+                    if os.path.dirname(os.path.dirname(path)) == str(self.dir):  # ours, not another namespace's
+                        self._removed(bytes.fromhex(os.path.basename(path)[:-len(SUFFIX)]))
                 total -= size
         self._used = total
 
@@ -140,12 +142,14 @@ class DiskTier(BlockStore):
                 got = f.readinto(payload) if len(header) == HEADER.size else 0
                 extra = len(f.read(1))
         except OSError:
-            return None  # absent, or removed by a size-limit eviction meanwhile
+            self._removed(block_hash)  # absent (perhaps removed by another process sharing the directory)
+            return None
         problem = self._check(header, got, extra, payload, block_hash)
         if problem is not None:
             self.num_bad_files += 1
             logger.warning("KV disk tier: %s %s; treated as a miss and removed", path, problem)
             _unlink(str(path))
+            self._removed(block_hash)
             return None
         try:
             os.utime(path)  # least recently used goes first
@@ -193,10 +197,24 @@ class DiskTier(BlockStore):
             self.disable(f"{exc.strerror or exc} ({self.root})")
             return
         self.num_writes += 1
+        self._stored(block_hash)
         with self._lock:
             self._used += self.file_nbytes
             if self._used > self.max_bytes:
                 self._enforce_bound()
+
+    def held_hashes(self) -> list[bytes]:
+        """The blocks of this namespace on disk now (written by any process sharing the directory)."""
+        out = []
+        for sub in self.dir.iterdir() if self.dir.is_dir() else ():
+            for entry in sub.iterdir() if sub.is_dir() else ():
+                name = entry.name
+                if name.endswith(SUFFIX) and len(name) == 64 + len(SUFFIX):
+                    try:
+                        out.append(bytes.fromhex(name[:64]))
+                    except ValueError:
+                        continue
+        return out
 
     def disable(self, reason: str) -> None:
         if self.disabled is None:

@@ -49,11 +49,16 @@ class HostTier(BlockStore):
             return
         while len(self._blocks) >= self.max_blocks:
             old_hash, old = self._blocks.popitem(last=False)
+            self._removed(old_hash)
             if self.on_evict is not None:
                 self.on_evict(old_hash, old)
         copy = torch.empty(data.numel(), dtype=torch.uint8, pin_memory=self.pin_memory)
         copy.copy_(data.view(-1), non_blocking=self.pin_memory)
         self._blocks[block_hash] = copy
+        self._stored(block_hash)
+
+    def held_hashes(self) -> list[bytes]:
+        return list(self._blocks)
 
     def items(self) -> list[tuple[bytes, torch.Tensor]]:
         return list(self._blocks.items())

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.cache.kv_cache import KVCache
+from kvserve.cache.kv_events import KVEventLog
 from kvserve.cache.tiers.disk import DiskTier
 from kvserve.cache.tiers.host import HostTier
 from kvserve.cache.tiers.writer import BackgroundWriter
@@ -231,6 +232,12 @@ class TieredStore:
                 self.disk.put(block_hash, data)
                 written += 1
         return written
+
+    def attach_events(self, log: KVEventLog) -> None:
+        """Publish each tier's stored / removed blocks in `log` (kv_events.py), for routers."""
+        for tier in (self.host, self.disk):
+            if tier is not None:
+                tier.attach_events(log)
 
     def close(self) -> None:
         if self.loader is not None:
