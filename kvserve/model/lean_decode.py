@@ -1,0 +1,150 @@
+"""The lean decode step: each decoder layer of a small decode batch in two C++ calls.
+
+With int4 weights a batch-1 decode step reads so few bytes that the step is bound by the small
+ops between the matmuls, not by the weights: as torch ops from Python, a layer's RMSNorms,
+residual adds, casts to and from the int4 kernel's bfloat16, RoPE and SiLU × up are some fifty
+dispatches. csrc/lean_decode.cpp fuses everything from one attention call to the next into two
+calls (the residual add and RMSNorm in front of the qkv matmul and RoPE after it; then o_proj, its
+residual, RMSNorm, gate/up, SiLU × up and down), calling torch's int4 kernel on the weights the
+QuantizedLinear layers already hold. The K/V write and the paged decode attention between the two
+stay the KV format's and the attention kernel's own, so every KV dtype takes this path.
+
+It runs only where it computes what the module path computes: a CPU model whose four linears per
+layer are all on the int4 kernel (quant_linear.py), a step of decodes only in one group read in
+place, at most the rows the kernel takes, and no key centring, key basis, KV rotation or eviction.
+Everything else (prefill chunks, big batches, CUDA, `KVSERVE_DISABLE_CPU_KERNEL=1`, a kernel that
+does not build) takes the module path unchanged.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvserve.cache.kv_cache import KVCache
+from kvserve.model.attention import AttentionMetadata
+from kvserve.model.kernel_build import KernelBuild, current_isa, load_kernel
+from kvserve.model.quant_linear import QuantizedLinear
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "lean_decode.cpp"
+
+
+def lean_decode_build(isa: str | None = None) -> KernelBuild:
+    """The lean decode ops built for `isa` (default: the ISA torch dispatches to here)."""
+    isa = isa or current_isa()
+    return KernelBuild(f"kvserve_lean_decode_{isa.lower()}", SOURCE, isa)
+
+
+@functools.cache
+def load_lean_decode_module() -> tuple[Any | None, str]:
+    """The compiled extension module for this process, or None and why not (asked once)."""
+    return load_kernel(lean_decode_build())
+
+
+@dataclass(frozen=True)
+class _KernelLinear:
+    """A QuantizedLinear's operands for torch's int4 kernel."""
+
+    packed: torch.Tensor
+    scales_zeros: torch.Tensor
+    bias: torch.Tensor | None
+    doubled: bool  # an 8-bit matrix packed as two nibbles: the input row goes in twice
+
+    @classmethod
+    def of(cls, linear: QuantizedLinear) -> "_KernelLinear":
+        return cls(linear.packed, linear.scales_zeros, linear.bias, linear.bits == 8)
+
+
+@dataclass(frozen=True)
+class _Layer:
+    index: int
+    window: int | None
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    eps: float
+    qkv: _KernelLinear
+    o: _KernelLinear
+    gate_up: _KernelLinear
+    down: _KernelLinear
+
+
+class LeanDecoder:
+    """Runs a model's decoder layers for a decode-only step through the fused ops."""
+
+    def __init__(self, module: Any, model: torch.nn.Module, layers: list[_Layer], max_rows: int):
+        self.module = module
+        self.model = model
+        self.layers = layers
+        self.max_rows = max_rows
+        config = model.config
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module) -> tuple["LeanDecoder | None", str]:
+        """A decoder for `model` (a LlamaForCausalLM), or None and why it does not apply."""
+        weight = model.embed_tokens.weight
+        if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32):
+            return None, f"runs on CPU in bfloat16 or float32 only, not {weight.device.type} {weight.dtype}"
+        layers = []
+        for i, layer in enumerate(model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if not all(isinstance(lin, QuantizedLinear) and lin.kernel for lin in linears):
+                return None, "not every linear layer is on the int4 kernel"
+            if any(lin.bias is not None for lin in linears[1:]) or attn.reduce is not None or mlp.reduce is not None:
+                return None, "biases after qkv or tensor parallelism"
+            if layer.input_layernorm.eps != layer.post_attention_layernorm.eps:
+                return None, "the layer's two norms differ in eps"
+            layers.append(_Layer(i, attn.window, layer.input_layernorm.weight.detach(),
+                                 layer.post_attention_layernorm.weight.detach(), layer.input_layernorm.eps,
+                                 *(_KernelLinear.of(lin) for lin in linears)))
+        module, why = load_lean_decode_module()
+        if module is None:
+            return None, why
+        max_rows = min(lin.max_kernel_rows for layer in model.layers
+                       for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                                   layer.mlp.down_proj))
+        return cls(module, model, layers, max_rows), ""
+
+    def applies(self, rows: int, kv_cache: KVCache, meta: AttentionMetadata) -> bool:
+        """Whether this step (`rows` packed tokens) is one the fused path computes as the modules do."""
+        if rows > self.max_rows or meta.prefills or len(meta.decodes) != 1 or meta.decode_in_place is None:
+            return False
+        if meta.evicting_decode is not None or meta.unrotated_key_rows is not None:
+            return False
+        first = self.model.layers[0].self_attn
+        if first.key_center is not None or first.key_basis is not None:
+            return False
+        return kv_cache.format.rotation(self.head_dim, self.model.embed_tokens.weight.dtype,
+                                        meta.slot_mapping.device) is None
+
+    def run(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache,
+            meta: AttentionMetadata) -> torch.Tensor:
+        """x [rows, hidden] (the embeddings) -> the last layer's output [rows, hidden]."""
+        rows = x.shape[0]
+        cos, signed_sin = (t.reshape(rows, self.head_dim) for t in rope)
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        group = meta.decodes[0]
+        block_tables = group.block_ids.view(rows, -1)
+        kv_format, pools = kv_cache.format, kv_cache.layers
+        attention_input, attention_output = self.module.attention_input, self.module.attention_output
+        h, delta = x.contiguous(), None
+        for layer in self.layers:
+            qkv = layer.qkv
+            h, heads_out = attention_input(h, delta, layer.input_norm, layer.eps, qkv.packed, qkv.scales_zeros,
+                                           qkv.bias, qkv.doubled, cos, signed_sin, heads + kv_heads, dim)
+            pool = pools[layer.index]
+            kv_format.write(pool, heads_out[:, heads:heads + kv_heads], heads_out[:, heads + kv_heads:],
+                            meta.slot_mapping)
+            attn = meta.decode_in_place(pool, heads_out[:, :heads], block_tables, group.seq_lens, layer.window)
+            o, gate_up, down = layer.o, layer.gate_up, layer.down
+            h, delta = attention_output(attn.reshape(rows, heads * dim), h, o.packed, o.scales_zeros, o.doubled,
+                                        layer.post_norm, layer.eps, gate_up.packed, gate_up.scales_zeros,
+                                        gate_up.doubled, down.packed, down.scales_zeros, down.doubled)
+        return h + delta
