@@ -1,0 +1,97 @@
+"""The lean decode step (kvserve/model/lean_decode.py): decode-only steps of a model on the int4
+kernel run each layer as two fused C++ calls, and compute what the module path computes."""
+from __future__ import annotations
+
+import pytest
+
+from kvserve import LLM, SamplingParams
+from kvserve.model.lean_decode import LeanDecoder, load_lean_decode_module
+
+PROMPTS = [{"prompt_token_ids": list(range(5 + i, 21 + 3 * i))} for i in range(3)]  # decode batch of 3
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kernel_builds():
+    module, why = load_lean_decode_module()
+    if module is None:
+        pytest.skip(f"the lean decode kernel is unavailable here: {why}")
+
+
+def _run(llm: LLM, lean: bool, monkeypatch) -> tuple[list[list[int]], list[list[float]], int]:
+    """Greedy tokens, their logprobs and the number of fused steps, with the lean path on or off."""
+    model = llm.engine.model
+    saved, calls = model.lean, []
+    original = LeanDecoder.run
+
+    def counted(self, *args):
+        calls.append(args[0].shape[0])
+        return original(self, *args)
+
+    monkeypatch.setattr(LeanDecoder, "run", counted)
+    model.lean = saved if lean else None
+    try:
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0, logprobs=1), use_tqdm=False)
+    finally:
+        model.lean = saved
+    return ([o.outputs[0].token_ids for o in outs], [[lp.logprob for lp in o.outputs[0].logprobs] for o in outs],
+            len(calls))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: a qkv bias
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_fused_decode_layers_compute_what_the_modules_compute_at_float32(tiny_model_factory, arch, quantization,
+                                                                         monkeypatch):
+    llm = LLM(str(tiny_model_factory(arch)), dtype="float32", quantization=quantization, kv_cache_memory="16MiB")
+    assert llm.engine.model.lean is not None
+    fused_tokens, fused_logprobs, fused_steps = _run(llm, True, monkeypatch)
+    plain_tokens, plain_logprobs, plain_steps = _run(llm, False, monkeypatch)
+    assert fused_steps == 7 and plain_steps == 0  # every decode step (the 8th token's), none of the prefill
+    assert fused_tokens == plain_tokens
+    for fused, plain in zip(fused_logprobs, plain_logprobs):
+        assert fused == pytest.approx(plain, abs=1e-4)
+
+
+def test_an_8_bit_kv_pool_keeps_its_own_write_and_read_under_the_fused_layers(tiny_llama, monkeypatch):
+    llm = LLM(str(tiny_llama), dtype="float32", quantization="int4", kv_cache_dtype="int8", kv_cache_memory="16MiB")
+    fused_tokens, fused_logprobs, fused_steps = _run(llm, True, monkeypatch)
+    plain_tokens, plain_logprobs, _ = _run(llm, False, monkeypatch)
+    assert fused_steps == 7 and fused_tokens == plain_tokens
+    for fused, plain in zip(fused_logprobs, plain_logprobs):
+        assert fused == pytest.approx(plain, abs=1e-3)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "int4"])  # a calibrated key basis; key centres and a rotation
+def test_kv_formats_that_transform_keys_take_the_module_path(tiny_llama, kv_cache_dtype, monkeypatch):
+    llm = LLM(str(tiny_llama), dtype="float32", quantization="int4", kv_cache_dtype=kv_cache_dtype,
+              kv_cache_memory="16MiB")
+    fused_tokens, _, fused_steps = _run(llm, True, monkeypatch)
+    assert fused_steps == 0 and fused_tokens == _run(llm, False, monkeypatch)[0]
+
+
+def test_bfloat16_model_agrees_within_its_rounding(tiny_llama, monkeypatch):
+    llm = LLM(str(tiny_llama), dtype="bfloat16", quantization="int4", kv_cache_memory="16MiB")
+    fused_tokens, fused_logprobs, fused_steps = _run(llm, True, monkeypatch)
+    plain_tokens, plain_logprobs, _ = _run(llm, False, monkeypatch)
+    assert fused_steps == 7 and fused_tokens == plain_tokens
+    for fused, plain in zip(fused_logprobs, plain_logprobs):
+        assert fused == pytest.approx(plain, abs=0.05)
+
+
+def test_not_used_where_the_modules_are_not_all_on_the_int4_kernel(tiny_llama):
+    llm = LLM(str(tiny_llama), dtype="float32", quantization="none", kv_cache_memory="16MiB")
+    assert llm.engine.model.lean is None
+    decoder, why = LeanDecoder.for_model(llm.engine.model)
+    assert decoder is None and "int4 kernel" in why
+
+
+def test_big_batches_and_prefill_take_the_module_path(tiny_llama, monkeypatch):
+    """More decode rows than the int4 kernel takes (they go to the dense copies): no fused step."""
+    llm = LLM(str(tiny_llama), dtype="float32", quantization="int4", kv_cache_memory="16MiB")
+    rows = llm.engine.model.lean.max_rows
+    calls = []
+    original = LeanDecoder.run
+    monkeypatch.setattr(LeanDecoder, "run", lambda self, *a: calls.append(a[0].shape[0]) or original(self, *a))
+    prompts = [{"prompt_token_ids": list(range(5 + i, 15 + i))} for i in range(rows + 1)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 3 for o in outs)
+    assert all(n <= rows for n in calls)
