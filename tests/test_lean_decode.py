@@ -1,12 +1,19 @@
-"""The lean decode step (kvserve/model/lean_decode.py): decode-only steps of a model on the int4
-kernel run each layer as two fused C++ calls, and compute what the module path computes."""
+"""The lean decode step (kvserve/model/lean_decode.py): decode-only steps of a model on the quantized
+small-batch kernel run each layer as two fused C++ calls, and compute what the module path computes.
+
+Both paths quantize each matmul's input row to 8 bits per group of 32 (quant_gemv.h), so a last-bit
+difference upstream (the fused RMSNorm sums in another order) can move one code by one step: the
+paths agree to within that (LOGPROB_TOLERANCE), not bit for bit; a wrong RoPE, norm or residual
+would be far outside it."""
 from __future__ import annotations
 
 import pytest
 
 from kvserve import LLM, SamplingParams
-from kvserve.model.lean_decode import LeanDecoder, load_lean_decode_module
+from kvserve.model.lean_decode import LeanDecoder
+from kvserve.model.lean_kernel import load_lean_decode_module
 
+LOGPROB_TOLERANCE = 0.1
 PROMPTS = [{"prompt_token_ids": list(range(5 + i, 21 + 3 * i))} for i in range(3)]  # decode batch of 3
 
 
@@ -48,7 +55,7 @@ def test_fused_decode_layers_compute_what_the_modules_compute_at_float32(tiny_mo
     assert fused_steps == 7 and plain_steps == 0  # every decode step (the 8th token's), none of the prefill
     assert fused_tokens == plain_tokens
     for fused, plain in zip(fused_logprobs, plain_logprobs):
-        assert fused == pytest.approx(plain, abs=1e-4)
+        assert fused == pytest.approx(plain, abs=LOGPROB_TOLERANCE)
 
 
 def test_an_8_bit_kv_pool_keeps_its_own_write_and_read_under_the_fused_layers(tiny_llama, monkeypatch):
@@ -57,7 +64,7 @@ def test_an_8_bit_kv_pool_keeps_its_own_write_and_read_under_the_fused_layers(ti
     plain_tokens, plain_logprobs, _ = _run(llm, False, monkeypatch)
     assert fused_steps == 7 and fused_tokens == plain_tokens
     for fused, plain in zip(fused_logprobs, plain_logprobs):
-        assert fused == pytest.approx(plain, abs=1e-3)
+        assert fused == pytest.approx(plain, abs=LOGPROB_TOLERANCE)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "int4"])  # a calibrated key basis; key centres and a rotation
@@ -74,14 +81,14 @@ def test_bfloat16_model_agrees_within_its_rounding(tiny_llama, monkeypatch):
     plain_tokens, plain_logprobs, _ = _run(llm, False, monkeypatch)
     assert fused_steps == 7 and fused_tokens == plain_tokens
     for fused, plain in zip(fused_logprobs, plain_logprobs):
-        assert fused == pytest.approx(plain, abs=0.05)
+        assert fused == pytest.approx(plain, abs=2 * LOGPROB_TOLERANCE)  # and bfloat16 rounding
 
 
-def test_not_used_where_the_modules_are_not_all_on_the_int4_kernel(tiny_llama):
+def test_not_used_where_the_linears_are_not_all_quantized(tiny_llama):
     llm = LLM(str(tiny_llama), dtype="float32", quantization="none", kv_cache_memory="16MiB")
     assert llm.engine.model.lean is None
     decoder, why = LeanDecoder.for_model(llm.engine.model)
-    assert decoder is None and "int4 kernel" in why
+    assert decoder is None and "quantized small-batch kernel" in why
 
 
 def test_big_batches_and_prefill_take_the_module_path(tiny_llama, monkeypatch):

@@ -17,48 +17,20 @@ does not build) takes the module path unchanged.
 """
 from __future__ import annotations
 
-import functools
-import logging
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from kvserve.cache.kv_cache import KVCache
 from kvserve.model.attention import AttentionMetadata
-from kvserve.model.kernel_build import KernelBuild, current_isa, load_kernel
+from kvserve.model.lean_kernel import load_lean_decode_module
 from kvserve.model.quant_linear import QuantizedLinear
 
-logger = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).with_name("csrc") / "lean_decode.cpp"
-
-
-def lean_decode_build(isa: str | None = None) -> KernelBuild:
-    """The lean decode ops built for `isa` (default: the ISA torch dispatches to here)."""
-    isa = isa or current_isa()
-    return KernelBuild(f"kvserve_lean_decode_{isa.lower()}", SOURCE, isa)
-
-
-@functools.cache
-def load_lean_decode_module() -> tuple[Any | None, str]:
-    """The compiled extension module for this process, or None and why not (asked once)."""
-    return load_kernel(lean_decode_build())
-
-
-@dataclass(frozen=True)
-class _KernelLinear:
-    """A QuantizedLinear's operands for torch's int4 kernel."""
-
-    packed: torch.Tensor
-    scales_zeros: torch.Tensor
-    bias: torch.Tensor | None
-    doubled: bool  # an 8-bit matrix packed as two nibbles: the input row goes in twice
-
-    @classmethod
-    def of(cls, linear: QuantizedLinear) -> "_KernelLinear":
-        return cls(linear.packed, linear.scales_zeros, linear.bias, linear.bits == 8)
+def _operands(linear: QuantizedLinear) -> list[torch.Tensor]:
+    """A QuantizedLinear's codes, scales and offsets (an empty tensor for none) for the C++ ops."""
+    codes, scales, offsets = linear.gemv_operands
+    return [codes, scales, offsets if offsets is not None else codes.new_empty(0)]
 
 
 @dataclass(frozen=True)
@@ -68,10 +40,11 @@ class _Layer:
     input_norm: torch.Tensor
     post_norm: torch.Tensor
     eps: float
-    qkv: _KernelLinear
-    o: _KernelLinear
-    gate_up: _KernelLinear
-    down: _KernelLinear
+    qkv: list[torch.Tensor]
+    qkv_bias: torch.Tensor | None
+    o: list[torch.Tensor]
+    gate_up: list[torch.Tensor]
+    down: list[torch.Tensor]
 
 
 class LeanDecoder:
@@ -95,15 +68,15 @@ class LeanDecoder:
         for i, layer in enumerate(model.layers):
             attn, mlp = layer.self_attn, layer.mlp
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if not all(isinstance(lin, QuantizedLinear) and lin.kernel for lin in linears):
-                return None, "not every linear layer is on the int4 kernel"
+            if not all(isinstance(lin, QuantizedLinear) and lin.gemv_operands is not None for lin in linears):
+                return None, "not every linear layer is on the quantized small-batch kernel"
             if any(lin.bias is not None for lin in linears[1:]) or attn.reduce is not None or mlp.reduce is not None:
                 return None, "biases after qkv or tensor parallelism"
             if layer.input_layernorm.eps != layer.post_attention_layernorm.eps:
                 return None, "the layer's two norms differ in eps"
             layers.append(_Layer(i, attn.window, layer.input_layernorm.weight.detach(),
                                  layer.post_attention_layernorm.weight.detach(), layer.input_layernorm.eps,
-                                 *(_KernelLinear.of(lin) for lin in linears)))
+                                 _operands(attn.qkv_proj), attn.qkv_proj.bias, *(_operands(lin) for lin in linears[1:])))
         module, why = load_lean_decode_module()
         if module is None:
             return None, why
@@ -136,15 +109,12 @@ class LeanDecoder:
         attention_input, attention_output = self.module.attention_input, self.module.attention_output
         h, delta = x.contiguous(), None
         for layer in self.layers:
-            qkv = layer.qkv
-            h, heads_out = attention_input(h, delta, layer.input_norm, layer.eps, qkv.packed, qkv.scales_zeros,
-                                           qkv.bias, qkv.doubled, cos, signed_sin, heads + kv_heads, dim)
+            h, heads_out = attention_input(h, delta, layer.input_norm, layer.eps, layer.qkv, layer.qkv_bias, cos,
+                                           signed_sin, heads + kv_heads, dim)
             pool = pools[layer.index]
             kv_format.write(pool, heads_out[:, heads:heads + kv_heads], heads_out[:, heads + kv_heads:],
                             meta.slot_mapping)
             attn = meta.decode_in_place(pool, heads_out[:, :heads], block_tables, group.seq_lens, layer.window)
-            o, gate_up, down = layer.o, layer.gate_up, layer.down
-            h, delta = attention_output(attn.reshape(rows, heads * dim), h, o.packed, o.scales_zeros, o.doubled,
-                                        layer.post_norm, layer.eps, gate_up.packed, gate_up.scales_zeros,
-                                        gate_up.doubled, down.packed, down.scales_zeros, down.doubled)
+            h, delta = attention_output(attn.reshape(rows, heads * dim), h, layer.o, layer.post_norm, layer.eps,
+                                        layer.gate_up, layer.down)
         return h + delta

@@ -26,6 +26,7 @@ from torch import nn
 
 from kvserve.hardware import available_ram_bytes
 from kvserve.model.cpu_linear import PrepackedLinear, prepacking_available
+from kvserve.model.lean_kernel import load_lean_decode_module
 from kvserve.model.quantized import QuantizedMatrix, concat_rows, quantize_int4, quantize_int8, same_format
 from kvserve.units import format_size
 
@@ -41,11 +42,42 @@ KERNEL_MAX_ROWS_FLOAT32 = 8
 def kernel_max_rows(dtype: torch.dtype) -> int:
     """Rows up to which a quantized layer of a `dtype` model multiplies through the int4 kernel."""
     return KERNEL_MAX_ROWS_FLOAT32 if dtype == torch.float32 else KERNEL_MAX_ROWS
+GEMV_MAX_ROWS = 16  # rows per call of kvserve's small-batch kernel (quant_gemv.h kMaxRows)
 _KERNEL_DTYPE = torch.bfloat16
 _KERNEL_GROUP = 32  # the group size the layers give the int4 kernel
 # The model's fused linears and the checkpoint matrices they are made of, in order.
 _FUSED_PARTS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
                 "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def gemv_operands(matrix: QuantizedMatrix) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """The codes, float16 scales d and offsets m [out, in / 32] of `matrix` for the small-batch
+    kernel (csrc/quant_gemv.h: w = d u + m with 4-bit codes u, w = d q with int8 codes q), or None
+    where its format does not map (an 8-bit matrix with zeros, scales outside float16's range).
+    4-bit codes go two to a byte: byte j of a pair of groups holds element j of the first group low
+    and element j of the second high.
+    From a GGUF file (float16 scales), d u + m is the same float32 value as `dequantize()`."""
+    out, cols = matrix.shape
+    if cols % _KERNEL_GROUP or matrix.group_size % _KERNEL_GROUP or (matrix.bits == 8 and matrix.zero is not None):
+        return None
+    repeat = matrix.group_size // _KERNEL_GROUP
+    scale = matrix.scale.float().repeat_interleave(repeat, dim=1)
+    d = scale.to(torch.float16)
+    if not torch.isfinite(d).all() or ((d == 0) & (scale != 0)).any():
+        return None
+    if matrix.bits == 8:
+        return matrix.q.to(torch.int8).contiguous(), d.contiguous(), None
+    zero = matrix.zero.float().repeat_interleave(repeat, dim=1) if matrix.zero is not None else torch.zeros_like(scale)
+    m = (zero - matrix.offset * scale).to(torch.float16)
+    if not torch.isfinite(m).all():
+        return None
+    groups = cols // _KERNEL_GROUP
+    q = matrix.q.to(torch.uint8).reshape(out, groups, _KERNEL_GROUP)
+    if groups % 2:
+        q = torch.cat((q, q.new_zeros(out, 1, _KERNEL_GROUP)), dim=1)
+    q = q.view(out, -1, 2, _KERNEL_GROUP)
+    codes = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(out, -1)
+    return codes.contiguous(), d.contiguous(), m.contiguous()
 
 
 def _int4_kernel_operands(matrix: QuantizedMatrix) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,10 +112,18 @@ class QuantizedLinear(nn.Module):
         self.bias = bias
         self.dtype = dtype
         self.max_kernel_rows = kernel_max_rows(dtype)
-        self.kernel = (device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
-                       and self.in_features % _KERNEL_GROUP == 0 and matrix.group_size % _KERNEL_GROUP == 0)
+        # The small-batch kernel: kvserve's own (lean_kernel.py) where it loads, else torch's int4 one.
+        self.gemv = None
+        self.gemv_operands = None
+        if device.type == "cpu":
+            module, _ = load_lean_decode_module()
+            self.gemv_operands = gemv_operands(matrix) if module is not None else None
+            self.gemv = module.gemv if self.gemv_operands is not None else None
+        self.kernel = self.gemv is not None or (
+            device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+            and self.in_features % _KERNEL_GROUP == 0 and matrix.group_size % _KERNEL_GROUP == 0)
         self.matrix: QuantizedMatrix | None = None
-        if self.kernel:
+        if self.kernel and self.gemv is None:
             q, scales_zeros = _int4_kernel_operands(matrix)
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
             self.scales_zeros = scales_zeros.to(_KERNEL_DTYPE).contiguous()
@@ -103,6 +143,17 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
+        if self.gemv is not None and (rows <= self.max_kernel_rows or self.dense is None):
+            flat = x.reshape(rows, self.in_features)
+            if flat.dtype not in (torch.float32, torch.bfloat16):
+                flat = flat.float()
+            flat = flat.contiguous()
+            # (the kernel takes up to GEMV_MAX_ROWS rows a call)
+            y = torch.cat([self.gemv(flat[i:i + GEMV_MAX_ROWS], *self.gemv_operands)
+                           for i in range(0, rows, GEMV_MAX_ROWS)]) if rows > GEMV_MAX_ROWS else \
+                self.gemv(flat, *self.gemv_operands)
+            y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+            return y if self.bias is None else y + self.bias
         if self.kernel and (rows <= self.max_kernel_rows or self.dense is None):
             flat = x.reshape(rows, self.in_features).to(_KERNEL_DTYPE)
             if self.bits == 8:  # the weight's high and low nibbles, each multiplied by x
@@ -119,7 +170,8 @@ class QuantizedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, int{self.bits}, "
-                f"group_size={self.group_size}, kernel={self.kernel}, dense_copy={self.dense is not None}")
+                f"group_size={self.group_size}, kernel={'kvserve' if self.gemv else 'torch int4' if self.kernel else None}, "
+                f"dense_copy={self.dense is not None}")
 
 
 @dataclass

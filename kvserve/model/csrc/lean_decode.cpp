@@ -1,22 +1,22 @@
-// The per-layer work of a small decode batch between its int4 matmuls, fused (CPU).
+// The per-layer work of a small decode batch between its quantized matmuls, fused (CPU).
 //
 // At batch 1 a decoder layer's arithmetic outside its four weight matmuls is a few thousand
-// multiply-adds, yet as torch ops it is some fifty dispatches (residual add, RMSNorm, casts to the
-// int4 kernel's bfloat16 input and back, RoPE's products and roll, slicing, SiLU and its product),
-// each with its own allocation and, from Python, its interpreter overhead. Here a layer is two calls:
+// multiply-adds, yet as torch ops it is some fifty dispatches (residual add, RMSNorm, casts around
+// the int4 kernel, RoPE's products and roll, slicing, SiLU and its product), each with its own
+// allocation and, from Python, its interpreter overhead. Here a layer is two calls:
 //
 //   attention_input:  h = x + delta;  qkv = RoPE(W_qkv · rmsnorm(h))
 //   attention_output: h' = h + W_o · attn;  out = W_down · (silu(gate) * up) of rmsnorm(h')
 //
 // (the caller writes K/V into the pool and runs the paged decode kernel in between, so every KV
-// format keeps its own write and read). The matmuls call torch's int4 kernel
-// (aten::_weight_int4pack_mm_for_cpu) on the same packed weights the layer's QuantizedLinear holds;
-// an 8-bit matrix is packed as its two nibbles over a doubled input (quant_linear.py), so its input
-// row is written twice. The elementwise work is plain loops in float32, rounded to the model dtype
-// where the torch path rounds (the normalised row before its weight; SiLU's output), so a bfloat16
-// model gets the torch path's numbers up to the order of a sum, and a float32 model is rounded to
-// bfloat16 only where the kernel needs it.
+// format keeps its own write and read). The matmuls are quant_gemv.h's integer dot products over
+// the codes the layer's QuantizedLinear holds, the same function `gemv` QuantizedLinear calls for
+// small batches, so both paths multiply the same numbers. The elementwise work is plain loops in
+// float32, rounded to the model dtype where the torch path rounds (the normalised row before its
+// weight; SiLU's output; each matmul's output).
 #include <torch/extension.h>
+
+#include "quant_gemv.h"
 
 #include <cmath>
 #include <optional>
@@ -24,7 +24,6 @@
 
 namespace {
 
-constexpr int64_t kGroup = 32;  // the group size QuantizedLinear packs its weights with
 using BF16 = at::BFloat16;
 
 template <typename T>
@@ -32,26 +31,37 @@ inline float round_to(float v) {
   return static_cast<float>(static_cast<T>(v));
 }
 
-at::Tensor int4_mm(const at::Tensor& input, const at::Tensor& packed, const at::Tensor& scales_zeros) {
-  return at::_weight_int4pack_mm_for_cpu(input, packed, kGroup, scales_zeros);
+// A QuantizedLinear's operands for quant_gemv::gemv.
+struct Linear {
+  at::Tensor codes, d;
+  std::optional<at::Tensor> m;
+  int64_t bits;
+};
+
+Linear linear_of(const std::vector<at::Tensor>& parts) {
+  TORCH_CHECK(parts.size() == 3, "a linear is (codes, scales, offsets or an empty tensor)");
+  Linear out{parts[0], parts[1], std::nullopt, parts[0].scalar_type() == at::kByte ? 4 : 8};
+  if (parts[2].numel() > 0) out.m = parts[2];
+  return out;
 }
 
-// The kernel's bfloat16 input rows [rows, cols] (twice side by side when `doubled`).
-at::Tensor kernel_input(int64_t rows, int64_t cols, bool doubled, const at::Tensor& like) {
-  return at::empty({rows, doubled ? 2 * cols : cols}, like.options().dtype(at::kBFloat16));
+at::Tensor matmul(const at::Tensor& input, const Linear& w) {
+  return quant_gemv::gemv(input, w.codes, w.d, w.m, w.bits);
 }
 
-inline void store_input(BF16* row, int64_t cols, bool doubled, int64_t c, float v) {
-  const BF16 b(v);
-  row[c] = b;
-  if (doubled) row[cols + c] = b;
+at::Tensor float_rows(int64_t rows, int64_t cols, const at::Tensor& like) {
+  return at::empty({rows, cols}, like.options().dtype(at::kFloat));
 }
 
-// out = bf16(weight * T(x / rms(x))) per row (RMSNorm as HF Llama computes it: normalise in float32,
-// round to the model dtype, then scale).
+// out = float(T(weight * T(x / rms(x)))) per row (RMSNorm as HF Llama computes it: normalise in
+// float32, round to the model dtype, then scale).
 template <typename T>
-void rms_norm_into(const T* x, const T* weight, int64_t rows, int64_t cols, double eps, BF16* out, bool doubled) {
-  const int64_t stride = doubled ? 2 * cols : cols;
+at::Tensor rms_normed(const at::Tensor& h, const at::Tensor& weight, double eps) {
+  const int64_t rows = h.size(0), cols = h.size(1);
+  at::Tensor out = float_rows(rows, cols, h);
+  const T* x = h.data_ptr<T>();
+  const T* w = weight.data_ptr<T>();
+  float* o = out.data_ptr<float>();
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * cols;
     float sum = 0.f;
@@ -60,12 +70,10 @@ void rms_norm_into(const T* x, const T* weight, int64_t rows, int64_t cols, doub
       sum += v * v;
     }
     const float inv = 1.f / std::sqrt(sum / static_cast<float>(cols) + static_cast<float>(eps));
-    BF16* orow = out + r * stride;
-    for (int64_t c = 0; c < cols; ++c) {
-      const float normed = round_to<T>(static_cast<float>(xr[c]) * inv);
-      store_input(orow, cols, doubled, c, round_to<T>(static_cast<float>(weight[c]) * normed));
-    }
+    for (int64_t c = 0; c < cols; ++c)
+      o[r * cols + c] = round_to<T>(static_cast<float>(w[c]) * round_to<T>(static_cast<float>(xr[c]) * inv));
   }
+  return out;
 }
 
 // h = x + delta in the model dtype (x itself when there is no delta).
@@ -81,19 +89,11 @@ at::Tensor residual_add(const at::Tensor& x, const std::optional<at::Tensor>& de
   return h;
 }
 
+// A matmul's float32 output [rows, n] in the model dtype, plus the bias (in the model dtype, as
+// QuantizedLinear's y + b).
 template <typename T>
-at::Tensor rms_normed_input(const at::Tensor& h, const at::Tensor& weight, double eps, bool doubled) {
-  const int64_t rows = h.size(0), cols = h.size(1);
-  at::Tensor input = kernel_input(rows, cols, doubled, h);
-  rms_norm_into<T>(h.data_ptr<T>(), weight.data_ptr<T>(), rows, cols, eps, input.data_ptr<BF16>(), doubled);
-  return input;
-}
-
-// The kernel's bfloat16 output [rows, n] in the model dtype, plus the bias (in the model dtype, as
-// F.linear's y + b there).
-template <typename T>
-at::Tensor from_kernel(const at::Tensor& y, const std::optional<at::Tensor>& bias) {
-  at::Tensor out = std::is_same_v<T, BF16> ? y : y.to(c10::CppTypeToScalarType<T>::value);
+at::Tensor to_model_dtype(const at::Tensor& y, const std::optional<at::Tensor>& bias) {
+  at::Tensor out = std::is_same_v<T, float> ? y : y.to(c10::CppTypeToScalarType<T>::value);
   if (bias.has_value()) {
     T* o = out.data_ptr<T>();
     const T* b = bias->data_ptr<T>();
@@ -105,7 +105,7 @@ at::Tensor from_kernel(const at::Tensor& y, const std::optional<at::Tensor>& bia
   return out;
 }
 
-// Rotate the first `rotated_heads` heads of qkv [rows, heads, D] in place (rotate-half RoPE):
+// Rotate the first `rotated_heads` heads of qkv [rows, heads * D] in place (rotate-half RoPE):
 // out[i] = x[i] cos[i] + x[partner(i)] signed_sin[i], signed_sin's first half negated (rope.py).
 template <typename T>
 void rope_in_place(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& signed_sin, int64_t rotated_heads,
@@ -131,54 +131,37 @@ void rope_in_place(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sig
 
 template <typename T>
 std::vector<at::Tensor> attention_input_impl(const at::Tensor& x, const std::optional<at::Tensor>& delta,
-                                             const at::Tensor& norm_weight, double eps, const at::Tensor& packed,
-                                             const at::Tensor& scales_zeros, const std::optional<at::Tensor>& bias,
-                                             bool doubled, const at::Tensor& cos, const at::Tensor& signed_sin,
-                                             int64_t rotated_heads, int64_t head_dim) {
+                                             const at::Tensor& norm_weight, double eps, const Linear& qkv_proj,
+                                             const std::optional<at::Tensor>& bias, const at::Tensor& cos,
+                                             const at::Tensor& signed_sin, int64_t rotated_heads, int64_t head_dim) {
   at::Tensor h = residual_add<T>(x, delta);
-  at::Tensor qkv = from_kernel<T>(int4_mm(rms_normed_input<T>(h, norm_weight, eps, doubled), packed, scales_zeros),
-                                  bias);
+  at::Tensor qkv = to_model_dtype<T>(matmul(rms_normed<T>(h, norm_weight, eps), qkv_proj), bias);
   rope_in_place<T>(qkv, cos, signed_sin, rotated_heads, head_dim);
   return {h, qkv.view({qkv.size(0), -1, head_dim})};
 }
 
 template <typename T>
-std::vector<at::Tensor> attention_output_impl(const at::Tensor& attn, const at::Tensor& h, const at::Tensor& o_packed,
-                                              const at::Tensor& o_scales_zeros, bool o_doubled,
-                                              const at::Tensor& norm_weight, double eps,
-                                              const at::Tensor& gate_up_packed, const at::Tensor& gate_up_scales_zeros,
-                                              bool gate_up_doubled, const at::Tensor& down_packed,
-                                              const at::Tensor& down_scales_zeros, bool down_doubled) {
-  const int64_t rows = attn.size(0), width = attn.size(1);
-  at::Tensor o_input = kernel_input(rows, width, o_doubled, attn);
-  {
-    const T* a = attn.data_ptr<T>();
-    BF16* in = o_input.data_ptr<BF16>();
-    const int64_t stride = o_input.size(1);
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t c = 0; c < width; ++c) store_input(in + r * stride, width, o_doubled, c, static_cast<float>(a[r * width + c]));
-  }
-  at::Tensor o = from_kernel<T>(int4_mm(o_input, o_packed, o_scales_zeros), std::nullopt);
+std::vector<at::Tensor> attention_output_impl(const at::Tensor& attn, const at::Tensor& h, const Linear& o_proj,
+                                              const at::Tensor& norm_weight, double eps, const Linear& gate_up_proj,
+                                              const Linear& down_proj) {
+  const int64_t rows = attn.size(0);
+  at::Tensor o = to_model_dtype<T>(matmul(attn, o_proj), std::nullopt);
   at::Tensor h2 = residual_add<T>(h, o);
-  at::Tensor gate_up = int4_mm(rms_normed_input<T>(h2, norm_weight, eps, gate_up_doubled), gate_up_packed,
-                               gate_up_scales_zeros);  // bfloat16 [rows, 2 I]
+  // gate and up in the model dtype, SiLU rounded to it, their product rounded to it (F.silu(gate) * up)
+  at::Tensor gate_up = matmul(rms_normed<T>(h2, norm_weight, eps), gate_up_proj);  // float32 [rows, 2 I]
   const int64_t inter = gate_up.size(1) / 2;
-  at::Tensor act = kernel_input(rows, inter, down_doubled, attn);
-  {
-    const BF16* gu = gate_up.data_ptr<BF16>();
-    BF16* out = act.data_ptr<BF16>();
-    const int64_t stride = act.size(1);
-    for (int64_t r = 0; r < rows; ++r) {
-      const BF16* g = gu + r * 2 * inter;
-      for (int64_t c = 0; c < inter; ++c) {
-        const float gate = round_to<T>(static_cast<float>(g[c])), up = round_to<T>(static_cast<float>(g[inter + c]));
-        const float silu = round_to<T>(gate / (1.f + std::exp(-gate)));
-        store_input(out + r * stride, inter, down_doubled, c, round_to<T>(silu * up));
-      }
+  at::Tensor act = float_rows(rows, inter, attn);
+  const float* gu = gate_up.data_ptr<float>();
+  float* out = act.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* g = gu + r * 2 * inter;
+    for (int64_t c = 0; c < inter; ++c) {
+      const float gate = round_to<T>(g[c]), up = round_to<T>(g[inter + c]);
+      const float silu = round_to<T>(gate / (1.f + std::exp(-gate)));
+      out[r * inter + c] = round_to<T>(silu * up);
     }
   }
-  at::Tensor down = from_kernel<T>(int4_mm(act, down_packed, down_scales_zeros), std::nullopt);
-  return {h2, down};
+  return {h2, to_model_dtype<T>(matmul(act, down_proj), std::nullopt)};
 }
 
 void check_rows(const at::Tensor& t, const char* name) {
@@ -186,10 +169,10 @@ void check_rows(const at::Tensor& t, const char* name) {
 }
 
 std::vector<at::Tensor> attention_input(const at::Tensor& x, const std::optional<at::Tensor>& delta,
-                                        const at::Tensor& norm_weight, double eps, const at::Tensor& packed,
-                                        const at::Tensor& scales_zeros, const std::optional<at::Tensor>& bias,
-                                        bool doubled, const at::Tensor& cos, const at::Tensor& signed_sin,
-                                        int64_t rotated_heads, int64_t head_dim) {
+                                        const at::Tensor& norm_weight, double eps,
+                                        const std::vector<at::Tensor>& qkv_proj, const std::optional<at::Tensor>& bias,
+                                        const at::Tensor& cos, const at::Tensor& signed_sin, int64_t rotated_heads,
+                                        int64_t head_dim) {
   check_rows(x, "x");
   TORCH_CHECK(!delta.has_value() || (delta->sizes() == x.sizes() && delta->scalar_type() == x.scalar_type() &&
                                      delta->is_contiguous()), "delta must match x");
@@ -197,39 +180,40 @@ std::vector<at::Tensor> attention_input(const at::Tensor& x, const std::optional
               cos.scalar_type() == x.scalar_type() && signed_sin.scalar_type() == x.scalar_type(),
               "cos and signed_sin must be [rows, head_dim] in x's dtype");
   TORCH_CHECK(norm_weight.scalar_type() == x.scalar_type() && norm_weight.numel() == x.size(1), "bad norm weight");
+  const Linear w = linear_of(qkv_proj);
   if (x.scalar_type() == at::kBFloat16)
-    return attention_input_impl<BF16>(x, delta, norm_weight, eps, packed, scales_zeros, bias, doubled, cos,
-                                      signed_sin, rotated_heads, head_dim);
+    return attention_input_impl<BF16>(x, delta, norm_weight, eps, w, bias, cos, signed_sin, rotated_heads, head_dim);
   TORCH_CHECK(x.scalar_type() == at::kFloat, "the lean decode step runs bfloat16 and float32 models");
-  return attention_input_impl<float>(x, delta, norm_weight, eps, packed, scales_zeros, bias, doubled, cos, signed_sin,
-                                     rotated_heads, head_dim);
+  return attention_input_impl<float>(x, delta, norm_weight, eps, w, bias, cos, signed_sin, rotated_heads, head_dim);
 }
 
-std::vector<at::Tensor> attention_output(const at::Tensor& attn, const at::Tensor& h, const at::Tensor& o_packed,
-                                         const at::Tensor& o_scales_zeros, bool o_doubled,
-                                         const at::Tensor& norm_weight, double eps, const at::Tensor& gate_up_packed,
-                                         const at::Tensor& gate_up_scales_zeros, bool gate_up_doubled,
-                                         const at::Tensor& down_packed, const at::Tensor& down_scales_zeros,
-                                         bool down_doubled) {
+std::vector<at::Tensor> attention_output(const at::Tensor& attn, const at::Tensor& h,
+                                         const std::vector<at::Tensor>& o_proj, const at::Tensor& norm_weight,
+                                         double eps, const std::vector<at::Tensor>& gate_up_proj,
+                                         const std::vector<at::Tensor>& down_proj) {
   check_rows(attn, "attn");
   check_rows(h, "h");
   TORCH_CHECK(attn.scalar_type() == h.scalar_type() && norm_weight.scalar_type() == h.scalar_type() &&
               norm_weight.numel() == h.size(1), "attn, h and the norm weight must share the model dtype");
+  const Linear o = linear_of(o_proj), gate_up = linear_of(gate_up_proj), down = linear_of(down_proj);
   if (h.scalar_type() == at::kBFloat16)
-    return attention_output_impl<BF16>(attn, h, o_packed, o_scales_zeros, o_doubled, norm_weight, eps, gate_up_packed,
-                                       gate_up_scales_zeros, gate_up_doubled, down_packed, down_scales_zeros,
-                                       down_doubled);
+    return attention_output_impl<BF16>(attn, h, o, norm_weight, eps, gate_up, down);
   TORCH_CHECK(h.scalar_type() == at::kFloat, "the lean decode step runs bfloat16 and float32 models");
-  return attention_output_impl<float>(attn, h, o_packed, o_scales_zeros, o_doubled, norm_weight, eps, gate_up_packed,
-                                      gate_up_scales_zeros, gate_up_doubled, down_packed, down_scales_zeros,
-                                      down_doubled);
+  return attention_output_impl<float>(attn, h, o, norm_weight, eps, gate_up, down);
+}
+
+// QuantizedLinear's small-batch matmul: x [rows, K] (float32 or bfloat16) -> float32 [rows, N].
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const std::optional<at::Tensor>& m) {
+  check_rows(x, "x");
+  return quant_gemv::gemv(x, codes, d, m, codes.scalar_type() == at::kByte ? 4 : 8);
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_input", &attention_input,
-        "h = x + delta; RoPE'd q, k and v [rows, heads, D] of the int4 qkv matmul of rmsnorm(h)");
+        "h = x + delta; RoPE'd q, k and v [rows, heads, D] of the qkv matmul of rmsnorm(h)");
   m.def("attention_output", &attention_output,
         "h' = h + W_o attn; the MLP's output W_down (silu(gate) * up) of rmsnorm(h')");
+  m.def("gemv", &gemv, "x [rows, K] times group-quantized W^T [K, N] -> float32 [rows, N] (quant_gemv.h)");
 }
