@@ -247,13 +247,14 @@ def quantize_linears(model: nn.Module, mode: str, sources: dict[str, QuantizedMa
 
 
 def served_matrix_bytes(values: int, bits: int | None, dtype: torch.dtype) -> int:
-    """Bytes a matrix of `values` weights takes in QuantizedLinear's kernel form (`bits` 4 or 8: the
-    codes at 4 bits each, 8-bit ones as two nibbles, plus a bfloat16 scale and zero per 32 codes),
-    or dense in `dtype` (bits None)."""
+    """Bytes a matrix of `values` weights takes in QuantizedLinear's small-batch kernel form (`bits`
+    4: two codes a byte plus a float16 scale and offset per 32; 8: a byte a code plus a float16 scale
+    per 32), or dense in `dtype` (bits None). Where only torch's int4 kernel runs, an 8-bit matrix
+    takes about twice that (two nibbles, bfloat16 scales and zeros for each)."""
     if bits is None:
         return values * torch.empty((), dtype=dtype).element_size()
-    codes = values * bits // 4
-    return codes // 2 + codes // _KERNEL_GROUP * 4
+    groups = values // _KERNEL_GROUP
+    return values // 2 + groups * 4 if bits == 4 else values + groups * 2
 
 
 def resident_weight_bytes(model: nn.Module) -> int:
