@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from kvserve.cache.formats.full_precision import FullPrecisionFormat
 from kvserve.cache.kv_cache import KVCache
 from kvserve.model.attention import AttentionMetadata
 from kvserve.model.lean_kernel import load_lean_decode_module
@@ -107,13 +108,19 @@ class LeanDecoder:
         block_tables = group.block_ids.view(rows, -1)
         kv_format, pools = kv_cache.format, kv_cache.layers
         attention_input, attention_output = self.module.attention_input, self.module.attention_output
+        write_kv = self.module.write_kv
+        # a full-precision pool in the model dtype takes the step's K/V rows as they are
+        same_dtype_pool = isinstance(kv_format, FullPrecisionFormat) and kv_format.dtype == x.dtype
         h, delta = x.contiguous(), None
         for layer in self.layers:
             h, heads_out = attention_input(h, delta, layer.input_norm, layer.eps, layer.qkv, layer.qkv_bias, cos,
                                            signed_sin, heads + kv_heads, dim)
             pool = pools[layer.index]
-            kv_format.write(pool, heads_out[:, heads:heads + kv_heads], heads_out[:, heads + kv_heads:],
-                            meta.slot_mapping)
+            if same_dtype_pool:
+                write_kv(pool["kv"], heads_out, meta.slot_mapping, heads)
+            else:
+                kv_format.write(pool, heads_out[:, heads:heads + kv_heads], heads_out[:, heads + kv_heads:],
+                                meta.slot_mapping)
             attn = meta.decode_in_place(pool, heads_out[:, :heads], block_tables, group.seq_lens, layer.window)
             h, delta = attention_output(attn.reshape(rows, heads * dim), h, layer.o, layer.post_norm, layer.eps,
                                         layer.gate_up, layer.down)

@@ -1,19 +1,19 @@
 """Weight-only quantized linear layers (`--quantization`) and the pass that puts them in a model.
 
 A decode step at small batch reads every weight once per token, so its speed is the weights'
-size: int4 weights are a quarter of bf16's bytes. torch ships a CPU kernel that multiplies by
-int4 weights in groups (a scale and zero per group of 32) without materialising them,
-`aten._weight_int4pack_mm_for_cpu`; int8 weights go through it too, as their high and low nibbles
-(`_int4_kernel_operands`), which keeps llama.cpp's Q8_0 group scales exact and at one row reads
-faster than torch's per-channel int8 kernel (`aten._weight_int8pack_mm`) or a bf16 GEMV. The kernel
-is fast only with bfloat16 activations (its float32 path is a scalar loop), also on CPUs without
-native bf16 (it widens to float32 with vector shifts), so a float32 model runs it with its
-activations rounded to bfloat16 and the result widened back. At many rows (prefill chunks, large
-decode batches) it loses to oneDNN's dense GEMM, so a layer also keeps its dequantized weight for
-those when RAM allows (the plain-copy rule of cpu_linear.py).
+size: int4 weights are a quarter of bf16's bytes. For a few rows a layer multiplies through
+kvserve's own CPU kernel (csrc/quant_gemv.h, built with the lean decode kernel, lean_kernel.py):
+integer dot products over the codes in their group-32 layout with float16 scales, the row of
+activations quantized per group like llama.cpp's (8 bits against 4-bit weights, 16 bits against
+8-bit ones, whose Q8_0 group scales stay exact). Where that kernel cannot be built or loaded
+(`KVSERVE_DISABLE_CPU_KERNEL=1`, no compiler), torch's `aten._weight_int4pack_mm_for_cpu` does it:
+group-32 int4 with bfloat16 scales and zeros, an 8-bit matrix as its high and low nibbles
+(`_int4_kernel_operands`), bfloat16 activations. At many rows (prefill chunks, large decode
+batches) both lose to oneDNN's dense GEMM, so a layer also keeps its dequantized weight for those
+when RAM allows (the plain-copy rule of cpu_linear.py).
 
-Devices without the kernel (CUDA here) dequantize the weight on each call: correct, and the memory
-saving holds, but no faster than dense weights.
+Devices without either kernel (CUDA here) dequantize the weight on each call: correct, and the
+memory saving holds, but no faster than dense weights.
 """
 from __future__ import annotations
 

@@ -19,6 +19,7 @@
 #include "quant_gemv.h"
 
 #include <cmath>
+#include <cstring>
 #include <optional>
 #include <vector>
 
@@ -202,6 +203,26 @@ std::vector<at::Tensor> attention_output(const at::Tensor& attn, const at::Tenso
   return attention_output_impl<float>(attn, h, o, norm_weight, eps, gate_up, down);
 }
 
+// The step's keys and values, heads [first, first + planes) of qkv [rows, heads, D], copied into a
+// full-precision pool [planes, blocks, block_size, D] of the same dtype at each row's slot (what
+// FullPrecisionFormat.write does, without its concatenation, transpose and index_copy).
+void write_kv(at::Tensor& pool, const at::Tensor& qkv, const at::Tensor& slots, int64_t first) {
+  TORCH_CHECK(pool.dim() == 4 && pool.is_contiguous() && qkv.dim() == 3 && qkv.is_contiguous() &&
+              pool.scalar_type() == qkv.scalar_type() && pool.size(3) == qkv.size(2), "pool and qkv do not match");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == qkv.size(0), "one int64 slot per row");
+  const int64_t planes = pool.size(0), dim = pool.size(3), slots_per_plane = pool.size(1) * pool.size(2);
+  TORCH_CHECK(first + planes <= qkv.size(1), "not enough heads");
+  const int64_t bytes = dim * qkv.element_size();
+  const auto* slot = slots.data_ptr<int64_t>();
+  auto* dst = static_cast<char*>(pool.data_ptr());
+  const auto* src = static_cast<const char*>(qkv.data_ptr());
+  for (int64_t r = 0; r < qkv.size(0); ++r) {
+    TORCH_CHECK(slot[r] >= 0 && slot[r] < slots_per_plane, "slot out of range");
+    for (int64_t p = 0; p < planes; ++p)
+      std::memcpy(dst + (p * slots_per_plane + slot[r]) * bytes, src + ((r * qkv.size(1)) + first + p) * bytes, bytes);
+  }
+}
+
 // QuantizedLinear's small-batch matmul: x [rows, K] (float32 or bfloat16) -> float32 [rows, N].
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const std::optional<at::Tensor>& m) {
   check_rows(x, "x");
@@ -215,5 +236,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "h = x + delta; RoPE'd q, k and v [rows, heads, D] of the qkv matmul of rmsnorm(h)");
   m.def("attention_output", &attention_output,
         "h' = h + W_o attn; the MLP's output W_down (silu(gate) * up) of rmsnorm(h')");
+  m.def("write_kv", &write_kv, "copy the step's K/V heads of qkv into a full-precision pool at their slots");
   m.def("gemv", &gemv, "x [rows, K] times group-quantized W^T [K, N] -> float32 [rows, N] (quant_gemv.h)");
 }
