@@ -123,7 +123,9 @@ class QuantizedLinear(nn.Module):
             device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
             and self.in_features % _KERNEL_GROUP == 0 and matrix.group_size % _KERNEL_GROUP == 0)
         self.matrix: QuantizedMatrix | None = None
-        if self.kernel and self.gemv is None:
+        if self.gemv is not None:
+            pass  # the codes live in gemv_operands
+        elif self.kernel:
             q, scales_zeros = _int4_kernel_operands(matrix)
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
             self.scales_zeros = scales_zeros.to(_KERNEL_DTYPE).contiguous()
@@ -269,6 +271,8 @@ def resident_weight_bytes(model: nn.Module) -> int:
                 tensors.append(value)
             elif isinstance(value, QuantizedMatrix):
                 tensors += [t for t in (value.q, value.scale, value.zero) if t is not None]
+            elif isinstance(value, tuple):  # QuantizedLinear.gemv_operands
+                tensors += [t for t in value if isinstance(t, torch.Tensor)]
         for tensor in tensors:
             try:
                 key = tensor.untyped_storage().data_ptr()
