@@ -8,8 +8,11 @@ would be far outside it."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvserve import LLM, SamplingParams
+from kvserve.model.quant_linear import gemv_operands
+from kvserve.model.quantized import quantize_int4, quantize_int8
 from kvserve.model.lean_decode import LeanDecoder
 from kvserve.model.lean_kernel import load_lean_decode_module
 
@@ -17,11 +20,69 @@ LOGPROB_TOLERANCE = 0.1
 PROMPTS = [{"prompt_token_ids": list(range(5 + i, 21 + 3 * i))} for i in range(3)]  # decode batch of 3
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _kernel_builds():
+@pytest.fixture(scope="module")
+def lean_module():
     module, why = load_lean_decode_module()
     if module is None:
         pytest.skip(f"the lean decode kernel is unavailable here: {why}")
+    return module
+
+
+@pytest.fixture(autouse=True)
+def _kernel_builds(lean_module):
+    pass
+
+
+def served_weight(operands: tuple, bits: int, out: int, cols: int) -> torch.Tensor:
+    """The float32 weight the small-batch kernel multiplies by, from its operands (quant_gemv.h's
+    layout: 4-bit codes of two groups share 32 bytes, low nibbles the first group's)."""
+    codes, scales, offsets = operands
+    if bits == 8:
+        return (codes.float().view(out, -1, 32) * scales.float()[..., None]).view(out, cols)
+    pairs = codes.view(out, -1, 32)
+    codes4 = torch.stack((pairs & 15, pairs >> 4), dim=2).view(out, -1, 32)[:, : cols // 32].float()
+    return (codes4 * scales.float()[..., None] + offsets.float()[..., None]).view(out, cols)
+
+
+def quantized_rows(x: torch.Tensor, levels: int) -> torch.Tensor:
+    """x rounded per group of 32 to `levels` steps each side of zero (the kernel's activations)."""
+    groups = x.float().view(x.shape[0], -1, 32)
+    amax = groups.abs().amax(-1, keepdim=True)
+    inverse = torch.where(amax > 0, torch.full_like(amax, levels) / amax, 0)  # (levels / amax: a reciprocal times levels)
+    codes = torch.round(groups * inverse)
+    return (codes * amax / levels).view(x.shape)
+
+
+def check_gemv_against_the_definition(module) -> None:
+    """gemv(x) = x_q W^T to float32 summation error, for 4-bit (odd and even group counts) and
+    8-bit weights, 1 to 16 rows, float32 and bfloat16 activations."""
+    torch.manual_seed(0)
+    for quantize, cols in ((quantize_int4, 128), (quantize_int4, 96), (quantize_int8, 128)):
+        matrix = quantize(torch.randn(80, cols))
+        operands = gemv_operands(matrix)
+        weight = served_weight(operands, matrix.bits, 80, cols)
+        assert (weight - matrix.dequantize()).abs().max() <= 2e-3 * matrix.dequantize().abs().max()  # float16 scales
+        for rows in (1, 3, 5, 16):
+            for dtype in (torch.float32, torch.bfloat16):
+                x = torch.randn(rows, cols).to(dtype)
+                expected = quantized_rows(x, 127 if matrix.bits == 4 else 32767) @ weight.T
+                assert (module.gemv(x, *operands) - expected).abs().max() <= 1e-5 * cols, (matrix.bits, rows, dtype)
+
+
+def test_gemv_computes_with_its_served_weight_and_quantized_activations(lean_module):
+    check_gemv_against_the_definition(lean_module)
+
+
+@pytest.mark.slow
+def test_gguf_weights_are_served_exactly():
+    """Every Q4_1 and Q8_0 matrix of the default GGUF in the kernel's form: float16 scales and offsets
+    are exact for them, so the served weight is the dequantized one bit for bit."""
+    from kvserve.model.loader import load_model, quantized_sources
+
+    sources = quantized_sources(load_model(None))
+    for name, matrix in sources.items():
+        out, cols = matrix.shape
+        assert torch.equal(served_weight(gemv_operands(matrix), matrix.bits, out, cols), matrix.dequantize()), name
 
 
 def _run(llm: LLM, lean: bool, monkeypatch) -> tuple[list[list[int]], list[list[float]], int]:
