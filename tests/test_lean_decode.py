@@ -48,7 +48,8 @@ def quantized_rows(x: torch.Tensor, levels: int) -> torch.Tensor:
     """x rounded per group of 32 to `levels` steps each side of zero (the kernel's activations)."""
     groups = x.float().view(x.shape[0], -1, 32)
     amax = groups.abs().amax(-1, keepdim=True)
-    inverse = torch.where(amax > 0, torch.full_like(amax, levels) / amax, 0)  # (levels / amax: a reciprocal times levels)
+    # (not `levels / amax`: torch computes that as a reciprocal times levels, not the kernel's quotient)
+    inverse = torch.where(amax > 0, torch.full_like(amax, levels) / amax, 0)
     codes = torch.round(groups * inverse)
     return (codes * amax / levels).view(x.shape)
 

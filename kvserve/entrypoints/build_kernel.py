@@ -11,7 +11,8 @@ from kvserve.model.kernel_build import ISA_LEVELS, current_isa, kernel_cache_dir
 
 
 def register(subparsers) -> None:
-    parser = subparsers.add_parser("build-kernel", help="compile the CPU kernels (paged decode, lean decode step) ahead of use")
+    parser = subparsers.add_parser("build-kernel",
+                                   help="compile the CPU kernels (paged decode, lean decode step) ahead of use")
     parser.add_argument("--isa", default="current", choices=("current", "all", *ISA_LEVELS),
                         help="vector ISA to build for: current = the one torch dispatches to here (default); "
                              "all = every level this CPU can run (a cache shared with other machines)")

@@ -1,19 +1,20 @@
 """The lean decode step: each decoder layer of a small decode batch in two C++ calls.
 
-With int4 weights a batch-1 decode step reads so few bytes that the step is bound by the small
+With 4-bit weights a batch-1 decode step reads so few bytes that the step is bound by the small
 ops between the matmuls, not by the weights: as torch ops from Python, a layer's RMSNorms,
-residual adds, casts to and from the int4 kernel's bfloat16, RoPE and SiLU × up are some fifty
-dispatches. csrc/lean_decode.cpp fuses everything from one attention call to the next into two
-calls (the residual add and RMSNorm in front of the qkv matmul and RoPE after it; then o_proj, its
-residual, RMSNorm, gate/up, SiLU × up and down), calling torch's int4 kernel on the weights the
-QuantizedLinear layers already hold. The K/V write and the paged decode attention between the two
-stay the KV format's and the attention kernel's own, so every KV dtype takes this path.
+residual adds, casts around the quantized matmuls, RoPE and SiLU × up are some fifty dispatches.
+csrc/lean_decode.cpp fuses everything from one attention call to the next into two calls (the
+residual add and RMSNorm in front of the qkv matmul and RoPE after it; then o_proj, its residual,
+RMSNorm, gate/up, SiLU × up and down), multiplying through the same small-batch kernel and codes
+as the QuantizedLinear layers (quant_linear.py, csrc/quant_gemv.h). Between the two calls the
+step's K/V go into the pool (one C++ copy for a full-precision pool in the model dtype, the KV
+format's own write otherwise) and the paged decode kernel attends in place.
 
 It runs only where it computes what the module path computes: a CPU model whose four linears per
-layer are all on the int4 kernel (quant_linear.py), a step of decodes only in one group read in
-place, at most the rows the kernel takes, and no key centring, key basis, KV rotation or eviction.
-Everything else (prefill chunks, big batches, CUDA, `KVSERVE_DISABLE_CPU_KERNEL=1`, a kernel that
-does not build) takes the module path unchanged.
+layer are all on kvserve's small-batch kernel, a step of decodes only in one group read in place,
+at most the rows the kernel takes, and no key centring, key basis, KV rotation (the fp8 and int4
+KV formats' calibrations) or eviction. Everything else (prefill chunks, big batches, CUDA,
+`KVSERVE_DISABLE_CPU_KERNEL=1`, a kernel that does not build) takes the module path unchanged.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from kvserve.cache.kv_cache import KVCache
 from kvserve.model.attention import AttentionMetadata
 from kvserve.model.lean_kernel import load_lean_decode_module
 from kvserve.model.quant_linear import QuantizedLinear
+
 
 def _operands(linear: QuantizedLinear) -> list[torch.Tensor]:
     """A QuantizedLinear's codes, scales and offsets (an empty tensor for none) for the C++ ops."""
@@ -77,7 +79,8 @@ class LeanDecoder:
                 return None, "the layer's two norms differ in eps"
             layers.append(_Layer(i, attn.window, layer.input_layernorm.weight.detach(),
                                  layer.post_attention_layernorm.weight.detach(), layer.input_layernorm.eps,
-                                 _operands(attn.qkv_proj), attn.qkv_proj.bias, *(_operands(lin) for lin in linears[1:])))
+                                 _operands(attn.qkv_proj), attn.qkv_proj.bias,
+                                 *(_operands(lin) for lin in linears[1:])))
         module, why = load_lean_decode_module()
         if module is None:
             return None, why

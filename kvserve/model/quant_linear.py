@@ -172,7 +172,8 @@ class QuantizedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, int{self.bits}, "
-                f"group_size={self.group_size}, kernel={'kvserve' if self.gemv else 'torch int4' if self.kernel else None}, "
+                f"group_size={self.group_size}, "
+                f"kernel={'kvserve' if self.gemv else 'torch int4' if self.kernel else None}, "
                 f"dense_copy={self.dense is not None}")
 
 
