@@ -78,9 +78,10 @@ def test_gemv_computes_with_its_served_weight_and_quantized_activations(lean_mod
 def test_gguf_weights_are_served_exactly():
     """Every Q4_1 and Q8_0 matrix of the default GGUF in the kernel's form: float16 scales and offsets
     are exact for them, so the served weight is the dequantized one bit for bit."""
-    from kvserve.model.loader import load_model, quantized_sources
+    import kvserve.engine.loading as loading  # its load_model is the session's cached loader (conftest.py)
+    from kvserve.model.loader import quantized_sources
 
-    sources = quantized_sources(load_model(None))
+    sources = quantized_sources(loading.load_model(None))
     for name, matrix in sources.items():
         out, cols = matrix.shape
         assert torch.equal(served_weight(gemv_operands(matrix), matrix.bits, out, cols), matrix.dequantize()), name
