@@ -38,12 +38,14 @@ Prompts = list[list[int]]
 
 # ------------------------------------------------------------------------------------- kvserve
 class KvserveBackend:
-    def __init__(self, model: str | None, quantization: str, dtype: str):
+    def __init__(self, model: str | None, quantization: str, dtype: str, lean: bool = True):
         from kvserve.llm import LLM
 
-        self.name = f"kvserve ({quantization})"
+        self.name = f"kvserve ({quantization})" if lean else f"kvserve ({quantization}, lean step off)"
         self.llm = LLM(model, quantization=quantization, dtype=dtype, kv_cache_memory="2GiB", max_model_len=1024,
                        max_num_seqs=256)
+        if not lean:  # the module path for every step, as before the lean decode step
+            self.llm.engine.model.lean = None
         self.dtype = self.llm.engine.dtype
 
     def _generate(self, prompts: Prompts, max_tokens: int) -> None:
@@ -177,6 +179,8 @@ def main() -> None:
     parser.add_argument("--prefill-tokens", type=int, default=512)
     parser.add_argument("--concurrency", default="8,32", help="comma list")
     parser.add_argument("--kvserve-quantization", default="auto", help="comma list of --quantization modes")
+    parser.add_argument("--compare-lean", action="store_true",
+                        help="also run each kvserve mode with the lean decode step off (its before/after)")
     parser.add_argument("--dtype", default="auto", help="kvserve's --dtype (HF runs in the dtype it resolves to)")
     parser.add_argument("--backends", default="kvserve,llama.cpp,hf", help="comma list of kvserve, llama.cpp, hf")
     parser.add_argument("--output-json", default=None)
@@ -188,7 +192,10 @@ def main() -> None:
     wanted = args.backends.split(",")
     backends: list[Any] = []
     if "kvserve" in wanted:
-        backends += [KvserveBackend(args.model, q, args.dtype) for q in args.kvserve_quantization.split(",")]
+        for q in args.kvserve_quantization.split(","):
+            backends.append(KvserveBackend(args.model, q, args.dtype))
+            if args.compare_lean:
+                backends.append(KvserveBackend(args.model, q, args.dtype, lean=False))
     if "llama.cpp" in wanted:
         backends.append(LlamaCppBackend(path, args.threads))
     concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]

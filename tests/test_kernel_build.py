@@ -18,7 +18,9 @@ import torch
 from kvserve.model import kernel_build
 from kvserve.model.cpu_attention import PagedDecodeKernel, paged_decode_build
 from kvserve.model.kernel_build import DISABLE_ENV, KernelBuild, current_isa, load_kernel, runnable_isa_levels
+from kvserve.model.lean_kernel import lean_decode_build
 from test_attention_paths import SPEC, check_kernel_against_the_definition
+from test_lean_decode import check_gemv_against_the_definition
 
 # A process that builds (or loads) the kernel through the engine's own entry point, runs one decode
 # and says which path it ended on.
@@ -72,9 +74,10 @@ def test_every_isa_level_this_cpu_runs_builds_and_matches_the_definition():
     build and compute the same attention. Built into the user's cache like `kvserve build-kernel
     --isa all`; the levels build in parallel, one compiler each."""
     builds = [paged_decode_build(isa) for isa in runnable_isa_levels()]
-    missing = [b for b in builds if not b.library.exists()]
-    children = [subprocess.Popen([sys.executable, "-m", "kvserve.cli", "build-kernel", "--isa", b.isa],
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for b in missing]
+    lean_builds = [lean_decode_build(isa) for isa in runnable_isa_levels()]
+    missing = [b.isa for b, lean in zip(builds, lean_builds) if not (b.library.exists() and lean.library.exists())]
+    children = [subprocess.Popen([sys.executable, "-m", "kvserve.cli", "build-kernel", "--isa", isa],
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for isa in missing]
     for child in children:
         output = child.communicate(timeout=900)[0]
         assert child.returncode == 0, output
@@ -85,6 +88,10 @@ def test_every_isa_level_this_cpu_runs_builds_and_matches_the_definition():
         for dtype, kv_cache_dtype in ((torch.float32, "auto"), (torch.bfloat16, "auto"), (torch.bfloat16, "int8"),
                                       (torch.bfloat16, "fp8_e4m3"), (torch.bfloat16, "int4")):
             check_kernel_against_the_definition(kernel, dtype, kv_cache_dtype, window=5)
+    for build in lean_builds:  # the quantized small-batch matmul, SIMD and portable, against its definition
+        module, why = load_kernel(build, compile_if_missing=False)
+        assert module is not None, f"{build.isa}: {why}"
+        check_gemv_against_the_definition(module)
 
 
 def test_killed_builder_leaves_no_hang_and_two_starts_at_once_both_get_the_kernel(private_cache):

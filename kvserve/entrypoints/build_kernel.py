@@ -1,6 +1,7 @@
-"""`kvserve build-kernel`: compile the CPU paged decode kernel now (the set-up command runs it),
-so that no `kvserve` start waits for a compile. Where it cannot be built, says why and exits 0:
-kvserve then decodes with torch ops, which is slower but complete."""
+"""`kvserve build-kernel`: compile the CPU kernels now (the set-up command runs it): the paged decode
+attention and the lean decode step's fused layer ops, so that no `kvserve` start waits for a
+compile. Where one cannot be built, says why and exits 0: kvserve then decodes with torch ops,
+which is slower but complete."""
 from __future__ import annotations
 
 import argparse
@@ -10,7 +11,8 @@ from kvserve.model.kernel_build import ISA_LEVELS, current_isa, kernel_cache_dir
 
 
 def register(subparsers) -> None:
-    parser = subparsers.add_parser("build-kernel", help="compile the CPU paged decode kernel ahead of use")
+    parser = subparsers.add_parser("build-kernel",
+                                   help="compile the CPU kernels (paged decode, lean decode step) ahead of use")
     parser.add_argument("--isa", default="current", choices=("current", "all", *ISA_LEVELS),
                         help="vector ISA to build for: current = the one torch dispatches to here (default); "
                              "all = every level this CPU can run (a cache shared with other machines)")
@@ -20,18 +22,21 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from kvserve.cli import UserError
     from kvserve.model.cpu_attention import paged_decode_build
+    from kvserve.model.lean_kernel import lean_decode_build
 
     runnable = runnable_isa_levels()
     levels = {"current": [current_isa()], "all": runnable}.get(args.isa, [args.isa])
     if args.isa in ISA_LEVELS and args.isa not in runnable:
         raise UserError(f"this CPU cannot run {args.isa} code (it runs {', '.join(runnable)})")
+    kernels = (("paged decode", paged_decode_build), ("lean decode step", lean_decode_build))
     for isa in levels:
-        build = paged_decode_build(isa)
-        start = time.monotonic()
-        module, why = load_kernel(build, retry_failed=True)
-        if module is None:
-            print(f"CPU paged decode kernel ({isa}) unavailable: {why}. kvserve will decode with torch ops.")
-        else:
-            print(f"CPU paged decode kernel ({isa}) ready in {time.monotonic() - start:.1f} s: {build.library}")
+        for title, make_build in kernels:
+            build = make_build(isa)
+            start = time.monotonic()
+            module, why = load_kernel(build, retry_failed=True)
+            if module is None:
+                print(f"CPU {title} kernel ({isa}) unavailable: {why}. kvserve will decode with torch ops.")
+            else:
+                print(f"CPU {title} kernel ({isa}) ready in {time.monotonic() - start:.1f} s: {build.library}")
     print(f"kernel cache: {kernel_cache_dir()}")
     return 0

@@ -96,6 +96,7 @@ class KernelBuild:
     name: str  # the Python module name (TORCH_EXTENSION_NAME)
     source: Path
     isa: str
+    headers: tuple[Path, ...] = ()  # local headers the source includes (part of the cache key)
 
     @property
     def flags(self) -> list[str]:
@@ -105,7 +106,8 @@ class KernelBuild:
 
     @functools.cached_property
     def key(self) -> str:
-        digest = hashlib.sha256(self.source.read_bytes() + " ".join(self.flags).encode()).hexdigest()[:16]
+        text = self.source.read_bytes() + b"".join(header.read_bytes() for header in self.headers)
+        digest = hashlib.sha256(text + " ".join(self.flags).encode()).hexdigest()[:16]
         py = f"py{sys.version_info.major}{sys.version_info.minor}"
         return f"{self.name}-{machine()}-{py}-torch{torch.__version__}-{digest}"
 

@@ -15,6 +15,7 @@ from kvserve.cache.kv_cache import KVCache
 from kvserve.model.attention import AttentionMetadata, paged_attention
 from kvserve.model.config import ModelConfig
 from kvserve.model.cpu_linear import prepack_linears, prepacking_available
+from kvserve.model.lean_decode import LeanDecoder
 from kvserve.model.rope import RotaryEmbedding, apply_rotary
 
 
@@ -127,6 +128,8 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope: RotaryEmbedding | None = None
+        # Decode-only steps through fused C++ ops (lean_decode.py), set by the engine where it applies.
+        self.lean: LeanDecoder | None = None
 
     @classmethod
     def from_hf_weights(cls, config: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int,
@@ -178,8 +181,11 @@ class LlamaForCausalLM(nn.Module):
         [len(rows), hidden] (the LM head's input), so a caller can take logits a slice at a time."""
         x = self.embed_tokens(input_ids)
         rope = self.rope(positions)
-        for layer in self.layers:
-            x = layer(x, rope, kv_cache, meta)
+        if self.lean is not None and self.lean.applies(x.shape[0], kv_cache, meta):
+            x = self.lean.run(x, rope, kv_cache, meta)
+        else:
+            for layer in self.layers:
+                x = layer(x, rope, kv_cache, meta)
         return self.norm(x[rows])
 
     @torch.inference_mode()

@@ -1,19 +1,19 @@
 """Weight-only quantized linear layers (`--quantization`) and the pass that puts them in a model.
 
 A decode step at small batch reads every weight once per token, so its speed is the weights'
-size: int4 weights are a quarter of bf16's bytes. torch ships a CPU kernel that multiplies by
-int4 weights in groups (a scale and zero per group of 32) without materialising them,
-`aten._weight_int4pack_mm_for_cpu`; int8 weights go through it too, as their high and low nibbles
-(`_int4_kernel_operands`), which keeps llama.cpp's Q8_0 group scales exact and at one row reads
-faster than torch's per-channel int8 kernel (`aten._weight_int8pack_mm`) or a bf16 GEMV. The kernel
-is fast only with bfloat16 activations (its float32 path is a scalar loop), also on CPUs without
-native bf16 (it widens to float32 with vector shifts), so a float32 model runs it with its
-activations rounded to bfloat16 and the result widened back. At many rows (prefill chunks, large
-decode batches) it loses to oneDNN's dense GEMM, so a layer also keeps its dequantized weight for
-those when RAM allows (the plain-copy rule of cpu_linear.py).
+size: int4 weights are a quarter of bf16's bytes. For a few rows a layer multiplies through
+kvserve's own CPU kernel (csrc/quant_gemv.h, built with the lean decode kernel, lean_kernel.py):
+integer dot products over the codes in their group-32 layout with float16 scales, the row of
+activations quantized per group like llama.cpp's (8 bits against 4-bit weights, 16 bits against
+8-bit ones, whose Q8_0 group scales stay exact). Where that kernel cannot be built or loaded
+(`KVSERVE_DISABLE_CPU_KERNEL=1`, no compiler), torch's `aten._weight_int4pack_mm_for_cpu` does it:
+group-32 int4 with bfloat16 scales and zeros, an 8-bit matrix as its high and low nibbles
+(`_int4_kernel_operands`), bfloat16 activations. At many rows (prefill chunks, large decode
+batches) both lose to oneDNN's dense GEMM, so a layer also keeps its dequantized weight for those
+when RAM allows (the plain-copy rule of cpu_linear.py).
 
-Devices without the kernel (CUDA here) dequantize the weight on each call: correct, and the memory
-saving holds, but no faster than dense weights.
+Devices without either kernel (CUDA here) dequantize the weight on each call: correct, and the
+memory saving holds, but no faster than dense weights.
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from torch import nn
 
 from kvserve.hardware import available_ram_bytes
 from kvserve.model.cpu_linear import PrepackedLinear, prepacking_available
+from kvserve.model.lean_kernel import load_lean_decode_module
 from kvserve.model.quantized import QuantizedMatrix, concat_rows, quantize_int4, quantize_int8, same_format
 from kvserve.units import format_size
 
@@ -43,11 +44,42 @@ KERNEL_MAX_ROWS_FLOAT32 = 8
 def kernel_max_rows(dtype: torch.dtype) -> int:
     """Rows up to which a quantized layer of a `dtype` model multiplies through the int4 kernel."""
     return KERNEL_MAX_ROWS_FLOAT32 if dtype == torch.float32 else KERNEL_MAX_ROWS
+GEMV_MAX_ROWS = 16  # rows per call of kvserve's small-batch kernel (quant_gemv.h kMaxRows)
 _KERNEL_DTYPE = torch.bfloat16
 _KERNEL_GROUP = 32  # the group size the layers give the int4 kernel
 # The model's fused linears and the checkpoint matrices they are made of, in order.
 _FUSED_PARTS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
                 "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def gemv_operands(matrix: QuantizedMatrix) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """The codes, float16 scales d and offsets m [out, in / 32] of `matrix` for the small-batch
+    kernel (csrc/quant_gemv.h: w = d u + m with 4-bit codes u, w = d q with int8 codes q), or None
+    where its format does not map (an 8-bit matrix with zeros, scales outside float16's range).
+    4-bit codes go two to a byte: byte j of a pair of groups holds element j of the first group low
+    and element j of the second high.
+    From a GGUF file (float16 scales), d u + m is the same float32 value as `dequantize()`."""
+    out, cols = matrix.shape
+    if cols % _KERNEL_GROUP or matrix.group_size % _KERNEL_GROUP or (matrix.bits == 8 and matrix.zero is not None):
+        return None
+    repeat = matrix.group_size // _KERNEL_GROUP
+    scale = matrix.scale.float().repeat_interleave(repeat, dim=1)
+    d = scale.to(torch.float16)
+    if not torch.isfinite(d).all() or ((d == 0) & (scale != 0)).any():
+        return None
+    if matrix.bits == 8:
+        return matrix.q.to(torch.int8).contiguous(), d.contiguous(), None
+    zero = matrix.zero.float().repeat_interleave(repeat, dim=1) if matrix.zero is not None else torch.zeros_like(scale)
+    m = (zero - matrix.offset * scale).to(torch.float16)
+    if not torch.isfinite(m).all():
+        return None
+    groups = cols // _KERNEL_GROUP
+    q = matrix.q.to(torch.uint8).reshape(out, groups, _KERNEL_GROUP)
+    if groups % 2:
+        q = torch.cat((q, q.new_zeros(out, 1, _KERNEL_GROUP)), dim=1)
+    q = q.view(out, -1, 2, _KERNEL_GROUP)
+    codes = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(out, -1)
+    return codes.contiguous(), d.contiguous(), m.contiguous()
 
 
 def _int4_kernel_operands(matrix: QuantizedMatrix) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,10 +114,20 @@ class QuantizedLinear(nn.Module):
         self.bias = bias
         self.dtype = dtype
         self.max_kernel_rows = kernel_max_rows(dtype)
-        self.kernel = (device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
-                       and self.in_features % _KERNEL_GROUP == 0 and matrix.group_size % _KERNEL_GROUP == 0)
+        # The small-batch kernel: kvserve's own (lean_kernel.py) where it loads, else torch's int4 one.
+        self.gemv = None
+        self.gemv_operands = None
+        if device.type == "cpu":
+            module, _ = load_lean_decode_module()
+            self.gemv_operands = gemv_operands(matrix) if module is not None else None
+            self.gemv = module.gemv if self.gemv_operands is not None else None
+        self.kernel = self.gemv is not None or (
+            device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+            and self.in_features % _KERNEL_GROUP == 0 and matrix.group_size % _KERNEL_GROUP == 0)
         self.matrix: QuantizedMatrix | None = None
-        if self.kernel:
+        if self.gemv is not None:
+            pass  # the codes live in gemv_operands
+        elif self.kernel:
             q, scales_zeros = _int4_kernel_operands(matrix)
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
             self.scales_zeros = scales_zeros.to(_KERNEL_DTYPE).contiguous()
@@ -105,6 +147,17 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
+        if self.gemv is not None and (rows <= self.max_kernel_rows or self.dense is None):
+            flat = x.reshape(rows, self.in_features)
+            if flat.dtype not in (torch.float32, torch.bfloat16):
+                flat = flat.float()
+            flat = flat.contiguous()
+            # (the kernel takes up to GEMV_MAX_ROWS rows a call)
+            y = torch.cat([self.gemv(flat[i:i + GEMV_MAX_ROWS], *self.gemv_operands)
+                           for i in range(0, rows, GEMV_MAX_ROWS)]) if rows > GEMV_MAX_ROWS else \
+                self.gemv(flat, *self.gemv_operands)
+            y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+            return y if self.bias is None else y + self.bias
         if self.kernel and (rows <= self.max_kernel_rows or self.dense is None):
             flat = x.reshape(rows, self.in_features).to(_KERNEL_DTYPE)
             if self.bits == 8:  # the weight's high and low nibbles, each multiplied by x
@@ -121,7 +174,9 @@ class QuantizedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, int{self.bits}, "
-                f"group_size={self.group_size}, kernel={self.kernel}, dense_copy={self.dense is not None}")
+                f"group_size={self.group_size}, "
+                f"kernel={'kvserve' if self.gemv else 'torch int4' if self.kernel else None}, "
+                f"dense_copy={self.dense is not None}")
 
 
 @dataclass
@@ -243,13 +298,14 @@ def quantized_bytes(linear: nn.Module) -> int:
 
 
 def served_matrix_bytes(values: int, bits: int | None, dtype: torch.dtype) -> int:
-    """Bytes a matrix of `values` weights takes in QuantizedLinear's kernel form (`bits` 4 or 8: the
-    codes at 4 bits each, 8-bit ones as two nibbles, plus a bfloat16 scale and zero per 32 codes),
-    or dense in `dtype` (bits None)."""
+    """Bytes a matrix of `values` weights takes in QuantizedLinear's small-batch kernel form (`bits`
+    4: two codes a byte plus a float16 scale and offset per 32; 8: a byte a code plus a float16 scale
+    per 32), or dense in `dtype` (bits None). Where only torch's int4 kernel runs, an 8-bit matrix
+    takes about twice that (two nibbles, bfloat16 scales and zeros for each)."""
     if bits is None:
         return values * torch.empty((), dtype=dtype).element_size()
-    codes = values * bits // 4
-    return codes // 2 + codes // _KERNEL_GROUP * 4
+    groups = values // _KERNEL_GROUP
+    return values // 2 + groups * 4 if bits == 4 else values + groups * 2
 
 
 def resident_weight_bytes(model: nn.Module) -> int:
@@ -264,6 +320,8 @@ def resident_weight_bytes(model: nn.Module) -> int:
                 tensors.append(value)
             elif isinstance(value, QuantizedMatrix):
                 tensors += [t for t in (value.q, value.scale, value.zero) if t is not None]
+            elif isinstance(value, tuple):  # QuantizedLinear.gemv_operands
+                tensors += [t for t in value if isinstance(t, torch.Tensor)]
         for tensor in tensors:
             try:
                 key = tensor.untyped_storage().data_ptr()

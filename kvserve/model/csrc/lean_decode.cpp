@@ -1,0 +1,241 @@
+// The per-layer work of a small decode batch between its quantized matmuls, fused (CPU).
+//
+// At batch 1 a decoder layer's arithmetic outside its four weight matmuls is a few thousand
+// multiply-adds, yet as torch ops it is some fifty dispatches (residual add, RMSNorm, casts around
+// the int4 kernel, RoPE's products and roll, slicing, SiLU and its product), each with its own
+// allocation and, from Python, its interpreter overhead. Here a layer is two calls:
+//
+//   attention_input:  h = x + delta;  qkv = RoPE(W_qkv · rmsnorm(h))
+//   attention_output: h' = h + W_o · attn;  out = W_down · (silu(gate) * up) of rmsnorm(h')
+//
+// (the caller writes K/V into the pool and runs the paged decode kernel in between, so every KV
+// format keeps its own write and read). The matmuls are quant_gemv.h's integer dot products over
+// the codes the layer's QuantizedLinear holds, the same function `gemv` QuantizedLinear calls for
+// small batches, so both paths multiply the same numbers. The elementwise work is plain loops in
+// float32, rounded to the model dtype where the torch path rounds (the normalised row before its
+// weight; SiLU's output; each matmul's output).
+#include <torch/extension.h>
+
+#include "quant_gemv.h"
+
+#include <cmath>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+namespace {
+
+using BF16 = at::BFloat16;
+
+template <typename T>
+inline float round_to(float v) {
+  return static_cast<float>(static_cast<T>(v));
+}
+
+// A QuantizedLinear's operands for quant_gemv::gemv.
+struct Linear {
+  at::Tensor codes, d;
+  std::optional<at::Tensor> m;
+  int64_t bits;
+};
+
+Linear linear_of(const std::vector<at::Tensor>& parts) {
+  TORCH_CHECK(parts.size() == 3, "a linear is (codes, scales, offsets or an empty tensor)");
+  Linear out{parts[0], parts[1], std::nullopt, parts[0].scalar_type() == at::kByte ? 4 : 8};
+  if (parts[2].numel() > 0) out.m = parts[2];
+  return out;
+}
+
+at::Tensor matmul(const at::Tensor& input, const Linear& w) {
+  return quant_gemv::gemv(input, w.codes, w.d, w.m, w.bits);
+}
+
+at::Tensor float_rows(int64_t rows, int64_t cols, const at::Tensor& like) {
+  return at::empty({rows, cols}, like.options().dtype(at::kFloat));
+}
+
+// out = float(T(weight * T(x / rms(x)))) per row (RMSNorm as HF Llama computes it: normalise in
+// float32, round to the model dtype, then scale).
+template <typename T>
+at::Tensor rms_normed(const at::Tensor& h, const at::Tensor& weight, double eps) {
+  const int64_t rows = h.size(0), cols = h.size(1);
+  at::Tensor out = float_rows(rows, cols, h);
+  const T* x = h.data_ptr<T>();
+  const T* w = weight.data_ptr<T>();
+  float* o = out.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * cols;
+    float sum = 0.f;
+    for (int64_t c = 0; c < cols; ++c) {
+      const float v = static_cast<float>(xr[c]);
+      sum += v * v;
+    }
+    const float inv = 1.f / std::sqrt(sum / static_cast<float>(cols) + static_cast<float>(eps));
+    for (int64_t c = 0; c < cols; ++c)
+      o[r * cols + c] = round_to<T>(static_cast<float>(w[c]) * round_to<T>(static_cast<float>(xr[c]) * inv));
+  }
+  return out;
+}
+
+// h = x + delta in the model dtype (x itself when there is no delta).
+template <typename T>
+at::Tensor residual_add(const at::Tensor& x, const std::optional<at::Tensor>& delta) {
+  if (!delta.has_value()) return x;
+  at::Tensor h = at::empty_like(x);
+  const T* a = x.data_ptr<T>();
+  const T* b = delta->data_ptr<T>();
+  T* o = h.data_ptr<T>();
+  const int64_t n = x.numel();
+  for (int64_t i = 0; i < n; ++i) o[i] = static_cast<T>(static_cast<float>(a[i]) + static_cast<float>(b[i]));
+  return h;
+}
+
+// A matmul's float32 output [rows, n] in the model dtype, plus the bias (in the model dtype, as
+// QuantizedLinear's y + b).
+template <typename T>
+at::Tensor to_model_dtype(const at::Tensor& y, const std::optional<at::Tensor>& bias) {
+  at::Tensor out = std::is_same_v<T, float> ? y : y.to(c10::CppTypeToScalarType<T>::value);
+  if (bias.has_value()) {
+    T* o = out.data_ptr<T>();
+    const T* b = bias->data_ptr<T>();
+    const int64_t rows = out.size(0), n = out.size(1);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < n; ++c)
+        o[r * n + c] = static_cast<T>(static_cast<float>(o[r * n + c]) + static_cast<float>(b[c]));
+  }
+  return out;
+}
+
+// Rotate the first `rotated_heads` heads of qkv [rows, heads * D] in place (rotate-half RoPE):
+// out[i] = x[i] cos[i] + x[partner(i)] signed_sin[i], signed_sin's first half negated (rope.py).
+template <typename T>
+void rope_in_place(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& signed_sin, int64_t rotated_heads,
+                   int64_t head_dim) {
+  const int64_t rows = qkv.size(0), row_stride = qkv.size(1), half = head_dim / 2;
+  T* base = qkv.data_ptr<T>();
+  const T* cos_base = cos.data_ptr<T>();
+  const T* sin_base = signed_sin.data_ptr<T>();
+  std::vector<float> x(head_dim);
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* c = cos_base + r * head_dim;
+    const T* s = sin_base + r * head_dim;
+    for (int64_t h = 0; h < rotated_heads; ++h) {
+      T* head = base + r * row_stride + h * head_dim;
+      for (int64_t i = 0; i < head_dim; ++i) x[i] = static_cast<float>(head[i]);
+      for (int64_t i = 0; i < head_dim; ++i) {
+        const float partner = x[i < half ? i + half : i - half];
+        head[i] = static_cast<T>(x[i] * static_cast<float>(c[i]) + partner * static_cast<float>(s[i]));
+      }
+    }
+  }
+}
+
+template <typename T>
+std::vector<at::Tensor> attention_input_impl(const at::Tensor& x, const std::optional<at::Tensor>& delta,
+                                             const at::Tensor& norm_weight, double eps, const Linear& qkv_proj,
+                                             const std::optional<at::Tensor>& bias, const at::Tensor& cos,
+                                             const at::Tensor& signed_sin, int64_t rotated_heads, int64_t head_dim) {
+  at::Tensor h = residual_add<T>(x, delta);
+  at::Tensor qkv = to_model_dtype<T>(matmul(rms_normed<T>(h, norm_weight, eps), qkv_proj), bias);
+  rope_in_place<T>(qkv, cos, signed_sin, rotated_heads, head_dim);
+  return {h, qkv.view({qkv.size(0), -1, head_dim})};
+}
+
+template <typename T>
+std::vector<at::Tensor> attention_output_impl(const at::Tensor& attn, const at::Tensor& h, const Linear& o_proj,
+                                              const at::Tensor& norm_weight, double eps, const Linear& gate_up_proj,
+                                              const Linear& down_proj) {
+  const int64_t rows = attn.size(0);
+  at::Tensor o = to_model_dtype<T>(matmul(attn, o_proj), std::nullopt);
+  at::Tensor h2 = residual_add<T>(h, o);
+  // gate and up in the model dtype, SiLU rounded to it, their product rounded to it (F.silu(gate) * up)
+  at::Tensor gate_up = matmul(rms_normed<T>(h2, norm_weight, eps), gate_up_proj);  // float32 [rows, 2 I]
+  const int64_t inter = gate_up.size(1) / 2;
+  at::Tensor act = float_rows(rows, inter, attn);
+  const float* gu = gate_up.data_ptr<float>();
+  float* out = act.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* g = gu + r * 2 * inter;
+    for (int64_t c = 0; c < inter; ++c) {
+      const float gate = round_to<T>(g[c]), up = round_to<T>(g[inter + c]);
+      const float silu = round_to<T>(gate / (1.f + std::exp(-gate)));
+      out[r * inter + c] = round_to<T>(silu * up);
+    }
+  }
+  return {h2, to_model_dtype<T>(matmul(act, down_proj), std::nullopt)};
+}
+
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.is_contiguous() && t.device().is_cpu(), name, " must be a contiguous 2-D CPU tensor");
+}
+
+std::vector<at::Tensor> attention_input(const at::Tensor& x, const std::optional<at::Tensor>& delta,
+                                        const at::Tensor& norm_weight, double eps,
+                                        const std::vector<at::Tensor>& qkv_proj, const std::optional<at::Tensor>& bias,
+                                        const at::Tensor& cos, const at::Tensor& signed_sin, int64_t rotated_heads,
+                                        int64_t head_dim) {
+  check_rows(x, "x");
+  TORCH_CHECK(!delta.has_value() || (delta->sizes() == x.sizes() && delta->scalar_type() == x.scalar_type() &&
+                                     delta->is_contiguous()), "delta must match x");
+  TORCH_CHECK(cos.is_contiguous() && signed_sin.is_contiguous() && cos.numel() == x.size(0) * head_dim &&
+              cos.scalar_type() == x.scalar_type() && signed_sin.scalar_type() == x.scalar_type(),
+              "cos and signed_sin must be [rows, head_dim] in x's dtype");
+  TORCH_CHECK(norm_weight.scalar_type() == x.scalar_type() && norm_weight.numel() == x.size(1), "bad norm weight");
+  const Linear w = linear_of(qkv_proj);
+  if (x.scalar_type() == at::kBFloat16)
+    return attention_input_impl<BF16>(x, delta, norm_weight, eps, w, bias, cos, signed_sin, rotated_heads, head_dim);
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "the lean decode step runs bfloat16 and float32 models");
+  return attention_input_impl<float>(x, delta, norm_weight, eps, w, bias, cos, signed_sin, rotated_heads, head_dim);
+}
+
+std::vector<at::Tensor> attention_output(const at::Tensor& attn, const at::Tensor& h,
+                                         const std::vector<at::Tensor>& o_proj, const at::Tensor& norm_weight,
+                                         double eps, const std::vector<at::Tensor>& gate_up_proj,
+                                         const std::vector<at::Tensor>& down_proj) {
+  check_rows(attn, "attn");
+  check_rows(h, "h");
+  TORCH_CHECK(attn.scalar_type() == h.scalar_type() && norm_weight.scalar_type() == h.scalar_type() &&
+              norm_weight.numel() == h.size(1), "attn, h and the norm weight must share the model dtype");
+  const Linear o = linear_of(o_proj), gate_up = linear_of(gate_up_proj), down = linear_of(down_proj);
+  if (h.scalar_type() == at::kBFloat16)
+    return attention_output_impl<BF16>(attn, h, o, norm_weight, eps, gate_up, down);
+  TORCH_CHECK(h.scalar_type() == at::kFloat, "the lean decode step runs bfloat16 and float32 models");
+  return attention_output_impl<float>(attn, h, o, norm_weight, eps, gate_up, down);
+}
+
+// The step's keys and values, heads [first, first + planes) of qkv [rows, heads, D], copied into a
+// full-precision pool [planes, blocks, block_size, D] of the same dtype at each row's slot (what
+// FullPrecisionFormat.write does, without its concatenation, transpose and index_copy).
+void write_kv(at::Tensor& pool, const at::Tensor& qkv, const at::Tensor& slots, int64_t first) {
+  TORCH_CHECK(pool.dim() == 4 && pool.is_contiguous() && qkv.dim() == 3 && qkv.is_contiguous() &&
+              pool.scalar_type() == qkv.scalar_type() && pool.size(3) == qkv.size(2), "pool and qkv do not match");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == qkv.size(0), "one int64 slot per row");
+  const int64_t planes = pool.size(0), dim = pool.size(3), slots_per_plane = pool.size(1) * pool.size(2);
+  TORCH_CHECK(first + planes <= qkv.size(1), "not enough heads");
+  const int64_t bytes = dim * qkv.element_size();
+  const auto* slot = slots.data_ptr<int64_t>();
+  auto* dst = static_cast<char*>(pool.data_ptr());
+  const auto* src = static_cast<const char*>(qkv.data_ptr());
+  for (int64_t r = 0; r < qkv.size(0); ++r) {
+    TORCH_CHECK(slot[r] >= 0 && slot[r] < slots_per_plane, "slot out of range");
+    for (int64_t p = 0; p < planes; ++p)
+      std::memcpy(dst + (p * slots_per_plane + slot[r]) * bytes, src + ((r * qkv.size(1)) + first + p) * bytes, bytes);
+  }
+}
+
+// QuantizedLinear's small-batch matmul: x [rows, K] (float32 or bfloat16) -> float32 [rows, N].
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const std::optional<at::Tensor>& m) {
+  check_rows(x, "x");
+  return quant_gemv::gemv(x, codes, d, m, codes.scalar_type() == at::kByte ? 4 : 8);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("attention_input", &attention_input,
+        "h = x + delta; RoPE'd q, k and v [rows, heads, D] of the qkv matmul of rmsnorm(h)");
+  m.def("attention_output", &attention_output,
+        "h' = h + W_o attn; the MLP's output W_down (silu(gate) * up) of rmsnorm(h')");
+  m.def("write_kv", &write_kv, "copy the step's K/V heads of qkv into a full-precision pool at their slots");
+  m.def("gemv", &gemv, "x [rows, K] times group-quantized W^T [K, N] -> float32 [rows, N] (quant_gemv.h)");
+}

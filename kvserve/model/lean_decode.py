@@ -1,0 +1,130 @@
+"""The lean decode step: each decoder layer of a small decode batch in two C++ calls.
+
+With 4-bit weights a batch-1 decode step reads so few bytes that the step is bound by the small
+ops between the matmuls, not by the weights: as torch ops from Python, a layer's RMSNorms,
+residual adds, casts around the quantized matmuls, RoPE and SiLU × up are some fifty dispatches.
+csrc/lean_decode.cpp fuses everything from one attention call to the next into two calls (the
+residual add and RMSNorm in front of the qkv matmul and RoPE after it; then o_proj, its residual,
+RMSNorm, gate/up, SiLU × up and down), multiplying through the same small-batch kernel and codes
+as the QuantizedLinear layers (quant_linear.py, csrc/quant_gemv.h). Between the two calls the
+step's K/V go into the pool (one C++ copy for a full-precision pool in the model dtype, the KV
+format's own write otherwise) and the paged decode kernel attends in place.
+
+It runs only where it computes what the module path computes: a CPU model whose four linears per
+layer are all on kvserve's small-batch kernel, a step of decodes only in one group read in place,
+at most the rows the kernel takes, and no key centring, key basis, KV rotation (the fp8 and int4
+KV formats' calibrations) or eviction. Everything else (prefill chunks, big batches, CUDA,
+`KVSERVE_DISABLE_CPU_KERNEL=1`, a kernel that does not build) takes the module path unchanged.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvserve.cache.formats.full_precision import FullPrecisionFormat
+from kvserve.cache.kv_cache import KVCache
+from kvserve.model.attention import AttentionMetadata
+from kvserve.model.lean_kernel import load_lean_decode_module
+from kvserve.model.quant_linear import QuantizedLinear
+
+
+def _operands(linear: QuantizedLinear) -> list[torch.Tensor]:
+    """A QuantizedLinear's codes, scales and offsets (an empty tensor for none) for the C++ ops."""
+    codes, scales, offsets = linear.gemv_operands
+    return [codes, scales, offsets if offsets is not None else codes.new_empty(0)]
+
+
+@dataclass(frozen=True)
+class _Layer:
+    index: int
+    window: int | None
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    eps: float
+    qkv: list[torch.Tensor]
+    qkv_bias: torch.Tensor | None
+    o: list[torch.Tensor]
+    gate_up: list[torch.Tensor]
+    down: list[torch.Tensor]
+
+
+class LeanDecoder:
+    """Runs a model's decoder layers for a decode-only step through the fused ops."""
+
+    def __init__(self, module: Any, model: torch.nn.Module, layers: list[_Layer], max_rows: int):
+        self.module = module
+        self.model = model
+        self.layers = layers
+        self.max_rows = max_rows
+        config = model.config
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module) -> tuple["LeanDecoder | None", str]:
+        """A decoder for `model` (a LlamaForCausalLM), or None and why it does not apply."""
+        weight = model.embed_tokens.weight
+        if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32):
+            return None, f"runs on CPU in bfloat16 or float32 only, not {weight.device.type} {weight.dtype}"
+        layers = []
+        for i, layer in enumerate(model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if not all(isinstance(lin, QuantizedLinear) and lin.gemv_operands is not None for lin in linears):
+                return None, "not every linear layer is on the quantized small-batch kernel"
+            if any(lin.bias is not None for lin in linears[1:]) or attn.reduce is not None or mlp.reduce is not None:
+                return None, "biases after qkv or tensor parallelism"
+            if layer.input_layernorm.eps != layer.post_attention_layernorm.eps:
+                return None, "the layer's two norms differ in eps"
+            layers.append(_Layer(i, attn.window, layer.input_layernorm.weight.detach(),
+                                 layer.post_attention_layernorm.weight.detach(), layer.input_layernorm.eps,
+                                 _operands(attn.qkv_proj), attn.qkv_proj.bias,
+                                 *(_operands(lin) for lin in linears[1:])))
+        module, why = load_lean_decode_module()
+        if module is None:
+            return None, why
+        max_rows = min(lin.max_kernel_rows for layer in model.layers
+                       for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                                   layer.mlp.down_proj))
+        return cls(module, model, layers, max_rows), ""
+
+    def applies(self, rows: int, kv_cache: KVCache, meta: AttentionMetadata) -> bool:
+        """Whether this step (`rows` packed tokens) is one the fused path computes as the modules do."""
+        if rows > self.max_rows or meta.prefills or len(meta.decodes) != 1 or meta.decode_in_place is None:
+            return False
+        if meta.evicting_decode is not None or meta.unrotated_key_rows is not None:
+            return False
+        first = self.model.layers[0].self_attn
+        if first.key_center is not None or first.key_basis is not None:
+            return False
+        return kv_cache.format.rotation(self.head_dim, self.model.embed_tokens.weight.dtype,
+                                        meta.slot_mapping.device) is None
+
+    def run(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache,
+            meta: AttentionMetadata) -> torch.Tensor:
+        """x [rows, hidden] (the embeddings) -> the last layer's output [rows, hidden]."""
+        rows = x.shape[0]
+        cos, signed_sin = (t.reshape(rows, self.head_dim) for t in rope)
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        group = meta.decodes[0]
+        block_tables = group.block_ids.view(rows, -1)
+        kv_format, pools = kv_cache.format, kv_cache.layers
+        attention_input, attention_output = self.module.attention_input, self.module.attention_output
+        write_kv = self.module.write_kv
+        # a full-precision pool in the model dtype takes the step's K/V rows as they are
+        same_dtype_pool = isinstance(kv_format, FullPrecisionFormat) and kv_format.dtype == x.dtype
+        h, delta = x.contiguous(), None
+        for layer in self.layers:
+            h, heads_out = attention_input(h, delta, layer.input_norm, layer.eps, layer.qkv, layer.qkv_bias, cos,
+                                           signed_sin, heads + kv_heads, dim)
+            pool = pools[layer.index]
+            if same_dtype_pool:
+                write_kv(pool["kv"], heads_out, meta.slot_mapping, heads)
+            else:
+                kv_format.write(pool, heads_out[:, heads:heads + kv_heads], heads_out[:, heads + kv_heads:],
+                                meta.slot_mapping)
+            attn = meta.decode_in_place(pool, heads_out[:, :heads], block_tables, group.seq_lens, layer.window)
+            h, delta = attention_output(attn.reshape(rows, heads * dim), h, layer.o, layer.post_norm, layer.eps,
+                                        layer.gate_up, layer.down)
+        return h + delta

@@ -1,0 +1,167 @@
+"""The lean decode step (kvserve/model/lean_decode.py): decode-only steps of a model on the quantized
+small-batch kernel run each layer as two fused C++ calls, and compute what the module path computes.
+
+Both paths quantize each matmul's input row to 8 bits per group of 32 (quant_gemv.h), so a last-bit
+difference upstream (the fused RMSNorm sums in another order) can move one code by one step: the
+paths agree to within that (LOGPROB_TOLERANCE), not bit for bit; a wrong RoPE, norm or residual
+would be far outside it."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.model.quant_linear import gemv_operands
+from kvserve.model.quantized import quantize_int4, quantize_int8
+from kvserve.model.lean_decode import LeanDecoder
+from kvserve.model.lean_kernel import load_lean_decode_module
+
+LOGPROB_TOLERANCE = 0.1
+PROMPTS = [{"prompt_token_ids": list(range(5 + i, 21 + 3 * i))} for i in range(3)]  # decode batch of 3
+
+
+@pytest.fixture(scope="module")
+def lean_module():
+    module, why = load_lean_decode_module()
+    if module is None:
+        pytest.skip(f"the lean decode kernel is unavailable here: {why}")
+    return module
+
+
+@pytest.fixture(autouse=True)
+def _kernel_builds(lean_module):
+    pass
+
+
+def served_weight(operands: tuple, bits: int, out: int, cols: int) -> torch.Tensor:
+    """The float32 weight the small-batch kernel multiplies by, from its operands (quant_gemv.h's
+    layout: 4-bit codes of two groups share 32 bytes, low nibbles the first group's)."""
+    codes, scales, offsets = operands
+    if bits == 8:
+        return (codes.float().view(out, -1, 32) * scales.float()[..., None]).view(out, cols)
+    pairs = codes.view(out, -1, 32)
+    codes4 = torch.stack((pairs & 15, pairs >> 4), dim=2).view(out, -1, 32)[:, : cols // 32].float()
+    return (codes4 * scales.float()[..., None] + offsets.float()[..., None]).view(out, cols)
+
+
+def quantized_rows(x: torch.Tensor, levels: int) -> torch.Tensor:
+    """x rounded per group of 32 to `levels` steps each side of zero (the kernel's activations)."""
+    groups = x.float().view(x.shape[0], -1, 32)
+    amax = groups.abs().amax(-1, keepdim=True)
+    # (not `levels / amax`: torch computes that as a reciprocal times levels, not the kernel's quotient)
+    inverse = torch.where(amax > 0, torch.full_like(amax, levels) / amax, 0)
+    codes = torch.round(groups * inverse)
+    return (codes * amax / levels).view(x.shape)
+
+
+def check_gemv_against_the_definition(module) -> None:
+    """gemv(x) = x_q W^T to float32 summation error, for 4-bit (odd and even group counts) and
+    8-bit weights, 1 to 16 rows, float32 and bfloat16 activations."""
+    torch.manual_seed(0)
+    for quantize, cols in ((quantize_int4, 128), (quantize_int4, 96), (quantize_int8, 128)):
+        matrix = quantize(torch.randn(80, cols))
+        operands = gemv_operands(matrix)
+        weight = served_weight(operands, matrix.bits, 80, cols)
+        assert (weight - matrix.dequantize()).abs().max() <= 2e-3 * matrix.dequantize().abs().max()  # float16 scales
+        for rows in (1, 3, 5, 16):
+            for dtype in (torch.float32, torch.bfloat16):
+                x = torch.randn(rows, cols).to(dtype)
+                expected = quantized_rows(x, 127 if matrix.bits == 4 else 32767) @ weight.T
+                assert (module.gemv(x, *operands) - expected).abs().max() <= 1e-5 * cols, (matrix.bits, rows, dtype)
+
+
+def test_gemv_computes_with_its_served_weight_and_quantized_activations(lean_module):
+    check_gemv_against_the_definition(lean_module)
+
+
+@pytest.mark.slow
+def test_gguf_weights_are_served_exactly():
+    """Every Q4_1 and Q8_0 matrix of the default GGUF in the kernel's form: float16 scales and offsets
+    are exact for them, so the served weight is the dequantized one bit for bit."""
+    import kvserve.engine.loading as loading  # its load_model is the session's cached loader (conftest.py)
+    from kvserve.model.loader import quantized_sources
+
+    sources = quantized_sources(loading.load_model(None))
+    for name, matrix in sources.items():
+        out, cols = matrix.shape
+        assert torch.equal(served_weight(gemv_operands(matrix), matrix.bits, out, cols), matrix.dequantize()), name
+
+
+def _run(llm: LLM, lean: bool, monkeypatch) -> tuple[list[list[int]], list[list[float]], int]:
+    """Greedy tokens, their logprobs and the number of fused steps, with the lean path on or off."""
+    model = llm.engine.model
+    saved, calls = model.lean, []
+    original = LeanDecoder.run
+
+    def counted(self, *args):
+        calls.append(args[0].shape[0])
+        return original(self, *args)
+
+    monkeypatch.setattr(LeanDecoder, "run", counted)
+    model.lean = saved if lean else None
+    try:
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0, logprobs=1), use_tqdm=False)
+    finally:
+        model.lean = saved
+    return ([o.outputs[0].token_ids for o in outs], [[lp.logprob for lp in o.outputs[0].logprobs] for o in outs],
+            len(calls))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: a qkv bias
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_fused_decode_layers_compute_what_the_modules_compute_at_float32(tiny_model_factory, arch, quantization,
+                                                                         monkeypatch):
+    llm = LLM(str(tiny_model_factory(arch)), dtype="float32", quantization=quantization, kv_cache_memory="16MiB")
+    assert llm.engine.model.lean is not None
+    fused_tokens, fused_logprobs, fused_steps = _run(llm, True, monkeypatch)
+    plain_tokens, plain_logprobs, plain_steps = _run(llm, False, monkeypatch)
+    assert fused_steps == 7 and plain_steps == 0  # every decode step (the 8th token's), none of the prefill
+    assert fused_tokens == plain_tokens
+    for fused, plain in zip(fused_logprobs, plain_logprobs):
+        assert fused == pytest.approx(plain, abs=LOGPROB_TOLERANCE)
+
+
+def test_an_8_bit_kv_pool_keeps_its_own_write_and_read_under_the_fused_layers(tiny_llama, monkeypatch):
+    llm = LLM(str(tiny_llama), dtype="float32", quantization="int4", kv_cache_dtype="int8", kv_cache_memory="16MiB")
+    fused_tokens, fused_logprobs, fused_steps = _run(llm, True, monkeypatch)
+    plain_tokens, plain_logprobs, _ = _run(llm, False, monkeypatch)
+    assert fused_steps == 7 and fused_tokens == plain_tokens
+    for fused, plain in zip(fused_logprobs, plain_logprobs):
+        assert fused == pytest.approx(plain, abs=LOGPROB_TOLERANCE)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "int4"])  # a calibrated key basis; key centres and a rotation
+def test_kv_formats_that_transform_keys_take_the_module_path(tiny_llama, kv_cache_dtype, monkeypatch):
+    llm = LLM(str(tiny_llama), dtype="float32", quantization="int4", kv_cache_dtype=kv_cache_dtype,
+              kv_cache_memory="16MiB")
+    fused_tokens, _, fused_steps = _run(llm, True, monkeypatch)
+    assert fused_steps == 0 and fused_tokens == _run(llm, False, monkeypatch)[0]
+
+
+def test_bfloat16_model_agrees_within_its_rounding(tiny_llama, monkeypatch):
+    llm = LLM(str(tiny_llama), dtype="bfloat16", quantization="int4", kv_cache_memory="16MiB")
+    fused_tokens, fused_logprobs, fused_steps = _run(llm, True, monkeypatch)
+    plain_tokens, plain_logprobs, _ = _run(llm, False, monkeypatch)
+    assert fused_steps == 7 and fused_tokens == plain_tokens
+    for fused, plain in zip(fused_logprobs, plain_logprobs):
+        assert fused == pytest.approx(plain, abs=2 * LOGPROB_TOLERANCE)  # and bfloat16 rounding
+
+
+def test_not_used_where_the_linears_are_not_all_quantized(tiny_llama):
+    llm = LLM(str(tiny_llama), dtype="float32", quantization="none", kv_cache_memory="16MiB")
+    assert llm.engine.model.lean is None
+    decoder, why = LeanDecoder.for_model(llm.engine.model)
+    assert decoder is None and "quantized small-batch kernel" in why
+
+
+def test_big_batches_and_prefill_take_the_module_path(tiny_llama, monkeypatch):
+    """More decode rows than the int4 kernel takes (they go to the dense copies): no fused step."""
+    llm = LLM(str(tiny_llama), dtype="float32", quantization="int4", kv_cache_memory="16MiB")
+    rows = llm.engine.model.lean.max_rows
+    calls = []
+    original = LeanDecoder.run
+    monkeypatch.setattr(LeanDecoder, "run", lambda self, *a: calls.append(a[0].shape[0]) or original(self, *a))
+    prompts = [{"prompt_token_ids": list(range(5 + i, 15 + i))} for i in range(rows + 1)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 3 for o in outs)
+    assert all(n <= rows for n in calls)
