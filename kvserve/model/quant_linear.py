@@ -286,10 +286,12 @@ def quantize_linears(model: nn.Module, mode: str, sources: dict[str, QuantizedMa
 
 
 def quantized_bytes(linear: nn.Module) -> int:
-    """Bytes of a linear's weight in the form it is served (QuantizedLinear: the packed codes and
-    the scales and zeros, not its dense copy for large batches; nn.Linear: its weight) and bias."""
+    """Bytes of a linear's weight in the form it is served (QuantizedLinear: its small-batch kernel's
+    codes, scales and offsets, not its dense copy for large batches; nn.Linear: its weight) and bias."""
     bias = linear.bias.nbytes if getattr(linear, "bias", None) is not None else 0
     if isinstance(linear, QuantizedLinear):
+        if linear.gemv_operands is not None:
+            return sum(t.nbytes for t in linear.gemv_operands if t is not None) + bias
         if linear.kernel:
             return linear.packed.nbytes + linear.scales_zeros.nbytes + bias
         m = linear.matrix
