@@ -31,15 +31,21 @@ def run_and_free(kv: KVCacheManager, request: Request) -> None:
 
 
 def replay(events, start: set[bytes]) -> set[bytes]:
-    hashes = set(start)
+    """The pool's hashes after `events` (a pool-only log), from `start`."""
+    return replay_media(events, {"pool": start})["pool"]
+
+
+def replay_media(events, start: dict[str, set[bytes]]) -> dict[str, set[bytes]]:
+    state = {m: set(h) for m, h in start.items()}
     for event in events:
+        held = state.setdefault(event.medium, set())
         if event.kind == STORED:
-            hashes.add(event.block_hash)
+            held.add(event.block_hash)
         elif event.kind == REMOVED:
-            hashes.discard(event.block_hash)
+            held.discard(event.block_hash)
         else:
-            hashes.clear()
-    return hashes
+            held.clear()
+    return state
 
 
 def test_events_replayed_equal_the_pools_cached_hashes_through_evictions_and_a_reset():
@@ -89,19 +95,6 @@ def test_attaching_late_publishes_what_is_already_cached():
     log = KVEventLog()
     kv.pool.attach_events(log)
     assert log.snapshot().block_hashes == set(kv.pool.cached) and len(kv.pool.cached) == 2
-
-
-def replay_media(events, start: dict[str, set[bytes]]) -> dict[str, set[bytes]]:
-    state = {m: set(h) for m, h in start.items()}
-    for event in events:
-        held = state.setdefault(event.medium, set())
-        if event.kind == STORED:
-            held.add(event.block_hash)
-        elif event.kind == REMOVED:
-            held.discard(event.block_hash)
-        else:
-            held.clear()
-    return state
 
 
 def test_tier_moves_are_events_and_replay_to_each_tiers_real_contents(tiny_llama, tmp_path):
