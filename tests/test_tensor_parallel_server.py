@@ -131,18 +131,21 @@ def test_data_parallel_replicas_of_tensor_parallel_engines(tiny_llama, tmp_path)
 @pytest.mark.slow
 def test_tp3_server_on_the_default_model(tmp_path):
     """`kvserve serve --tensor-parallel-size 3` on the default model (9 query heads and 3 KV heads
-    over 3 ranks; --quantization auto keeps its GGUF's int4 weights, each rank serving its cut)
-    answers the openai client, streamed and not, with the text one process generates greedily."""
+    over 3 ranks) answers the openai client, streamed and not, with the text one process generates
+    greedily. With the GGUF's dequantized weights (--quantization none), as the HF-parity tests: with
+    its int4 weights one process takes the lean decode step, whose 8-bit activations can turn a
+    last-bit difference of the ranks' summation order into another token (the tiny-model TP tests
+    check quantized shards within a tolerance instead)."""
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
-    common = ["--dtype", "float32", "--kv-cache-memory", "64MiB", "--max-model-len", "256", "--quantization", "auto"]
-    llm = LLM(dtype="float32", kv_cache_memory="64MiB", max_model_len=256, quantization="auto")
+    common = ["--dtype", "float32", "--kv-cache-memory", "64MiB", "--max-model-len", "256", "--quantization", "none"]
+    llm = LLM(dtype="float32", kv_cache_memory="64MiB", max_model_len=256, quantization="none")
     expected = [o.outputs[0].text for o in llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0),
                                                          use_tqdm=False)]
     del llm
     server = ServerProcess.start([*common, "--tensor-parallel-size", "3", "--served-model-name", "smol"], tmp_path)
     try:
         log = server.log_path.read_text()
-        assert "quantization auto -> linears" in log and "int4 g32" in log, log
+        assert "quantization none" in log, log
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused")
         for prompt, text in zip(prompts, expected):
             reply = client.completions.create(model="smol", prompt=prompt, max_tokens=8, temperature=0)
