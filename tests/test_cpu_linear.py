@@ -1,4 +1,4 @@
-"""CPU bf16 linears: prepacked weights for batches, torch's GEMV for a single row."""
+"""CPU linears: prepacked weights for batches (bf16 and float32), torch's GEMV for a single bf16 row."""
 from __future__ import annotations
 
 import pytest
@@ -10,6 +10,8 @@ from kvserve.model.cpu_linear import PrepackedLinear, prepack_linears, prepackin
 
 needs_prepacking = pytest.mark.skipif(not prepacking_available(torch.device("cpu"), torch.bfloat16),
                                       reason="needs oneDNN bf16 prepacking on CPU")
+needs_onednn = pytest.mark.skipif(not prepacking_available(torch.device("cpu"), torch.float32),
+                                  reason="torch is built without oneDNN")
 
 
 def _linear(in_features: int = 96, out_features: int = 160, bias: bool = True) -> nn.Linear:
@@ -81,8 +83,36 @@ def test_plain_copy_is_kept_only_when_it_fits_a_quarter_of_available_ram(monkeyp
     torch.testing.assert_close(model.proj(x).float(), x.float() @ weight.T, rtol=2 ** -7, atol=1e-2)
 
 
-def test_no_prepacking_where_onednn_cannot_run_bf16(monkeypatch):
-    """An AVX2-only CPU: torch's reorder would raise, so bf16 linears stay plain nn.Linear."""
+@needs_onednn
+def test_no_bf16_prepacking_where_onednn_cannot_run_bf16(monkeypatch):
+    """An AVX2-only CPU: torch's bf16 reorder would raise, so bf16 linears stay plain nn.Linear;
+    float32 ones are still prepacked there."""
     monkeypatch.setattr(cpu_linear, "onednn_bf16_missing", lambda: "no avx512bw here")
     assert not prepacking_available(torch.device("cpu"), torch.bfloat16)
-    assert not prepacking_available(torch.device("cpu"), torch.float32)
+    assert prepacking_available(torch.device("cpu"), torch.float32)
+    assert not prepacking_available(torch.device("meta"), torch.float32)
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 2, 7, 32, 300])
+def test_prepacked_float32_linear_matches_f_linear(rows):
+    linear = _linear().float()
+    x = torch.randn(rows, linear.in_features)
+    expected = torch.nn.functional.linear(x.double(), linear.weight.double(), linear.bias.double())
+    layer = PrepackedLinear(linear, keep_plain=False)
+    out = layer(x)
+    assert out.dtype == torch.float32 and out.shape == (rows, linear.out_features)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    # a leading batch dimension, as the model's [tokens, hidden] views may have
+    torch.testing.assert_close(layer(x.view(1, rows, -1)).view(rows, -1), out)
+
+
+@needs_onednn
+def test_float32_model_is_prepacked_without_plain_copies():
+    """float32's packed kernel is the faster one at one row too (cpu_linear.py), so no second copy."""
+    model = _TiedModel().float()
+    weight = model.proj.weight.detach().clone()
+    assert prepack_linears(model) == 2
+    assert model.proj.plain is None and model.head.plain is None
+    x = torch.randn(1, 64)
+    torch.testing.assert_close(model.proj(x), x @ weight.T, rtol=1e-5, atol=1e-5)

@@ -1,5 +1,5 @@
-"""bf16 linear layers for CPU inference: oneDNN-prepacked weights for batches of rows, torch's
-own GEMV for a single row.
+"""Linear layers for CPU inference: oneDNN-prepacked weights (bf16 and float32), and for bf16
+torch's own GEMV for a single row.
 
 `F.linear` on a plain bf16 weight lets oneDNN reorder the weight into its blocked layout on
 every call; for a decode step, which is one pass over all weights, that reorder is a large share
@@ -10,11 +10,16 @@ A single row (batch-1 decode, the LM head of a prefill) is a matrix-vector produ
 torch's native bf16 GEMV over the plain row-major weight reads the weights faster than oneDNN's
 prepacked kernel (float32 accumulation in both); from two rows on, the prepacked kernel wins
 (BENCHMARKS.md, "Offline throughput", "Before"). So
-each layer also keeps its plain weight when memory allows (a second copy of the linear weights,
+each bf16 layer also keeps its plain weight when memory allows (a second copy of the linear weights,
 see `prepack_linears`) and sends single rows to the native kernel. torch picks oneDNN for any
 large bf16 matmul while oneDNN is enabled, so the flag is switched off around that one call;
 it is process-global, which is safe because the engine runs its forward passes from one thread
 (another thread's matmul in that window would just take the native kernel too).
+
+float32 (what an AVX2-only CPU runs) gains more: `F.linear` goes to MKL's sgemm on the plain
+weight, and oneDNN's prepacked float32 kernel beats it at every row count, most at 8-64 rows (a
+decode batch), single rows included, so float32 layers keep no plain copy (BENCHMARKS.md,
+"float32 linears prepacked").
 """
 from __future__ import annotations
 
@@ -31,11 +36,14 @@ logger = logging.getLogger(__name__)
 
 
 def prepacking_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether bf16 linears on `device` can be prepacked: only where oneDNN runs bf16 (without
-    AVX-512 BW/VL/DQ or AVX-NE-CONVERT, e.g. an AVX2-only CPU, torch raises at the reorder);
-    elsewhere the layers stay plain nn.Linear (F.linear)."""
-    return (device.type == "cpu" and dtype == torch.bfloat16 and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and onednn_bf16_missing() is None)
+    """Whether linears of `dtype` on `device` can be prepacked: float32 wherever torch has oneDNN,
+    bf16 only where oneDNN runs bf16 (without AVX-512 BW/VL/DQ or AVX-NE-CONVERT, e.g. an AVX2-only
+    CPU, torch raises at the reorder); elsewhere the layers stay plain nn.Linear (F.linear)."""
+    if device.type != "cpu" or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        return False
+    if dtype == torch.float32:
+        return torch.backends.mkldnn.is_available()
+    return dtype == torch.bfloat16 and onednn_bf16_missing() is None
 
 
 def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -48,6 +56,11 @@ def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         torch._C._set_mkldnn_enabled(enabled)
 
 
+# The batch size oneDNN is told to expect at the reorder: float32's layout for 32 rows ran a decode
+# batch (8-64 rows) fastest and single rows as fast as for 1 (BENCHMARKS.md, "float32 linears prepacked").
+_PACKING_ROWS = {torch.float32: 32}
+
+
 class PrepackedLinear(nn.Module):
     """y = x W^T + b with W held in oneDNN's blocked layout, and W itself too when `keep_plain`
     (then a single row of x goes through the native GEMV)."""
@@ -55,7 +68,8 @@ class PrepackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear, keep_plain: bool):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1)
+        weight = linear.weight.detach()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACKING_ROWS.get(weight.dtype, 1))
         self.plain = linear.weight.detach() if keep_plain else None
         self.bias = linear.bias
 
@@ -68,9 +82,10 @@ class PrepackedLinear(nn.Module):
 def prepack_linears(model: nn.Module) -> int:
     """Replace every nn.Linear in `model` with a PrepackedLinear; returns how many.
 
-    The plain weights are kept for single rows when that second copy takes at most a quarter of
-    the RAM available now (a weight shared with another module, like a tied LM head's embedding,
-    costs nothing). A model too large for it keeps only the packed copy: correct, slower at batch 1."""
+    bf16 layers keep their plain weights for single rows when that second copy takes at most a
+    quarter of the RAM available now (a weight shared with another module, like a tied LM head's
+    embedding, costs nothing). A model too large for it keeps only the packed copy: correct, slower
+    at batch 1. float32 layers never keep it: their packed kernel is the faster one at one row too."""
     linears = [(module, name, child) for module in list(model.modules())
                for name, child in list(module.named_children()) if isinstance(child, nn.Linear)]
     linear_ids = {id(child) for _, _, child in linears}
@@ -78,12 +93,13 @@ def prepack_linears(model: nn.Module) -> int:
                        for p in module.parameters(recurse=False)}
     extra = sum(child.weight.nbytes for _, _, child in linears if child.weight.data_ptr() not in owned_elsewhere)
     available = available_ram_bytes()
-    keep_plain = extra <= available // 4
+    bf16 = all(child.weight.dtype == torch.bfloat16 for _, _, child in linears)
+    keep_plain = bf16 and extra <= available // 4
     for module, name, child in linears:
         setattr(module, name, PrepackedLinear(child, keep_plain))
     if keep_plain:
         logger.info("Batch-1 linears: keeping a plain copy of the weights (%s) for torch's GEMV", format_size(extra))
-    else:
+    elif bf16:
         logger.info("Batch-1 linears use the prepacked weights: a plain copy (%s) would take more than a "
                     "quarter of the available RAM (%s)", format_size(extra), format_size(available))
     return len(linears)

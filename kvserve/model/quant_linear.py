@@ -36,9 +36,10 @@ logger = logging.getLogger(__name__)
 
 QUANTIZATION_MODES = ("auto", "none", "int8", "int4")
 # Rows up to which the int4 kernel beats the dense GEMM: oneDNN's bf16 GEMM catches up sooner than
-# float32 F.linear (BENCHMARKS.md, "Quantized weights", benchmarks/quantized_linears.py).
+# its float32 one (BENCHMARKS.md, "Quantized weights" and "float32 linears prepacked",
+# benchmarks/quantized_linears.py).
 KERNEL_MAX_ROWS = 4
-KERNEL_MAX_ROWS_FLOAT32 = 8
+KERNEL_MAX_ROWS_FLOAT32 = 16
 
 
 def kernel_max_rows(dtype: torch.dtype) -> int:
