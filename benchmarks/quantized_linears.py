@@ -1,7 +1,7 @@
 """The default model's linears (30 layers of q/k/v, o, gate/up, down, and the LM head) at a few row
-counts: dense weights (oneDNN-prepacked bf16 where available, else float32 F.linear) vs torch's int4
-kernel on int4 weights (8-bit LM head as two nibbles), the choice behind KERNEL_MAX_ROWS in
-kvserve/model/quant_linear.py. Median of interleaved rounds, milliseconds for all the linears of one
+counts: dense weights (oneDNN-prepacked, as the engine holds them: bf16 where oneDNN runs it, and
+float32) vs the small-batch kernel on int4 weights (kvserve's where it is built, else torch's int4
+kernel; 8-bit LM head), the choice behind KERNEL_MAX_ROWS in kvserve/model/quant_linear.py. Median of interleaved rounds, milliseconds for all the linears of one
 step.
 
     python benchmarks/quantized_linears.py --threads 1 --rows 1,2,4,8,16,32
@@ -22,7 +22,7 @@ from kvserve.model.quantized import quantize_int4, quantize_int8
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
 
 
-def build(dtype: torch.dtype) -> tuple[list[nn.Module], list[nn.Module]]:
+def build(dtype: torch.dtype, plain: bool = False) -> tuple[list[nn.Module], list[nn.Module]]:
     torch.manual_seed(0)
     dense, quantized = [], []
     for i, (out, cols) in enumerate(SHAPES):
@@ -31,8 +31,8 @@ def build(dtype: torch.dtype) -> tuple[list[nn.Module], list[nn.Module]]:
         matrix = quantize_int8(linear.weight.data) if i == len(SHAPES) - 1 else quantize_int4(linear.weight.data)
         quantized.append(quant_linear.QuantizedLinear(matrix, None, dtype, torch.device("cpu"), keep_dense=False))
         linear = linear.to(dtype)
-        dense.append(PrepackedLinear(linear, keep_plain=True) if prepacking_available(torch.device("cpu"), dtype)
-                     else linear)
+        prepack = not plain and prepacking_available(torch.device("cpu"), dtype)
+        dense.append(PrepackedLinear(linear, keep_plain=dtype == torch.bfloat16) if prepack else linear)
     return dense, quantized
 
 
@@ -51,13 +51,16 @@ def main() -> None:
     parser.add_argument("--rows", default="1,2,4,8,16,32")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"))
+    parser.add_argument("--dense", default="prepacked", choices=("prepacked", "plain"),
+                        help="plain: the dense weights as plain nn.Linear (F.linear), as before float32 prepacking")
     args = parser.parse_args()
     from kvserve.engine.llm_engine import select_dtype
 
     torch.set_num_threads(args.threads)
     dtype = select_dtype(args.dtype, torch.device("cpu"))
-    dense, quantized = build(dtype)
-    print(f"dtype {str(dtype).removeprefix('torch.')}, threads {args.threads}; ms per step of linears (median)")
+    dense, quantized = build(dtype, plain=args.dense == "plain")
+    print(f"dtype {str(dtype).removeprefix('torch.')}, dense {args.dense}, threads {args.threads}; "
+          "ms per step of linears (median)")
     print("| rows | dense | int4 kernel | kernel / dense |\n|---|---|---|---|")
     for rows in (int(r) for r in args.rows.split(",")):
         times: dict[str, list[float]] = {"dense": [], "kernel": []}
