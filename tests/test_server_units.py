@@ -75,6 +75,18 @@ def _output(request_id: str, num_tokens: int, finish_reason: str | None) -> Requ
     return RequestOutput(request_id, None, [1, 2, 3], [completion], finish_reason is not None)
 
 
+def test_dashboard_totals_count_prefill_only_prompts_as_metrics_does():
+    """A prompt computed without a token (max_tokens 0) counts in /metrics and in the dashboard's totals
+    alike (the page compares the two to know it read both at one step)."""
+    metrics = ServerMetrics("m", log_interval_s=5.0)
+    metrics.on_arrival("prefill-only", arrival_time=0.0)
+    metrics.on_outputs([_output("prefill-only", 0, "length")], now=0.5)
+    metrics.on_arrival("r", arrival_time=1.0)
+    metrics.on_outputs([_output("r", 2, "length")], now=1.5)
+    assert metrics.token_totals() == (6, 2)
+    assert 'kvserve:prompt_tokens_total{model_name="m"} 6.0' in metrics.render().decode()
+
+
 def test_metrics_follow_a_request_and_log_once_per_interval(caplog):
     metrics = ServerMetrics("m", log_interval_s=5.0)
     metrics.on_snapshot(_snapshot(), now=0.0)

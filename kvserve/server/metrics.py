@@ -134,9 +134,7 @@ class ServerMetrics:
                 if times.first_token is None:
                     times.first_token = now
                     self.ttft.observe(now - times.arrival)
-                    self.prompt_tokens.inc(len(out.prompt_token_ids))
-                    self._prompt_tokens_total += len(out.prompt_token_ids)
-                    self._interval.prompt_tokens += len(out.prompt_token_ids)
+                    self._count_prompt(len(out.prompt_token_ids))
                 else:
                     self.itl.observe(now - times.last_token)
                 self.generation_tokens.inc(new)
@@ -145,13 +143,18 @@ class ServerMetrics:
                 times.num_tokens, times.last_token = num_tokens, now
             if out.finished and times.first_token is None and all(c.finish_reason == "length" for c in out.outputs):
                 # Prefill only (max_tokens 0): its prompt was computed though no token came.
-                self.prompt_tokens.inc(len(out.prompt_token_ids))
-                self._interval.prompt_tokens += len(out.prompt_token_ids)
+                self._count_prompt(len(out.prompt_token_ids))
             if out.finished:
                 self.e2e.observe(now - times.arrival)
                 for completion in out.outputs:
                     self._success.labels(self.model_name, completion.finish_reason or "abort").inc()
                 del self._times[out.request_id]
+
+    def _count_prompt(self, tokens: int) -> None:
+        """A request's prompt was computed: /metrics' counter, the dashboard's total and the log line's."""
+        self.prompt_tokens.inc(tokens)
+        self._prompt_tokens_total += tokens
+        self._interval.prompt_tokens += tokens
 
     def token_totals(self) -> tuple[int, int]:
         """Prompt and generation tokens counted since start (engine thread)."""
