@@ -22,18 +22,22 @@ from kvserve.model.quantized import quantize_int4, quantize_int8
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
 
 
-def build(dtype: torch.dtype, plain: bool = False) -> tuple[list[nn.Module], list[nn.Module]]:
+def build(dtype: torch.dtype, dense_kinds: list[str]) -> dict[str, list[nn.Module]]:
+    """The step's layers once per kind: "kernel" (QuantizedLinear, no dense copy), and for each of
+    `dense_kinds` the same weights dense: "prepacked" (as the engine holds them) or "plain" (F.linear)."""
     torch.manual_seed(0)
-    dense, quantized = [], []
+    layers: dict[str, list[nn.Module]] = {kind: [] for kind in dense_kinds + ["kernel"]}
     for i, (out, cols) in enumerate(SHAPES):
         linear = nn.Linear(cols, out, bias=False)
         linear.weight.data.normal_(0, 0.02)
         matrix = quantize_int8(linear.weight.data) if i == len(SHAPES) - 1 else quantize_int4(linear.weight.data)
-        quantized.append(quant_linear.QuantizedLinear(matrix, None, dtype, torch.device("cpu"), keep_dense=False))
+        layers["kernel"].append(quant_linear.QuantizedLinear(matrix, None, dtype, torch.device("cpu"),
+                                                             keep_dense=False))
         linear = linear.to(dtype)
-        prepack = not plain and prepacking_available(torch.device("cpu"), dtype)
-        dense.append(PrepackedLinear(linear, keep_plain=dtype == torch.bfloat16) if prepack else linear)
-    return dense, quantized
+        for kind in dense_kinds:
+            prepack = kind == "prepacked" and prepacking_available(torch.device("cpu"), dtype)
+            layers[kind].append(PrepackedLinear(linear, keep_plain=dtype == torch.bfloat16) if prepack else linear)
+    return layers
 
 
 def step_ms(layers: list[nn.Module], rows: int, dtype: torch.dtype) -> float:
@@ -51,25 +55,31 @@ def main() -> None:
     parser.add_argument("--rows", default="1,2,4,8,16,32")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"))
-    parser.add_argument("--dense", default="prepacked", choices=("prepacked", "plain"),
-                        help="plain: the dense weights as plain nn.Linear (F.linear), as before float32 prepacking")
+    parser.add_argument("--dense", default="prepacked",
+                        help="comma list of prepacked (the engine's dense layers) and plain (nn.Linear, F.linear: "
+                             "float32 before it was prepacked), each interleaved with the kernel")
     args = parser.parse_args()
     from kvserve.engine.llm_engine import select_dtype
 
+    kinds = [k.strip() for k in args.dense.split(",") if k.strip()]
+    if not kinds or set(kinds) - {"prepacked", "plain"}:
+        parser.error("--dense takes prepacked, plain or both")
     torch.set_num_threads(args.threads)
     dtype = select_dtype(args.dtype, torch.device("cpu"))
-    dense, quantized = build(dtype, plain=args.dense == "plain")
-    print(f"dtype {str(dtype).removeprefix('torch.')}, dense {args.dense}, threads {args.threads}; "
-          "ms per step of linears (median)")
-    print("| rows | dense | int4 kernel | kernel / dense |\n|---|---|---|---|")
+    layers = build(dtype, kinds)
+    print(f"dtype {str(dtype).removeprefix('torch.')}, threads {args.threads}; ms per step of linears (median)")
+    print(f"| rows | {' | '.join(f'{k} dense' for k in kinds)} | int4 kernel | kernel / {kinds[0]} |")
+    print(f"|---|{'---|' * (len(kinds) + 2)}")
     for rows in (int(r) for r in args.rows.split(",")):
-        times: dict[str, list[float]] = {"dense": [], "kernel": []}
-        step_ms(dense, rows, dtype), step_ms(quantized, rows, dtype)  # warm-up
+        times: dict[str, list[float]] = {kind: [] for kind in layers}
+        for kind in layers:  # warm-up
+            step_ms(layers[kind], rows, dtype)
         for _ in range(args.rounds):
-            times["dense"].append(step_ms(dense, rows, dtype))
-            times["kernel"].append(step_ms(quantized, rows, dtype))
-        d, k = statistics.median(times["dense"]), statistics.median(times["kernel"])
-        print(f"| {rows} | {d:.1f} | {k:.1f} | {k / d:.2f} |", flush=True)
+            for kind in layers:
+                times[kind].append(step_ms(layers[kind], rows, dtype))
+        ms = {kind: statistics.median(t) for kind, t in times.items()}
+        print(f"| {rows} | {' | '.join(f'{ms[k]:.1f}' for k in kinds)} | {ms['kernel']:.1f} | "
+              f"{ms['kernel'] / ms[kinds[0]]:.2f} |", flush=True)
 
 
 if __name__ == "__main__":
