@@ -70,7 +70,7 @@ class PrepackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACKING_ROWS.get(weight.dtype, 1))
-        self.plain = linear.weight.detach() if keep_plain else None
+        self.plain = weight if keep_plain else None
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
