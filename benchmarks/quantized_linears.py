@@ -1,8 +1,8 @@
 """The default model's linears (30 layers of q/k/v, o, gate/up, down, and the LM head) at a few row
 counts: dense weights (oneDNN-prepacked, as the engine holds them: bf16 where oneDNN runs it, and
 float32) vs the small-batch kernel on int4 weights (kvserve's where it is built, else torch's int4
-kernel; 8-bit LM head), the choice behind KERNEL_MAX_ROWS in kvserve/model/quant_linear.py. Median of interleaved rounds, milliseconds for all the linears of one
-step.
+kernel; 8-bit LM head), the choice behind KERNEL_MAX_ROWS in kvserve/model/quant_linear.py. Median
+of interleaved rounds, milliseconds for all the linears of one step.
 
     python benchmarks/quantized_linears.py --threads 1 --rows 1,2,4,8,16,32
 """

@@ -19,7 +19,7 @@ it is process-global, which is safe because the engine runs its forward passes f
 float32 (what an AVX2-only CPU runs) gains more: `F.linear` goes to MKL's sgemm on the plain
 weight, and oneDNN's prepacked float32 kernel beats it at every row count, most at 8-64 rows (a
 decode batch), single rows included, so float32 layers keep no plain copy (BENCHMARKS.md,
-"float32 linears prepacked").
+"On a real AVX2-only CPU").
 """
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 # The batch size oneDNN is told to expect at the reorder: float32's layout for 32 rows ran a decode
-# batch (8-64 rows) fastest and single rows as fast as for 1 (BENCHMARKS.md, "float32 linears prepacked").
+# batch (8-64 rows) fastest and single rows as fast as for 1 (BENCHMARKS.md, "On a real AVX2-only CPU").
 _PACKING_ROWS = {torch.float32: 32}
 
 

@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 QUANTIZATION_MODES = ("auto", "none", "int8", "int4")
 # Rows up to which the int4 kernel beats the dense GEMM: oneDNN's bf16 GEMM catches up sooner than
-# its float32 one (BENCHMARKS.md, "Quantized weights" and "float32 linears prepacked",
+# its float32 one (BENCHMARKS.md, "Quantized weights" and "On a real AVX2-only CPU",
 # benchmarks/quantized_linears.py).
 KERNEL_MAX_ROWS = 4
 KERNEL_MAX_ROWS_FLOAT32 = 16
