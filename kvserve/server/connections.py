@@ -21,7 +21,7 @@ import asyncio
 import json
 import logging
 import resource
-import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -73,6 +73,9 @@ _BUSY_RESPONSE = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: applicatio
 def guarded_protocol(limits: ConnectionLimits) -> type[H11Protocol]:
     """An H11Protocol class enforcing `limits` (uvicorn.Config(http=...) takes a class)."""
     log_once = _LogOnce()
+    # The connections waiting for a request head, oldest wait first: the limit closes the first one
+    # in O(1), since a flood reaches the limit once per new connection.
+    waiting_heads: OrderedDict[H11Protocol, None] = OrderedDict()
     busy_body = json.dumps({"error": {
         "message": f"the server holds its maximum of {limits.max_connections} connections, all busy with "
                    "requests; retry later", "type": "ServiceUnavailableError", "param": None, "code": 503}}).encode()
@@ -82,7 +85,6 @@ def guarded_protocol(limits: ConnectionLimits) -> type[H11Protocol]:
             super().connection_made(transport)
             self._head_timer: asyncio.TimerHandle | None = None
             self._body_timer: asyncio.TimerHandle | None = None
-            self._waiting_since = time.monotonic()
             if len(self.connections) > limits.max_connections and not self._make_room():
                 log_once("busy", f"connection limit ({limits.max_connections}, --max-connections) reached with "
                                  f"every connection busy: new connections get a 503")
@@ -93,14 +95,15 @@ def guarded_protocol(limits: ConnectionLimits) -> type[H11Protocol]:
 
         def _make_room(self) -> bool:
             """Close the connection that has waited longest for a request head; False if none does."""
-            waiting = [c for c in self.connections if c is not self and c._waiting_for_head()]
-            if not waiting:
-                return False
-            log_once("limit", f"connection limit ({limits.max_connections}, --max-connections) reached: "
-                              f"closing the connections that have waited longest without sending a request")
-            oldest = min(waiting, key=lambda c: c._waiting_since)
-            oldest._close()
-            return True
+            while waiting_heads:
+                oldest = next(iter(waiting_heads))
+                if oldest._waiting_for_head():
+                    log_once("limit", f"connection limit ({limits.max_connections}, --max-connections) reached: "
+                                      f"closing the connections that have waited longest without sending a request")
+                    oldest._close()
+                    return True
+                oldest._cancel_timers()  # not waiting any more (closing): drop it from the order
+            return False
 
         def _waiting_for_head(self) -> bool:
             return not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete)
@@ -112,11 +115,12 @@ def guarded_protocol(limits: ConnectionLimits) -> type[H11Protocol]:
 
         def _arm_head_timer(self) -> None:
             if self._head_timer is None:
-                self._waiting_since = time.monotonic()
                 self._head_timer = self.loop.call_later(limits.header_timeout, self._head_timed_out)
+                waiting_heads[self] = None
 
         def _head_timed_out(self) -> None:
             self._head_timer = None
+            waiting_heads.pop(self, None)
             if self._waiting_for_head():
                 log_once("header", f"closing connections that sent no complete request head within "
                                    f"{limits.header_timeout:g} s (--timeout-header)")
@@ -137,6 +141,7 @@ def guarded_protocol(limits: ConnectionLimits) -> type[H11Protocol]:
                 if timer is not None:
                     timer.cancel()
             self._head_timer = self._body_timer = None
+            waiting_heads.pop(self, None)
 
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
@@ -145,6 +150,7 @@ def guarded_protocol(limits: ConnectionLimits) -> type[H11Protocol]:
             if self._head_timer is not None:
                 self._head_timer.cancel()
                 self._head_timer = None
+                waiting_heads.pop(self, None)
             if self._body_timer is not None:
                 self._body_timer.cancel()
                 self._body_timer = None
