@@ -95,10 +95,10 @@ def test_the_page_shows_the_pool_as_the_server_counts_it(server, browser):
         compared, seen, shared_seen, rows_checked = 0, set(), False, 0
         for _ in range(60):
             # The page polls, then (in the same script, so within a few milliseconds) /metrics is read.
+            # The page's counts and rows are read as soon as it has drawn the state it returns.
             view = browser.evaluate(
-                "kvDashboard.refresh().then(s => fetch('/metrics').then(r => r.text()).then(m => ({"
-                f"step: s.step, done: s.engine.steps_completed, totals: s.totals, counts: {COUNTS_JS}, "
-                f"rows: {ROWS_JS}, metrics: m}})))")
+                f"kvDashboard.refresh().then(s => ({{step: s.step, totals: s.totals, counts: {COUNTS_JS}, "
+                f"rows: {ROWS_JS}}})).then(v => fetch('/metrics').then(r => r.text()).then(m => ({{...v, metrics: m}})))")
             counts, rows, m = view["counts"], view["rows"], parse_metrics(view["metrics"])
             seen.add((view["step"], tuple(counts.values())))
             shared_seen |= counts["shared"] > 0 and any(int(r[8]) > 0 for r in rows)
@@ -188,7 +188,7 @@ def test_a_pool_of_200k_blocks_is_drawn_several_blocks_to_a_cell(server, browser
     states[60_000:90_000] = 1 | 4  # cached for reuse
     refs = np.where(states & 3 == 3, 2, np.where(states & 3 == 2, 1, 0)).astype("<u2")
     state = {
-        "version": 1, "model": "synthetic", "step": 7, "age_s": 0.0, "time": time.time(),
+        "version": 1, "model": "synthetic", "step": 7, "age_s": 0.0, "time": time.time() + 3600,  # newer than any shown
         "engine": {"steps_completed": 7, "step_running_s": None}, "block_size": 16, "kv_cache_dtype": "bfloat16",
         "pool": {"num_blocks": n, "first_block_id": 1,
                  "counts": {"free": n - 80_100, "cached": 30_000, "used": 50_000, "shared": 100},
@@ -216,3 +216,20 @@ def test_a_pool_of_200k_blocks_is_drawn_several_blocks_to_a_cell(server, browser
                            "document.getElementById('tooltip').textContent")
     assert tip.startswith(f"blocks 1–{view['per']}\n") and f"used {view['per']}" in tip
     assert browser.errors == []
+
+
+def test_an_older_snapshot_answered_late_is_not_drawn(server, browser):
+    """The page's timer and a caller can each have a poll in flight; the one answered last may hold
+    the older snapshot. The page keeps drawing the newer one."""
+    browser.goto(server.base_url + "/dashboard")
+    browser.wait_for("window.kvDashboard && window.kvDashboard.state !== null")
+    view = browser.evaluate(
+        "(async () => { const shown = kvDashboard.state; const real = window.fetch;"
+        " const older = {...shown, step: shown.step - 1, time: shown.time - 5,"
+        "   pool: {...shown.pool, states: btoa(String.fromCharCode(...new Uint8Array(shown.pool.num_blocks).fill(2)))}};"
+        " window.fetch = async () => new Response(JSON.stringify(older), {status: 200});"
+        " try { const s = await kvDashboard.refresh();"
+        f"   return {{returned: s.step, shown: kvDashboard.state.step, was: shown.step, counts: {COUNTS_JS}}}; }}"
+        " finally { window.fetch = real; } })()")
+    assert view["returned"] == view["shown"] == view["was"]
+    assert view["counts"]["used"] < sum(view["counts"].values())  # not the older one's all-used map

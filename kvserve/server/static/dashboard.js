@@ -301,6 +301,10 @@ async function refresh() {
   }
   const state = await response.json();
   $("error").textContent = "";
+  // Two polls in flight (the timer's and a caller's) can answer out of order: never draw an older
+  // snapshot over a newer one. A restarted server counts steps from 0 again but later in time.
+  const shown = dash.state;
+  if (shown && state.step <= shown.step && state.time < shown.time) return shown;
   const fresh = !dash.state || state.step !== dash.state.step || state.time !== dash.state.time;
   Object.assign(dash, decode(state), { state });
   shownAt = performance.now();
