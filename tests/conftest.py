@@ -69,7 +69,7 @@ def server_factory(tmp_path_factory):
     """server_factory(*serve_args, env=None) -> a running `kvserve serve` subprocess on 127.0.0.1
     (tests/server_process.py). One process per distinct configuration, shared by the whole
     session and stopped at its end."""
-    from server_process import ServerProcess
+    from server_process import ServerProcess, stop_processes
 
     servers: dict[tuple, ServerProcess] = {}
 
@@ -80,8 +80,7 @@ def server_factory(tmp_path_factory):
         return servers[key]
 
     yield factory
-    for server in servers.values():
-        server.stop()
+    stop_processes([server.process for server in servers.values()])
 
 
 @pytest.fixture(scope="session")
@@ -91,3 +90,27 @@ def tiny_server(server_factory, tiny_llama):
     from server_process import TINY_SERVER_ARGS
 
     return server_factory(str(tiny_llama), *TINY_SERVER_ARGS)
+
+
+# ---------------------------------------------------------------------------- the real default model, once
+@pytest.fixture(scope="session")
+def hf_default_fp32():
+    """HF transformers' float32 model from the default GGUF: the reference of the default-model tests."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kvserve.model.loader import resolve_model_path
+
+    path = resolve_model_path(None)
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def default_fp32():
+    """kvserve's default model in float32 with its weights dequantized (quantization "none"): the
+    int kernels round activations to bfloat16, so the quantized path cannot match HF's float32
+    model to 1e-3 (test_quantization.py checks it against its own weights)."""
+    from kvserve import LLM
+
+    return LLM(dtype="float32", quantization="none", kv_cache_memory="1GiB", max_model_len=2048,
+               max_num_batched_tokens=64)

@@ -25,10 +25,19 @@ def free_port() -> int:
 
 def stop_process(process: subprocess.Popen) -> None:
     """SIGTERM, then SIGKILL after 15 s; returns once the process is gone."""
-    if process.poll() is None:
+    stop_processes([process])
+
+
+def stop_processes(processes: list[subprocess.Popen]) -> None:
+    """SIGTERM to all at once, then SIGKILL to those still running 15 s later: a session's servers
+    shut down side by side, not one after another."""
+    running = [p for p in processes if p.poll() is None]
+    for process in running:
         process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 15
+    for process in running:
         try:
-            process.wait(timeout=15)
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()

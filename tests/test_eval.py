@@ -35,7 +35,7 @@ def test_fidelity_metrics_by_hand():
     meter = FidelityMeter()
     meter.add(other, targets, reference)
     result = meter.result()
-    p, q = reference.exp(), other.exp()
+    p = reference.exp()
     kl = ((p * (reference - other)).sum(-1)).mean().item()
     assert result.mean_kl == pytest.approx(kl)
     assert result.top1_agreement == 0.5  # argmax differs at the first position only

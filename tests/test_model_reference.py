@@ -144,22 +144,6 @@ def test_sliding_window_is_used_not_ignored(tiny_model_factory):
 
 
 # ---------------------------------------------------------------------------- the real default model
-@pytest.fixture(scope="module")
-def hf_default_fp32():
-    from transformers import AutoModelForCausalLM
-
-    path = resolve_model_path(None)
-    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
-def default_fp32():
-    # quantization="none": the int kernels round activations to bfloat16, so the quantized path
-    # cannot match HF's float32 model to 1e-3 (test_quantization.py checks it against its own weights).
-    return LLM(dtype="float32", quantization="none", kv_cache_memory="1GiB", max_model_len=2048,
-               max_num_batched_tokens=64)
-
-
 def test_default_model_matches_hf_float32(default_fp32, hf_default_fp32):
     tok = default_fp32.get_tokenizer()
     chat = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],

@@ -8,7 +8,6 @@ import torch
 
 import kvserve.engine.logprobs as logprobs_module
 from kvserve import LLM, SamplingParams
-from kvserve.model.loader import resolve_model_path
 
 TOLERANCE = 1e-3
 
@@ -139,16 +138,10 @@ def test_max_logprobs_bounds_both_kinds(tiny_llama):
 
 
 @pytest.mark.slow
-def test_default_model_prompt_logprobs_match_hf_float32():
-    from transformers import AutoModelForCausalLM
-
+def test_default_model_prompt_logprobs_match_hf_float32(default_fp32, hf_default_fp32):
     from tiny_models import BOOK
 
-    path = resolve_model_path(None)
-    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    # quantization="none": HF's float32 model is the reference, and the int4 kernel rounds activations to bf16
-    llm = LLM(dtype="float32", quantization="none", kv_cache_memory="256MiB", max_model_len=1024,
-              max_num_batched_tokens=64)
+    llm, hf = default_fp32, hf_default_fp32
     ids = llm.get_tokenizer().encode(BOOK.read_text()[5000:7000])[:200]
     # The first 128 tokens cached by a plain request; the prompt-logprobs request recomputes them.
     llm.generate([{"prompt_token_ids": ids[:130]}], SamplingParams(max_tokens=1), use_tqdm=False)
