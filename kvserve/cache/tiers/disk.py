@@ -46,8 +46,8 @@ def checksum(payload: bytes | memoryview) -> int:
     """CRC-32 (zlib): it catches the torn, truncated and bit-flipped files a disk or a killed writer
     leaves, and zlib releases the GIL on large buffers, so the engine thread runs meanwhile. The
     files are not a trust boundary (0600 in a 0700 directory; the header names the model and the
-    block), so a cryptographic hash buys nothing; blake2b-128 (format version 1) cost 4.4x as much
-    per block and most of a read's time (BENCHMARKS.md, "Disk-tier reads: a CRC-32 per block")."""
+    block), so a cryptographic hash buys nothing; blake2b-128 (format version 1) took most of a
+    read's time (BENCHMARKS.md, "Disk-tier reads: a CRC-32 per block")."""
     return zlib.crc32(payload)
 
 
