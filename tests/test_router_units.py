@@ -2,8 +2,6 @@
 load, the merged /metrics page, and the arguments `serve --data-parallel-size` gives replicas."""
 from __future__ import annotations
 
-import pytest
-
 from kvserve.entrypoints.data_parallel import replica_argv
 from kvserve.router.backends import Backend
 from kvserve.cache.kv_events import DISK, HOST, POOL
@@ -126,28 +124,6 @@ def test_a_request_still_prefilling_weighs_more_than_one_decoding():
     fresh.close()
     fresh.close()  # a second close (stream end after an error) counts nothing
     assert (backends[1].in_flight, backends[1].prefilling) == (1, 0)
-
-
-def test_a_finished_cohorts_replacements_alternate_when_their_prompts_are_computed():
-    """Four equal requests finished together on replica 0 while replica 1 decodes four: their
-    four replacements (256 uncached prompt tokens each) go two to each replica, not three back to
-    the idle one to prefill in one step; prompts that are mostly cached weigh little."""
-    backends = _backends()
-    for _ in range(4):
-        backends[1].open().answer()
-    router = Router("kv_aware", PrefixIndex(), PendingHints())
-    placed = []
-    for _ in range(4):
-        choice = router.choose(backends, list(range(256)), None)
-        choice.backend.open(256 - choice.cached_tokens)
-        placed.append(choice.backend.name)
-    assert sorted(placed) == ["0", "0", "1", "1"], placed
-    assert backends[0].prefill_tokens == backends[1].prefill_tokens == 512
-    before = backends[0].load
-    mostly_cached = backends[0].open(32)  # in flight, prefilling, and half a request for 32 tokens
-    assert backends[0].load - before == pytest.approx(1 + 1 + 32 / 64)
-    mostly_cached.close()
-    assert backends[0].prefill_tokens == 512 and backends[0].in_flight == 2
 
 
 def test_kv_aware_takes_turns_on_ties_whatever_the_reported_kv_usage():

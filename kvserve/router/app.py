@@ -168,7 +168,7 @@ class RouterService:
             if choice is None:
                 return JSONResponse(error_body(503, NO_BACKEND), status_code=503)
             backend = choice.backend
-            ticket = backend.open(len(token_ids) - choice.cached_tokens if token_ids else 0)
+            ticket = backend.open()
             try:
                 upstream = await self.client.send(
                     self.client.build_request("POST", f"{backend.url}{request.url.path}", content=raw,
@@ -288,7 +288,7 @@ class RouterService:
                 "index_entries": len(self.index),
                 "backends": [{"name": b.name, "url": b.url, "up": b.up, "instance_id": b.instance_id,
                               "namespace": b.namespace, "block_size": b.block_size, "seq": b.seq,
-                              "in_flight": b.in_flight, "prefilling": b.prefilling, "prefill_tokens": b.prefill_tokens, "running": b.running, "waiting": b.waiting,
+                              "in_flight": b.in_flight, "prefilling": b.prefilling, "running": b.running, "waiting": b.waiting,
                               "kv_cache_usage": b.kv_usage, "routed": b.routed,
                               **({"block_hashes": sorted(h.hex() for h in self.index.hashes(b.name)),
                                   "tier_block_hashes": {m: sorted(h.hex() for h in self.index.hashes(b.name, m))

@@ -31,7 +31,6 @@ CONNECT_TIMEOUT_S = 3.0
 KV_PRESSURE_FROM = 0.8  # KV usage above which a replica counts as busier
 STREAM_READ_TIMEOUT_S = 10.0  # the replica sends a keepalive every 2 s
 PREFILL_WEIGHT = 1.0  # extra load of a request still waiting for its first answer byte (Backend.load)
-PREFILL_TOKENS_PER_LOAD = 64.0  # uncached prompt tokens still to compute that weigh as one more request
 
 
 @dataclass(eq=False)
@@ -45,7 +44,6 @@ class Backend:
     seq: int | None = None  # last event applied
     in_flight: int = 0  # requests this router has open on it
     prefilling: int = 0  # of which no answer byte has come back yet (their prompts still being computed)
-    prefill_tokens: int = 0  # their prompt tokens the router expects to be computed (where it tokenized)
     running: int = 0  # as the replica last reported
     waiting: int = 0
     kv_usage: float = 0.0
@@ -67,24 +65,15 @@ class Backend:
         than a request that is decoding, and it delays every prompt sent after it. Counting requests
         alone, the replacements for a batch that finished together on one replica (a closed loop of
         equal requests does this every time) all went back to that replica, whose load had just
-        dropped, and queued behind each other's prefills while the other replica only decoded.
-
-        Where the router tokenized the prompt (kv_aware), a prefill also weighs by its size: one
-        more request per PREFILL_TOKENS_PER_LOAD prompt tokens it expects the replica to compute
-        (none cached there). Counted once, a 256-token prompt still let three of a finished
-        cohort's four replacements go back to the idle replica, and they prefilled in one step
-        while the other replica decoded; weighed by size they alternate. Prompts mostly cached
-        weigh little, so a hot prefix is not pushed off the replica that holds it."""
-        return (self.in_flight + PREFILL_WEIGHT * self.prefilling + self.prefill_tokens / PREFILL_TOKENS_PER_LOAD
+        dropped, and queued behind each other's prefills while the other replica only decoded."""
+        return (self.in_flight + PREFILL_WEIGHT * self.prefilling
                 + max(0.0, self.kv_usage - KV_PRESSURE_FROM) / (1.0 - KV_PRESSURE_FROM))
 
-    def open(self, prefill_tokens: int = 0) -> Ticket:
-        """Count one of this router's requests as sent to it, until the ticket is closed;
-        `prefill_tokens`: its prompt tokens not expected in the replica's cache (0 if unknown)."""
+    def open(self) -> Ticket:
+        """Count one of this router's requests as sent to it, until the ticket is closed."""
         self.in_flight += 1
         self.prefilling += 1
-        self.prefill_tokens += prefill_tokens
-        return Ticket(self, prefill_tokens)
+        return Ticket(self)
 
 
 @dataclass(eq=False)
@@ -93,7 +82,6 @@ class Ticket:
     until it ends. Both calls may repeat; only the first counts."""
 
     backend: Backend
-    prefill_tokens: int = 0
     answered: bool = False
     closed: bool = False
 
@@ -101,7 +89,6 @@ class Ticket:
         if not self.answered:
             self.answered = True
             self.backend.prefilling -= 1
-            self.backend.prefill_tokens -= self.prefill_tokens
 
     def close(self) -> None:
         if not self.closed:
