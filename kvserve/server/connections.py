@@ -102,7 +102,7 @@ def guarded_protocol(limits: ConnectionLimits) -> type[H11Protocol]:
                                       f"closing the connections that have waited longest without sending a request")
                     oldest._close()
                     return True
-                oldest._cancel_timers()  # not waiting any more (closing): drop it from the order
+                del waiting_heads[oldest]  # closing already: connection_lost cancels its timers
             return False
 
         def _waiting_for_head(self) -> bool:
