@@ -275,8 +275,16 @@ def test_prefix_cache_hits_reuse_quantized_blocks_and_scales(head_dim_64_model, 
 # ---------------------------------------------------------------------------- the default model
 TEST_CHUNK = 72  # tokens per forward pass in the default-model fixtures (not a multiple of the block size)
 
+
 @pytest.fixture(scope="module")
-def default_model_agreement():
+def default_loaded():
+    """The default model's checkpoint, read once for every engine the fixtures below build."""
+    from kvserve.model.loader import load_model
+
+    return load_model(None)
+
+@pytest.fixture(scope="module")
+def default_model_agreement(default_loaded):
     """Teacher-forced top-1 agreement of each quantized cache with the full-precision ("auto")
     cache on the default model in float32 on every CPU (the same numbers with and without native
     bf16; 128 MiB hold max-model-len): 512 scored positions (two windows of 256 after 256 tokens of
@@ -288,15 +296,13 @@ def default_model_agreement():
     from kvserve.engine.llm_engine import LLMEngine
     from kvserve.eval.perplexity import ScoringConfig, make_windows, measure_fidelity
     from kvserve.eval.runner import DEFAULT_TEXT, read_text
-    from kvserve.model.loader import load_model
 
-    loaded = load_model(None)
     scoring = ScoringConfig(num_tokens=512, context_len=256, score_len=256, chunk_size=TEST_CHUNK)
-    windows = make_windows(loaded.tokenizer.encode(read_text(DEFAULT_TEXT), add_special_tokens=False), scoring)
+    windows = make_windows(default_loaded.tokenizer.encode(read_text(DEFAULT_TEXT), add_special_tokens=False), scoring)
     results, reference = {}, None
     for dtype in ("auto", "fp8", "int8", "int4", "int4_kivi", "int4 uncentred"):
         engine = LLMEngine(EngineArgs(dtype="float32", kv_cache_dtype=dtype.split()[0], kv_cache_memory="128MiB",
-                                      max_model_len=1024), loaded_model=loaded)
+                                      max_model_len=1024), loaded_model=default_loaded)
         if dtype == "int4 uncentred":
             engine.model.set_key_centers(None)  # keys stored as they are (kvserve/engine/key_centering.py)
         fidelity, kept = measure_fidelity(engine, windows, scoring, reference)
@@ -317,7 +323,7 @@ def test_default_model_top1_agreement_with_full_precision_cache(default_model_ag
 
 
 @pytest.fixture(scope="module")
-def fp8_eval_agreement():
+def fp8_eval_agreement(default_loaded):
     """fp8 (e4m3) against the full-precision cache on `kvserve eval`'s 2,048 positions (windows of
     512 context + 512 scored tokens), with its fitted key bases and without them. On 512
     positions, as above, the top-1 share moved by about a point with rounding-level changes
@@ -326,15 +332,13 @@ def fp8_eval_agreement():
     from kvserve.engine.llm_engine import LLMEngine
     from kvserve.eval.perplexity import ScoringConfig, make_windows, measure_fidelity
     from kvserve.eval.runner import DEFAULT_TEXT, read_text
-    from kvserve.model.loader import load_model
 
-    loaded = load_model(None)
     scoring = ScoringConfig(chunk_size=TEST_CHUNK)  # eval's 2,048 positions, 72 tokens a pass (above)
-    windows = make_windows(loaded.tokenizer.encode(read_text(DEFAULT_TEXT), add_special_tokens=False), scoring)
+    windows = make_windows(default_loaded.tokenizer.encode(read_text(DEFAULT_TEXT), add_special_tokens=False), scoring)
     results, reference = {}, None
     for dtype in ("auto", "fp8", "fp8 unfitted"):
         engine = LLMEngine(EngineArgs(dtype="float32", kv_cache_dtype=dtype.split()[0], kv_cache_memory="128MiB",
-                                      max_model_len=2048), loaded_model=loaded)
+                                      max_model_len=2048), loaded_model=default_loaded)
         if dtype == "fp8 unfitted":
             engine.model.set_key_bases(None)  # keys in the Hadamard basis alone (kvserve/engine/key_basis.py)
         fidelity, kept = measure_fidelity(engine, windows, scoring, reference)
