@@ -7,7 +7,7 @@ from kvserve.router.backends import Backend
 from kvserve.cache.kv_events import DISK, HOST, POOL
 from kvserve.router.index import PendingHints, PrefixIndex, matched_blocks, matched_media
 from kvserve.router.metrics_merge import merge_metrics
-from kvserve.router.policy import Router
+from kvserve.router.policy import BALANCE_SLACK, Router
 from kvserve.router.prompt_hashes import block_hashes
 
 
@@ -133,6 +133,26 @@ def test_kv_aware_takes_turns_on_ties_whatever_the_reported_kv_usage():
     backends[0].kv_usage, backends[1].kv_usage = 0.1, 0.5
     router = Router("kv_aware", PrefixIndex(), PendingHints())
     assert [router.choose(backends, [7, 8, 9], None).backend.name for _ in range(4)] == ["0", "1", "0", "1"]
+
+
+def test_kv_aware_takes_turns_when_the_cache_prefers_no_replica_unless_one_is_much_busier():
+    """Nothing cached (or the same prefix everywhere): kv_aware places in turn like round_robin, so the
+    replacements of a cohort that finished together on one replica are split, not all sent back
+    there by load; a replica more than BALANCE_SLACK requests busier than the other is skipped."""
+    backends = _backends()
+    index = PrefixIndex()
+    router = Router("kv_aware", index, PendingHints())
+    backends[0].in_flight = int(BALANCE_SLACK)  # busier, within the slack
+    assert [router.choose(backends, [7, 8, 9], None).backend.name for _ in range(4)] == ["0", "1", "0", "1"]
+    least = Router("least_loaded", index, PendingHints())
+    assert {least.choose(backends, [7, 8, 9], None).backend.name for _ in range(4)} == {"1"}
+    tokens = list(range(9))
+    for name in ("0", "1"):  # the same two blocks on both: still no reason to prefer one
+        for h in block_hashes(tokens, "float32", 4, None):
+            index.add(name, h)
+    assert [router.choose(backends, tokens, None).backend.name for _ in range(2)] == ["0", "1"]
+    backends[0].in_flight = int(BALANCE_SLACK) + 1  # past the slack: the idle one, every time
+    assert {router.choose(backends, [7, 8, 9], None).backend.name for _ in range(4)} == {"1"}
 
 
 def test_merged_metrics_label_each_replica_and_keep_families_together():
