@@ -95,6 +95,8 @@ def main() -> None:
                         help="per replica: about half the prefixes plus the running requests' blocks")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--first-round", type=int, default=0, help="number (and seed) rounds from here")
+    parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES),
+                        help="the routers to run (default: all three; kv_aware and round_robin are compared)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--combine", nargs="+", default=None, metavar="JSON",
                         help="only report the runs saved by earlier invocations together")
@@ -118,7 +120,7 @@ def main() -> None:
         for url, process in zip(replicas, processes):
             wait_health(url, process)
         routers = {}
-        for policy in POLICIES:
+        for policy in args.policies:
             port = free_port()
             processes.append(subprocess.Popen(
                 [sys.executable, "-m", "kvserve.cli", "--log-level", "WARNING", "router", "--port", str(port),
@@ -135,17 +137,18 @@ def main() -> None:
         distinct: dict[str, list[dict]] = {p: [] for p in POLICIES}
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "result.json"
-            bench(routers["round_robin"], argparse.Namespace(**{**vars(args), "num_prompts": 8}), 999, True, out)
+            bench(routers[args.policies[0]], argparse.Namespace(**{**vars(args), "num_prompts": 8}), 999, True, out)
             seed = 1000 + 10 * args.first_round
             for r in range(args.first_round, args.first_round + args.rounds):
-                for i in range(len(POLICIES) if args.num_prompts > 0 else 0):
-                    policy = POLICIES[(r + i) % len(POLICIES)]
+                order = args.policies
+                for i in range(len(order) if args.num_prompts > 0 else 0):
+                    policy = order[(r + i) % len(order)]
                     seed += 1
                     results[policy].append(bench(routers[policy], args, seed, False, out))
                     print(f"round {r} {policy}: {results[policy][-1]}", flush=True)
                     save(args, results, distinct)
-                for i in range(len(POLICIES) if args.distinct_prompts > 0 else 0):
-                    policy = POLICIES[(r + i + 1) % len(POLICIES)]
+                for i in range(len(order) if args.distinct_prompts > 0 else 0):
+                    policy = order[(r + i + 1) % len(order)]
                     seed += 1
                     distinct[policy].append(bench(routers[policy], args, seed, True,
                                                   out, num_prompts=args.distinct_prompts))
@@ -180,7 +183,7 @@ def report(results: dict[str, list[dict]], distinct: dict[str, list[dict]]) -> N
         print(f"| {policy} | {hits} | {ttfts} | {tputs} |")
     kv, rr = results["kv_aware"], results["round_robin"]
     if kv and rr:
-        mean = {p: {k: statistics.mean(r[k] for r in runs) for k in keys} for p, runs in results.items()}
+        mean = {p: {k: statistics.mean(r[k] for r in runs) for k in keys} for p, runs in results.items() if runs}
         hit = [a["hit_rate"] / b["hit_rate"] for a, b in zip(kv, rr)]
         ttft = [b["mean_ttft_ms"] / a["mean_ttft_ms"] for a, b in zip(kv, rr)]
         tput = [a["output_tok_s"] / b["output_tok_s"] for a, b in zip(kv, rr)]
@@ -194,7 +197,7 @@ def report(results: dict[str, list[dict]], distinct: dict[str, list[dict]]) -> N
         if runs:
             print(f"all-distinct {policy}: output tok/s {' / '.join(str(round(r['output_tok_s'], 1)) for r in runs)}, "
                   f"mean TTFT ms {' / '.join(str(round(r['mean_ttft_ms'])) for r in runs)}")
-    if distinct["kv_aware"]:
+    if distinct["kv_aware"] and distinct["round_robin"]:
         ratios = [a["output_tok_s"] / b["output_tok_s"] for a, b in zip(distinct["kv_aware"], distinct["round_robin"])]
         print("\nall-distinct pairs (kv_aware vs round_robin): output tok/s "
               + "; ".join(f"{a['output_tok_s']:.1f} vs {b['output_tok_s']:.1f}"

@@ -138,7 +138,7 @@ def test_kv_aware_takes_turns_on_ties_whatever_the_reported_kv_usage():
 def test_kv_aware_takes_turns_when_the_cache_prefers_no_replica_unless_one_is_much_busier():
     """Nothing cached (or the same prefix everywhere): kv_aware places in turn like round_robin, so the
     replacements of a cohort that finished together on one replica are split, not all sent back
-    there by load; a replica more than BALANCE_SLACK requests busier than the other is skipped."""
+    there by load; a replica whose load exceeds the other's by more than BALANCE_SLACK is skipped."""
     backends = _backends()
     index = PrefixIndex()
     router = Router("kv_aware", index, PendingHints())

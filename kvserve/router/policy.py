@@ -11,15 +11,18 @@
                   than another, and then spreads (the balance SGLang's cache-aware router keeps
                   with thresholds). Where the cache gives no reason to prefer one (every backend
                   would reuse as much: all-distinct prompts, or a prefix on every replica), it
-                  places in turn as round_robin does, unless the backend in turn is more than
-                  BALANCE_SLACK requests busier than the least loaded one.
+                  places in turn as round_robin does, unless the backend in turn carries more
+                  than BALANCE_SLACK load beyond the least loaded one.
 
 Why in turn and not by load when nothing is cached: in a closed loop of equal requests, the ones
 started together on a replica finish together, and placing their replacements by load sends most
 of them back to that replica, to prefill in one step and wait for each other, while the other
 replica only decodes; the cohort never breaks up. Taking turns splits each cohort between the
-replicas, so fewer prefills share a step. Measured: least_loaded, and kv_aware when it placed by
-load, gave about 0.9x round_robin's output throughput on all-distinct prompts (BENCHMARKS.md).
+replicas, so fewer prefills share a step. On all-distinct prompts least_loaded, and kv_aware when
+it placed by load, lost throughput to round_robin, and a small slack (two prefills) still diverted
+enough requests to raise kv_aware's TTFT (BENCHMARKS.md, "Routing policies").
+The slack only keeps a stalled replica from drawing its whole share, as SGLang's router turns to
+the shortest queue only past an absolute imbalance.
 
 Tier weights (TIER_WEIGHTS): a block in a replica's pool is reused as it is (1.0); one in its host
 tier first costs a copy into the pool (0.9); one in its disk tier a file read and its checks,
@@ -40,7 +43,7 @@ from kvserve.router.index import PendingHints, PrefixIndex, matched_media
 from kvserve.router.prompt_hashes import block_hashes
 
 TIER_WEIGHTS = {POOL: 1.0, HOST: 0.9, DISK: 0.75}  # worth of a cached token, by where it is (above)
-BALANCE_SLACK = 4.0  # load (requests) by which the backend in turn may exceed the least loaded one
+BALANCE_SLACK = 16.0  # Backend.load by which the one in turn may exceed the least loaded (a prefill counts 2)
 
 
 @dataclass
