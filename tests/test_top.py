@@ -7,6 +7,7 @@ import fcntl
 import os
 import pty
 import select
+import signal
 import struct
 import subprocess
 import sys
@@ -45,6 +46,9 @@ def test_top_draws_the_table_and_exits_0_on_ctrl_c(tiny_server):
     thread.start()
     pid, fd = pty.fork()
     if pid == 0:  # the child: its controlling terminal is the pty
+        # As a background job of a non-interactive shell (a CI script) gets it: SIGINT ignored,
+        # which Python keeps unless top installs its own handler.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         os.execvpe(TOP[0], [*TOP, tiny_server.base_url], {**os.environ, "TERM": "xterm-256color"})
     try:
         fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 140, 0, 0))
@@ -53,8 +57,17 @@ def test_top_draws_the_table_and_exits_0_on_ctrl_c(tiny_server):
         assert "KV pool:" in text and "blocks" in text and "KV usage" in text, text[-2000:]
         assert "cmpl-" in text, "the running request is not in the table"
         os.write(fd, b"\x03")  # Ctrl-C as typed
-        rest = read_until(fd, [b"\x00never"], timeout=20)
-        _, status = os.waitpid(pid, 0)
+        rest, status = b"", None
+        deadline = time.monotonic() + 30
+        while status is None and time.monotonic() < deadline:  # keep reading: a full pty blocks its writes
+            rest += read_until(fd, [b"\x00never"], timeout=0.5)
+            done, code = os.waitpid(pid, os.WNOHANG)
+            if done:
+                status = code
+        if status is None:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise AssertionError(f"kvserve top did not exit within 30 s of Ctrl-C: {rest[-500:]!r}")
     finally:
         stop.set()
         os.close(fd)

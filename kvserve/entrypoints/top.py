@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import time
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -62,6 +63,9 @@ def run(args: argparse.Namespace) -> int:
     if "://" not in url:
         url = "http://" + url
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    # Ctrl-C is how top ends, so it must raise KeyboardInterrupt even where SIGINT came ignored from
+    # the parent (a background job of a non-interactive shell ignores it, and Python keeps that).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     console = Console()
     view = TopView()
     with httpx.Client(headers=headers, timeout=10) as client:
