@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -34,12 +36,12 @@ class Browser:
     def __init__(self, width: int = 1280, height: int = 900):
         import websockets.sync.client
 
-        self._profile = tempfile.TemporaryDirectory(prefix="kvserve-chromium-")
-        profile = Path(self._profile.name)
+        self._profile = tempfile.mkdtemp(prefix="kvserve-chromium-")
+        profile = Path(self._profile)
         self.process = subprocess.Popen(
             [CHROMIUM, *FLAGS, f"--user-data-dir={profile}", "--remote-debugging-port=0",
              f"--window-size={width},{height}", "about:blank"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         port_file = profile / "DevToolsActivePort"
         deadline = time.monotonic() + START_TIMEOUT_S
         while not (port_file.exists() and len(port_file.read_text().split()) >= 2):
@@ -118,7 +120,22 @@ class Browser:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-        self._profile.cleanup()
+        # Chromium's helper processes (renderer, utility, crashpad) can outlive the browser process
+        # and still write into the profile: end its whole process group, then remove the profile,
+        # retrying while the last writers die (an rmtree racing them fails with "Directory not empty").
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                shutil.rmtree(self._profile)
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
 
 
 def _http_get(port: int, path: str) -> str:
