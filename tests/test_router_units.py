@@ -155,6 +155,17 @@ def test_kv_aware_takes_turns_when_the_cache_prefers_no_replica_unless_one_is_mu
     assert {router.choose(backends, [7, 8, 9], None).backend.name for _ in range(4)} == {"1"}
 
 
+def test_kv_aware_without_the_prompts_tokens_takes_turns_like_with_nothing_cached():
+    """No tokens to look up (the router's tokenizer still loading, a body it cannot read): the cache
+    can prefer no replica, so kv_aware places in turn within BALANCE_SLACK, not by load alone."""
+    backends = _backends()
+    router = Router("kv_aware", PrefixIndex(), PendingHints())
+    backends[0].in_flight = int(BALANCE_SLACK)  # busier, within the slack
+    assert [router.choose(backends, None, None).backend.name for _ in range(4)] == ["0", "1", "0", "1"]
+    backends[0].in_flight = int(BALANCE_SLACK) + 1
+    assert {router.choose(backends, None, None).backend.name for _ in range(4)} == {"1"}
+
+
 def test_merged_metrics_label_each_replica_and_keep_families_together():
     page = ('# HELP kvserve:x doc\n# TYPE kvserve:x counter\nkvserve:x_total{model_name="m"} 1.0\n'
             '# HELP kvserve:y doc\n# TYPE kvserve:y gauge\nkvserve:y 2.0\n')

@@ -10,9 +10,10 @@
                   until that replica is (its cached tokens / load_cost_tokens) requests busier
                   than another, and then spreads (the balance SGLang's cache-aware router keeps
                   with thresholds). Where the cache gives no reason to prefer one (every backend
-                  would reuse as much: all-distinct prompts, or a prefix on every replica), it
-                  places in turn as round_robin does, unless the backend in turn carries more
-                  than BALANCE_SLACK load beyond the least loaded one.
+                  would reuse as much: all-distinct prompts, or a prefix on every replica; or
+                  there are no prompt tokens to look up), it places in turn as round_robin does,
+                  unless the backend in turn carries more than BALANCE_SLACK load beyond the
+                  least loaded one.
 
 Why in turn and not by load when nothing is cached: in a closed loop of equal requests, the ones
 started together on a replica finish together, and placing their replacements by load sends most
@@ -73,8 +74,10 @@ class Router:
         rotated = [backends[(start + i) % len(backends)] for i in range(len(backends))]
         if self.policy == "round_robin":
             return Choice(rotated[0], [], 0)
-        if self.policy == "least_loaded" or not token_ids:
+        if self.policy == "least_loaded":
             return Choice(min(rotated, key=lambda b: b.load), [], 0)
+        if not token_ids:  # no tokens to look up (the tokenizer still loading, an unreadable body)
+            return Choice(_in_turn(rotated), [], 0)
         scored = []  # (backend, hashes, cached tokens, worth) in turn order
         hashes_by_ns: dict[tuple[str, int], list[bytes]] = {}
         for backend in rotated:
@@ -92,8 +95,8 @@ class Router:
                 worth = sum(TIER_WEIGHTS[m] for m in media) * backend.block_size
             scored.append((backend, hashes, cached, worth))
         if len({worth for *_, worth in scored}) == 1:  # the cache prefers none: in turn (docstring)
-            least = min(backend.load for backend, *_ in scored)
-            backend, hashes, cached, _ = next(s for s in scored if s[0].load <= least + BALANCE_SLACK)
+            backend = _in_turn(rotated)
+            _, hashes, cached, _ = next(s for s in scored if s[0] is backend)
             return Choice(backend, hashes, cached)
         # Ties go to the next in turn. Not to the lowest reported KV usage: that report lags and
         # favours the replica whose batch just finished, so the replacements' prefills all went to it.
@@ -109,3 +112,9 @@ class Router:
         """Remember that the chosen backend is about to hold the prompt's blocks."""
         if choice.hashes:
             self.hints.add(choice.backend.name, choice.hashes)
+
+
+def _in_turn(rotated: list[Backend]) -> Backend:
+    """The first backend in turn order whose load is within BALANCE_SLACK of the least loaded one."""
+    least = min(backend.load for backend in rotated)
+    return next(backend for backend in rotated if backend.load <= least + BALANCE_SLACK)
