@@ -34,14 +34,20 @@ def _kernel_builds(lean_module):
 
 
 def served_weight(operands: tuple, bits: int, out: int, cols: int) -> torch.Tensor:
-    """The float32 weight the small-batch kernel multiplies by, from its operands (quant_gemv.h's
-    layout: 4-bit codes of two groups share 32 bytes, low nibbles the first group's)."""
+    """The float32 weight the kernel multiplies by, from its operands (quant_gemv.h's layout: 4-bit
+    codes of eight rows interleaved, each byte holding columns 4c+j low and 16+4c+j high)."""
     codes, scales, offsets = operands
     if bits == 8:
         return (codes.float().view(out, -1, 32) * scales.float()[..., None]).view(out, cols)
-    pairs = codes.view(out, -1, 32)
-    codes4 = torch.stack((pairs & 15, pairs >> 4), dim=2).view(out, -1, 32)[:, : cols // 32].float()
-    return (codes4 * scales.float()[..., None] + offsets.float()[..., None]).view(out, cols)
+    blocks, groups = out // 8, cols // 32
+    packed = codes.view(blocks, groups, 4, 8, 4)  # [block, group, chunk, row, column]
+    codes4 = torch.stack((packed & 15, packed >> 4), dim=2)  # [block, group, half, chunk, row, column]
+    codes4 = codes4.permute(0, 4, 1, 2, 3, 5).reshape(out, groups, 32).float()
+
+    def rows_first(t: torch.Tensor) -> torch.Tensor:
+        return t.float().view(blocks, groups, 8).transpose(1, 2).reshape(out, groups, 1)
+
+    return (codes4 * rows_first(scales) + rows_first(offsets)).view(out, cols)
 
 
 def quantized_rows(x: torch.Tensor, levels: int) -> torch.Tensor:
@@ -56,14 +62,15 @@ def quantized_rows(x: torch.Tensor, levels: int) -> torch.Tensor:
 
 def check_gemv_against_the_definition(module) -> None:
     """gemv(x) = x_q W^T to float32 summation error, for 4-bit (odd and even group counts) and
-    8-bit weights, 1 to 16 rows, float32 and bfloat16 activations."""
+    8-bit weights, 1 to 70 rows (every tail of the kernel's tiles of four), float32 and bfloat16
+    activations."""
     torch.manual_seed(0)
     for quantize, cols in ((quantize_int4, 128), (quantize_int4, 96), (quantize_int8, 128)):
         matrix = quantize(torch.randn(80, cols))
         operands = gemv_operands(matrix)
         weight = served_weight(operands, matrix.bits, 80, cols)
         assert (weight - matrix.dequantize()).abs().max() <= 2e-3 * matrix.dequantize().abs().max()  # float16 scales
-        for rows in (1, 3, 5, 16):
+        for rows in (1, 3, 5, 16, 70):
             for dtype in (torch.float32, torch.bfloat16):
                 x = torch.randn(rows, cols).to(dtype)
                 expected = quantized_rows(x, 127 if matrix.bits == 4 else 32767) @ weight.T
@@ -155,9 +162,10 @@ def test_not_used_where_the_linears_are_not_all_quantized(tiny_llama):
 
 
 def test_big_batches_and_prefill_take_the_module_path(tiny_llama, monkeypatch):
-    """More decode rows than the int4 kernel takes (they go to the dense copies): no fused step."""
+    """More decode rows than the fused layers take (lean_decode.MAX_ROWS, or the rows the kernel
+    serves before a dense copy): no fused step."""
     llm = LLM(str(tiny_llama), dtype="float32", quantization="int4", kv_cache_memory="16MiB")
-    rows = llm.engine.model.lean.max_rows
+    llm.engine.model.lean.max_rows = rows = 4
     calls = []
     original = LeanDecoder.run
     monkeypatch.setattr(LeanDecoder, "run", lambda self, *a: calls.append(a[0].shape[0]) or original(self, *a))

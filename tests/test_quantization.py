@@ -68,7 +68,9 @@ def test_quantized_linear_computes_with_its_quantized_weight(form, dtype):
     assert (reference_weight - weight).abs().max() <= matrix.scale.max() * 0.51  # round to nearest
     bias = torch.randn(96).to(dtype)
     layer = QuantizedLinear(matrix, bias, dtype, torch.device("cpu"), keep_dense=True)
-    for rows in (1, layer.max_kernel_rows, layer.max_kernel_rows + 3):
+    limit = layer.max_kernel_rows or 16  # (None: the kernel takes every row count, no dense copy)
+    assert (layer.dense is None) == (layer.max_kernel_rows is None)
+    for rows in (1, limit, limit + 3):
         x = torch.randn(rows, 128).to(dtype)
         expected = F.linear(x.float(), reference_weight, bias.float())
         got = layer(x)
@@ -113,6 +115,28 @@ def test_quantized_engines_score_close_to_full_precision(tiny_engines):
         out = tiny_engines[mode].generate([{"prompt_token_ids": ids[:8]}], SamplingParams(max_tokens=6, temperature=0),
                                           use_tqdm=False)[0]
         assert len(out.outputs[0].token_ids) == 6
+
+
+def test_4_bit_float32_layers_on_the_avx2_kernel_keep_no_dense_copy_and_take_every_batch():
+    """On an AVX2 build kvserve's 4-bit GEMM outruns the float32 dense one at every row count
+    (BENCHMARKS.md), so such a layer holds only its codes; an 8-bit LM head keeps its dense copy."""
+    from kvserve.model.kernel_build import current_isa
+    from kvserve.model.lean_kernel import load_lean_decode_module
+
+    if current_isa() != "AVX2" or load_lean_decode_module()[0] is None:
+        pytest.skip(f"needs kvserve's kernel built for AVX2 (this build: {current_isa()})")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(96, 64, bias=False), torch.nn.Linear(64, 40, bias=False))
+    targets = {"0": quantize_int4(model[0].weight.detach()), "1": quantize_int8(model[1].weight.detach())}
+    from kvserve.model.quant_linear import install_quantized
+
+    report = install_quantized(model, targets, "int4", torch.float32, torch.device("cpu"))
+    assert model[0].max_kernel_rows is None and model[0].dense is None
+    assert model[1].max_kernel_rows == 16 and model[1].dense is not None
+    assert report.dense_copy_bytes == 40 * 64 * 4  # the 8-bit layer's float32 copy only
+    x = torch.randn(300, 96)
+    expected = F.linear(x, targets["0"].dequantize())
+    assert (model[0](x) - expected).abs().max() <= 0.02 * expected.abs().max()
 
 
 def test_no_dense_copy_when_memory_is_short(monkeypatch):

@@ -29,6 +29,11 @@ from kvserve.model.attention import AttentionMetadata
 from kvserve.model.lean_kernel import load_lean_decode_module
 from kvserve.model.quant_linear import QuantizedLinear
 
+# Decode rows up to which the fused layers were measured to beat the module path where the kernel
+# takes every row count (their elementwise loops run on one thread; BENCHMARKS.md, "4-bit weights
+# interleaved").
+MAX_ROWS = 32
+
 
 def _operands(linear: QuantizedLinear) -> list[torch.Tensor]:
     """A QuantizedLinear's codes, scales and offsets (an empty tensor for none) for the C++ ops."""
@@ -84,9 +89,10 @@ class LeanDecoder:
         module, why = load_lean_decode_module()
         if module is None:
             return None, why
-        max_rows = min(lin.max_kernel_rows for layer in model.layers
-                       for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                                   layer.mlp.down_proj))
+        limits = [lin.max_kernel_rows for layer in model.layers
+                  for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                              layer.mlp.down_proj)]
+        max_rows = min([MAX_ROWS] + [limit for limit in limits if limit is not None])
         return cls(module, model, layers, max_rows), ""
 
     def applies(self, rows: int, kv_cache: KVCache, meta: AttentionMetadata) -> bool:

@@ -1,16 +1,17 @@
 """Weight-only quantized linear layers (`--quantization`) and the pass that puts them in a model.
 
 A decode step at small batch reads every weight once per token, so its speed is the weights'
-size: int4 weights are a quarter of bf16's bytes. For a few rows a layer multiplies through
-kvserve's own CPU kernel (csrc/quant_gemv.h, built with the lean decode kernel, lean_kernel.py):
-integer dot products over the codes in their group-32 layout with float16 scales, the row of
-activations quantized per group like llama.cpp's (8 bits against 4-bit weights, 16 bits against
-8-bit ones, whose Q8_0 group scales stay exact). Where that kernel cannot be built or loaded
+size: int4 weights are a quarter of bf16's bytes. A layer multiplies through kvserve's own CPU
+kernel (csrc/quant_gemv.h, built with the lean decode kernel, lean_kernel.py): integer dot
+products over the codes in group-32 layout with float16 scales (4-bit codes eight output rows
+interleaved, as llama.cpp repacks Q4_0 for its CPU GEMM), the rows of activations quantized per
+group like llama.cpp's (8 bits against 4-bit weights, 16 bits against 8-bit ones, whose Q8_0
+group scales stay exact). Where that kernel cannot be built or loaded
 (`KVSERVE_DISABLE_CPU_KERNEL=1`, no compiler), torch's `aten._weight_int4pack_mm_for_cpu` does it:
 group-32 int4 with bfloat16 scales and zeros, an 8-bit matrix as its high and low nibbles
-(`_int4_kernel_operands`), bfloat16 activations. At many rows (prefill chunks, large decode
-batches) both lose to oneDNN's dense GEMM, so a layer also keeps its dequantized weight for those
-when RAM allows (the plain-copy rule of cpu_linear.py).
+(`_int4_kernel_operands`), bfloat16 activations. Where a kernel loses to oneDNN's dense GEMM at many
+rows (prefill chunks, large decode batches: `kernel_max_rows`), a layer also keeps its dequantized
+weight for those when RAM allows (the plain-copy rule of cpu_linear.py).
 
 Devices without either kernel (CUDA here) dequantize the weight on each call: correct, and the
 memory saving holds, but no faster than dense weights.
@@ -28,6 +29,7 @@ from torch import nn
 
 from kvserve.hardware import available_ram_bytes
 from kvserve.model.cpu_linear import PrepackedLinear, prepacking_available
+from kvserve.model.kernel_build import current_isa
 from kvserve.model.lean_kernel import load_lean_decode_module
 from kvserve.model.quantized import QuantizedMatrix, concat_rows, quantize_int4, quantize_int8, same_format
 from kvserve.units import format_size
@@ -35,33 +37,53 @@ from kvserve.units import format_size
 logger = logging.getLogger(__name__)
 
 QUANTIZATION_MODES = ("auto", "none", "int8", "int4")
-# Rows up to which the int4 kernel beats the dense GEMM: oneDNN's bf16 GEMM catches up sooner than
-# its float32 one (BENCHMARKS.md, "Quantized weights" and "On a real AVX2-only CPU",
-# benchmarks/quantized_linears.py).
+# Rows up to which the int kernels beat the dense GEMM: oneDNN's bf16 GEMM catches up sooner than
+# its float32 one (BENCHMARKS.md, "Quantized weights", "On a real AVX2-only CPU" and "4-bit weights
+# interleaved", benchmarks/quantized_linears.py).
 KERNEL_MAX_ROWS = 4
 KERNEL_MAX_ROWS_FLOAT32 = 16
 
 
-def kernel_max_rows(dtype: torch.dtype) -> int:
-    """Rows up to which a quantized layer of a `dtype` model multiplies through the int4 kernel."""
+def kernel_max_rows(dtype: torch.dtype, own_kernel_bits: int | None = None) -> int | None:
+    """Rows up to which a quantized layer of a `dtype` model multiplies through its int kernel (None:
+    every row count, so the layer keeps no dense copy). `own_kernel_bits`: the width of the layer's
+    codes where kvserve's kernel serves it. Its 4-bit GEMM, built for AVX2, outruns oneDNN's float32
+    GEMM on an AVX2 CPU at every row count measured; against AVX-512's float32 GEMM (twice as wide),
+    a bf16 one, or the scalar build it has not been measured, so the crossovers stay there."""
+    if own_kernel_bits == 4 and dtype == torch.float32 and current_isa() == "AVX2":
+        return None
     return KERNEL_MAX_ROWS_FLOAT32 if dtype == torch.float32 else KERNEL_MAX_ROWS
-GEMV_MAX_ROWS = 16  # rows per call of kvserve's small-batch kernel (quant_gemv.h kMaxRows)
+
+
+def _served_by_own_kernel_at_every_row_count(matrix: QuantizedMatrix, dtype: torch.dtype,
+                                             device: torch.device) -> bool:
+    """Whether QuantizedLinear(matrix) runs every batch through kvserve's kernel (no dense copy)."""
+    out, cols = matrix.shape
+    return (device.type == "cpu" and matrix.bits == 4 and kernel_max_rows(dtype, 4) is None
+            and cols % _KERNEL_GROUP == 0 and matrix.group_size % _KERNEL_GROUP == 0 and out % _KERNEL_BLOCK == 0
+            and load_lean_decode_module()[0] is not None)
 _KERNEL_DTYPE = torch.bfloat16
 _KERNEL_GROUP = 32  # the group size the layers give the int4 kernel
+_KERNEL_BLOCK = 8  # output rows kvserve's kernel interleaves in a 4-bit matrix (quant_gemv.h kBlock)
 # The model's fused linears and the checkpoint matrices they are made of, in order.
 _FUSED_PARTS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
                 "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
 
 
 def gemv_operands(matrix: QuantizedMatrix) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
-    """The codes, float16 scales d and offsets m [out, in / 32] of `matrix` for the small-batch
-    kernel (csrc/quant_gemv.h: w = d u + m with 4-bit codes u, w = d q with int8 codes q), or None
-    where its format does not map (an 8-bit matrix with zeros, scales outside float16's range).
-    4-bit codes go two to a byte: byte j of a pair of groups holds element j of the first group low
-    and element j of the second high.
+    """The codes, float16 scales d and offsets m of `matrix` for kvserve's kernel (csrc/quant_gemv.h:
+    w = d u + m with 4-bit codes u, w = d q with int8 codes q), or None where its format does not map
+    (an 8-bit matrix with zeros, scales outside float16's range, a 4-bit one whose rows are not a
+    multiple of 8).
+    8-bit: codes [out, in], d [out, in / 32] as the matrix has them. 4-bit: eight output rows
+    interleaved, codes [out, in / 2] and d, m [out, in / 32] holding blocks of rows 8b..8b+7 (see
+    quant_gemv.h): per group, four 32-byte chunks, chunk c holding for each of the eight rows four
+    columns 4c.. in its low nibbles and 16+4c.. in its high ones; scales [block, group, row].
     From a GGUF file (float16 scales), d u + m is the same float32 value as `dequantize()`."""
     out, cols = matrix.shape
     if cols % _KERNEL_GROUP or matrix.group_size % _KERNEL_GROUP or (matrix.bits == 8 and matrix.zero is not None):
+        return None
+    if matrix.bits == 4 and out % _KERNEL_BLOCK:
         return None
     repeat = matrix.group_size // _KERNEL_GROUP
     scale = matrix.scale.float().repeat_interleave(repeat, dim=1)
@@ -74,13 +96,15 @@ def gemv_operands(matrix: QuantizedMatrix) -> tuple[torch.Tensor, torch.Tensor, 
     m = (zero - matrix.offset * scale).to(torch.float16)
     if not torch.isfinite(m).all():
         return None
-    groups = cols // _KERNEL_GROUP
-    q = matrix.q.to(torch.uint8).reshape(out, groups, _KERNEL_GROUP)
-    if groups % 2:
-        q = torch.cat((q, q.new_zeros(out, 1, _KERNEL_GROUP)), dim=1)
-    q = q.view(out, -1, 2, _KERNEL_GROUP)
-    codes = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(out, -1)
-    return codes.contiguous(), d.contiguous(), m.contiguous()
+    groups, blocks = cols // _KERNEL_GROUP, out // _KERNEL_BLOCK
+    # [block, row, group, half, chunk, column] -> bytes [block, group, chunk, row, column]
+    q = matrix.q.to(torch.uint8).reshape(blocks, _KERNEL_BLOCK, groups, 2, 4, 4)
+    codes = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(out, cols // 2)
+
+    def interleaved(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(blocks, _KERNEL_BLOCK, groups).transpose(1, 2).reshape(out, groups).contiguous()
+
+    return codes.contiguous(), interleaved(d), interleaved(m)
 
 
 def _int4_kernel_operands(matrix: QuantizedMatrix) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,8 +128,9 @@ def _int4_kernel_operands(matrix: QuantizedMatrix) -> tuple[torch.Tensor, torch.
 
 
 class QuantizedLinear(nn.Module):
-    """y = x W^T + b with W held as a QuantizedMatrix: through torch's CPU kernel for up to
-    `kernel_max_rows(dtype)` rows, through a dense copy (if kept) above that, else dequantized per call."""
+    """y = x W^T + b with W held as a QuantizedMatrix: through an int kernel (kvserve's, else torch's)
+    for up to `max_kernel_rows` rows (all, where that is None), through a dense copy (if kept) above
+    that, else dequantized per call."""
 
     def __init__(self, matrix: QuantizedMatrix, bias: torch.Tensor | None, dtype: torch.dtype,
                  device: torch.device, keep_dense: bool):
@@ -114,7 +139,6 @@ class QuantizedLinear(nn.Module):
         self.bits, self.group_size = matrix.bits, matrix.group_size
         self.bias = bias
         self.dtype = dtype
-        self.max_kernel_rows = kernel_max_rows(dtype)
         # The small-batch kernel: kvserve's own (lean_kernel.py) where it loads, else torch's int4 one.
         self.gemv = None
         self.gemv_operands = None
@@ -125,6 +149,7 @@ class QuantizedLinear(nn.Module):
         self.kernel = self.gemv is not None or (
             device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
             and self.in_features % _KERNEL_GROUP == 0 and matrix.group_size % _KERNEL_GROUP == 0)
+        self.max_kernel_rows = kernel_max_rows(dtype, self.bits if self.gemv is not None else None)
         self.matrix: QuantizedMatrix | None = None
         if self.gemv is not None:
             pass  # the codes live in gemv_operands
@@ -137,7 +162,7 @@ class QuantizedLinear(nn.Module):
                                           None if matrix.zero is None else matrix.zero.to(device),
                                           matrix.group_size, matrix.bits)
         self.dense: nn.Module | torch.Tensor | None = None
-        if keep_dense and self.kernel:
+        if keep_dense and self.kernel and self.max_kernel_rows is not None:
             weight = matrix.dequantize().to(dtype)
             if prepacking_available(device, dtype):
                 dense = nn.Linear(self.in_features, self.out_features, bias=False, device="meta")
@@ -148,18 +173,14 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if self.gemv is not None and (rows <= self.max_kernel_rows or self.dense is None):
+        if self.gemv is not None and (self.dense is None or rows <= self.max_kernel_rows):
             flat = x.reshape(rows, self.in_features)
             if flat.dtype not in (torch.float32, torch.bfloat16):
                 flat = flat.float()
-            flat = flat.contiguous()
-            # (the kernel takes up to GEMV_MAX_ROWS rows a call)
-            y = torch.cat([self.gemv(flat[i:i + GEMV_MAX_ROWS], *self.gemv_operands)
-                           for i in range(0, rows, GEMV_MAX_ROWS)]) if rows > GEMV_MAX_ROWS else \
-                self.gemv(flat, *self.gemv_operands)
+            y = self.gemv(flat.contiguous(), *self.gemv_operands)
             y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias
-        if self.kernel and (rows <= self.max_kernel_rows or self.dense is None):
+        if self.kernel and (self.dense is None or rows <= self.max_kernel_rows):
             flat = x.reshape(rows, self.in_features).to(_KERNEL_DTYPE)
             if self.bits == 8:  # the weight's high and low nibbles, each multiplied by x
                 flat = torch.cat((flat, flat), dim=1)
@@ -246,7 +267,8 @@ def install_quantized(model: nn.Module, targets: dict[str, QuantizedMatrix], mod
     """Replace the nn.Linear layers named in `targets` by QuantizedLinear layers of those matrices
     (each keeping its linear's bias)."""
     report = QuantizationReport(mode)
-    dense_bytes = sum(t.shape[0] * t.shape[1] for t in targets.values()) * torch.finfo(dtype).bits // 8
+    dense_bytes = sum(t.shape[0] * t.shape[1] for t in targets.values()
+                      if not _served_by_own_kernel_at_every_row_count(t, dtype, device)) * torch.finfo(dtype).bits // 8
     keep_dense = device.type == "cpu" and dense_bytes <= available_ram_bytes() // 4
     for name, target in targets.items():
         parent_name, _, child = name.rpartition(".")
@@ -256,9 +278,9 @@ def install_quantized(model: nn.Module, targets: dict[str, QuantizedMatrix], mod
         per_channel = target.bits == 8 and target.group_size == target.shape[1]
         kind = f"int{target.bits} " + ("per channel" if per_channel else f"g{target.group_size}")
         report.kinds[kind] = report.kinds.get(kind, 0) + 1
-    if keep_dense and targets:
+    if keep_dense:
         report.dense_copy_bytes = dense_bytes
-    if targets and device.type == "cpu" and not keep_dense:
+    if dense_bytes and device.type == "cpu" and not keep_dense:
         logger.info("Quantized linears run every batch size through the int kernels: a dense copy for large "
                     "batches (%s) would take more than a quarter of the available RAM", format_size(dense_bytes))
     return report

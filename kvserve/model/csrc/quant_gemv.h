@@ -1,4 +1,4 @@
-// Matrix-vector products (a few rows) with group-quantized weights, in integer arithmetic (CPU).
+// Matrix products with group-quantized weights, in integer arithmetic (CPU), for any number of rows.
 //
 // Weights in groups of 32 input columns: 4-bit unsigned codes u with w = d u + m (GGUF Q4_0/Q4_1),
 // or 8-bit signed codes q with w = d q (Q8_0, per-channel int8), d and m in float16. Each row of x is
@@ -9,19 +9,27 @@
 // llama.cpp does for its Q4 dot products, Q8_1): the pairs are multiplied and summed in 16 bits
 // (maddubs, unsigned times signed), then in 32. Against 8-bit weights x takes 16 bits (L = 32767): the
 // weights are the precise ones there, and int8 x int8 would add an activation rounding as large as
-// theirs; int16 pairs are summed in 32 bits (madd). Weights are read once for all rows.
+// theirs; int16 pairs are summed in 32 bits (madd).
 //
-// 4-bit codes of two consecutive groups share 32 bytes: byte j holds element j of the first group in
-// its low nibble and element j of the second in its high one, so one 32-byte load, a shift and two
-// masks give both groups' codes in order (a row with an odd number of groups has zeros in its last
-// high nibbles).
+// 4-bit weights are stored eight output rows interleaved (the repacking llama.cpp's CPU backend does
+// for its Q4_0 8x8 GEMM), so that one 256-bit lane holds the same four input columns of eight rows:
+// for block b of rows 8b..8b+7 and group g, 128 bytes at (b * groups + g) * 128, chunk c (0..3) at
+// byte 32 c, row i at bytes 4 i..4 i+3 of the chunk, holding columns 4c..4c+3 of the group in its low
+// nibbles and columns 16+4c..16+4c+3 in its high ones. d and m are [blocks, groups, 8] likewise. One
+// broadcast of four activation bytes then multiplies all eight rows, the eight lanes of a sum are the
+// eight outputs (no horizontal sums), the group scales multiply as vectors, and a block's codes stay
+// in L1 while every row of x passes. A group's sixteen products per lane stay within 16 bits
+// (8 x 2 x 15 x 127 = 30,480), so they are widened to 32 bits once per group, not per product.
+// The 8-bit matrices (the LM head) keep one row per output, each row read once for all rows of x.
 #pragma once
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
@@ -32,7 +40,8 @@
 namespace quant_gemv {
 
 constexpr int64_t kGroup = 32;
-constexpr int64_t kMaxRows = 16;
+constexpr int64_t kBlock = 8;  // output rows interleaved in a 4-bit block
+constexpr int64_t kTile = 4;   // rows of x one pass over a block's codes multiplies
 
 // x [rows, K] quantized per group: codes [rows, K] (int8 for 4-bit weights, int16 for 8-bit ones),
 // dx and sx [rows, K / 32].
@@ -43,35 +52,61 @@ struct QuantizedRows {
   int64_t rows, groups;
 };
 
+// One group of 32 values: codes, dx and sx as defined above (q = nearbyint(x * (L / amax))).
+template <typename Code>
+inline void quantize_group(const float* values, float levels, Code* codes, float* dx, float* sx) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(values[i]));
+  const float inv = amax > 0.f ? levels / amax : 0.f;
+  int32_t sum = 0;
+#ifdef KVSERVE_GEMV_AVX2
+  if constexpr (sizeof(Code) == 1) {  // eight at a time: the same products, rounded to nearest even
+    const __m256 scale = _mm256_set1_ps(inv);
+    __m256i q[4];
+    for (int k = 0; k < 4; ++k) q[k] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(values + 8 * k), scale));
+    __m256i total = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+    s = _mm_hadd_epi32(s, s);
+    s = _mm_hadd_epi32(s, s);
+    sum = _mm_cvtsi128_si32(s);
+    // int32 -> int8 (|q| <= 127): pack pairs, then restore the order the lane-wise packs scramble
+    const __m256i w01 = _mm256_packs_epi32(q[0], q[1]), w23 = _mm256_packs_epi32(q[2], q[3]);
+    const __m256i bytes = _mm256_packs_epi16(w01, w23);
+    const __m256i ordered = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes), ordered);
+  } else
+#endif
+  {
+    for (int64_t i = 0; i < kGroup; ++i) {
+      const int32_t q = static_cast<int32_t>(std::nearbyint(values[i] * inv));
+      codes[i] = static_cast<Code>(q);
+      sum += q;
+    }
+  }
+  *dx = amax / levels;
+  *sx = *dx * static_cast<float>(sum);
+}
+
 template <typename T>
 QuantizedRows quantize_rows(const T* x, int64_t rows, int64_t cols, bool wide) {
   const int64_t groups = cols / kGroup;
   QuantizedRows out{std::vector<int8_t>(wide ? 0 : rows * cols), std::vector<int16_t>(wide ? rows * cols : 0),
                     std::vector<float>(rows * groups), std::vector<float>(rows * groups), rows, groups};
   const float levels = wide ? 32767.f : 127.f;
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t g = 0; g < groups; ++g) {
-      const T* src = x + r * cols + g * kGroup;
-      float values[kGroup], amax = 0.f;
-      for (int64_t i = 0; i < kGroup; ++i) {
-        values[i] = static_cast<float>(src[i]);
-        amax = std::max(amax, std::fabs(values[i]));
-      }
-      const float dx = amax / levels, inv = amax > 0.f ? levels / amax : 0.f;
-      const int64_t at = r * cols + g * kGroup;
-      int32_t sum = 0;
-      for (int64_t i = 0; i < kGroup; ++i) {
-        const int32_t q = static_cast<int32_t>(std::nearbyint(values[i] * inv));
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / cols), [&](int64_t begin, int64_t end) {
+    float values[kGroup];
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t g = 0; g < groups; ++g) {
+        const T* src = x + r * cols + g * kGroup;
+        for (int64_t i = 0; i < kGroup; ++i) values[i] = static_cast<float>(src[i]);
+        const int64_t at = r * cols + g * kGroup, k = r * groups + g;
         if (wide)
-          out.wide_codes[at + i] = static_cast<int16_t>(q);
+          quantize_group(values, levels, out.wide_codes.data() + at, &out.dx[k], &out.sx[k]);
         else
-          out.codes[at + i] = static_cast<int8_t>(q);
-        sum += q;
+          quantize_group(values, levels, out.codes.data() + at, &out.dx[k], &out.sx[k]);
       }
-      out.dx[r * groups + g] = dx;
-      out.sx[r * groups + g] = dx * static_cast<float>(sum);
     }
-  }
+  });
   return out;
 }
 
@@ -81,12 +116,6 @@ inline float hsum(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
-}
-
-// sum over pairs of u (unsigned bytes) times x (signed bytes), as eight int32 lanes, as float.
-inline __m256 dot_bytes(__m256i u, __m256i x) {
-  const __m256i pairs = _mm256_maddubs_epi16(u, x);
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
 #endif
 
@@ -100,123 +129,162 @@ inline void halves_to_floats(const at::Half* src, int64_t n, float* dst) {
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
-#ifdef KVSERVE_GEMV_AVX2
-// Rows [0, R) of x (at `xq` row `first`) times weight row n: out[r] = sum over groups.
-template <int Bits, int R>
-inline void dot_rows(const QuantizedRows& xq, int64_t first, const uint8_t* row, const float* dw, const float* mw,
-                     float* out) {
+// ---- 4-bit weights, eight rows interleaved ----
+
+// Rows [first, first + R) of x times block b (its codes at `w`, scales and offsets at `d`, `m`):
+// out[r][i] for the block's eight outputs i.
+template <int R>
+inline void block_rows(const QuantizedRows& xq, int64_t first, const uint8_t* w, const at::Half* d,
+                       const at::Half* m, float* out, int64_t out_stride) {
   const int64_t groups = xq.groups, cols = groups * kGroup;
-  // two accumulators per row (even and odd groups), so consecutive FMAs do not wait on each other
-  __m256 acc[2][R];
-  for (int r = 0; r < R; ++r) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
   const int8_t* x0 = xq.codes.data() + first * cols;
   const float* dx0 = xq.dx.data() + first * groups;
   const float* sx0 = xq.sx.data() + first * groups;
-  if constexpr (Bits == 4) {
-    auto accumulate = [&](__m256* a, __m256i u, int64_t g) {
+#ifdef KVSERVE_GEMV_AVX2
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* wg = w + g * 128;
+    const int8_t* xg = x0 + g * kGroup;
+    __m256i sums[R];
+    for (int c = 0; c < 4; ++c) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 32 * c));
+      const __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
       for (int r = 0; r < R; ++r) {
-        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x0 + r * cols + g * kGroup));
-        a[r] = _mm256_fmadd_ps(dot_bytes(u, x), _mm256_set1_ps(dw[g] * dx0[r * groups + g]), a[r]);
+        int32_t xl, xh;
+        std::memcpy(&xl, xg + r * cols + 4 * c, 4);
+        std::memcpy(&xh, xg + r * cols + 16 + 4 * c, 4);
+        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(xl)),
+                                           _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xh)));
+        sums[r] = c == 0 ? p : _mm256_add_epi16(sums[r], p);
       }
-    };
-    const __m256i low4 = _mm256_set1_epi8(0x0F);
-    for (int64_t g = 0; g < groups; g += 2) {
-      const __m256i both = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + g * 16));
-      accumulate(acc[0], _mm256_and_si256(both, low4), g);
-      if (g + 1 < groups) accumulate(acc[1], _mm256_and_si256(_mm256_srli_epi16(both, 4), low4), g + 1);
     }
-  } else {  // int8 codes widened to int16, times 16-bit x, summed in pairs to int32
-    const int16_t* w0 = xq.wide_codes.data() + first * cols;
-    for (int64_t g = 0; g < groups; ++g) {
-      const int8_t* q = reinterpret_cast<const int8_t*>(row + g * kGroup);
-      const __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
-      const __m256i hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)));
-      __m256* a = acc[g & 1];
-      for (int r = 0; r < R; ++r) {
-        const int16_t* x = w0 + r * cols + g * kGroup;
-        const __m256i sum = _mm256_add_epi32(
-            _mm256_madd_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))),
-            _mm256_madd_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16))));
-        a[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(dw[g] * dx0[r * groups + g]), a[r]);
+    const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + g * kBlock)));
+    const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + g * kBlock)));
+    for (int r = 0; r < R; ++r) {
+      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[r], ones));
+      acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(dv, _mm256_set1_ps(dx0[r * groups + g])), acc[r]);
+      acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(sx0[r * groups + g]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * out_stride, acc[r]);
+#else
+  float acc[R][kBlock] = {};
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* wg = w + g * 128;
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xg = x0 + r * cols + g * kGroup;
+      for (int64_t i = 0; i < kBlock; ++i) {
+        int32_t sum = 0;
+        for (int c = 0; c < 4; ++c)
+          for (int j = 0; j < 4; ++j) {
+            const uint8_t byte = wg[32 * c + 4 * i + j];
+            sum += (byte & 15) * xg[4 * c + j] + (byte >> 4) * xg[16 + 4 * c + j];
+          }
+        const float dw = static_cast<float>(d[g * kBlock + i]), mw = static_cast<float>(m[g * kBlock + i]);
+        acc[r][i] += dw * dx0[r * groups + g] * static_cast<float>(sum) + mw * sx0[r * groups + g];
       }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    float bias = 0.f;
-    if constexpr (Bits == 4) {  // sum over groups of m sx, eight groups at a time
-      const float* sx = sx0 + r * groups;
-      __m256 b = _mm256_setzero_ps();
-      int64_t g = 0;
-      for (; g + 8 <= groups; g += 8) b = _mm256_fmadd_ps(_mm256_loadu_ps(mw + g), _mm256_loadu_ps(sx + g), b);
-      bias = hsum(b);
-      for (; g < groups; ++g) bias += mw[g] * sx[g];
+  for (int r = 0; r < R; ++r)
+    for (int64_t i = 0; i < kBlock; ++i) out[r * out_stride + i] = acc[r][i];
+#endif
+}
+
+// out [rows, N] for blocks [begin, end): each block's codes read from memory once, then from L1 for
+// every tile of rows.
+inline void gemm_blocks_4bit(const QuantizedRows& xq, const uint8_t* codes, const at::Half* d, const at::Half* m,
+                             int64_t n_out, int64_t begin, int64_t end, float* out) {
+  const int64_t rows = xq.rows, groups = xq.groups;
+  for (int64_t b = begin; b < end; ++b) {
+    const uint8_t* w = codes + b * groups * 128;
+    const at::Half* db = d + b * groups * kBlock;
+    const at::Half* mb = m + b * groups * kBlock;
+    for (int64_t first = 0; first < rows; first += kTile) {
+      float* o = out + first * n_out + b * kBlock;
+      switch (std::min<int64_t>(kTile, rows - first)) {
+        case 1: block_rows<1>(xq, first, w, db, mb, o, n_out); break;
+        case 2: block_rows<2>(xq, first, w, db, mb, o, n_out); break;
+        case 3: block_rows<3>(xq, first, w, db, mb, o, n_out); break;
+        default: block_rows<4>(xq, first, w, db, mb, o, n_out); break;
+      }
     }
-    out[r] = hsum(_mm256_add_ps(acc[0][r], acc[1][r])) + bias;
   }
 }
-#else
-template <int Bits, int R>
-inline void dot_rows(const QuantizedRows& xq, int64_t first, const uint8_t* row, const float* dw, const float* mw,
-                     float* out) {
+
+// ---- 8-bit weights, one row per output ----
+
+// Rows [0, R) of x (at `xq` row `first`) times weight row n: out[r] = sum over groups.
+template <int R>
+inline void dot_rows_8bit(const QuantizedRows& xq, int64_t first, const int8_t* row, const float* dw, float* out) {
   const int64_t groups = xq.groups, cols = groups * kGroup;
+  const int16_t* x0 = xq.wide_codes.data() + first * cols;
+  const float* dx0 = xq.dx.data() + first * groups;
+#ifdef KVSERVE_GEMV_AVX2
+  // two accumulators per row (even and odd groups), so consecutive FMAs do not wait on each other
+  __m256 acc[2][R];
+  for (int r = 0; r < R; ++r) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {  // int8 codes widened to int16, times 16-bit x, pairs summed to int32
+    const int8_t* q = row + g * kGroup;
+    const __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+    const __m256i hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)));
+    __m256* a = acc[g & 1];
+    for (int r = 0; r < R; ++r) {
+      const int16_t* x = x0 + r * cols + g * kGroup;
+      const __m256i sum = _mm256_add_epi32(
+          _mm256_madd_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))),
+          _mm256_madd_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16))));
+      a[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(dw[g] * dx0[r * groups + g]), a[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum(_mm256_add_ps(acc[0][r], acc[1][r]));
+#else
   for (int r = 0; r < R; ++r) {
-    const int8_t* x = Bits == 4 ? xq.codes.data() + (first + r) * cols : nullptr;
-    const int16_t* wide = Bits == 8 ? xq.wide_codes.data() + (first + r) * cols : nullptr;
-    const float* dx = xq.dx.data() + (first + r) * groups;
-    const float* sx = xq.sx.data() + (first + r) * groups;
+    const int16_t* x = x0 + r * cols;
     float acc = 0.f;
     for (int64_t g = 0; g < groups; ++g) {
       int32_t sum = 0;
-      if constexpr (Bits == 4) {
-        const uint8_t* w = row + (g / 2) * kGroup;  // the pair's bytes: low nibbles even g, high odd g
-        const int shift = (g & 1) * 4;
-        for (int64_t j = 0; j < kGroup; ++j) sum += ((w[j] >> shift) & 15) * x[g * kGroup + j];
-        acc += mw[g] * sx[g];
-      } else {
-        const int8_t* w = reinterpret_cast<const int8_t*>(row + g * kGroup);
-        for (int64_t j = 0; j < kGroup; ++j) sum += w[j] * wide[g * kGroup + j];
-      }
-      acc += dw[g] * dx[g] * static_cast<float>(sum);
+      for (int64_t j = 0; j < kGroup; ++j) sum += row[g * kGroup + j] * x[g * kGroup + j];
+      acc += dw[g] * dx0[r * groups + g] * static_cast<float>(sum);
     }
     out[r] = acc;
   }
-}
 #endif
+}
 
 // out [rows, N] (float32) = x W^T for output rows [begin, end) of W; x's rows four at a time, each
 // weight row read once from memory (then from L1 for the next four).
-template <int Bits>
-void gemv_rows(const QuantizedRows& xq, const uint8_t* codes, const at::Half* d, const at::Half* m, int64_t n_out,
-               int64_t begin, int64_t end, float* out) {
+inline void gemv_rows_8bit(const QuantizedRows& xq, const int8_t* codes, const at::Half* d, int64_t n_out,
+                           int64_t begin, int64_t end, float* out) {
   const int64_t rows = xq.rows, groups = xq.groups;
-  const int64_t row_bytes = Bits == 4 ? (groups + 1) / 2 * kGroup : groups * kGroup;
-  std::vector<float> dw(groups), mw(groups);
+  std::vector<float> dw(groups);
   float results[4];
   for (int64_t n = begin; n < end; ++n) {
-    const uint8_t* row = codes + n * row_bytes;
+    const int8_t* row = codes + n * groups * kGroup;
     halves_to_floats(d + n * groups, groups, dw.data());
-    if (Bits == 4) halves_to_floats(m + n * groups, groups, mw.data());
     for (int64_t first = 0; first < rows; first += 4) {
       const int64_t count = std::min<int64_t>(4, rows - first);
       switch (count) {
-        case 1: dot_rows<Bits, 1>(xq, first, row, dw.data(), mw.data(), results); break;
-        case 2: dot_rows<Bits, 2>(xq, first, row, dw.data(), mw.data(), results); break;
-        case 3: dot_rows<Bits, 3>(xq, first, row, dw.data(), mw.data(), results); break;
-        default: dot_rows<Bits, 4>(xq, first, row, dw.data(), mw.data(), results); break;
+        case 1: dot_rows_8bit<1>(xq, first, row, dw.data(), results); break;
+        case 2: dot_rows_8bit<2>(xq, first, row, dw.data(), results); break;
+        case 3: dot_rows_8bit<3>(xq, first, row, dw.data(), results); break;
+        default: dot_rows_8bit<4>(xq, first, row, dw.data(), results); break;
       }
       for (int64_t r = 0; r < count; ++r) out[(first + r) * n_out + n] = results[r];
     }
   }
 }
 
-// x [rows, K] (float32 or bfloat16, contiguous) -> float32 [rows, N].
+// x [rows, K] (float32 or bfloat16, contiguous) -> float32 [rows, N]. 4-bit codes [N, K / 2] in the
+// interleaved layout above (N a multiple of 8), 8-bit codes [N, K].
 inline at::Tensor gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d,
                        const std::optional<at::Tensor>& m, int64_t bits) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % kGroup == 0, "x must be contiguous [rows, K], K % 32 == 0");
-  TORCH_CHECK(x.size(0) <= kMaxRows, "at most ", kMaxRows, " rows");
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
   TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == (bits == 4 ? at::kByte : at::kChar) &&
-              codes.size(1) == (bits == 4 ? (x.size(1) / kGroup + 1) / 2 * kGroup : x.size(1)),
+              codes.size(1) == (bits == 4 ? x.size(1) / 2 : x.size(1)) && (bits == 8 || codes.size(0) % kBlock == 0),
               "codes do not match x");
   const int64_t n_out = codes.size(0), groups = x.size(1) / kGroup;
   TORCH_CHECK(d.is_contiguous() && d.scalar_type() == at::kHalf && d.numel() == n_out * groups, "bad scales");
@@ -226,16 +294,18 @@ inline at::Tensor gemv(const at::Tensor& x, const at::Tensor& codes, const at::T
                                ? quantize_rows(x.data_ptr<at::BFloat16>(), x.size(0), x.size(1), bits == 8)
                                : quantize_rows(x.data_ptr<float>(), x.size(0), x.size(1), bits == 8);
   at::Tensor out = at::empty({x.size(0), n_out}, x.options().dtype(at::kFloat));
-  const uint8_t* w = reinterpret_cast<const uint8_t*>(codes.data_ptr());
   const at::Half* dp = d.data_ptr<at::Half>();
-  const at::Half* mp = bits == 4 ? m->data_ptr<at::Half>() : nullptr;
   float* o = out.data_ptr<float>();
-  at::parallel_for(0, n_out, 16, [&](int64_t begin, int64_t end) {
-    if (bits == 4)
-      gemv_rows<4>(xq, w, dp, mp, n_out, begin, end, o);
-    else
-      gemv_rows<8>(xq, w, dp, mp, n_out, begin, end, o);
-  });
+  if (bits == 4) {
+    const uint8_t* w = codes.data_ptr<uint8_t>();
+    const at::Half* mp = m->data_ptr<at::Half>();
+    at::parallel_for(0, n_out / kBlock, 2, [&](int64_t begin, int64_t end) {
+      gemm_blocks_4bit(xq, w, dp, mp, n_out, begin, end, o);
+    });
+  } else {
+    const int8_t* w = codes.data_ptr<int8_t>();
+    at::parallel_for(0, n_out, 16, [&](int64_t begin, int64_t end) { gemv_rows_8bit(xq, w, dp, n_out, begin, end, o); });
+  }
   return out;
 }
 
