@@ -5,6 +5,7 @@ kernel; 8-bit LM head), the choice behind KERNEL_MAX_ROWS in kvserve/model/quant
 of interleaved rounds, milliseconds for all the linears of one step.
 
     python benchmarks/quantized_linears.py --threads 1 --rows 1,2,4,8,16,32
+    python benchmarks/quantized_linears.py --rows 32,128,512 --without-lm-head   # what a prefill chunk runs
 """
 from __future__ import annotations
 
@@ -22,15 +23,16 @@ from kvserve.model.quantized import quantize_int4, quantize_int8
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
 
 
-def build(dtype: torch.dtype, dense_kinds: list[str]) -> dict[str, list[nn.Module]]:
+def build(dtype: torch.dtype, dense_kinds: list[str], shapes: list[tuple[int, int]]) -> dict[str, list[nn.Module]]:
     """The step's layers once per kind: "kernel" (QuantizedLinear, no dense copy), and for each of
     `dense_kinds` the same weights dense: "prepacked" (as the engine holds them) or "plain" (F.linear)."""
     torch.manual_seed(0)
     layers: dict[str, list[nn.Module]] = {kind: [] for kind in dense_kinds + ["kernel"]}
-    for i, (out, cols) in enumerate(SHAPES):
+    for out, cols in shapes:
         linear = nn.Linear(cols, out, bias=False)
         linear.weight.data.normal_(0, 0.02)
-        matrix = quantize_int8(linear.weight.data) if i == len(SHAPES) - 1 else quantize_int4(linear.weight.data)
+        lm_head = (out, cols) == SHAPES[-1]
+        matrix = quantize_int8(linear.weight.data) if lm_head else quantize_int4(linear.weight.data)
         layers["kernel"].append(quant_linear.QuantizedLinear(matrix, None, dtype, torch.device("cpu"),
                                                              keep_dense=False))
         linear = linear.to(dtype)
@@ -41,7 +43,7 @@ def build(dtype: torch.dtype, dense_kinds: list[str]) -> dict[str, list[nn.Modul
 
 
 def step_ms(layers: list[nn.Module], rows: int, dtype: torch.dtype) -> float:
-    inputs = [torch.randn(rows, cols).to(dtype) for _, cols in SHAPES]
+    inputs = [torch.randn(rows, layer.in_features).to(dtype) for layer in layers]
     with torch.inference_mode():
         start = time.perf_counter()
         for layer, x in zip(layers, inputs):
@@ -58,6 +60,8 @@ def main() -> None:
     parser.add_argument("--dense", default="prepacked",
                         help="comma list of prepacked (the engine's dense layers) and plain (nn.Linear, F.linear: "
                              "float32 before it was prepacked), each interleaved with the kernel")
+    parser.add_argument("--without-lm-head", action="store_true",
+                        help="only the 120 int4 layers (a prefill chunk computes the LM head for its last rows only)")
     args = parser.parse_args()
     from kvserve.engine.llm_engine import select_dtype
 
@@ -66,7 +70,7 @@ def main() -> None:
         parser.error("--dense takes prepacked, plain or both")
     torch.set_num_threads(args.threads)
     dtype = select_dtype(args.dtype, torch.device("cpu"))
-    layers = build(dtype, kinds)
+    layers = build(dtype, kinds, SHAPES[:-1] if args.without_lm_head else SHAPES)
     print(f"dtype {str(dtype).removeprefix('torch.')}, threads {args.threads}; ms per step of linears (median)")
     print(f"| rows | {' | '.join(f'{k} dense' for k in kinds)} | int4 kernel | kernel / {kinds[0]} |")
     print(f"|---|{'---|' * (len(kinds) + 2)}")
