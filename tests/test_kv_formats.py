@@ -274,6 +274,10 @@ def test_prefix_cache_hits_reuse_quantized_blocks_and_scales(head_dim_64_model, 
 
 # ---------------------------------------------------------------------------- the default model
 TEST_CHUNK = 72  # tokens per forward pass in the default-model fixtures (not a multiple of the block size)
+# The KV formats' fidelity is measured on dense float32 weights (the Q4_1 GGUF dequantized), so that
+# the 4-bit kernel's 8-bit activation rounding, which flips near-tied top-1 tokens on its own, does
+# not enter a comparison of KV formats (its cost is the weight-quantization rows of BENCHMARKS.md).
+WEIGHTS = "none"
 
 
 @pytest.fixture(scope="module")
@@ -302,6 +306,7 @@ def default_model_agreement(default_loaded):
     results, reference = {}, None
     for dtype in ("auto", "fp8", "int8", "int4", "int4_kivi", "int4 uncentred"):
         engine = LLMEngine(EngineArgs(dtype="float32", kv_cache_dtype=dtype.split()[0], kv_cache_memory="128MiB",
+                                      quantization=WEIGHTS,
                                       max_model_len=1024), loaded_model=default_loaded)
         if dtype == "int4 uncentred":
             engine.model.set_key_centers(None)  # keys stored as they are (kvserve/engine/key_centering.py)
@@ -338,6 +343,7 @@ def fp8_eval_agreement(default_loaded):
     results, reference = {}, None
     for dtype in ("auto", "fp8", "fp8 unfitted"):
         engine = LLMEngine(EngineArgs(dtype="float32", kv_cache_dtype=dtype.split()[0], kv_cache_memory="128MiB",
+                                      quantization=WEIGHTS,
                                       max_model_len=2048), loaded_model=default_loaded)
         if dtype == "fp8 unfitted":
             engine.model.set_key_bases(None)  # keys in the Hadamard basis alone (kvserve/engine/key_basis.py)
