@@ -55,19 +55,28 @@ def kernel_max_rows(dtype: torch.dtype, own_kernel_bits: int | None = None) -> i
     return KERNEL_MAX_ROWS_FLOAT32 if dtype == torch.float32 else KERNEL_MAX_ROWS
 
 
-def _served_by_own_kernel_at_every_row_count(matrix: QuantizedMatrix, dtype: torch.dtype,
-                                             device: torch.device) -> bool:
-    """Whether QuantizedLinear(matrix) runs every batch through kvserve's kernel (no dense copy)."""
-    out, cols = matrix.shape
-    return (device.type == "cpu" and matrix.bits == 4 and kernel_max_rows(dtype, 4) is None
-            and cols % _KERNEL_GROUP == 0 and matrix.group_size % _KERNEL_GROUP == 0 and out % _KERNEL_BLOCK == 0
-            and load_lean_decode_module()[0] is not None)
 _KERNEL_DTYPE = torch.bfloat16
 _KERNEL_GROUP = 32  # the group size the layers give the int4 kernel
 _KERNEL_BLOCK = 8  # output rows kvserve's kernel interleaves in a 4-bit matrix (quant_gemv.h kBlock)
 # The model's fused linears and the checkpoint matrices they are made of, in order.
 _FUSED_PARTS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
                 "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def _fits_gemv_layout(matrix: QuantizedMatrix) -> bool:
+    """Whether `matrix`'s shape and format map onto kvserve's kernel layout (its scales may still
+    fall outside float16's range: gemv_operands)."""
+    out, cols = matrix.shape
+    if cols % _KERNEL_GROUP or matrix.group_size % _KERNEL_GROUP:
+        return False
+    return matrix.zero is None if matrix.bits == 8 else out % _KERNEL_BLOCK == 0
+
+
+def _served_by_own_kernel_at_every_row_count(matrix: QuantizedMatrix, dtype: torch.dtype,
+                                             device: torch.device) -> bool:
+    """Whether QuantizedLinear(matrix) runs every batch through kvserve's kernel (no dense copy)."""
+    return (device.type == "cpu" and matrix.bits == 4 and kernel_max_rows(dtype, 4) is None
+            and _fits_gemv_layout(matrix) and load_lean_decode_module()[0] is not None)
 
 
 def gemv_operands(matrix: QuantizedMatrix) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
@@ -81,9 +90,7 @@ def gemv_operands(matrix: QuantizedMatrix) -> tuple[torch.Tensor, torch.Tensor, 
     columns 4c.. in its low nibbles and 16+4c.. in its high ones; scales [block, group, row].
     From a GGUF file (float16 scales), d u + m is the same float32 value as `dequantize()`."""
     out, cols = matrix.shape
-    if cols % _KERNEL_GROUP or matrix.group_size % _KERNEL_GROUP or (matrix.bits == 8 and matrix.zero is not None):
-        return None
-    if matrix.bits == 4 and out % _KERNEL_BLOCK:
+    if not _fits_gemv_layout(matrix):
         return None
     repeat = matrix.group_size // _KERNEL_GROUP
     scale = matrix.scale.float().repeat_interleave(repeat, dim=1)
