@@ -52,6 +52,15 @@ def native_bf16_missing() -> str | None:
     return None
 
 
+def onednn_runs_amx() -> bool:
+    """Whether oneDNN's bf16 GEMMs run on AMX tiles here: the CPU has amx_bf16 and
+    ONEDNN_MAX_CPU_ISA, where set, admits AMX."""
+    if "amx_bf16" not in cpu_flags():
+        return False
+    limit = os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper()
+    return not limit or limit == "ALL" or "AMX" in limit
+
+
 def onednn_bf16_missing() -> str | None:
     """None when oneDNN can run bf16 linears here (natively or on AVX-512 BW/VL/DQ), else why not:
     without it, prepacked bf16 weights raise inside torch."""

@@ -5,6 +5,7 @@ import pytest
 import torch
 from torch import nn
 
+from kvserve import hardware
 from kvserve.model import cpu_linear
 from kvserve.model.cpu_linear import PrepackedLinear, prepack_linears, prepacking_available
 
@@ -70,6 +71,7 @@ class _TiedModel(nn.Module):
 @needs_prepacking
 def test_plain_copy_is_kept_only_when_it_fits_a_quarter_of_available_ram(monkeypatch):
     proj_bytes = 64 * 64 * 2  # the tied head shares the embedding: its plain weight costs nothing
+    monkeypatch.setattr(cpu_linear, "onednn_runs_amx", lambda: False)
     monkeypatch.setattr(cpu_linear, "available_ram_bytes", lambda: 4 * proj_bytes)
     model = _TiedModel()
     assert prepack_linears(model) == 2
@@ -83,6 +85,30 @@ def test_plain_copy_is_kept_only_when_it_fits_a_quarter_of_available_ram(monkeyp
     assert model.proj.plain is None and model.head.plain is None
     x = torch.randn(1, 64).to(torch.bfloat16)  # a single row still works, through the packed weights
     torch.testing.assert_close(model.proj(x).float(), x.float() @ weight.T, rtol=2 ** -7, atol=1e-2)
+
+
+@needs_prepacking
+def test_no_plain_copy_where_onednn_runs_amx(monkeypatch):
+    """On AMX the prepacked kernel beats torch's GEMV at one row too: no second copy of the weights."""
+    monkeypatch.setattr(cpu_linear, "onednn_runs_amx", lambda: True)
+    model = _TiedModel()
+    weight = model.proj.weight.detach().float()
+    prepack_linears(model)
+    assert model.proj.plain is None and model.head.plain is None
+    x = torch.randn(1, 64).to(torch.bfloat16)
+    torch.testing.assert_close(model.proj(x).float(), x.float() @ weight.T, rtol=2 ** -7, atol=1e-2)
+
+
+def test_amx_is_seen_only_where_the_cpu_has_it_and_onednn_may_use_it(monkeypatch):
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset({"avx512f", "amx_bf16", "amx_tile"}))
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    assert hardware.onednn_runs_amx()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+    assert not hardware.onednn_runs_amx()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_AMX")
+    assert hardware.onednn_runs_amx()
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
+    assert not hardware.onednn_runs_amx()
 
 
 @needs_onednn

@@ -11,7 +11,9 @@ torch's native bf16 GEMV over the plain row-major weight reads the weights faste
 prepacked kernel (float32 accumulation in both); from two rows on, the prepacked kernel wins
 (BENCHMARKS.md, "Offline throughput", "Before"). So
 each bf16 layer also keeps its plain weight when memory allows (a second copy of the linear weights,
-see `prepack_linears`) and sends single rows to the native kernel. torch picks oneDNN for any
+see `prepack_linears`) and sends single rows to the native kernel. Not where oneDNN runs bf16 on
+AMX tiles (Sapphire Rapids on): there the prepacked kernel is the faster one at one row too
+(BENCHMARKS.md, "On a CPU with AMX"). torch picks oneDNN for any
 large bf16 matmul while oneDNN is enabled, so the flag is switched off around that one call;
 it is process-global, which is safe because the engine runs its forward passes from one thread
 (another thread's matmul in that window would just take the native kernel too).
@@ -30,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.units import format_size
-from kvserve.hardware import available_ram_bytes, onednn_bf16_missing
+from kvserve.hardware import available_ram_bytes, onednn_bf16_missing, onednn_runs_amx
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +87,8 @@ def prepack_linears(model: nn.Module) -> int:
     bf16 layers keep their plain weights for single rows when that second copy takes at most a
     quarter of the RAM available now (a weight shared with another module, like a tied LM head's
     embedding, costs nothing). A model too large for it keeps only the packed copy: correct, slower
-    at batch 1. float32 layers never keep it: their packed kernel is the faster one at one row too."""
+    at batch 1. float32 layers never keep it, nor bf16 ones where oneDNN runs on AMX: their packed
+    kernel is the faster one at one row too."""
     linears = [(module, name, child) for module in list(model.modules())
                for name, child in list(module.named_children()) if isinstance(child, nn.Linear)]
     linear_ids = {id(child) for _, _, child in linears}
@@ -94,11 +97,14 @@ def prepack_linears(model: nn.Module) -> int:
     extra = sum(child.weight.nbytes for _, _, child in linears if child.weight.data_ptr() not in owned_elsewhere)
     available = available_ram_bytes()
     bf16 = all(child.weight.dtype == torch.bfloat16 for _, _, child in linears)
-    keep_plain = bf16 and extra <= available // 4
+    amx = onednn_runs_amx()
+    keep_plain = bf16 and not amx and extra <= available // 4
     for module, name, child in linears:
         setattr(module, name, PrepackedLinear(child, keep_plain))
     if keep_plain:
         logger.info("Batch-1 linears: keeping a plain copy of the weights (%s) for torch's GEMV", format_size(extra))
+    elif bf16 and amx:
+        logger.info("Batch-1 linears use the prepacked weights: oneDNN runs them on AMX, faster than torch's GEMV")
     elif bf16:
         logger.info("Batch-1 linears use the prepacked weights: a plain copy (%s) would take more than a "
                     "quarter of the available RAM (%s)", format_size(extra), format_size(available))
