@@ -118,13 +118,16 @@ def test_quantized_engines_score_close_to_full_precision(tiny_engines):
 
 
 def test_4_bit_float32_layers_on_the_avx2_kernel_keep_no_dense_copy_and_take_every_batch():
-    """On an AVX2 build kvserve's 4-bit GEMM outruns the float32 dense one at every row count
-    (BENCHMARKS.md), so such a layer holds only its codes; an 8-bit LM head keeps its dense copy."""
+    """On an AVX2 build (and AVX-512 with VNNI) kvserve's 4-bit GEMM outruns the float32 dense one at
+    every row count (BENCHMARKS.md), so such a layer holds only its codes; an 8-bit LM head keeps
+    its dense copy."""
+    from kvserve.hardware import cpu_flags
     from kvserve.model.kernel_build import current_isa
     from kvserve.model.lean_kernel import load_lean_decode_module
 
-    if current_isa() != "AVX2" or load_lean_decode_module()[0] is None:
-        pytest.skip(f"needs kvserve's kernel built for AVX2 (this build: {current_isa()})")
+    isa = current_isa()
+    if not (isa == "AVX2" or (isa == "AVX512" and "avx512_vnni" in cpu_flags())) or load_lean_decode_module()[0] is None:
+        pytest.skip(f"needs kvserve's kernel built for AVX2, or AVX-512 with VNNI (this build: {isa})")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(96, 64, bias=False), torch.nn.Linear(64, 40, bias=False))
     targets = {"0": quantize_int4(model[0].weight.detach()), "1": quantize_int8(model[1].weight.detach())}

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.hardware import available_ram_bytes
+from kvserve.hardware import available_ram_bytes, cpu_flags
 from kvserve.model.cpu_linear import PrepackedLinear, prepacking_available
 from kvserve.model.kernel_build import current_isa
 from kvserve.model.lean_kernel import load_lean_decode_module
@@ -47,12 +47,18 @@ KERNEL_MAX_ROWS_FLOAT32 = 16
 def kernel_max_rows(dtype: torch.dtype, own_kernel_bits: int | None = None) -> int | None:
     """Rows up to which a quantized layer of a `dtype` model multiplies through its int kernel (None:
     every row count, so the layer keeps no dense copy). `own_kernel_bits`: the width of the layer's
-    codes where kvserve's kernel serves it. Its 4-bit GEMM, built for AVX2, outruns oneDNN's float32
-    GEMM on an AVX2 CPU at every row count measured; against AVX-512's float32 GEMM (twice as wide),
-    a bf16 one, or the scalar build it has not been measured, so the crossovers stay there."""
-    if own_kernel_bits == 4 and dtype == torch.float32 and current_isa() == "AVX2":
+    codes where kvserve's kernel serves it. Its 4-bit GEMM outruns oneDNN's float32 GEMM at every
+    row count measured on an AVX2 build, and on an AVX-512 one where the CPU has VNNI (its dpbusd
+    variant); oneDNN's bf16 GEMM (AVX512-BF16 or AMX) wins from 8 rows, and against AVX-512 float32
+    without VNNI or the scalar build it has not been measured, so the crossovers stay there."""
+    if own_kernel_bits == 4 and dtype == torch.float32 and _own_4bit_kernel_beats_float32_gemm():
         return None
     return KERNEL_MAX_ROWS_FLOAT32 if dtype == torch.float32 else KERNEL_MAX_ROWS
+
+
+def _own_4bit_kernel_beats_float32_gemm() -> bool:
+    isa = current_isa()
+    return isa == "AVX2" or (isa == "AVX512" and "avx512_vnni" in cpu_flags())
 
 
 _KERNEL_DTYPE = torch.bfloat16
