@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.units import format_size
 from kvserve.hardware import available_ram_bytes, onednn_bf16_missing, onednn_runs_amx
+from kvserve.units import format_size
 
 logger = logging.getLogger(__name__)
 
