@@ -138,6 +138,29 @@ inline void halves_to_floats(const at::Half* src, int64_t n, float* dst) {
 
 // ---- 4-bit weights, eight rows interleaved ----
 
+#ifdef KVSERVE_GEMV_AVX2
+// acc[r] += d dx_r dot_r + m sx_r for group g of a block, the eight outputs as one vector: dots[r]
+// are row r's integer sums sum(u xq) for the eight outputs.
+template <int R>
+inline void scale_group_sums(__m256* acc, const __m256i* dots, const at::Half* d, const at::Half* m,
+                             const float* dx0, const float* sx0, int64_t groups, int64_t g) {
+  const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + g * kBlock)));
+  const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + g * kBlock)));
+  for (int r = 0; r < R; ++r) {
+    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r]), _mm256_mul_ps(dv, _mm256_set1_ps(dx0[r * groups + g])),
+                             acc[r]);
+    acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(sx0[r * groups + g]), acc[r]);
+  }
+}
+
+// The four activation bytes of row r that chunk c's low (high: `+ 16`) nibbles multiply, in every lane.
+inline __m256i broadcast4(const int8_t* xg, int64_t offset) {
+  int32_t four;
+  std::memcpy(&four, xg + offset, 4);
+  return _mm256_set1_epi32(four);
+}
+#endif
+
 // Rows [first, first + R) of x times block b (its codes at `w`, scales and offsets at `d`, `m`):
 // out[r][i] for the block's eight outputs i.
 template <int R>
@@ -160,21 +183,13 @@ inline void block_rows(const QuantizedRows& xq, int64_t first, const uint8_t* w,
       const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 32 * c));
       const __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
       for (int r = 0; r < R; ++r) {
-        int32_t xl, xh;
-        std::memcpy(&xl, xg + r * cols + 4 * c, 4);
-        std::memcpy(&xh, xg + r * cols + 16 + 4 * c, 4);
-        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(xl)),
-                                           _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xh)));
+        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4(xg, r * cols + 4 * c)),
+                                           _mm256_maddubs_epi16(hi, broadcast4(xg, r * cols + 16 + 4 * c)));
         sums[r] = c == 0 ? p : _mm256_add_epi16(sums[r], p);
       }
     }
-    const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + g * kBlock)));
-    const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + g * kBlock)));
-    for (int r = 0; r < R; ++r) {
-      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[r], ones));
-      acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(dv, _mm256_set1_ps(dx0[r * groups + g])), acc[r]);
-      acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(sx0[r * groups + g]), acc[r]);
-    }
+    for (int r = 0; r < R; ++r) sums[r] = _mm256_madd_epi16(sums[r], ones);  // 16-bit pairs -> 32-bit sums
+    scale_group_sums<R>(acc, sums, d, m, dx0, sx0, groups, g);
   }
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * out_stride, acc[r]);
 #else
@@ -221,21 +236,11 @@ __attribute__((target("avx512vnni"))) void block_rows_vnni(const QuantizedRows& 
     for (int c = 0; c < 4; ++c) {
       const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 32 * c));
       const __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-      for (int r = 0; r < R; ++r) {
-        int32_t xl, xh;
-        std::memcpy(&xl, xg + r * cols + 4 * c, 4);
-        std::memcpy(&xh, xg + r * cols + 16 + 4 * c, 4);
-        sums[r] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(sums[r], lo, _mm256_set1_epi32(xl)), hi,
-                                      _mm256_set1_epi32(xh));
-      }
+      for (int r = 0; r < R; ++r)
+        sums[r] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(sums[r], lo, broadcast4(xg, r * cols + 4 * c)), hi,
+                                      broadcast4(xg, r * cols + 16 + 4 * c));
     }
-    const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + g * kBlock)));
-    const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + g * kBlock)));
-    for (int r = 0; r < R; ++r) {
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_mul_ps(dv, _mm256_set1_ps(dx0[r * groups + g])),
-                               acc[r]);
-      acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(sx0[r * groups + g]), acc[r]);
-    }
+    scale_group_sums<R>(acc, sums, d, m, dx0, sx0, groups, g);
   }
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * out_stride, acc[r]);
 }
