@@ -161,7 +161,11 @@ def test_default_model_matches_hf_float32(default_fp32, hf_default_fp32):
     assert "Paris" in outputs[-1].outputs[0].text
 
 
-def test_default_model_bfloat16_top1_agreement():
+def test_default_model_bfloat16_top1_agreement(hf_default_fp32):
+    """kvserve's bf16 model picks the tokens HF's bf16 model picks, or, where HF's own bf16 run
+    departs from the float32 reference (oneDNN's AMX GEMM on plain bf16 weights: 95% top-1 with
+    HF float32 on a Sapphire Rapids, where kvserve's bf16 had 98%), is at least as close to that
+    float32 reference as HF's bf16 is."""
     from transformers import AutoModelForCausalLM
 
     from kvserve.hardware import native_bf16_missing
@@ -181,4 +185,7 @@ def test_default_model_bfloat16_top1_agreement():
     ref = hf_logits(hf_bf16, ids).argmax(-1)
     ours = llm.engine.score(ids, chunk_size=64).argmax(-1)
     agreement = (ours == ref).float().mean().item()
-    assert agreement >= 0.99, agreement
+    if agreement < 0.99:
+        exact = hf_logits(hf_default_fp32, ids).argmax(-1)
+        ours_to_fp32, hf_to_fp32 = ((tokens == exact).float().mean().item() for tokens in (ours, ref))
+        assert ours_to_fp32 >= max(hf_to_fp32, 0.95), (agreement, ours_to_fp32, hf_to_fp32)
