@@ -12,8 +12,9 @@ format's own write otherwise) and the paged decode kernel attends in place.
 
 It runs only where it computes what the module path computes: a CPU model whose four linears per
 layer are all on kvserve's small-batch kernel, a step of decodes only in one group read in place,
-at most the rows the kernel takes, and no key centring, key basis, KV rotation (the fp8 and int4
-KV formats' calibrations) or eviction. Everything else (prefill chunks, big batches, CUDA,
+at most MAX_ROWS rows (past the rows the kernel takes, through the layers' oneDNN-packed dense
+copies, the weights the module path multiplies there), and no key centring, key basis, KV
+rotation (the fp8 and int4 KV formats' calibrations) or eviction. Everything else (prefill chunks, big batches, CUDA,
 `KVSERVE_DISABLE_CPU_KERNEL=1`, a kernel that does not build) takes the module path unchanged.
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ from kvserve.cache.formats.full_precision import FullPrecisionFormat
 from kvserve.cache.kv_cache import KVCache
 from kvserve.model.attention import AttentionMetadata
 from kvserve.model.lean_kernel import load_lean_decode_module
+from kvserve.model.cpu_linear import PrepackedLinear
 from kvserve.model.quant_linear import QuantizedLinear
 
 # Decode rows up to which the fused layers were measured to beat the module path where the kernel
@@ -41,6 +43,20 @@ def _operands(linear: QuantizedLinear) -> list[torch.Tensor]:
     return [codes, scales, offsets if offsets is not None else codes.new_empty(0)]
 
 
+def _dense_operands(linear: QuantizedLinear) -> list[torch.Tensor] | None:
+    """The oneDNN-packed weight of a QuantizedLinear's dense copy (what batches past its kernel rows
+    multiply through), or None where it has none in that form."""
+    return [linear.dense.packed] if isinstance(linear.dense, PrepackedLinear) else None
+
+
+@dataclass(frozen=True)
+class _Linears:
+    qkv: list[torch.Tensor]
+    o: list[torch.Tensor]
+    gate_up: list[torch.Tensor]
+    down: list[torch.Tensor]
+
+
 @dataclass(frozen=True)
 class _Layer:
     index: int
@@ -48,20 +64,19 @@ class _Layer:
     input_norm: torch.Tensor
     post_norm: torch.Tensor
     eps: float
-    qkv: list[torch.Tensor]
     qkv_bias: torch.Tensor | None
-    o: list[torch.Tensor]
-    gate_up: list[torch.Tensor]
-    down: list[torch.Tensor]
+    kernel: _Linears  # the int kernel's operands, for up to kernel_rows rows
+    dense: _Linears | None  # the dense copies, for more rows (None: the layer has none)
 
 
 class LeanDecoder:
     """Runs a model's decoder layers for a decode-only step through the fused ops."""
 
-    def __init__(self, module: Any, model: torch.nn.Module, layers: list[_Layer], max_rows: int):
+    def __init__(self, module: Any, model: torch.nn.Module, layers: list[_Layer], kernel_rows: int, max_rows: int):
         self.module = module
         self.model = model
         self.layers = layers
+        self.kernel_rows = kernel_rows  # up to these rows the int kernel, above them the dense copies
         self.max_rows = max_rows
         config = model.config
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
@@ -82,18 +97,21 @@ class LeanDecoder:
                 return None, "biases after qkv or tensor parallelism"
             if layer.input_layernorm.eps != layer.post_attention_layernorm.eps:
                 return None, "the layer's two norms differ in eps"
+            dense = [_dense_operands(lin) for lin in linears]
             layers.append(_Layer(i, attn.window, layer.input_layernorm.weight.detach(),
                                  layer.post_attention_layernorm.weight.detach(), layer.input_layernorm.eps,
-                                 _operands(attn.qkv_proj), attn.qkv_proj.bias,
-                                 *(_operands(lin) for lin in linears[1:])))
+                                 attn.qkv_proj.bias, _Linears(*(_operands(lin) for lin in linears)),
+                                 _Linears(*dense) if all(d is not None for d in dense) else None))
         module, why = load_lean_decode_module()
         if module is None:
             return None, why
         limits = [lin.max_kernel_rows for layer in model.layers
                   for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                               layer.mlp.down_proj)]
-        max_rows = min([MAX_ROWS] + [limit for limit in limits if limit is not None])
-        return cls(module, model, layers, max_rows), ""
+        kernel_rows = min([MAX_ROWS] + [limit for limit in limits if limit is not None])
+        # past the kernel's rows, every layer's dense copies (oneDNN-packed) take the batch
+        max_rows = MAX_ROWS if all(layer.dense is not None for layer in layers) else kernel_rows
+        return cls(module, model, layers, kernel_rows, max_rows), ""
 
     def applies(self, rows: int, kv_cache: KVCache, meta: AttentionMetadata) -> bool:
         """Whether this step (`rows` packed tokens) is one the fused path computes as the modules do."""
@@ -122,7 +140,8 @@ class LeanDecoder:
         same_dtype_pool = isinstance(kv_format, FullPrecisionFormat) and kv_format.dtype == x.dtype
         h, delta = x.contiguous(), None
         for layer in self.layers:
-            h, heads_out = attention_input(h, delta, layer.input_norm, layer.eps, layer.qkv, layer.qkv_bias, cos,
+            linears = layer.kernel if rows <= self.kernel_rows else layer.dense
+            h, heads_out = attention_input(h, delta, layer.input_norm, layer.eps, linears.qkv, layer.qkv_bias, cos,
                                            signed_sin, heads + kv_heads, dim)
             pool = pools[layer.index]
             if same_dtype_pool:
@@ -131,6 +150,6 @@ class LeanDecoder:
                 kv_format.write(pool, heads_out[:, heads:heads + kv_heads], heads_out[:, heads + kv_heads:],
                                 meta.slot_mapping)
             attn = meta.decode_in_place(pool, heads_out[:, :heads], block_tables, group.seq_lens, layer.window)
-            h, delta = attention_output(attn.reshape(rows, heads * dim), h, layer.o, layer.post_norm, layer.eps,
-                                        layer.gate_up, layer.down)
+            h, delta = attention_output(attn.reshape(rows, heads * dim), h, linears.o, layer.post_norm, layer.eps,
+                                        linears.gate_up, linears.down)
         return h + delta

@@ -11,10 +11,13 @@
 // (the caller writes K/V into the pool and runs the paged decode kernel in between, so every KV
 // format keeps its own write and read). The matmuls are quant_gemv.h's integer dot products over
 // the codes the layer's QuantizedLinear holds, the same function `gemv` QuantizedLinear calls for
-// small batches, so both paths multiply the same numbers. The elementwise work is plain loops in
+// small batches, so both paths multiply the same numbers; past the kernel's rows, the dense copy's
+// oneDNN-packed weight, as the module path does there. The elementwise work is plain loops in
 // float32, rounded to the model dtype where the torch path rounds (the normalised row before its
 // weight; SiLU's output; each matmul's output).
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
 
 #include "quant_gemv.h"
 
@@ -27,26 +30,43 @@ namespace {
 
 using BF16 = at::BFloat16;
 
+// Rows one thread takes in the elementwise loops: a batch of decodes splits across threads from 8 rows.
+constexpr int64_t kRowsPerTask = 4;
+
 template <typename T>
 inline float round_to(float v) {
   return static_cast<float>(static_cast<T>(v));
 }
 
-// A QuantizedLinear's operands for quant_gemv::gemv.
+// A QuantizedLinear's operands for quant_gemv::gemv (codes, scales, offsets), or its dense copy's
+// oneDNN-packed weight alone (cpu_linear.PrepackedLinear), which batches past the kernel's rows use.
 struct Linear {
   at::Tensor codes, d;
   std::optional<at::Tensor> m;
-  int64_t bits;
+  int64_t bits;  // 0: `codes` is a packed dense weight
 };
 
 Linear linear_of(const std::vector<at::Tensor>& parts) {
-  TORCH_CHECK(parts.size() == 3, "a linear is (codes, scales, offsets or an empty tensor)");
+  if (parts.size() == 1) return Linear{parts[0], at::Tensor(), std::nullopt, 0};
+  TORCH_CHECK(parts.size() == 3, "a linear is (codes, scales, offsets or an empty tensor) or (packed weight)");
   Linear out{parts[0], parts[1], std::nullopt, parts[0].scalar_type() == at::kByte ? 4 : 8};
   if (parts[2].numel() > 0) out.m = parts[2];
   return out;
 }
 
+// x W^T through oneDNN's packed weight, as PrepackedLinear runs it (mkldnn::_linear_pointwise).
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed) {
+  static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x, packed, c10::IValue(), std::string("none"), c10::List<std::optional<at::Scalar>>(),
+                          c10::IValue()};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+// float32 [rows, N]. `input`'s values are the model dtype's (a float32 tensor holds them rounded),
+// so the dense weight takes them in that dtype exactly.
 at::Tensor matmul(const at::Tensor& input, const Linear& w) {
+  if (w.bits == 0) return packed_linear(input.to(w.codes.scalar_type()), w.codes).to(at::kFloat);
   return quant_gemv::gemv(input, w.codes, w.d, w.m, w.bits);
 }
 
@@ -63,17 +83,19 @@ at::Tensor rms_normed(const at::Tensor& h, const at::Tensor& weight, double eps)
   const T* x = h.data_ptr<T>();
   const T* w = weight.data_ptr<T>();
   float* o = out.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* xr = x + r * cols;
-    float sum = 0.f;
-    for (int64_t c = 0; c < cols; ++c) {
-      const float v = static_cast<float>(xr[c]);
-      sum += v * v;
+  at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * cols;
+      float sum = 0.f;
+      for (int64_t c = 0; c < cols; ++c) {
+        const float v = static_cast<float>(xr[c]);
+        sum += v * v;
+      }
+      const float inv = 1.f / std::sqrt(sum / static_cast<float>(cols) + static_cast<float>(eps));
+      for (int64_t c = 0; c < cols; ++c)
+        o[r * cols + c] = round_to<T>(static_cast<float>(w[c]) * round_to<T>(static_cast<float>(xr[c]) * inv));
     }
-    const float inv = 1.f / std::sqrt(sum / static_cast<float>(cols) + static_cast<float>(eps));
-    for (int64_t c = 0; c < cols; ++c)
-      o[r * cols + c] = round_to<T>(static_cast<float>(w[c]) * round_to<T>(static_cast<float>(xr[c]) * inv));
-  }
+  });
   return out;
 }
 
@@ -115,19 +137,21 @@ void rope_in_place(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sig
   T* base = qkv.data_ptr<T>();
   const T* cos_base = cos.data_ptr<T>();
   const T* sin_base = signed_sin.data_ptr<T>();
-  std::vector<float> x(head_dim);
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* c = cos_base + r * head_dim;
-    const T* s = sin_base + r * head_dim;
-    for (int64_t h = 0; h < rotated_heads; ++h) {
-      T* head = base + r * row_stride + h * head_dim;
-      for (int64_t i = 0; i < head_dim; ++i) x[i] = static_cast<float>(head[i]);
-      for (int64_t i = 0; i < head_dim; ++i) {
-        const float partner = x[i < half ? i + half : i - half];
-        head[i] = static_cast<T>(x[i] * static_cast<float>(c[i]) + partner * static_cast<float>(s[i]));
+  at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    std::vector<float> x(head_dim);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* c = cos_base + r * head_dim;
+      const T* s = sin_base + r * head_dim;
+      for (int64_t h = 0; h < rotated_heads; ++h) {
+        T* head = base + r * row_stride + h * head_dim;
+        for (int64_t i = 0; i < head_dim; ++i) x[i] = static_cast<float>(head[i]);
+        for (int64_t i = 0; i < head_dim; ++i) {
+          const float partner = x[i < half ? i + half : i - half];
+          head[i] = static_cast<T>(x[i] * static_cast<float>(c[i]) + partner * static_cast<float>(s[i]));
+        }
       }
     }
-  }
+  });
 }
 
 template <typename T>
@@ -154,14 +178,16 @@ std::vector<at::Tensor> attention_output_impl(const at::Tensor& attn, const at::
   at::Tensor act = float_rows(rows, inter, attn);
   const float* gu = gate_up.data_ptr<float>();
   float* out = act.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* g = gu + r * 2 * inter;
-    for (int64_t c = 0; c < inter; ++c) {
-      const float gate = round_to<T>(g[c]), up = round_to<T>(g[inter + c]);
-      const float silu = round_to<T>(gate / (1.f + std::exp(-gate)));
-      out[r * inter + c] = round_to<T>(silu * up);
+  at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* g = gu + r * 2 * inter;
+      for (int64_t c = 0; c < inter; ++c) {
+        const float gate = round_to<T>(g[c]), up = round_to<T>(g[inter + c]);
+        const float silu = round_to<T>(gate / (1.f + std::exp(-gate)));
+        out[r * inter + c] = round_to<T>(silu * up);
+      }
     }
-  }
+  });
   return {h2, to_model_dtype<T>(matmul(act, down_proj), std::nullopt)};
 }
 
