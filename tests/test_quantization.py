@@ -121,13 +121,12 @@ def test_4_bit_float32_layers_on_the_avx2_kernel_keep_no_dense_copy_and_take_eve
     """On an AVX2 build (and AVX-512 with VNNI) kvserve's 4-bit GEMM outruns the float32 dense one at
     every row count (BENCHMARKS.md), so such a layer holds only its codes; an 8-bit LM head keeps
     its dense copy."""
-    from kvserve.hardware import cpu_flags
     from kvserve.model.kernel_build import current_isa
     from kvserve.model.lean_kernel import load_lean_decode_module
+    from kvserve.model.quant_linear import own_4bit_kernel_beats_float32_gemm
 
-    isa = current_isa()
-    if not (isa == "AVX2" or (isa == "AVX512" and "avx512_vnni" in cpu_flags())) or load_lean_decode_module()[0] is None:
-        pytest.skip(f"needs kvserve's kernel built for AVX2, or AVX-512 with VNNI (this build: {isa})")
+    if not own_4bit_kernel_beats_float32_gemm() or load_lean_decode_module()[0] is None:
+        pytest.skip(f"needs kvserve's kernel built for AVX2, or AVX-512 with VNNI (this build: {current_isa()})")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(96, 64, bias=False), torch.nn.Linear(64, 40, bias=False))
     targets = {"0": quantize_int4(model[0].weight.detach()), "1": quantize_int8(model[1].weight.detach())}

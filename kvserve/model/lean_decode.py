@@ -14,8 +14,9 @@ It runs only where it computes what the module path computes: a CPU model whose 
 layer are all on kvserve's small-batch kernel, a step of decodes only in one group read in place,
 at most MAX_ROWS rows (past the rows the kernel takes, through the layers' oneDNN-packed dense
 copies, the weights the module path multiplies there), and no key centring, key basis, KV
-rotation (the fp8 and int4 KV formats' calibrations) or eviction. Everything else (prefill chunks, big batches, CUDA,
-`KVSERVE_DISABLE_CPU_KERNEL=1`, a kernel that does not build) takes the module path unchanged.
+rotation (the fp8 and int4 KV formats' calibrations) or eviction. Everything else (prefill
+chunks, big batches, CUDA, `KVSERVE_DISABLE_CPU_KERNEL=1`, a kernel that does not build) takes
+the module path unchanged.
 """
 from __future__ import annotations
 
@@ -87,7 +88,7 @@ class LeanDecoder:
         weight = model.embed_tokens.weight
         if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32):
             return None, f"runs on CPU in bfloat16 or float32 only, not {weight.device.type} {weight.dtype}"
-        layers = []
+        layers, limits = [], set()
         for i, layer in enumerate(model.layers):
             attn, mlp = layer.self_attn, layer.mlp
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
@@ -97,6 +98,7 @@ class LeanDecoder:
                 return None, "biases after qkv or tensor parallelism"
             if layer.input_layernorm.eps != layer.post_attention_layernorm.eps:
                 return None, "the layer's two norms differ in eps"
+            limits.update(lin.max_kernel_rows for lin in linears)
             dense = [_dense_operands(lin) for lin in linears]
             layers.append(_Layer(i, attn.window, layer.input_layernorm.weight.detach(),
                                  layer.post_attention_layernorm.weight.detach(), layer.input_layernorm.eps,
@@ -105,12 +107,11 @@ class LeanDecoder:
         module, why = load_lean_decode_module()
         if module is None:
             return None, why
-        limits = [lin.max_kernel_rows for layer in model.layers
-                  for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                              layer.mlp.down_proj)]
         kernel_rows = min([MAX_ROWS] + [limit for limit in limits if limit is not None])
-        # past the kernel's rows, every layer's dense copies (oneDNN-packed) take the batch
-        max_rows = MAX_ROWS if all(layer.dense is not None for layer in layers) else kernel_rows
+        # past the kernel's rows every layer's dense copies (oneDNN-packed) take the batch, as on the
+        # module path where every linear switches to its copy at the same row count
+        all_dense = all(layer.dense is not None for layer in layers) and len(limits) == 1
+        max_rows = MAX_ROWS if all_dense else kernel_rows
         return cls(module, model, layers, kernel_rows, max_rows), ""
 
     def applies(self, rows: int, kv_cache: KVCache, meta: AttentionMetadata) -> bool:

@@ -51,12 +51,14 @@ def kernel_max_rows(dtype: torch.dtype, own_kernel_bits: int | None = None) -> i
     row count measured on an AVX2 build, and on an AVX-512 one where the CPU has VNNI (its dpbusd
     variant); oneDNN's bf16 GEMM (AVX512-BF16 or AMX) wins from 8 rows, and against AVX-512 float32
     without VNNI or the scalar build it has not been measured, so the crossovers stay there."""
-    if own_kernel_bits == 4 and dtype == torch.float32 and _own_4bit_kernel_beats_float32_gemm():
+    if own_kernel_bits == 4 and dtype == torch.float32 and own_4bit_kernel_beats_float32_gemm():
         return None
     return KERNEL_MAX_ROWS_FLOAT32 if dtype == torch.float32 else KERNEL_MAX_ROWS
 
 
-def _own_4bit_kernel_beats_float32_gemm() -> bool:
+def own_4bit_kernel_beats_float32_gemm() -> bool:
+    """Whether this build of kvserve's 4-bit kernel was measured faster than oneDNN's float32 GEMM
+    at every row count: AVX2, or AVX-512 on a CPU with VNNI."""
     isa = current_isa()
     return isa == "AVX2" or (isa == "AVX512" and "avx512_vnni" in cpu_flags())
 

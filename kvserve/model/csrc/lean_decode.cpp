@@ -63,10 +63,11 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed) {
   return stack[0].toTensor();
 }
 
-// float32 [rows, N]. `input`'s values are the model dtype's (a float32 tensor holds them rounded),
-// so the dense weight takes them in that dtype exactly.
+// [rows, N]: float32 from the int kernel, the model dtype from the dense weight (which rounds its
+// output there, as to_model_dtype does the kernel's). `input`'s values are the model dtype's (a
+// float32 tensor holds them rounded), so the dense weight takes them in that dtype exactly.
 at::Tensor matmul(const at::Tensor& input, const Linear& w) {
-  if (w.bits == 0) return packed_linear(input.to(w.codes.scalar_type()), w.codes).to(at::kFloat);
+  if (w.bits == 0) return packed_linear(input.to(w.codes.scalar_type()), w.codes);
   return quant_gemv::gemv(input, w.codes, w.d, w.m, w.bits);
 }
 
@@ -173,7 +174,7 @@ std::vector<at::Tensor> attention_output_impl(const at::Tensor& attn, const at::
   at::Tensor o = to_model_dtype<T>(matmul(attn, o_proj), std::nullopt);
   at::Tensor h2 = residual_add<T>(h, o);
   // gate and up in the model dtype, SiLU rounded to it, their product rounded to it (F.silu(gate) * up)
-  at::Tensor gate_up = matmul(rms_normed<T>(h2, norm_weight, eps), gate_up_proj);  // float32 [rows, 2 I]
+  at::Tensor gate_up = matmul(rms_normed<T>(h2, norm_weight, eps), gate_up_proj).to(at::kFloat);  // [rows, 2 I]
   const int64_t inter = gate_up.size(1) / 2;
   at::Tensor act = float_rows(rows, inter, attn);
   const float* gu = gate_up.data_ptr<float>();
