@@ -8,7 +8,7 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.engine.request import Request
-from kvserve.engine.sampler import Sampler
+from kvserve.engine.sampler import Sampler, row_argmax
 
 
 def test_defaults_match_vllm():
@@ -119,6 +119,23 @@ def test_logprobs_are_raw_model_log_probabilities(llm):
 def _sample(logits: torch.Tensor, **kwargs) -> int:
     request = Request("r", [0, 1], SamplingParams(**kwargs))
     return Sampler(logits.shape[-1], torch.device("cpu"))(logits[None].clone(), [request]).token_ids[0]
+
+
+@pytest.mark.parametrize("width", [49152, 1024, 1000, 300])
+def test_row_argmax_is_argmax_with_its_ties_and_nans(width):
+    """The greedy token is argmax's: the first of tied maxima, NaN as the maximum, row 0 of -inf."""
+    torch.manual_seed(0)
+    x = torch.randn(8, width)
+    x[1, 5] = x[1, width - 3] = 1e9  # a tie in different blocks: the first wins
+    x[2, 7] = x[2, 9] = 1e9  # a tie in one block
+    x[3, width // 2] = float("nan")
+    x[3, width - 1] = float("nan")
+    x[4] = float("-inf")
+    x[5, width - 1] = 1e9  # the last column
+    x[6] = x[6].round()  # many ties
+    expected = x.argmax(dim=-1)
+    assert row_argmax(x).tolist() == expected.tolist()
+    assert row_argmax(x.bfloat16().float()).tolist() == x.bfloat16().float().argmax(dim=-1).tolist()
 
 
 def test_top_p_and_min_p_cut_the_tail():

@@ -33,8 +33,8 @@ from kvserve.model.cpu_linear import PrepackedLinear
 from kvserve.model.quant_linear import QuantizedLinear
 
 # Decode rows up to which the fused layers were measured to beat the module path where the kernel
-# takes every row count (their elementwise loops run on one thread; BENCHMARKS.md, "4-bit weights
-# interleaved").
+# takes every row count (BENCHMARKS.md, "4-bit weights interleaved"; on bf16/AMX past the kernel's
+# rows, "The decode step at 32 rows").
 MAX_ROWS = 32
 
 

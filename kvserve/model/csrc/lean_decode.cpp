@@ -12,18 +12,21 @@
 // format keeps its own write and read). The matmuls are quant_gemv.h's integer dot products over
 // the codes the layer's QuantizedLinear holds, the same function `gemv` QuantizedLinear calls for
 // small batches, so both paths multiply the same numbers; past the kernel's rows, the dense copy's
-// oneDNN-packed weight, as the module path does there. The elementwise work is plain loops in
-// float32, rounded to the model dtype where the torch path rounds (the normalised row before its
-// weight; SiLU's output; each matmul's output).
+// oneDNN-packed weight, as the module path does there. The elementwise work is vector loops
+// (ATen's Vectorized) in float32, rounded to the model dtype where the torch path rounds (the
+// normalised row before its weight; SiLU's output; each matmul's output), split by rows across threads.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
 
 #include "quant_gemv.h"
 
 #include <cmath>
 #include <cstring>
 #include <optional>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -71,32 +74,85 @@ at::Tensor matmul(const at::Tensor& input, const Linear& w) {
   return quant_gemv::gemv(input, w.codes, w.d, w.m, w.bits);
 }
 
-at::Tensor float_rows(int64_t rows, int64_t cols, const at::Tensor& like) {
-  return at::empty({rows, cols}, like.options().dtype(at::kFloat));
+// The dtype a matmul's input is handed over in: float32 for the int kernel (which quantizes it per
+// group), the model dtype for a dense weight (which multiplies in it).
+template <typename T>
+at::ScalarType input_dtype(const Linear& w) {
+  return w.bits == 0 ? c10::CppTypeToScalarType<T>::value : at::kFloat;
 }
 
-// out = float(T(weight * T(x / rms(x)))) per row (RMSNorm as HF Llama computes it: normalise in
-// float32, round to the model dtype, then scale).
+// The elementwise loops take kPair values a step: two float vectors, or one vector of a 16-bit type.
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kPair = 2 * Vec::size();
+
 template <typename T>
-at::Tensor rms_normed(const at::Tensor& h, const at::Tensor& weight, double eps) {
-  const int64_t rows = h.size(0), cols = h.size(1);
-  at::Tensor out = float_rows(rows, cols, h);
-  const T* x = h.data_ptr<T>();
-  const T* w = weight.data_ptr<T>();
-  float* o = out.data_ptr<float>();
+inline void load_pair(const T* src, Vec& a, Vec& b) {
+  if constexpr (std::is_same_v<T, float>) {
+    a = Vec::loadu(src);
+    b = Vec::loadu(src + Vec::size());
+  } else {
+    std::tie(a, b) = at::vec::convert_to_float<T>(at::vec::Vectorized<T>::loadu(src));
+  }
+}
+
+template <typename T>
+inline void store_pair(T* dst, const Vec& a, const Vec& b) {
+  if constexpr (std::is_same_v<T, float>) {
+    a.store(dst);
+    b.store(dst + Vec::size());
+  } else {
+    at::vec::convert_from_float<T>(a, b).store(dst);
+  }
+}
+
+// a and b rounded to T's precision (they stay floats), as static_cast<T> rounds (to nearest even).
+template <typename T>
+inline void round_pair(Vec& a, Vec& b) {
+  if constexpr (!std::is_same_v<T, float>) std::tie(a, b) = at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(a, b));
+}
+
+// out = Out(T(weight * T(x / rms(x)))) per row (RMSNorm as HF Llama computes it: normalise in
+// float32, round to the model dtype, then scale), in `out_dtype` (float32 or T).
+template <typename T, typename Out>
+void rms_rows(const T* x, const T* w, Out* o, int64_t rows, int64_t cols, float eps) {
   at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * cols;
-      float sum = 0.f;
-      for (int64_t c = 0; c < cols; ++c) {
-        const float v = static_cast<float>(xr[c]);
-        sum += v * v;
+      Out* orow = o + r * cols;
+      Vec squares(0.f), a, b, wa, wb;
+      int64_t c = 0;
+      for (; c + kPair <= cols; c += kPair) {
+        load_pair(xr + c, a, b);
+        squares = at::vec::fmadd(a, a, at::vec::fmadd(b, b, squares));
       }
-      const float inv = 1.f / std::sqrt(sum / static_cast<float>(cols) + static_cast<float>(eps));
-      for (int64_t c = 0; c < cols; ++c)
-        o[r * cols + c] = round_to<T>(static_cast<float>(w[c]) * round_to<T>(static_cast<float>(xr[c]) * inv));
+      float sum = at::vec::vec_reduce_all<float>([](Vec& u, Vec& v) { return u + v; }, squares);
+      for (int64_t t = c; t < cols; ++t) sum += static_cast<float>(xr[t]) * static_cast<float>(xr[t]);
+      const float inv = 1.f / std::sqrt(sum / static_cast<float>(cols) + eps);
+      for (c = 0; c + kPair <= cols; c += kPair) {
+        load_pair(xr + c, a, b);
+        a = a * Vec(inv);
+        b = b * Vec(inv);
+        round_pair<T>(a, b);
+        load_pair(w + c, wa, wb);
+        a = wa * a;
+        b = wb * b;
+        round_pair<T>(a, b);
+        store_pair(orow + c, a, b);
+      }
+      for (; c < cols; ++c)
+        orow[c] = static_cast<Out>(round_to<T>(static_cast<float>(w[c]) * round_to<T>(static_cast<float>(xr[c]) * inv)));
     }
   });
+}
+
+template <typename T>
+at::Tensor rms_normed(const at::Tensor& h, const at::Tensor& weight, double eps, at::ScalarType out_dtype) {
+  const int64_t rows = h.size(0), cols = h.size(1);
+  at::Tensor out = at::empty({rows, cols}, h.options().dtype(out_dtype));
+  if (out_dtype == at::kFloat)
+    rms_rows(h.data_ptr<T>(), weight.data_ptr<T>(), out.data_ptr<float>(), rows, cols, static_cast<float>(eps));
+  else
+    rms_rows(h.data_ptr<T>(), weight.data_ptr<T>(), out.data_ptr<T>(), rows, cols, static_cast<float>(eps));
   return out;
 }
 
@@ -109,7 +165,13 @@ at::Tensor residual_add(const at::Tensor& x, const std::optional<at::Tensor>& de
   const T* b = delta->data_ptr<T>();
   T* o = h.data_ptr<T>();
   const int64_t n = x.numel();
-  for (int64_t i = 0; i < n; ++i) o[i] = static_cast<T>(static_cast<float>(a[i]) + static_cast<float>(b[i]));
+  int64_t i = 0;
+  for (Vec a0, a1, b0, b1; i + kPair <= n; i += kPair) {
+    load_pair(a + i, a0, a1);
+    load_pair(b + i, b0, b1);
+    store_pair(o + i, a0 + b0, a1 + b1);
+  }
+  for (; i < n; ++i) o[i] = static_cast<T>(static_cast<float>(a[i]) + static_cast<float>(b[i]));
   return h;
 }
 
@@ -131,20 +193,38 @@ at::Tensor to_model_dtype(const at::Tensor& y, const std::optional<at::Tensor>& 
 
 // Rotate the first `rotated_heads` heads of qkv [rows, heads * D] in place (rotate-half RoPE):
 // out[i] = x[i] cos[i] + x[partner(i)] signed_sin[i], signed_sin's first half negated (rope.py).
+// A head whose halves are whole vectors is rotated a vector at a time (partner vectors), others
+// one value at a time.
 template <typename T>
 void rope_in_place(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& signed_sin, int64_t rotated_heads,
                    int64_t head_dim) {
-  const int64_t rows = qkv.size(0), row_stride = qkv.size(1), half = head_dim / 2;
+  constexpr int64_t kMaxChunks = 512 / Vec::size();
+  const int64_t rows = qkv.size(0), row_stride = qkv.size(1), half = head_dim / 2, chunks = head_dim / Vec::size();
+  const bool by_vector = head_dim % (2 * kPair) == 0 && chunks <= kMaxChunks;
   T* base = qkv.data_ptr<T>();
   const T* cos_base = cos.data_ptr<T>();
   const T* sin_base = signed_sin.data_ptr<T>();
   at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
     std::vector<float> x(head_dim);
+    Vec xs[kMaxChunks], cs[kMaxChunks], ss[kMaxChunks];
     for (int64_t r = begin; r < end; ++r) {
       const T* c = cos_base + r * head_dim;
       const T* s = sin_base + r * head_dim;
+      if (by_vector)
+        for (int64_t k = 0; k < chunks; k += 2) {
+          load_pair(c + k * Vec::size(), cs[k], cs[k + 1]);
+          load_pair(s + k * Vec::size(), ss[k], ss[k + 1]);
+        }
       for (int64_t h = 0; h < rotated_heads; ++h) {
         T* head = base + r * row_stride + h * head_dim;
+        if (by_vector) {
+          for (int64_t k = 0; k < chunks; k += 2) load_pair(head + k * Vec::size(), xs[k], xs[k + 1]);
+          for (int64_t k = 0; k < chunks; k += 2) {
+            const int64_t p = (k + chunks / 2) % chunks;
+            store_pair(head + k * Vec::size(), xs[k] * cs[k] + xs[p] * ss[k], xs[k + 1] * cs[k + 1] + xs[p + 1] * ss[k + 1]);
+          }
+          continue;
+        }
         for (int64_t i = 0; i < head_dim; ++i) x[i] = static_cast<float>(head[i]);
         for (int64_t i = 0; i < head_dim; ++i) {
           const float partner = x[i < half ? i + half : i - half];
@@ -155,13 +235,58 @@ void rope_in_place(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sig
   });
 }
 
+// act = Out(T(T(silu(T(gate))) * T(up))) per row of gate_up [rows, 2 I] (in U: float32 from the int
+// kernel, T from a dense weight), as F.silu(gate) * up computes it in the model dtype; silu(x) =
+// x / (1 + exp(-x)), the formula and vectorised exp torch's CPU kernel uses.
+template <typename T, typename U, typename Out>
+void silu_mul_rows(const U* gate_up, Out* act, int64_t rows, int64_t inter) {
+  at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    const Vec one(1.f);
+    for (int64_t r = begin; r < end; ++r) {
+      const U* g = gate_up + r * 2 * inter;
+      Out* o = act + r * inter;
+      int64_t c = 0;
+      for (Vec g0, g1, u0, u1; c + kPair <= inter; c += kPair) {
+        load_pair(g + c, g0, g1);
+        load_pair(g + inter + c, u0, u1);
+        round_pair<T>(g0, g1);
+        round_pair<T>(u0, u1);
+        Vec s0 = g0 / (one + g0.neg().exp()), s1 = g1 / (one + g1.neg().exp());
+        round_pair<T>(s0, s1);
+        s0 = s0 * u0;
+        s1 = s1 * u1;
+        round_pair<T>(s0, s1);
+        store_pair(o + c, s0, s1);
+      }
+      for (; c < inter; ++c) {
+        const float gate = round_to<T>(static_cast<float>(g[c])), up = round_to<T>(static_cast<float>(g[inter + c]));
+        const float silu = round_to<T>(gate / (1.f + std::exp(-gate)));
+        o[c] = static_cast<Out>(round_to<T>(silu * up));
+      }
+    }
+  });
+}
+
+template <typename T>
+at::Tensor silu_mul(const at::Tensor& gate_up, at::ScalarType out_dtype) {
+  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
+  at::Tensor act = at::empty({rows, inter}, gate_up.options().dtype(out_dtype));
+  auto run = [&]<typename U>(const U* gu) {
+    if (out_dtype == at::kFloat) silu_mul_rows<T>(gu, act.data_ptr<float>(), rows, inter);
+    else silu_mul_rows<T>(gu, act.data_ptr<T>(), rows, inter);
+  };
+  if (gate_up.scalar_type() == at::kFloat) run(gate_up.data_ptr<float>());
+  else run(gate_up.data_ptr<T>());
+  return act;
+}
+
 template <typename T>
 std::vector<at::Tensor> attention_input_impl(const at::Tensor& x, const std::optional<at::Tensor>& delta,
                                              const at::Tensor& norm_weight, double eps, const Linear& qkv_proj,
                                              const std::optional<at::Tensor>& bias, const at::Tensor& cos,
                                              const at::Tensor& signed_sin, int64_t rotated_heads, int64_t head_dim) {
   at::Tensor h = residual_add<T>(x, delta);
-  at::Tensor qkv = to_model_dtype<T>(matmul(rms_normed<T>(h, norm_weight, eps), qkv_proj), bias);
+  at::Tensor qkv = to_model_dtype<T>(matmul(rms_normed<T>(h, norm_weight, eps, input_dtype<T>(qkv_proj)), qkv_proj), bias);
   rope_in_place<T>(qkv, cos, signed_sin, rotated_heads, head_dim);
   return {h, qkv.view({qkv.size(0), -1, head_dim})};
 }
@@ -170,25 +295,11 @@ template <typename T>
 std::vector<at::Tensor> attention_output_impl(const at::Tensor& attn, const at::Tensor& h, const Linear& o_proj,
                                               const at::Tensor& norm_weight, double eps, const Linear& gate_up_proj,
                                               const Linear& down_proj) {
-  const int64_t rows = attn.size(0);
   at::Tensor o = to_model_dtype<T>(matmul(attn, o_proj), std::nullopt);
   at::Tensor h2 = residual_add<T>(h, o);
-  // gate and up in the model dtype, SiLU rounded to it, their product rounded to it (F.silu(gate) * up)
-  at::Tensor gate_up = matmul(rms_normed<T>(h2, norm_weight, eps), gate_up_proj).to(at::kFloat);  // [rows, 2 I]
-  const int64_t inter = gate_up.size(1) / 2;
-  at::Tensor act = float_rows(rows, inter, attn);
-  const float* gu = gate_up.data_ptr<float>();
-  float* out = act.data_ptr<float>();
-  at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* g = gu + r * 2 * inter;
-      for (int64_t c = 0; c < inter; ++c) {
-        const float gate = round_to<T>(g[c]), up = round_to<T>(g[inter + c]);
-        const float silu = round_to<T>(gate / (1.f + std::exp(-gate)));
-        out[r * inter + c] = round_to<T>(silu * up);
-      }
-    }
-  });
+  // [rows, 2 I]: float32 from the int kernel, the model dtype from the dense weight
+  at::Tensor gate_up = matmul(rms_normed<T>(h2, norm_weight, eps, input_dtype<T>(gate_up_proj)), gate_up_proj);
+  at::Tensor act = silu_mul<T>(gate_up, input_dtype<T>(down_proj));
   return {h2, to_model_dtype<T>(matmul(act, down_proj), std::nullopt)};
 }
 
