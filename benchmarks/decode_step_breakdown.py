@@ -1,7 +1,8 @@
-"""Where a batch-1 decode step of the default model goes: wall time of the step's parts, and the
-number of torch ops the profiler counts per step.
+"""Where a decode step of the default model goes: wall time of the step's parts, and the number of
+torch ops the profiler counts per step.
 
-One request (128-token prompt) decodes greedily; after a warm-up, `--rounds` rounds of `--steps`
+`--batch` requests (128-token prompts, distinct so that none shares a cached prefix; one by
+default) decode greedily; after a warm-up, `--rounds` rounds of `--steps`
 steps each are timed with the parts wrapped (input preparation, decoder layers + final norm, LM
 head, sampling; the rest is the scheduler and output processing), and the medians printed. Run it
 against two checkouts to compare them (PYTHONPATH picks the kvserve):
@@ -25,6 +26,7 @@ def main() -> None:
     parser.add_argument("--quantization", default="auto")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--batch", type=int, default=1, help="concurrent requests decoding together")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -32,10 +34,15 @@ def main() -> None:
     import kvserve.model.llama as llama
     from kvserve import LLM, SamplingParams
 
-    llm = LLM(quantization=args.quantization, kv_cache_memory="256MiB", max_model_len=1024)
+    if args.batch < 1:
+        parser.error("--batch must be at least 1")
+    max_tokens = 20 + args.rounds * args.steps + 40
+    llm = LLM(quantization=args.quantization, kv_cache_memory=f"{256 * -(-args.batch // 4)}MiB",
+              max_model_len=128 + max_tokens)
     engine = llm.engine
-    engine.add_request(list(range(100, 228)), SamplingParams(max_tokens=20 + args.rounds * args.steps + 40,
-                                                             temperature=0, ignore_eos=True))
+    for i in range(args.batch):
+        engine.add_request([100 + i] + list(range(1000, 1127)),
+                           SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
     for _ in range(20):
         engine.step()
     spent: dict[str, float] = {}
@@ -74,7 +81,8 @@ def main() -> None:
         for _ in range(20):
             engine.step()
     ops = sum(event.count for event in prof.key_averages()) / 20
-    print(f"{args.label}: ms per step, median of {args.rounds} rounds ({args.threads} thread(s)); "
+    print(f"{args.label}: ms per step of {args.batch} decode(s), median of {args.rounds} rounds "
+          f"({args.threads} thread(s)); "
           f"torch ops per step {ops:.0f}")
     for part, ms in medians.items():
         print(f"  {part:32s} {ms:7.2f}")

@@ -97,7 +97,16 @@ def test_gguf_weights_are_served_exactly():
 def _run(llm: LLM, lean: bool, monkeypatch) -> tuple[list[list[int]], list[list[float]], int]:
     """Greedy tokens, their logprobs and the number of fused steps, with the lean path on or off."""
     model = llm.engine.model
-    saved, calls = model.lean, []
+    saved = model.lean
+    model.lean = saved if lean else None
+    try:
+        return _run_prompts(llm, PROMPTS, monkeypatch)
+    finally:
+        model.lean = saved
+
+
+def _run_prompts(llm: LLM, prompts: list, monkeypatch) -> tuple[list[list[int]], list[list[float]], int]:
+    calls = []
     original = LeanDecoder.run
 
     def counted(self, *args):
@@ -105,11 +114,7 @@ def _run(llm: LLM, lean: bool, monkeypatch) -> tuple[list[list[int]], list[list[
         return original(self, *args)
 
     monkeypatch.setattr(LeanDecoder, "run", counted)
-    model.lean = saved if lean else None
-    try:
-        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0, logprobs=1), use_tqdm=False)
-    finally:
-        model.lean = saved
+    outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, logprobs=1), use_tqdm=False)
     return ([o.outputs[0].token_ids for o in outs], [[lp.logprob for lp in o.outputs[0].logprobs] for o in outs],
             len(calls))
 
@@ -180,11 +185,45 @@ def test_batches_past_the_kernel_rows_run_fused_through_the_dense_copies(tiny_ll
         assert fused_lp[:same] == pytest.approx(plain_lp[:same], abs=2 * LOGPROB_TOLERANCE)
 
 
-def test_not_used_where_the_linears_are_not_all_quantized(tiny_llama):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_full_precision_weights_run_fused_through_their_packed_weights(tiny_llama, dtype, monkeypatch):
+    """`--quantization none`: the layers' oneDNN-packed weights take every decode batch the fused
+    layers serve (not a single row where the module path keeps a plain copy for torch's GEMV), with
+    the module path's tokens."""
+    from kvserve.model.cpu_linear import prepacking_available
+
+    if not prepacking_available(torch.device("cpu"), getattr(torch, dtype)):
+        pytest.skip(f"oneDNN cannot prepack {dtype} linears on this CPU, so the layers stay nn.Linear")
+    llm = LLM(str(tiny_llama), dtype=dtype, quantization="none", kv_cache_memory="16MiB")
+    lean = llm.engine.model.lean
+    assert lean is not None and lean.kernel_rows == 0 and lean.max_rows > len(PROMPTS)
+    plain_copy = llm.engine.model.layers[0].mlp.down_proj.plain is not None
+    assert lean.min_rows == (2 if plain_copy else 1)
+    fused_tokens, fused_logprobs, fused_steps = _run(llm, True, monkeypatch)
+    plain_tokens, plain_logprobs, _ = _run(llm, False, monkeypatch)
+    assert fused_steps == 7
+    if dtype == "float32":
+        assert fused_tokens == plain_tokens
+    for fused, plain, fused_lp, plain_lp in zip(fused_tokens, plain_tokens, fused_logprobs, plain_logprobs):
+        # bf16 rounds in other places (RoPE, the norms' output), which can flip a tie of this random
+        # model; up to the first difference they agree, and there the two picks were within rounding
+        same = next((i for i, (a, b) in enumerate(zip(fused, plain)) if a != b), len(plain))
+        assert fused_lp[:same] == pytest.approx(plain_lp[:same], abs=2 * LOGPROB_TOLERANCE)
+        if same < len(plain):
+            assert abs(fused_lp[same] - plain_lp[same]) <= 2 * LOGPROB_TOLERANCE, (fused, plain)
+    if lean.min_rows == 2:  # a lone sequence decodes through the plain copy, off the fused path
+        _, _, single_steps = _run_prompts(llm, PROMPTS[:1], monkeypatch)
+        assert single_steps == 0
+
+
+def test_not_used_where_the_linears_are_plain_modules(tiny_llama, monkeypatch):
+    import kvserve.model.llama as llama
+
+    monkeypatch.setattr(llama, "prepacking_available", lambda device, dtype: False)
     llm = LLM(str(tiny_llama), dtype="float32", quantization="none", kv_cache_memory="16MiB")
     assert llm.engine.model.lean is None
     decoder, why = LeanDecoder.for_model(llm.engine.model)
-    assert decoder is None and "quantized small-batch kernel" in why
+    assert decoder is None and "quantized small-batch kernel or oneDNN-packed" in why
 
 
 def test_big_batches_and_prefill_take_the_module_path(tiny_llama, monkeypatch):

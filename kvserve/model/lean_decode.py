@@ -11,7 +11,8 @@ step's K/V go into the pool (one C++ copy for a full-precision pool in the model
 format's own write otherwise) and the paged decode kernel attends in place.
 
 It runs only where it computes what the module path computes: a CPU model whose four linears per
-layer are all on kvserve's small-batch kernel, a step of decodes only in one group read in place,
+layer are all on kvserve's small-batch kernel, or all oneDNN-packed full-precision weights
+(`--quantization none`; not the single rows the module path sends to a plain copy), a step of decodes only in one group read in place,
 at most MAX_ROWS rows (past the rows the kernel takes, through the layers' oneDNN-packed dense
 copies, the weights the module path multiplies there), and no key centring, key basis, KV
 rotation (the fp8 and int4 KV formats' calibrations) or eviction. Everything else (prefill
@@ -66,19 +67,20 @@ class _Layer:
     post_norm: torch.Tensor
     eps: float
     qkv_bias: torch.Tensor | None
-    kernel: _Linears  # the int kernel's operands, for up to kernel_rows rows
+    kernel: _Linears | None  # the int kernel's operands, for up to kernel_rows rows (None: full precision)
     dense: _Linears | None  # the dense copies, for more rows (None: the layer has none)
 
 
 class LeanDecoder:
     """Runs a model's decoder layers for a decode-only step through the fused ops."""
 
-    def __init__(self, module: Any, model: torch.nn.Module, layers: list[_Layer], kernel_rows: int, max_rows: int):
+    def __init__(self, module: Any, model: torch.nn.Module, layers: list[_Layer], kernel_rows: int, max_rows: int,
+                 min_rows: int = 1):
         self.module = module
         self.model = model
         self.layers = layers
         self.kernel_rows = kernel_rows  # up to these rows the int kernel, above them the dense copies
-        self.max_rows = max_rows
+        self.min_rows, self.max_rows = min_rows, max_rows
         config = model.config
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
 
@@ -88,25 +90,37 @@ class LeanDecoder:
         weight = model.embed_tokens.weight
         if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32):
             return None, f"runs on CPU in bfloat16 or float32 only, not {weight.device.type} {weight.dtype}"
-        layers, limits = [], set()
+        layers, limits, kinds, plain = [], set(), set(), False
         for i, layer in enumerate(model.layers):
             attn, mlp = layer.self_attn, layer.mlp
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if not all(isinstance(lin, QuantizedLinear) and lin.gemv_operands is not None for lin in linears):
-                return None, "not every linear layer is on the quantized small-batch kernel"
+            if all(isinstance(lin, QuantizedLinear) and lin.gemv_operands is not None for lin in linears):
+                kinds.add("quantized")
+                limits.update(lin.max_kernel_rows for lin in linears)
+                kernel = _Linears(*(_operands(lin) for lin in linears))
+                dense = [_dense_operands(lin) for lin in linears]
+            elif all(isinstance(lin, PrepackedLinear) for lin in linears):  # --quantization none
+                kinds.add("dense")
+                plain = plain or any(lin.plain is not None for lin in linears)
+                kernel, dense = None, [[lin.packed] for lin in linears]
+            else:
+                return None, "not every linear layer is on the quantized small-batch kernel or oneDNN-packed"
             if any(lin.bias is not None for lin in linears[1:]) or attn.reduce is not None or mlp.reduce is not None:
                 return None, "biases after qkv or tensor parallelism"
             if layer.input_layernorm.eps != layer.post_attention_layernorm.eps:
                 return None, "the layer's two norms differ in eps"
-            limits.update(lin.max_kernel_rows for lin in linears)
-            dense = [_dense_operands(lin) for lin in linears]
             layers.append(_Layer(i, attn.window, layer.input_layernorm.weight.detach(),
                                  layer.post_attention_layernorm.weight.detach(), layer.input_layernorm.eps,
-                                 attn.qkv_proj.bias, _Linears(*(_operands(lin) for lin in linears)),
-                                 _Linears(*dense) if all(d is not None for d in dense) else None))
+                                 attn.qkv_proj.bias, kernel, _Linears(*dense) if all(d is not None for d in dense) else None))
+        if len(kinds) != 1:
+            return None, "the layers' linears are not all of one kind"
         module, why = load_lean_decode_module()
         if module is None:
             return None, why
+        if kinds == {"dense"}:
+            # full-precision weights: every row count multiplies through the packed weights, except
+            # the single rows the module path sends to torch's GEMV on a plain copy (cpu_linear.py)
+            return cls(module, model, layers, kernel_rows=0, max_rows=MAX_ROWS, min_rows=2 if plain else 1), ""
         kernel_rows = min([MAX_ROWS] + [limit for limit in limits if limit is not None])
         # past the kernel's rows every layer's dense copies (oneDNN-packed) take the batch, as on the
         # module path where every linear switches to its copy at the same row count
@@ -116,7 +130,7 @@ class LeanDecoder:
 
     def applies(self, rows: int, kv_cache: KVCache, meta: AttentionMetadata) -> bool:
         """Whether this step (`rows` packed tokens) is one the fused path computes as the modules do."""
-        if rows > self.max_rows or meta.prefills or len(meta.decodes) != 1 or meta.decode_in_place is None:
+        if not self.min_rows <= rows <= self.max_rows or meta.prefills or len(meta.decodes) != 1 or meta.decode_in_place is None:
             return False
         if meta.evicting_decode is not None or meta.unrotated_key_rows is not None:
             return False
