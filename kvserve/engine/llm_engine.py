@@ -112,8 +112,8 @@ class LLMEngine:
         if self.parallel is None and self.attention_backend.reads_decodes_in_place:
             self.model.lean, why = LeanDecoder.for_model(self.model)
             if self.model.lean is not None:
-                logger.info("Decode steps of up to %d sequences run each layer as two fused C++ calls (lean decode)",
-                            self.model.lean.max_rows)
+                logger.info("Decode steps of %d to %d sequences run each layer as two fused C++ calls (lean decode)",
+                            self.model.lean.min_rows, self.model.lean.max_rows)
             elif any(isinstance(m, QuantizedLinear) for m in self.model.modules()):
                 logger.info("Lean decode step not used: %s", why)
         if self.parallel is None:  # under tensor parallelism, calibrated on the full model (start_rank_zero)
