@@ -6,6 +6,7 @@ of interleaved rounds, milliseconds for all the linears of one step.
 
     python benchmarks/quantized_linears.py --threads 1 --rows 1,2,4,8,16,32
     python benchmarks/quantized_linears.py --rows 32,128,512 --without-lm-head   # what a prefill chunk runs
+    python benchmarks/quantized_linears.py --rows 32 --per-shape   # each shape called again and again
 """
 from __future__ import annotations
 
@@ -62,6 +63,9 @@ def main() -> None:
                              "float32 before it was prepacked), each interleaved with the kernel")
     parser.add_argument("--without-lm-head", action="store_true",
                         help="only the 120 int4 layers (a prefill chunk computes the LM head for its last rows only)")
+    parser.add_argument("--per-shape", action="store_true",
+                        help="also time each distinct shape's first dense layer called 20 times in a row (its "
+                             "weight stays in cache where it fits): the GEMM's own speed, apart from reading weights")
     args = parser.parse_args()
     from kvserve.engine.llm_engine import select_dtype
 
@@ -84,6 +88,31 @@ def main() -> None:
         ms = {kind: statistics.median(t) for kind, t in times.items()}
         print(f"| {rows} | {' | '.join(f'{ms[k]:.1f}' for k in kinds)} | {ms['kernel']:.1f} | "
               f"{ms['kernel'] / ms[kinds[0]]:.2f} |", flush=True)
+        flops = 2 * rows * sum(layer.in_features * layer.out_features for layer in layers[kinds[0]])
+        print(f"  ({kinds[0]} dense: {flops / ms[kinds[0]] / 1e6:.1f} GFLOP/s)")
+        if args.per_shape:
+            print_per_shape(layers[kinds[0]], rows, dtype)
+
+
+def print_per_shape(layers: list[nn.Module], rows: int, dtype: torch.dtype) -> None:
+    """Median µs and GFLOP/s of each distinct shape's first layer, called 20 times in a row."""
+    seen: set[tuple[int, int]] = set()
+    for layer in layers:
+        shape = (layer.out_features, layer.in_features)
+        if shape in seen:
+            continue
+        seen.add(shape)
+        x = torch.randn(rows, layer.in_features).to(dtype)
+        with torch.inference_mode():
+            for _ in range(3):
+                layer(x)
+            times = []
+            for _ in range(20):
+                start = time.perf_counter()
+                layer(x)
+                times.append(time.perf_counter() - start)
+        us = statistics.median(times) * 1e6
+        print(f"  {shape[0]} x {shape[1]}, {rows} rows: {us:.1f} µs, {2 * rows * shape[0] * shape[1] / us / 1e3:.1f} GFLOP/s")
 
 
 if __name__ == "__main__":
