@@ -12,12 +12,12 @@ format's own write otherwise) and the paged decode kernel attends in place.
 
 It runs only where it computes what the module path computes: a CPU model whose four linears per
 layer are all on kvserve's small-batch kernel, or all oneDNN-packed full-precision weights
-(`--quantization none`; not the single rows the module path sends to a plain copy), a step of decodes only in one group read in place,
-at most MAX_ROWS rows (past the rows the kernel takes, through the layers' oneDNN-packed dense
-copies, the weights the module path multiplies there), and no key centring, key basis, KV
-rotation (the fp8 and int4 KV formats' calibrations) or eviction. Everything else (prefill
-chunks, big batches, CUDA, `KVSERVE_DISABLE_CPU_KERNEL=1`, a kernel that does not build) takes
-the module path unchanged.
+(`--quantization none`; not the single rows the module path sends to a plain copy), a step of
+decodes only in one group read in place, at most MAX_ROWS rows (past the rows the kernel takes,
+through the layers' oneDNN-packed dense copies, the weights the module path multiplies there),
+and no key centring, key basis, KV rotation (the fp8 and int4 KV formats' calibrations) or
+eviction. Everything else (prefill chunks, big batches, CUDA, `KVSERVE_DISABLE_CPU_KERNEL=1`, a
+kernel that does not build) takes the module path unchanged.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from kvserve.model.quant_linear import QuantizedLinear
 
 # Decode rows up to which the fused layers were measured to beat the module path where the kernel
 # takes every row count (BENCHMARKS.md, "4-bit weights interleaved"; on bf16/AMX past the kernel's
-# rows, "The decode step at 32 rows").
+# rows, "The decode step at 32 rows"; full-precision weights, "seventh pass").
 MAX_ROWS = 32
 
 
