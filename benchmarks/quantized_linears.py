@@ -112,7 +112,8 @@ def print_per_shape(layers: list[nn.Module], rows: int, dtype: torch.dtype) -> N
                 layer(x)
                 times.append(time.perf_counter() - start)
         us = statistics.median(times) * 1e6
-        print(f"  {shape[0]} x {shape[1]}, {rows} rows: {us:.1f} µs, {2 * rows * shape[0] * shape[1] / us / 1e3:.1f} GFLOP/s")
+        gflops = 2 * rows * shape[0] * shape[1] / us / 1e3
+        print(f"  {shape[0]} x {shape[1]}, {rows} rows: {us:.1f} µs, {gflops:.1f} GFLOP/s")
 
 
 if __name__ == "__main__":

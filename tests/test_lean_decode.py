@@ -172,14 +172,17 @@ def test_batches_past_the_kernel_rows_run_fused_through_the_dense_copies(tiny_ll
     llm = LLM(str(tiny_llama), dtype=dtype, quantization="int4", kv_cache_memory="16MiB")
     lean = llm.engine.model.lean
     assert lean.kernel_rows == 2 and lean.max_rows > len(PROMPTS)
-    _check_fused_decode_steps_match_the_modules(llm, dtype, monkeypatch)
+    # bf16: RoPE rounds once here and after each product on the module path, which can flip a
+    # near-tied token of this random model late in a sequence, not before half of it
+    _check_fused_decode_steps_match_the_modules(llm, dtype, monkeypatch, agree_for_half=True)
 
 
-def _check_fused_decode_steps_match_the_modules(llm: LLM, dtype: str, monkeypatch) -> None:
+def _check_fused_decode_steps_match_the_modules(llm: LLM, dtype: str, monkeypatch,
+                                                agree_for_half: bool = False) -> None:
     """Every decode step fused, and the module path's tokens: all of them in float32; in bf16, which
     rounds in other places (RoPE once here, after each product there; the norms' output) and can
-    flip a near tie of the random model, the same logprobs up to the first difference and there two
-    picks within rounding."""
+    flip a near tie of the random model, the same logprobs up to the first difference (at least half
+    the tokens with `agree_for_half`) and there two picks within rounding."""
     fused_tokens, fused_logprobs, fused_steps = _run(llm, True, monkeypatch)
     plain_tokens, plain_logprobs, _ = _run(llm, False, monkeypatch)
     assert fused_steps == 7
@@ -187,6 +190,7 @@ def _check_fused_decode_steps_match_the_modules(llm: LLM, dtype: str, monkeypatc
         assert fused_tokens == plain_tokens
     for fused, plain, fused_lp, plain_lp in zip(fused_tokens, plain_tokens, fused_logprobs, plain_logprobs):
         same = next((i for i, (a, b) in enumerate(zip(fused, plain)) if a != b), len(plain))
+        assert not agree_for_half or same >= len(plain) // 2, (fused, plain)
         assert fused_lp[:same] == pytest.approx(plain_lp[:same], abs=2 * LOGPROB_TOLERANCE)
         if same < len(plain):
             assert abs(fused_lp[same] - plain_lp[same]) <= 2 * LOGPROB_TOLERANCE, (fused, plain)

@@ -111,7 +111,8 @@ class LeanDecoder:
                 return None, "the layer's two norms differ in eps"
             layers.append(_Layer(i, attn.window, layer.input_layernorm.weight.detach(),
                                  layer.post_attention_layernorm.weight.detach(), layer.input_layernorm.eps,
-                                 attn.qkv_proj.bias, kernel, _Linears(*dense) if all(d is not None for d in dense) else None))
+                                 attn.qkv_proj.bias, kernel,
+                                 _Linears(*dense) if all(d is not None for d in dense) else None))
         if len(kinds) != 1:
             return None, "the layers' linears are not all of one kind"
         module, why = load_lean_decode_module()
@@ -130,9 +131,9 @@ class LeanDecoder:
 
     def applies(self, rows: int, kv_cache: KVCache, meta: AttentionMetadata) -> bool:
         """Whether this step (`rows` packed tokens) is one the fused path computes as the modules do."""
-        if not self.min_rows <= rows <= self.max_rows or meta.prefills or len(meta.decodes) != 1 or meta.decode_in_place is None:
+        if not self.min_rows <= rows <= self.max_rows or meta.prefills or len(meta.decodes) != 1:
             return False
-        if meta.evicting_decode is not None or meta.unrotated_key_rows is not None:
+        if meta.decode_in_place is None or meta.evicting_decode is not None or meta.unrotated_key_rows is not None:
             return False
         first = self.model.layers[0].self_attn
         if first.key_center is not None or first.key_basis is not None:
