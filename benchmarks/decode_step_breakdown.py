@@ -2,10 +2,10 @@
 torch ops the profiler counts per step.
 
 `--batch` requests (128-token prompts, distinct so that none shares a cached prefix; one by
-default) decode greedily; after a warm-up, `--rounds` rounds of `--steps`
-steps each are timed with the parts wrapped (input preparation, decoder layers + final norm, LM
-head, sampling; the rest is the scheduler and output processing), and the medians printed. Run it
-against two checkouts to compare them (PYTHONPATH picks the kvserve):
+default) decode greedily; after a warm-up, `--rounds` rounds of `--steps` steps each are timed
+with the parts wrapped (input preparation, decoder layers + final norm, LM head, sampling; the
+rest is the scheduler and output processing), and the medians printed. Run it against two
+checkouts to compare them (PYTHONPATH picks the kvserve):
 
     PYTHONPATH=/path/to/before python benchmarks/decode_step_breakdown.py --label before
     PYTHONPATH=. python benchmarks/decode_step_breakdown.py --label after
