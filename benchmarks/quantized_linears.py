@@ -39,7 +39,7 @@ def build(dtype: torch.dtype, dense_kinds: list[str], shapes: list[tuple[int, in
         linear = linear.to(dtype)
         for kind in dense_kinds:
             prepack = kind == "prepacked" and prepacking_available(torch.device("cpu"), dtype)
-            layers[kind].append(PrepackedLinear(linear, keep_plain=dtype == torch.bfloat16) if prepack else linear)
+            layers[kind].append(PrepackedLinear(linear, keep_copy=dtype == torch.bfloat16) if prepack else linear)
     return layers
 
 

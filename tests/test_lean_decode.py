@@ -198,18 +198,23 @@ def _check_fused_decode_steps_match_the_modules(llm: LLM, dtype: str, monkeypatc
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_full_precision_weights_run_fused_through_their_packed_weights(tiny_llama, dtype, monkeypatch):
-    """`--quantization none`: the layers' oneDNN-packed weights take every decode batch the fused
-    layers serve (not a single row where the module path keeps a plain copy for torch's GEMV), with
-    the module path's tokens."""
-    from kvserve.model.cpu_linear import prepacking_available
+    """`--quantization none`: the layers' packed weights (oneDNN's, and in bf16 on AVX512-BF16 the
+    small-batch kernel's copy) take every decode batch the fused layers serve (not a single row
+    where the module path keeps a plain copy for torch's GEMV), with the module path's tokens."""
+    from kvserve.model.cpu_linear import prepacking_available, small_batch_kernel
 
     if not prepacking_available(torch.device("cpu"), getattr(torch, dtype)):
         pytest.skip(f"oneDNN cannot prepack {dtype} linears on this CPU, so the layers stay nn.Linear")
     llm = LLM(str(tiny_llama), dtype=dtype, quantization="none", kv_cache_memory="16MiB")
     lean = llm.engine.model.lean
     assert lean is not None and lean.kernel_rows == 0 and lean.max_rows > len(PROMPTS)
-    plain_copy = llm.engine.model.layers[0].mlp.down_proj.plain is not None
+    down_proj = llm.engine.model.layers[0].mlp.down_proj
+    plain_copy = down_proj.plain is not None
     assert lean.min_rows == (2 if plain_copy else 1)
+    if dtype == "bfloat16" and small_batch_kernel() is not None:
+        # AVX512-BF16: both paths multiply every decode batch through the kernel's copy
+        assert down_proj.small is not None and not plain_copy
+        assert lean.layers[0].dense.down[1] is down_proj.small
     _check_fused_decode_steps_match_the_modules(llm, dtype, monkeypatch)
     if lean.min_rows == 2:  # a lone sequence decodes through the plain copy, off the fused path
         _, _, single_steps = _run_prompts(llm, PROMPTS[:1], monkeypatch)

@@ -26,12 +26,14 @@ decode batch), single rows included, so float32 layers keep no plain copy (BENCH
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kvserve.hardware import available_ram_bytes, onednn_bf16_missing, onednn_runs_amx
+from kvserve.model.lean_kernel import load_lean_decode_module
 from kvserve.units import format_size
 
 logger = logging.getLogger(__name__)
@@ -63,20 +65,41 @@ def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 _PACKING_ROWS = {torch.float32: 32}
 
 
-class PrepackedLinear(nn.Module):
-    """y = x W^T + b with W held in oneDNN's blocked layout, and W itself too when `keep_plain`
-    (then a single row of x goes through the native GEMV)."""
+def small_batch_kernel() -> Any | None:
+    """The compiled module whose `bf16_matmul` (csrc/bf16_gemm.h) runs bf16 linears of up to
+    `bf16_max_rows` rows, or None where this CPU or build lacks it (no AVX512-BF16)."""
+    module, _ = load_lean_decode_module()
+    return module if module is not None and module.bf16_available() else None
 
-    def __init__(self, linear: nn.Linear, keep_plain: bool):
+
+class PrepackedLinear(nn.Module):
+    """y = x W^T + b with W held in oneDNN's blocked layout, and, when `keep_copy` (bf16 only), a
+    second copy for small batches: packed for kvserve's AVX512-BF16 kernel, which then takes up to
+    its `bf16_max_rows` rows, or else W itself, whose single rows go through torch's GEMV."""
+
+    def __init__(self, linear: nn.Linear, keep_copy: bool):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACKING_ROWS.get(weight.dtype, 1))
-        self.plain = weight if keep_plain else None
         self.bias = linear.bias
+        self.plain = self.small = None
+        self.small_rows = 0
+        kernel = small_batch_kernel() if keep_copy and weight.dtype == torch.bfloat16 else None
+        if kernel is not None and kernel.bf16_fits(self.out_features, self.in_features) and (
+                self.bias is None or self.bias.dtype == torch.bfloat16):
+            self.small, self.small_rows, self._small_matmul = kernel.bf16_pack(weight), kernel.bf16_max_rows, \
+                kernel.bf16_matmul
+        elif keep_copy:
+            self.plain = weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.plain is not None and x.numel() == self.in_features:
+        rows = x.numel() // self.in_features
+        if self.small is not None and rows <= self.small_rows:
+            bias = None if self.bias is None else self.bias.detach()
+            out = self._small_matmul(x.reshape(rows, self.in_features), self.small, bias)
+            return out.view(*x.shape[:-1], self.out_features)
+        if self.plain is not None and rows == 1:
             return native_linear(x, self.plain, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
@@ -84,28 +107,37 @@ class PrepackedLinear(nn.Module):
 def prepack_linears(model: nn.Module) -> int:
     """Replace every nn.Linear in `model` with a PrepackedLinear; returns how many.
 
-    bf16 layers keep their plain weights for single rows when that second copy takes at most a
-    quarter of the RAM available now (a weight shared with another module, like a tied LM head's
-    embedding, costs nothing). A model too large for it keeps only the packed copy: correct, slower
-    at batch 1. float32 layers never keep it, nor bf16 ones where oneDNN runs on AMX: their packed
-    kernel is the faster one at one row too."""
+    bf16 layers keep a second copy for small batches (PrepackedLinear) when it takes at most a
+    quarter of the RAM available now: packed for kvserve's AVX512-BF16 kernel where it runs and the
+    shape fits (a new tensor), else the plain weight for torch's GEMV (one shared with another
+    module, like a tied LM head's embedding, costs nothing). A model too large for it keeps only the
+    packed copy: correct, slower at small batches. float32 layers never keep one, nor bf16 ones where
+    oneDNN runs on AMX: their packed kernel is the faster one at one row too."""
     linears = [(module, name, child) for module in list(model.modules())
                for name, child in list(module.named_children()) if isinstance(child, nn.Linear)]
     linear_ids = {id(child) for _, _, child in linears}
     owned_elsewhere = {p.data_ptr() for module in model.modules() if id(module) not in linear_ids
                        for p in module.parameters(recurse=False)}
-    extra = sum(child.weight.nbytes for _, _, child in linears if child.weight.data_ptr() not in owned_elsewhere)
-    available = available_ram_bytes()
     bf16 = all(child.weight.dtype == torch.bfloat16 for _, _, child in linears)
+    kernel = small_batch_kernel() if bf16 else None
+    def copy_is_new(child: nn.Linear) -> bool:  # the kernel's packing, or a plain weight held by it alone
+        return ((kernel is not None and kernel.bf16_fits(child.out_features, child.in_features))
+                or child.weight.data_ptr() not in owned_elsewhere)
+
+    extra = sum(child.weight.nbytes for _, _, child in linears if copy_is_new(child))
+    available = available_ram_bytes()
     amx = onednn_runs_amx()
-    keep_plain = bf16 and not amx and extra <= available // 4
+    keep_copy = bf16 and not amx and extra <= available // 4
     for module, name, child in linears:
-        setattr(module, name, PrepackedLinear(child, keep_plain))
-    if keep_plain:
+        setattr(module, name, PrepackedLinear(child, keep_copy))
+    if keep_copy and kernel is not None:
+        logger.info("Linears of up to %d rows: a copy of the weights (%s) packed for kvserve's AVX512-BF16 kernel",
+                    kernel.bf16_max_rows, format_size(extra))
+    elif keep_copy:
         logger.info("Batch-1 linears: keeping a plain copy of the weights (%s) for torch's GEMV", format_size(extra))
     elif bf16 and amx:
-        logger.info("Batch-1 linears use the prepacked weights: oneDNN runs them on AMX, faster than torch's GEMV")
+        logger.info("Small-batch linears use the prepacked weights: oneDNN runs them on AMX, faster than a second copy")
     elif bf16:
-        logger.info("Batch-1 linears use the prepacked weights: a plain copy (%s) would take more than a "
+        logger.info("Small-batch linears use the prepacked weights: a second copy (%s) would take more than a "
                     "quarter of the available RAM (%s)", format_size(extra), format_size(available))
     return len(linears)

@@ -102,7 +102,8 @@ class LeanDecoder:
             elif all(isinstance(lin, PrepackedLinear) for lin in linears):  # --quantization none
                 kinds.add("dense")
                 plain = plain or any(lin.plain is not None for lin in linears)
-                kernel, dense = None, [[lin.packed] for lin in linears]
+                kernel = None
+                dense = [[lin.packed] if lin.small is None else [lin.packed, lin.small] for lin in linears]
             else:
                 return None, "not every linear layer is on the quantized small-batch kernel or oneDNN-packed"
             if any(lin.bias is not None for lin in linears[1:]) or attn.reduce is not None or mlp.reduce is not None:
@@ -119,8 +120,9 @@ class LeanDecoder:
         if module is None:
             return None, why
         if kinds == {"dense"}:
-            # full-precision weights: every row count multiplies through the packed weights, except
-            # the single rows the module path sends to torch's GEMV on a plain copy (cpu_linear.py)
+            # full-precision weights: every row count multiplies as PrepackedLinear does (through the
+            # small-batch copy where there is one), except the single rows the module path sends to
+            # torch's GEMV on a plain copy (cpu_linear.py)
             return cls(module, model, layers, kernel_rows=0, max_rows=MAX_ROWS, min_rows=2 if plain else 1), ""
         kernel_rows = min([MAX_ROWS] + [limit for limit in limits if limit is not None])
         # past the kernel's rows every layer's dense copies (oneDNN-packed) take the batch, as on the

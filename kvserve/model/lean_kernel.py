@@ -16,7 +16,7 @@ from kvserve.model.kernel_build import KernelBuild, current_isa, load_kernel
 
 _CSRC = Path(__file__).with_name("csrc")
 SOURCE = _CSRC / "lean_decode.cpp"
-HEADERS = (_CSRC / "quant_gemv.h",)
+HEADERS = (_CSRC / "quant_gemv.h", _CSRC / "bf16_gemm.h")
 
 
 def lean_decode_build(isa: str | None = None) -> KernelBuild:

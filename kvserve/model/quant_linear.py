@@ -182,7 +182,7 @@ class QuantizedLinear(nn.Module):
             if prepacking_available(device, dtype):
                 dense = nn.Linear(self.in_features, self.out_features, bias=False, device="meta")
                 dense.weight = nn.Parameter(weight, requires_grad=False)
-                self.dense = PrepackedLinear(dense, keep_plain=False)
+                self.dense = PrepackedLinear(dense, keep_copy=False)
             else:
                 self.dense = weight
 

@@ -21,6 +21,7 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
+#include "bf16_gemm.h"
 #include "quant_gemv.h"
 
 #include <cmath>
@@ -41,17 +42,20 @@ inline float round_to(float v) {
   return static_cast<float>(static_cast<T>(v));
 }
 
-// A QuantizedLinear's operands for quant_gemv::gemv (codes, scales, offsets), or its dense copy's
-// oneDNN-packed weight alone (cpu_linear.PrepackedLinear), which batches past the kernel's rows use.
+// A QuantizedLinear's operands for quant_gemv::gemv (codes, scales, offsets), or a dense weight
+// (cpu_linear.PrepackedLinear): its oneDNN-packed weight, and where it keeps one, its copy packed
+// for bf16_gemm.h, which takes batches of up to bf16_gemm::kMaxRows.
 struct Linear {
   at::Tensor codes, d;
   std::optional<at::Tensor> m;
-  int64_t bits;  // 0: `codes` is a packed dense weight
+  int64_t bits;  // 0: `codes` is a packed dense weight, `d` (if defined) its bf16_gemm copy
 };
 
 Linear linear_of(const std::vector<at::Tensor>& parts) {
   if (parts.size() == 1) return Linear{parts[0], at::Tensor(), std::nullopt, 0};
-  TORCH_CHECK(parts.size() == 3, "a linear is (codes, scales, offsets or an empty tensor) or (packed weight)");
+  if (parts.size() == 2) return Linear{parts[0], parts[1], std::nullopt, 0};
+  TORCH_CHECK(parts.size() == 3, "a linear is (codes, scales, offsets or an empty tensor) or (packed weight[, "
+              "small-batch weight])");
   Linear out{parts[0], parts[1], std::nullopt, parts[0].scalar_type() == at::kByte ? 4 : 8};
   if (parts[2].numel() > 0) out.m = parts[2];
   return out;
@@ -70,6 +74,8 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed) {
 // output there, as to_model_dtype does the kernel's). `input`'s values are the model dtype's (a
 // float32 tensor holds them rounded), so the dense weight takes them in that dtype exactly.
 at::Tensor matmul(const at::Tensor& input, const Linear& w) {
+  if (w.bits == 0 && w.d.defined() && input.size(0) <= bf16_gemm::kMaxRows)
+    return bf16_gemm::matmul(input.to(at::kBFloat16), w.d, std::nullopt);
   if (w.bits == 0) return packed_linear(input.to(w.codes.scalar_type()), w.codes);
   return quant_gemv::gemv(input, w.codes, w.d, w.m, w.bits);
 }
@@ -367,6 +373,11 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& 
   return quant_gemv::gemv(x, codes, d, m, codes.scalar_type() == at::kByte ? 4 : 8);
 }
 
+// bf16_gemm.h for PrepackedLinear: x [rows, K] bf16 times W^T (+ b) -> bf16 [rows, N].
+at::Tensor bf16_matmul(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+  return bf16_gemm::matmul(x, packed, bias);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -376,4 +387,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "h' = h + W_o attn; the MLP's output W_down (silu(gate) * up) of rmsnorm(h')");
   m.def("write_kv", &write_kv, "copy the step's K/V heads of qkv into a full-precision pool at their slots");
   m.def("gemv", &gemv, "x [rows, K] times group-quantized W^T [K, N] -> float32 [rows, N] (quant_gemv.h)");
+  m.def("bf16_available", &bf16_gemm::available, "whether this CPU and build run bf16_gemm.h (AVX512-BF16)");
+  m.def("bf16_fits", &bf16_gemm::fits, "whether an [N, K] weight fits bf16_gemm.h's layout");
+  m.def("bf16_pack", &bf16_gemm::pack, "W [N, K] bf16 -> bf16_gemm.h's layout [N/16, K/2, 16, 2]");
+  m.def("bf16_matmul", &bf16_matmul, "x [rows, K] bf16 times a bf16_pack'ed W^T (+ bias) -> bf16 [rows, N]");
+  m.attr("bf16_max_rows") = bf16_gemm::kMaxRows;
 }
