@@ -1,5 +1,5 @@
-"""CPU linears: prepacked weights for batches (bf16 and float32); for small bf16 batches kvserve's
-AVX512-BF16 kernel, or torch's GEMV for a single row where that kernel does not run."""
+"""CPU linears: bf16 weights on kvserve's AVX512-BF16 kernel where the CPU has it; elsewhere
+oneDNN-prepacked weights (bf16 and float32) and torch's GEMV for a single bf16 row."""
 from __future__ import annotations
 
 import pytest
@@ -13,8 +13,8 @@ from kvserve.model.cpu_linear import PrepackedLinear, prepack_linears, prepackin
 needs_prepacking = pytest.mark.skipif(not prepacking_available(torch.device("cpu"), torch.bfloat16),
                                       reason="needs oneDNN bf16 prepacking on CPU")
 # (not prepacking_available itself, which the float32 tests check)
-needs_bf16_kernel = pytest.mark.skipif(cpu_linear.small_batch_kernel() is None,
-                                       reason="needs AVX512-BF16 and the lean decode kernel built for it")
+needs_bf16_kernel = pytest.mark.skipif(cpu_linear.bf16_kernel() is None,
+                                       reason="needs AVX512-BF16 without AMX and the lean decode kernel built")
 needs_onednn = pytest.mark.skipif(not (torch.backends.mkldnn.is_available()
                                        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")),
                                   reason="torch is built without oneDNN")
@@ -27,8 +27,8 @@ def _linear(in_features: int = 96, out_features: int = 160, bias: bool = True) -
 
 @pytest.fixture
 def without_bf16_kernel(monkeypatch):
-    """The machine as one without AVX512-BF16: a bf16 layer's second copy is its plain weight."""
-    monkeypatch.setattr(cpu_linear, "small_batch_kernel", lambda: None)
+    """The machine as one without kvserve's bf16 kernel: oneDNN's packed weight, and the plain one."""
+    monkeypatch.setattr(cpu_linear, "bf16_kernel", lambda: None)
 
 
 @needs_prepacking
@@ -47,37 +47,45 @@ def test_prepacked_linear_matches_float32_reference(rows, keep_copy, without_bf1
 @needs_prepacking
 @needs_bf16_kernel
 @pytest.mark.parametrize("bias", [True, False])
-def test_small_batches_take_the_bf16_kernel_and_match_float32_reference(bias, monkeypatch):
-    """Up to the kernel's rows (every remainder of its 4-row, 96-column tiles: 160 columns are one
-    full panel and four blocks), kvserve's AVX512-BF16 kernel; past them oneDNN's packed GEMM."""
+def test_bf16_kernel_takes_every_row_count_and_matches_float32_reference(bias, monkeypatch):
+    """One copy of the weight, in the kernel's layout, for every row count (every remainder of its
+    4-row, 96-column tiles: 160 columns are one full panel and four blocks)."""
     linear = _linear(bias=bias)
     layer = PrepackedLinear(linear, keep_copy=True)
-    assert layer.small is not None and layer.plain is None and layer.small_rows == 32
+    assert layer.kernel_weight is not None and layer.packed is None and layer.plain is None
     calls = []
-    kernel = layer._small_matmul
-    monkeypatch.setattr(layer, "_small_matmul", lambda *a: calls.append(a[0].shape[0]) or kernel(*a))
-    for rows in [1, 2, 3, 4, 5, 11, 32, 33, 64]:
+    kernel = layer._kernel_matmul
+    monkeypatch.setattr(layer, "_kernel_matmul", lambda *a: calls.append(a[0].shape[0]) or kernel(*a))
+    row_counts = [1, 2, 3, 4, 5, 11, 32, 33, 300]
+    for rows in row_counts:
         x = torch.randn(rows, linear.in_features).to(torch.bfloat16)
         expected = x.float() @ linear.weight.float().T + (linear.bias.float() if bias else 0)
         out = layer(x)
         assert out.dtype == torch.bfloat16 and out.shape == (rows, linear.out_features)
         torch.testing.assert_close(out.float(), expected, rtol=2 ** -7, atol=1e-2)
-    assert calls == [1, 2, 3, 4, 5, 11, 32]
+    assert calls == row_counts
     x = torch.randn(2, 3, linear.in_features).to(torch.bfloat16)  # leading dimensions kept
     torch.testing.assert_close(layer(x), layer(x.view(6, -1)).view(2, 3, -1))
 
 
 @needs_bf16_kernel
 def test_bf16_kernel_rejects_what_it_cannot_multiply():
-    kernel = cpu_linear.small_batch_kernel()
+    kernel = cpu_linear.bf16_kernel()
     assert not kernel.bf16_fits(100, 64) and not kernel.bf16_fits(64, 63) and kernel.bf16_fits(64, 64)
     with pytest.raises(RuntimeError, match="multiple of 16"):
         kernel.bf16_pack(torch.zeros(100, 64, dtype=torch.bfloat16))
     packed = kernel.bf16_pack(torch.zeros(64, 64, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="columns"):
         kernel.bf16_matmul(torch.zeros(2, 32, dtype=torch.bfloat16), packed, None)
+    # 100 outputs: oneDNN's packed weight and the GEMV's plain copy
     layer = PrepackedLinear(nn.Linear(64, 100, bias=False).to(torch.bfloat16), keep_copy=True)
-    assert layer.small is None and layer.plain is not None  # 100 outputs: the GEMV's plain copy
+    assert layer.kernel_weight is None and layer.packed is not None and layer.plain is not None
+
+
+@needs_bf16_kernel
+def test_bf16_kernel_is_not_used_where_onednn_runs_amx(monkeypatch):
+    monkeypatch.setattr(cpu_linear, "onednn_runs_amx", lambda: True)
+    assert cpu_linear.bf16_kernel() is None
 
 
 @needs_prepacking
@@ -134,20 +142,19 @@ def test_plain_copy_is_kept_only_when_it_fits_a_quarter_of_available_ram(monkeyp
 
 @needs_prepacking
 @needs_bf16_kernel
-def test_bf16_kernel_copy_counts_every_weight_against_a_quarter_of_available_ram(monkeypatch):
-    """The kernel's copy is a new tensor for every weight it fits, a tied LM head's too; a head of 200
-    outputs (not a multiple of 16) keeps its plain weight, the embedding's, at no cost."""
-    all_bytes = 64 * 64 * 2
+def test_layers_on_the_bf16_kernel_keep_one_copy(monkeypatch):
+    """A layer the kernel fits holds its weight once; a head of 200 outputs (not a multiple of 16)
+    stays on oneDNN and keeps its plain weight, the embedding's, at no cost; no RAM is needed for
+    copies then, so the kernel's layers do not depend on the quarter-of-RAM rule."""
     monkeypatch.setattr(cpu_linear, "onednn_runs_amx", lambda: False)
-    monkeypatch.setattr(cpu_linear, "available_ram_bytes", lambda: 4 * all_bytes)
+    monkeypatch.setattr(cpu_linear, "available_ram_bytes", lambda: 0)
     model = _TiedModel()
+    weight = model.proj.weight.detach().float()
     prepack_linears(model)
-    assert model.proj.small is not None and model.head.small is None
-    assert model.head.plain.data_ptr() == model.embed.weight.data_ptr()
-    monkeypatch.setattr(cpu_linear, "available_ram_bytes", lambda: 4 * all_bytes - 1)
-    model = _TiedModel()
-    prepack_linears(model)
-    assert model.proj.small is None and model.proj.plain is None and model.head.small is None
+    assert model.proj.kernel_weight is not None and model.proj.packed is None and model.proj.plain is None
+    assert model.head.kernel_weight is None and model.head.plain.data_ptr() == model.embed.weight.data_ptr()
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    torch.testing.assert_close(model.proj(x).float(), x.float() @ weight.T, rtol=2 ** -7, atol=1e-2)
 
 
 @needs_prepacking
@@ -158,7 +165,7 @@ def test_no_plain_copy_where_onednn_runs_amx(monkeypatch):
     weight = model.proj.weight.detach().float()
     prepack_linears(model)
     assert model.proj.plain is None and model.head.plain is None
-    assert model.proj.small is None and model.head.small is None
+    assert model.proj.kernel_weight is None and model.head.kernel_weight is None
     x = torch.randn(1, 64).to(torch.bfloat16)
     torch.testing.assert_close(model.proj(x).float(), x.float() @ weight.T, rtol=2 ** -7, atol=1e-2)
 
@@ -205,6 +212,6 @@ def test_float32_model_is_prepacked_without_plain_copies():
     model = _TiedModel().float()
     weight = model.proj.weight.detach().clone()
     assert prepack_linears(model) == 2
-    assert model.proj.plain is None and model.head.plain is None and model.proj.small is None
+    assert model.proj.plain is None and model.head.plain is None and model.proj.kernel_weight is None
     x = torch.randn(1, 64)
     torch.testing.assert_close(model.proj(x), x @ weight.T, rtol=1e-5, atol=1e-5)

@@ -198,10 +198,10 @@ def _check_fused_decode_steps_match_the_modules(llm: LLM, dtype: str, monkeypatc
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_full_precision_weights_run_fused_through_their_packed_weights(tiny_llama, dtype, monkeypatch):
-    """`--quantization none`: the layers' packed weights (oneDNN's, and in bf16 on AVX512-BF16 the
-    small-batch kernel's copy) take every decode batch the fused layers serve (not a single row
-    where the module path keeps a plain copy for torch's GEMV), with the module path's tokens."""
-    from kvserve.model.cpu_linear import prepacking_available, small_batch_kernel
+    """`--quantization none`: the layers' packed weights (oneDNN's, or in bf16 on AVX512-BF16 the
+    kernel's) take every decode batch the fused layers serve (not a single row where the module path
+    keeps a plain copy for torch's GEMV), with the module path's tokens."""
+    from kvserve.model.cpu_linear import bf16_kernel, prepacking_available
 
     if not prepacking_available(torch.device("cpu"), getattr(torch, dtype)):
         pytest.skip(f"oneDNN cannot prepack {dtype} linears on this CPU, so the layers stay nn.Linear")
@@ -211,10 +211,10 @@ def test_full_precision_weights_run_fused_through_their_packed_weights(tiny_llam
     down_proj = llm.engine.model.layers[0].mlp.down_proj
     plain_copy = down_proj.plain is not None
     assert lean.min_rows == (2 if plain_copy else 1)
-    if dtype == "bfloat16" and small_batch_kernel() is not None:
-        # AVX512-BF16: both paths multiply every decode batch through the kernel's copy
-        assert down_proj.small is not None and not plain_copy
-        assert lean.layers[0].dense.down[1] is down_proj.small
+    if dtype == "bfloat16" and bf16_kernel() is not None:
+        # AVX512-BF16: both paths multiply through the kernel's one copy of each weight
+        assert down_proj.kernel_weight is not None and not plain_copy
+        assert lean.layers[0].dense.down[0] is down_proj.kernel_weight
     _check_fused_decode_steps_match_the_modules(llm, dtype, monkeypatch)
     if lean.min_rows == 2:  # a lone sequence decodes through the plain copy, off the fused path
         _, _, single_steps = _run_prompts(llm, PROMPTS[:1], monkeypatch)

@@ -1,5 +1,13 @@
-"""Linear layers for CPU inference: oneDNN-prepacked weights (bf16 and float32), and for bf16
-torch's own GEMV for a single row.
+"""Linear layers for CPU inference: bf16 weights on kvserve's AVX512-BF16 kernel where the CPU has
+it; elsewhere oneDNN-prepacked weights (bf16 and float32), and for bf16 torch's own GEMV for a
+single row.
+
+On a CPU with AVX512-BF16 and without AMX (Cooper Lake, AMD Zen 4 on) a bf16 weight is packed once
+for csrc/bf16_gemm.h, whose `vdpbf16ps` tiles stream the weight once per call. At a decode batch
+(1-32 rows) it beats both oneDNN's GEMM, which does not hide its weight reads there, and torch's
+GEMV; from 128 to 2,048 rows it runs on par with oneDNN (BENCHMARKS.md, issue 26, eighth pass). So
+such a layer holds that one copy and nothing else, and every row count takes it. The rest of this
+note is about the CPUs without it.
 
 `F.linear` on a plain bf16 weight lets oneDNN reorder the weight into its blocked layout on
 every call; for a decode step, which is one pass over all weights, that reorder is a large share
@@ -65,39 +73,41 @@ def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 _PACKING_ROWS = {torch.float32: 32}
 
 
-def small_batch_kernel() -> Any | None:
-    """The compiled module whose `bf16_matmul` (csrc/bf16_gemm.h) runs bf16 linears of up to
-    `bf16_max_rows` rows, or None where this CPU or build lacks it (no AVX512-BF16)."""
+def bf16_kernel() -> Any | None:
+    """The compiled module whose `bf16_matmul` (csrc/bf16_gemm.h) runs bf16 linears, or None where
+    this CPU or build lacks it (no AVX512-BF16) or oneDNN runs bf16 on AMX (faster there)."""
+    if onednn_runs_amx():
+        return None
     module, _ = load_lean_decode_module()
     return module if module is not None and module.bf16_available() else None
 
 
 class PrepackedLinear(nn.Module):
-    """y = x W^T + b with W held in oneDNN's blocked layout, and, when `keep_copy` (bf16 only), a
-    second copy for small batches: packed for kvserve's AVX512-BF16 kernel, which then takes up to
-    its `bf16_max_rows` rows, or else W itself, whose single rows go through torch's GEMV."""
+    """y = x W^T + b with W packed once at load. A bf16 weight on a CPU with AVX512-BF16 (not AMX)
+    is held once, in the layout of kvserve's kernel, which takes every row count (`kernel_weight`);
+    otherwise in oneDNN's blocked layout (`packed`), and with `keep_copy` (bf16 only) also W itself,
+    whose single rows go through torch's GEMV (`plain`)."""
 
     def __init__(self, linear: nn.Linear, keep_copy: bool):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACKING_ROWS.get(weight.dtype, 1))
         self.bias = linear.bias
-        self.plain = self.small = None
-        self.small_rows = 0
-        kernel = small_batch_kernel() if keep_copy and weight.dtype == torch.bfloat16 else None
-        if kernel is not None and kernel.bf16_fits(self.out_features, self.in_features) and (
-                self.bias is None or self.bias.dtype == torch.bfloat16):
-            self.small, self.small_rows, self._small_matmul = kernel.bf16_pack(weight), kernel.bf16_max_rows, \
-                kernel.bf16_matmul
-        elif keep_copy:
+        self.packed = self.plain = self.kernel_weight = None
+        kernel = bf16_kernel() if weight.dtype == torch.bfloat16 else None
+        if (kernel is not None and kernel.bf16_fits(self.out_features, self.in_features)
+                and (self.bias is None or self.bias.dtype == torch.bfloat16)):
+            self.kernel_weight, self._kernel_matmul = kernel.bf16_pack(weight), kernel.bf16_matmul
+            return
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACKING_ROWS.get(weight.dtype, 1))
+        if keep_copy and weight.dtype == torch.bfloat16:
             self.plain = weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if self.small is not None and rows <= self.small_rows:
+        if self.kernel_weight is not None:
             bias = None if self.bias is None else self.bias.detach()
-            out = self._small_matmul(x.reshape(rows, self.in_features), self.small, bias)
+            out = self._kernel_matmul(x.reshape(rows, self.in_features), self.kernel_weight, bias)
             return out.view(*x.shape[:-1], self.out_features)
         if self.plain is not None and rows == 1:
             return native_linear(x, self.plain, self.bias)
@@ -107,37 +117,37 @@ class PrepackedLinear(nn.Module):
 def prepack_linears(model: nn.Module) -> int:
     """Replace every nn.Linear in `model` with a PrepackedLinear; returns how many.
 
-    bf16 layers keep a second copy for small batches (PrepackedLinear) when it takes at most a
-    quarter of the RAM available now: packed for kvserve's AVX512-BF16 kernel where it runs and the
-    shape fits (a new tensor), else the plain weight for torch's GEMV (one shared with another
-    module, like a tied LM head's embedding, costs nothing). A model too large for it keeps only the
-    packed copy: correct, slower at small batches. float32 layers never keep one, nor bf16 ones where
-    oneDNN runs on AMX: their packed kernel is the faster one at one row too."""
+    bf16 layers go on kvserve's AVX512-BF16 kernel where it runs and their shape fits, one copy each.
+    The others keep their plain weights for single rows when that second copy takes at most a
+    quarter of the RAM available now (a weight shared with another module, like a tied LM head's
+    embedding, costs nothing). A model too large for it keeps only the packed copy: correct, slower
+    at batch 1. float32 layers never keep it, nor bf16 ones where oneDNN runs on AMX: their packed
+    kernel is the faster one at one row too."""
     linears = [(module, name, child) for module in list(model.modules())
                for name, child in list(module.named_children()) if isinstance(child, nn.Linear)]
     linear_ids = {id(child) for _, _, child in linears}
     owned_elsewhere = {p.data_ptr() for module in model.modules() if id(module) not in linear_ids
                        for p in module.parameters(recurse=False)}
     bf16 = all(child.weight.dtype == torch.bfloat16 for _, _, child in linears)
-    kernel = small_batch_kernel() if bf16 else None
-    def copy_is_new(child: nn.Linear) -> bool:  # the kernel's packing, or a plain weight held by it alone
-        return ((kernel is not None and kernel.bf16_fits(child.out_features, child.in_features))
-                or child.weight.data_ptr() not in owned_elsewhere)
-
-    extra = sum(child.weight.nbytes for _, _, child in linears if copy_is_new(child))
+    kernel = bf16_kernel() if bf16 else None
+    on_kernel = [kernel is not None and kernel.bf16_fits(child.out_features, child.in_features)
+                 for _, _, child in linears]
+    # the plain copies the rest would keep (a weight shared with another module costs nothing)
+    extra = sum(child.weight.nbytes for (_, _, child), fits in zip(linears, on_kernel)
+                if not fits and child.weight.data_ptr() not in owned_elsewhere)
     available = available_ram_bytes()
     amx = onednn_runs_amx()
     keep_copy = bf16 and not amx and extra <= available // 4
     for module, name, child in linears:
         setattr(module, name, PrepackedLinear(child, keep_copy))
-    if keep_copy and kernel is not None:
-        logger.info("Linears of up to %d rows: a copy of the weights (%s) packed for kvserve's AVX512-BF16 kernel",
-                    kernel.bf16_max_rows, format_size(extra))
-    elif keep_copy:
+    if any(on_kernel):
+        logger.info("bf16 linears on kvserve's AVX512-BF16 kernel: %d of %d (one packed copy of each weight)",
+                    sum(on_kernel), len(linears))
+    if keep_copy and extra:
         logger.info("Batch-1 linears: keeping a plain copy of the weights (%s) for torch's GEMV", format_size(extra))
     elif bf16 and amx:
-        logger.info("Small-batch linears use the prepacked weights: oneDNN runs them on AMX, faster than a second copy")
-    elif bf16:
-        logger.info("Small-batch linears use the prepacked weights: a second copy (%s) would take more than a "
+        logger.info("Batch-1 linears use the prepacked weights: oneDNN runs them on AMX, faster than torch's GEMV")
+    elif bf16 and extra:
+        logger.info("Batch-1 linears use the prepacked weights: a plain copy (%s) would take more than a "
                     "quarter of the available RAM (%s)", format_size(extra), format_size(available))
     return len(linears)

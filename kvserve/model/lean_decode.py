@@ -11,8 +11,9 @@ step's K/V go into the pool (one C++ copy for a full-precision pool in the model
 format's own write otherwise) and the paged decode kernel attends in place.
 
 It runs only where it computes what the module path computes: a CPU model whose four linears per
-layer are all on kvserve's small-batch kernel, or all oneDNN-packed full-precision weights
-(`--quantization none`; not the single rows the module path sends to a plain copy), a step of
+layer are all on kvserve's small-batch kernel, or all packed full-precision weights (oneDNN's, or in
+bf16 kvserve's AVX512-BF16 kernel's; `--quantization none`; not the single rows the module path
+sends to a plain copy), a step of
 decodes only in one group read in place, at most MAX_ROWS rows (past the rows the kernel takes,
 through the layers' oneDNN-packed dense copies, the weights the module path multiplies there),
 and no key centring, key basis, KV rotation (the fp8 and int4 KV formats' calibrations) or
@@ -46,9 +47,15 @@ def _operands(linear: QuantizedLinear) -> list[torch.Tensor]:
 
 
 def _dense_operands(linear: QuantizedLinear) -> list[torch.Tensor] | None:
-    """The oneDNN-packed weight of a QuantizedLinear's dense copy (what batches past its kernel rows
+    """The packed weight of a QuantizedLinear's dense copy (what batches past its kernel rows
     multiply through), or None where it has none in that form."""
-    return [linear.dense.packed] if isinstance(linear.dense, PrepackedLinear) else None
+    return _packed_operands(linear.dense) if isinstance(linear.dense, PrepackedLinear) else None
+
+
+def _packed_operands(linear: PrepackedLinear) -> list[torch.Tensor]:
+    """A PrepackedLinear's one weight the fused layers multiply by: bf16_gemm.h's where it has one,
+    else oneDNN's (the weight its forward takes past a single row)."""
+    return [linear.packed if linear.kernel_weight is None else linear.kernel_weight]
 
 
 @dataclass(frozen=True)
@@ -102,8 +109,7 @@ class LeanDecoder:
             elif all(isinstance(lin, PrepackedLinear) for lin in linears):  # --quantization none
                 kinds.add("dense")
                 plain = plain or any(lin.plain is not None for lin in linears)
-                kernel = None
-                dense = [[lin.packed] if lin.small is None else [lin.packed, lin.small] for lin in linears]
+                kernel, dense = None, [_packed_operands(lin) for lin in linears]
             else:
                 return None, "not every linear layer is on the quantized small-batch kernel or oneDNN-packed"
             if any(lin.bias is not None for lin in linears[1:]) or attn.reduce is not None or mlp.reduce is not None:
@@ -120,9 +126,8 @@ class LeanDecoder:
         if module is None:
             return None, why
         if kinds == {"dense"}:
-            # full-precision weights: every row count multiplies as PrepackedLinear does (through the
-            # small-batch copy where there is one), except the single rows the module path sends to
-            # torch's GEMV on a plain copy (cpu_linear.py)
+            # full-precision weights: every row count multiplies through the packed weights, except
+            # the single rows the module path sends to torch's GEMV on a plain copy (cpu_linear.py)
             return cls(module, model, layers, kernel_rows=0, max_rows=MAX_ROWS, min_rows=2 if plain else 1), ""
         kernel_rows = min([MAX_ROWS] + [limit for limit in limits if limit is not None])
         # past the kernel's rows every layer's dense copies (oneDNN-packed) take the batch, as on the

@@ -1,15 +1,18 @@
-// Small-batch bfloat16 matmul on AVX512-BF16 dot products (CPU): y = x W^T (+ b) for a decode batch.
+// bfloat16 matmul on AVX512-BF16 dot products (CPU): y = x W^T (+ b), the linears of a bf16 model.
 //
-// At 1-32 rows a bf16 linear is one pass over its weight with a little arithmetic per byte, and
-// oneDNN's GEMM, tuned for large M, leaves both on the table there: it does not hide its weight reads
-// behind its compute, and torch's GEMV for one row reads the weights below bandwidth (BENCHMARKS.md,
-// issue 26, eighth pass). Here the weight is packed once, at load, in the pair layout AVX512-BF16's
-// `vdpbf16ps` multiplies: for each block of 16 output rows, the K/2 column pairs in turn, each pair of
-// the 16 rows in one 64-byte vector, [N/16, K/2, 16, 2]. One step broadcasts a pair of x's columns and
-// adds its two products into 16 float32 outputs at once (no horizontal sums), so a register tile of
-// kTileRows rows of x by up to kTileBlocks blocks of 16 outputs reads each weight vector once per
-// tile, and the weight streams through memory front to back, once per call. Sums are float32 and the
-// output is rounded to bf16 once, as oneDNN's and torch's bf16 kernels do (in another order).
+// A decode step's bf16 linear (1-32 rows) is one pass over its weight with little arithmetic per
+// byte. There oneDNN's GEMM, tuned for large M, does not hide its weight reads behind its compute,
+// and torch's GEMV for one row reads the weights below bandwidth. Here the weight is packed once,
+// at load, in the pair layout AVX512-BF16's `vdpbf16ps` multiplies: for each block of 16 output
+// rows, the K/2 column pairs in turn, each pair of the 16 rows in one 64-byte vector,
+// [N/16, K/2, 16, 2]. One instruction adds a broadcast pair of x's columns times its two weights into
+// 16 float32 outputs at once (no horizontal sums). A register tile of kTileRows rows of x by up to
+// kTileBlocks blocks of 16 outputs loads each weight vector once per tile. Each thread takes its
+// columns in panels, each panel's weight read once from memory while every row tile of x passes over
+// it, so the weight streams front to back once per call. Measured faster than oneDNN at decode
+// batches and on par from 128 to 2,048 rows (BENCHMARKS.md, issue 26, eighth pass), so a layer on
+// it needs no second copy. Sums are float32 and the output is rounded to bf16 once, as oneDNN's and
+// torch's bf16 kernels do (in another order).
 //
 // The AVX512 build level does not include AVX512-BF16 (Cooper Lake, Sapphire Rapids on; AMD Zen 4
 // on), so the kernel is compiled for it alone (a target attribute) and offered where the CPU has it.
@@ -35,9 +38,6 @@ namespace bf16_gemm {
 constexpr int64_t kOutBlock = 16;   // output rows a packed block holds (one float32 vector of sums)
 constexpr int64_t kTileRows = 4;    // rows of x a register tile multiplies
 constexpr int64_t kTileBlocks = 6;  // blocks of 16 outputs a register tile holds (4 x 6 sums + 6 weights)
-// Rows up to which a linear takes this kernel (beyond, oneDNN's GEMM, whose blocking pays from
-// there): a decode batch, the lean step's rows (lean_decode.py MAX_ROWS).
-constexpr int64_t kMaxRows = 32;
 
 inline bool available() {
 #ifdef KVSERVE_BF16_DOT
@@ -118,7 +118,7 @@ inline const std::array<std::array<TileFn, kTileBlocks>, kTileRows>& tiles() {
 }
 #endif
 
-// x [rows, K] bf16 times the packed W^T -> [rows, N] bf16. Threads split the output columns.
+// x [rows, K] bf16 times the packed W^T (+ bias) -> [rows, N] bf16. Threads split the output columns.
 inline at::Tensor matmul(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(available(), "this CPU has no AVX512-BF16 (or this build of the kernel lacks it)");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(), "x must be 2-D bfloat16 on CPU");

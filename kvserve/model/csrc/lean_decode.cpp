@@ -43,19 +43,16 @@ inline float round_to(float v) {
 }
 
 // A QuantizedLinear's operands for quant_gemv::gemv (codes, scales, offsets), or a dense weight
-// (cpu_linear.PrepackedLinear): its oneDNN-packed weight, and where it keeps one, its copy packed
-// for bf16_gemm.h, which takes batches of up to bf16_gemm::kMaxRows.
+// (cpu_linear.PrepackedLinear) alone: packed for bf16_gemm.h (4-D) or by oneDNN (2-D).
 struct Linear {
   at::Tensor codes, d;
   std::optional<at::Tensor> m;
-  int64_t bits;  // 0: `codes` is a packed dense weight, `d` (if defined) its bf16_gemm copy
+  int64_t bits;  // 0: `codes` is a oneDNN-packed dense weight; 16: a bf16_gemm.h one
 };
 
 Linear linear_of(const std::vector<at::Tensor>& parts) {
-  if (parts.size() == 1) return Linear{parts[0], at::Tensor(), std::nullopt, 0};
-  if (parts.size() == 2) return Linear{parts[0], parts[1], std::nullopt, 0};
-  TORCH_CHECK(parts.size() == 3, "a linear is (codes, scales, offsets or an empty tensor) or (packed weight[, "
-              "small-batch weight])");
+  if (parts.size() == 1) return Linear{parts[0], at::Tensor(), std::nullopt, parts[0].dim() == 4 ? 16 : 0};
+  TORCH_CHECK(parts.size() == 3, "a linear is (codes, scales, offsets or an empty tensor) or (packed weight)");
   Linear out{parts[0], parts[1], std::nullopt, parts[0].scalar_type() == at::kByte ? 4 : 8};
   if (parts[2].numel() > 0) out.m = parts[2];
   return out;
@@ -74,8 +71,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed) {
 // output there, as to_model_dtype does the kernel's). `input`'s values are the model dtype's (a
 // float32 tensor holds them rounded), so the dense weight takes them in that dtype exactly.
 at::Tensor matmul(const at::Tensor& input, const Linear& w) {
-  if (w.bits == 0 && w.d.defined() && input.size(0) <= bf16_gemm::kMaxRows)
-    return bf16_gemm::matmul(input.to(at::kBFloat16), w.d, std::nullopt);
+  if (w.bits == 16) return bf16_gemm::matmul(input.to(at::kBFloat16), w.codes, std::nullopt);
   if (w.bits == 0) return packed_linear(input.to(w.codes.scalar_type()), w.codes);
   return quant_gemv::gemv(input, w.codes, w.d, w.m, w.bits);
 }
@@ -84,7 +80,7 @@ at::Tensor matmul(const at::Tensor& input, const Linear& w) {
 // group), the model dtype for a dense weight (which multiplies in it).
 template <typename T>
 at::ScalarType input_dtype(const Linear& w) {
-  return w.bits == 0 ? c10::CppTypeToScalarType<T>::value : at::kFloat;
+  return w.bits == 0 || w.bits == 16 ? c10::CppTypeToScalarType<T>::value : at::kFloat;
 }
 
 // The elementwise loops take kPair values a step: two float vectors, or one vector of a 16-bit type.
@@ -391,5 +387,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_fits", &bf16_gemm::fits, "whether an [N, K] weight fits bf16_gemm.h's layout");
   m.def("bf16_pack", &bf16_gemm::pack, "W [N, K] bf16 -> bf16_gemm.h's layout [N/16, K/2, 16, 2]");
   m.def("bf16_matmul", &bf16_matmul, "x [rows, K] bf16 times a bf16_pack'ed W^T (+ bias) -> bf16 [rows, N]");
-  m.attr("bf16_max_rows") = bf16_gemm::kMaxRows;
 }
