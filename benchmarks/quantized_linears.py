@@ -1,12 +1,14 @@
 """The default model's linears (30 layers of q/k/v, o, gate/up, down, and the LM head) at a few row
-counts: dense weights (oneDNN-prepacked, as the engine holds them: bf16 where oneDNN runs it, and
-float32) vs the small-batch kernel on int4 weights (kvserve's where it is built, else torch's int4
+counts: dense weights (prepacked as the engine holds them: bf16 on kvserve's AVX512-BF16 kernel where
+the CPU has it, else oneDNN's where it runs bf16, and float32 on oneDNN; `onednn` forces oneDNN's
+packing, for the side-by-side with kvserve's bf16 kernel) vs the small-batch kernel on int4 weights (kvserve's where it is built, else torch's int4
 kernel; 8-bit LM head), the choice behind KERNEL_MAX_ROWS in kvserve/model/quant_linear.py. Median
 of interleaved rounds, milliseconds for all the linears of one step.
 
     python benchmarks/quantized_linears.py --threads 1 --rows 1,2,4,8,16,32
     python benchmarks/quantized_linears.py --rows 32,128,512 --without-lm-head   # what a prefill chunk runs
     python benchmarks/quantized_linears.py --rows 32 --per-shape   # each shape called again and again
+    python benchmarks/quantized_linears.py --rows 1,8,32,128,512,2048 --dense prepacked,onednn --without-lm-head
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import time
 import torch
 from torch import nn
 
-from kvserve.model import quant_linear
+from kvserve.model import cpu_linear, quant_linear
 from kvserve.model.cpu_linear import PrepackedLinear, prepacking_available
 from kvserve.model.quantized import quantize_int4, quantize_int8
 
@@ -26,7 +28,8 @@ SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)
 
 def build(dtype: torch.dtype, dense_kinds: list[str], shapes: list[tuple[int, int]]) -> dict[str, list[nn.Module]]:
     """The step's layers once per kind: "kernel" (QuantizedLinear, no dense copy), and for each of
-    `dense_kinds` the same weights dense: "prepacked" (as the engine holds them) or "plain" (F.linear)."""
+    `dense_kinds` the same weights dense: "prepacked" (as the engine holds them), "onednn" (oneDNN's
+    packing even where kvserve's bf16 kernel runs) or "plain" (F.linear)."""
     torch.manual_seed(0)
     layers: dict[str, list[nn.Module]] = {kind: [] for kind in dense_kinds + ["kernel"]}
     for out, cols in shapes:
@@ -38,9 +41,20 @@ def build(dtype: torch.dtype, dense_kinds: list[str], shapes: list[tuple[int, in
                                                              keep_dense=False))
         linear = linear.to(dtype)
         for kind in dense_kinds:
-            prepack = kind == "prepacked" and prepacking_available(torch.device("cpu"), dtype)
-            layers[kind].append(PrepackedLinear(linear, keep_copy=dtype == torch.bfloat16) if prepack else linear)
+            prepack = kind in ("prepacked", "onednn") and prepacking_available(torch.device("cpu"), dtype)
+            layers[kind].append(_prepacked(linear, dtype, kind == "onednn") if prepack else linear)
     return layers
+
+
+def _prepacked(linear: nn.Linear, dtype: torch.dtype, onednn_only: bool) -> PrepackedLinear:
+    if not onednn_only:
+        return PrepackedLinear(linear, keep_copy=dtype == torch.bfloat16)
+    kernel = cpu_linear.bf16_kernel
+    cpu_linear.bf16_kernel = lambda: None
+    try:
+        return PrepackedLinear(linear, keep_copy=dtype == torch.bfloat16)
+    finally:
+        cpu_linear.bf16_kernel = kernel
 
 
 def step_ms(layers: list[nn.Module], rows: int, dtype: torch.dtype) -> float:
@@ -59,8 +73,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"))
     parser.add_argument("--dense", default="prepacked",
-                        help="comma list of prepacked (the engine's dense layers) and plain (nn.Linear, F.linear: "
-                             "float32 before it was prepacked), each interleaved with the kernel")
+                        help="comma list of prepacked (the engine's dense layers), onednn (oneDNN's packing even "
+                             "where kvserve's bf16 kernel runs) and plain (nn.Linear, F.linear: float32 before it "
+                             "was prepacked), each interleaved with the kernel")
     parser.add_argument("--without-lm-head", action="store_true",
                         help="only the 120 int4 layers (a prefill chunk computes the LM head for its last rows only)")
     parser.add_argument("--per-shape", action="store_true",
@@ -70,8 +85,8 @@ def main() -> None:
     from kvserve.engine.llm_engine import select_dtype
 
     kinds = [k.strip() for k in args.dense.split(",") if k.strip()]
-    if not kinds or set(kinds) - {"prepacked", "plain"}:
-        parser.error("--dense takes prepacked, plain or both")
+    if not kinds or set(kinds) - {"prepacked", "onednn", "plain"}:
+        parser.error("--dense takes prepacked, onednn and plain")
     torch.set_num_threads(args.threads)
     dtype = select_dtype(args.dtype, torch.device("cpu"))
     layers = build(dtype, kinds, SHAPES[:-1] if args.without_lm_head else SHAPES)
