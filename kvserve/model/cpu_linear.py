@@ -82,6 +82,14 @@ def bf16_kernel() -> Any | None:
     return module if module is not None and module.bf16_available() else None
 
 
+def takes_bf16_kernel(linear: nn.Linear, kernel: Any | None) -> bool:
+    """Whether `linear` goes on `kernel` (bf16_kernel()): a bf16 weight (and bias) of a shape its
+    layout fits."""
+    return (kernel is not None and linear.weight.dtype == torch.bfloat16
+            and kernel.bf16_fits(linear.out_features, linear.in_features)
+            and (linear.bias is None or linear.bias.dtype == torch.bfloat16))
+
+
 class PrepackedLinear(nn.Module):
     """y = x W^T + b with W packed once at load. A bf16 weight on a CPU with AVX512-BF16 (not AMX)
     is held once, in the layout of kvserve's kernel, which takes every row count (`kernel_weight`);
@@ -95,9 +103,9 @@ class PrepackedLinear(nn.Module):
         self.bias = linear.bias
         self.packed = self.plain = self.kernel_weight = None
         kernel = bf16_kernel() if weight.dtype == torch.bfloat16 else None
-        if (kernel is not None and kernel.bf16_fits(self.out_features, self.in_features)
-                and (self.bias is None or self.bias.dtype == torch.bfloat16)):
+        if takes_bf16_kernel(linear, kernel):
             self.kernel_weight, self._kernel_matmul = kernel.bf16_pack(weight), kernel.bf16_matmul
+            self._kernel_bias = None if self.bias is None else self.bias.detach()
             return
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACKING_ROWS.get(weight.dtype, 1))
         if keep_copy and weight.dtype == torch.bfloat16:
@@ -106,8 +114,7 @@ class PrepackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         if self.kernel_weight is not None:
-            bias = None if self.bias is None else self.bias.detach()
-            out = self._kernel_matmul(x.reshape(rows, self.in_features), self.kernel_weight, bias)
+            out = self._kernel_matmul(x.reshape(rows, self.in_features), self.kernel_weight, self._kernel_bias)
             return out.view(*x.shape[:-1], self.out_features)
         if self.plain is not None and rows == 1:
             return native_linear(x, self.plain, self.bias)
@@ -130,8 +137,7 @@ def prepack_linears(model: nn.Module) -> int:
                        for p in module.parameters(recurse=False)}
     bf16 = all(child.weight.dtype == torch.bfloat16 for _, _, child in linears)
     kernel = bf16_kernel() if bf16 else None
-    on_kernel = [kernel is not None and kernel.bf16_fits(child.out_features, child.in_features)
-                 for _, _, child in linears]
+    on_kernel = [takes_bf16_kernel(child, kernel) for _, _, child in linears]
     # the plain copies the rest would keep (a weight shared with another module costs nothing)
     extra = sum(child.weight.nbytes for (_, _, child), fits in zip(linears, on_kernel)
                 if not fits and child.weight.data_ptr() not in owned_elsewhere)

@@ -15,7 +15,7 @@ layer are all on kvserve's small-batch kernel, or all packed full-precision weig
 bf16 kvserve's AVX512-BF16 kernel's; `--quantization none`; not the single rows the module path
 sends to a plain copy), a step of
 decodes only in one group read in place, at most MAX_ROWS rows (past the rows the kernel takes,
-through the layers' oneDNN-packed dense copies, the weights the module path multiplies there),
+through the layers' packed dense copies, the weights the module path multiplies there),
 and no key centring, key basis, KV rotation (the fp8 and int4 KV formats' calibrations) or
 eviction. Everything else (prefill chunks, big batches, CUDA, `KVSERVE_DISABLE_CPU_KERNEL=1`, a
 kernel that does not build) takes the module path unchanged.

@@ -369,11 +369,6 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& 
   return quant_gemv::gemv(x, codes, d, m, codes.scalar_type() == at::kByte ? 4 : 8);
 }
 
-// bf16_gemm.h for PrepackedLinear: x [rows, K] bf16 times W^T (+ b) -> bf16 [rows, N].
-at::Tensor bf16_matmul(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
-  return bf16_gemm::matmul(x, packed, bias);
-}
-
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -386,5 +381,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_available", &bf16_gemm::available, "whether this CPU and build run bf16_gemm.h (AVX512-BF16)");
   m.def("bf16_fits", &bf16_gemm::fits, "whether an [N, K] weight fits bf16_gemm.h's layout");
   m.def("bf16_pack", &bf16_gemm::pack, "W [N, K] bf16 -> bf16_gemm.h's layout [N/16, K/2, 16, 2]");
-  m.def("bf16_matmul", &bf16_matmul, "x [rows, K] bf16 times a bf16_pack'ed W^T (+ bias) -> bf16 [rows, N]");
+  m.def("bf16_matmul", &bf16_gemm::matmul, "x [rows, K] bf16 times a bf16_pack'ed W^T (+ bias) -> bf16 [rows, N]");
 }
