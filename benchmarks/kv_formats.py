@@ -20,7 +20,8 @@ import torch
 
 from kvserve.cache.formats import make_kv_format
 from kvserve.cache.kv_cache import KVCacheSpec
-from kvserve.model.attention import AttentionGroup, AttentionMetadata, paged_attention
+from kvserve.model.attention import AttentionGroup, AttentionMetadata
+from kvserve.model.attention.torch_ops import paged_attention
 
 FORMATS = ("bfloat16", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "int4_kivi")
 

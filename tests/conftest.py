@@ -31,7 +31,7 @@ def cpu_kernel():
     """The CPU paged decode kernel's module for tests that need it; skipped with the reason where it
     cannot run (no compiler, an unsupported CPU, KVSERVE_DISABLE_CPU_KERNEL=1). Only tests that ask
     for it build it (`kvserve build-kernel` in the set-up command normally has)."""
-    from kvserve.model.cpu_attention import load_paged_decode_module
+    from kvserve.model.attention.cpu_paged import load_paged_decode_module
 
     module, why = load_paged_decode_module()
     if module is None:

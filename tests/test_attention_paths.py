@@ -12,9 +12,9 @@ import torch
 
 from kvserve.cache.formats import make_kv_format
 from kvserve.cache.kv_cache import KVCacheSpec
-from kvserve.model.attention import AttentionGroup, _decode, _decode_attention, _single_decode
-from kvserve.model.attention_backend import AttentionBackend
-from kvserve.model.cpu_attention import PagedDecodeKernel, load_paged_decode_module, paged_decode_kernel
+from kvserve.model.attention import AttentionGroup, make_attention_backend
+from kvserve.model.attention.torch_ops import _decode, _decode_attention, _single_decode
+from kvserve.model.attention.cpu_paged import PagedDecodeKernel, load_paged_decode_module, paged_decode_kernel
 
 pytestmark = pytest.mark.torch_path  # CI runs this module again with the kernel disabled
 
@@ -110,31 +110,32 @@ def check_kernel_against_the_definition(kernel: PagedDecodeKernel, dtype: torch.
         assert torch.allclose(got[i], expected, atol=tolerance), (i, (got[i] - expected).abs().max())
 
 
+def backend(name: str, kv_cache_dtype: str = "auto", dtype: torch.dtype = torch.bfloat16,
+            device: str = "cpu", head_dim: int = 64):
+    spec = KVCacheSpec(SPEC.num_layers, SPEC.num_kv_heads, head_dim, SPEC.block_size)
+    return make_attention_backend(name, make_kv_format(kv_cache_dtype, dtype), spec, dtype, None, torch.device(device))
+
+
 def test_attention_backend_choice(cpu_kernel):
-    cpu = torch.device("cpu")
-    assert paged_decode_kernel("torch", cpu, 64) is None
-    assert paged_decode_kernel("auto", cpu, 64) is not None  # where the kernel runs, auto takes it
-    assert paged_decode_kernel("auto", torch.device("meta"), 64) is None  # not a CPU: the torch path
+    assert backend("torch").name == "torch"
+    assert backend("auto").name == "cpu_paged"  # where the kernel runs, auto takes it
+    assert backend("auto", device="meta").name == "torch"  # not a CPU: the torch path
     with pytest.raises(ValueError, match="CPU only"):
-        paged_decode_kernel("cpu_paged", torch.device("meta"), 64)
+        backend("cpu_paged", device="meta")
     with pytest.raises(ValueError, match="head_dim 12 is not one"):
-        paged_decode_kernel("cpu_paged", cpu, 12)
+        backend("cpu_paged", head_dim=12)
     with pytest.raises(ValueError, match="unknown attention backend"):
-        paged_decode_kernel("flash", cpu, 64)
+        backend("flash")
     # The format describes its layout, the backend decides: int4_kivi, a float cache dtype other
     # than the model's, and quantized caches under a float16 model keep gathering.
-    kernel = paged_decode_kernel("cpu_paged", cpu, 64)
-
-    def in_place(kv_cache_dtype: str, dtype: torch.dtype, with_kernel=kernel) -> bool:
-        fmt = make_kv_format(kv_cache_dtype, dtype)
-        return AttentionBackend(fmt, SPEC, dtype, rope=None, device=cpu, kernel=with_kernel).reads_decodes_in_place
-
     for kv_cache_dtype in ("int4_kivi", "float32"):
-        assert not in_place(kv_cache_dtype, torch.bfloat16)
-    assert not in_place("fp8", torch.float16)
+        assert not backend("auto", kv_cache_dtype).reads_decodes_in_place
+        with pytest.raises(ValueError, match="--attention-backend cpu_paged: the cpu_paged backend reads"):
+            backend("cpu_paged", kv_cache_dtype)
+    assert not backend("auto", "fp8", torch.float16).reads_decodes_in_place
     for kv_cache_dtype in ("auto", "bfloat16", "fp8", "fp8_e5m2", "int8", "int4"):
-        assert in_place(kv_cache_dtype, torch.bfloat16)
-        assert not in_place(kv_cache_dtype, torch.bfloat16, with_kernel=None)
+        assert backend("auto", kv_cache_dtype).reads_decodes_in_place
+        assert not backend("torch", kv_cache_dtype).reads_decodes_in_place
 
 
 def test_without_the_kernel_auto_takes_the_torch_path_and_cpu_paged_says_why():
@@ -143,6 +144,7 @@ def test_without_the_kernel_auto_takes_the_torch_path_and_cpu_paged_says_why():
     module, why = load_paged_decode_module()
     if module is not None:
         pytest.skip("the kernel runs here; tests/test_kernel_build.py covers its absence")
-    assert paged_decode_kernel("auto", torch.device("cpu"), 64) is None
+    assert paged_decode_kernel(64)[0] is None
+    assert backend("auto").name == "torch"
     with pytest.raises(ValueError, match="not available: .+"):
-        paged_decode_kernel("cpu_paged", torch.device("cpu"), 64)
+        backend("cpu_paged")

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kvserve.model import kernel_build
-from kvserve.model.cpu_attention import PagedDecodeKernel, paged_decode_build
+from kvserve.model.attention.cpu_paged import PagedDecodeKernel, paged_decode_build
 from kvserve.model.kernel_build import DISABLE_ENV, KernelBuild, current_isa, load_kernel, runnable_isa_levels
 from kvserve.model.lean_kernel import lean_decode_build
 from test_attention_paths import SPEC, check_kernel_against_the_definition
@@ -28,8 +28,8 @@ PROBE = """
 import logging
 import torch
 logging.basicConfig(level=logging.INFO)
-from kvserve.model.cpu_attention import load_paged_decode_module, paged_decode_kernel
-kernel = paged_decode_kernel("auto", torch.device("cpu"), 64)
+from kvserve.model.attention.cpu_paged import load_paged_decode_module, paged_decode_kernel
+kernel, _ = paged_decode_kernel(64)
 if kernel is None:
     print("TORCH", load_paged_decode_module()[1])
 else:

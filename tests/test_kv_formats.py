@@ -10,7 +10,8 @@ from kvserve import LLM, SamplingParams
 from kvserve.cache.formats import KV_CACHE_DTYPES, make_kv_format
 from kvserve.cache.formats.int4 import Int4Format, pack_int4, unpack_int4
 from kvserve.cache.kv_cache import KVCacheSpec
-from kvserve.model.attention import AttentionGroup, _decode_attention, _decode_attention_scaled
+from kvserve.model.attention import AttentionGroup
+from kvserve.model.attention.torch_ops import _decode_attention, _decode_attention_scaled
 
 QUANTIZED = ("fp8_e4m3", "fp8_e5m2", "int8", "int4", "int4_kivi")
 SPEC = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16)

@@ -73,7 +73,7 @@ def test_decodes_split_into_length_groups_match_hf(tiny_model_factory, monkeypat
     decodes gather their blocks: the torch attention backend.)"""
     from transformers import AutoModelForCausalLM
 
-    import kvserve.model.attention_backend as attention_backend
+    import kvserve.model.attention.torch_backend as attention_backend
 
     monkeypatch.setattr(attention_backend, "GROUP_COST_TOKENS", 0)
     path = tiny_model_factory("mistral", sliding_window=8)
@@ -100,7 +100,7 @@ def test_same_shape_chunks_after_a_cached_prefix_match_hf(tiny_llama):
 
 
 def test_split_by_length_pads_less_and_covers_the_batch():
-    from kvserve.model.attention_backend import GROUP_COST_TOKENS, split_by_length
+    from kvserve.model.attention.torch_backend import GROUP_COST_TOKENS, split_by_length
 
     same = [8] * 64
     assert split_by_length(same, 16) == [(0, 64)]  # nothing to save

@@ -12,7 +12,7 @@ import torch
 from kvserve.cache.eviction import NO_EVICTION, POLICY_CHOICES
 from kvserve.cache.formats import KV_CACHE_DTYPES
 from kvserve.units import parse_size
-from kvserve.model.cpu_attention import ATTENTION_BACKENDS
+from kvserve.model.attention import attention_backend_names
 from kvserve.model.quant_linear import QUANTIZATION_MODES
 
 # A --kv-cache-memory above this (1 PiB) is a typo, not a machine.
@@ -119,7 +119,7 @@ class EngineArgs:
     attention_backend: str = field(default="auto", metadata=_opt(
         "decode attention: cpu_paged = a C++ kernel reading the paged pool in place (kvserve build-kernel); "
         "torch = gather the blocks, then torch matmuls (the CUDA path); auto = cpu_paged on CPU when it "
-        "builds and reads the KV cache dtype (the model dtype, fp8, int8, int4), else torch", choices=ATTENTION_BACKENDS))
+        "builds and reads the KV cache dtype (the model dtype, fp8, int8, int4), else torch", choices=attention_backend_names()))
     kv_offloading_size: float | None = field(default=None, metadata=_opt(
         "GiB of host memory for the KV offload tier (vLLM's flag): published prefix-cache blocks the pool "
         "reclaims are kept there and loaded back on a prefix hit; 0 or absent: off", type=float))

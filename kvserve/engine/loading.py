@@ -21,7 +21,7 @@ from kvserve.cache.kv_cache import KVFormat
 from kvserve.engine.args import EngineArgs
 from kvserve.engine.preflight import Preflight, emulated_bf16_warning, lowered_max_model_len_warning, preflight
 from kvserve.model.config import ModelConfig
-from kvserve.model.attention_backend import AttentionBackend, make_attention_backend
+from kvserve.model.attention import AttentionBackend, make_attention_backend
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import LoadedModel, load_model, quantized_sources
 from kvserve.model.quant_linear import (

@@ -28,8 +28,7 @@ from kvserve.engine.parallel.executor import TensorParallelExecutor
 from kvserve.engine.request import Request
 from kvserve.engine.sampler import SampleResult, Sampler
 from kvserve.engine.scheduler import ScheduledRequest
-from kvserve.model.attention import AttentionMetadata
-from kvserve.model.attention_backend import AttentionBackend, StepSequence, packing_order
+from kvserve.model.attention import AttentionBackend, AttentionMetadata, StepSequence, packing_order
 from kvserve.model.llama import LlamaForCausalLM
 
 

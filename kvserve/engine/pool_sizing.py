@@ -20,7 +20,7 @@ from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.preflight import CapacityError, fit_max_model_len, lowered_max_model_len_warning
 from kvserve.engine.request import Request
 from kvserve.engine.scheduler import ScheduledRequest
-from kvserve.model.attention_backend import AttentionBackend
+from kvserve.model.attention import AttentionBackend
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.sampling_params import SamplingParams
 from kvserve.units import GiB

@@ -21,7 +21,7 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvserve.cli import UserError
-    from kvserve.model.cpu_attention import paged_decode_build
+    from kvserve.model.attention.cpu_paged import paged_decode_build
     from kvserve.model.lean_kernel import lean_decode_build
 
     runnable = runnable_isa_levels()

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.cache.kv_cache import KVCache
-from kvserve.model.attention import AttentionMetadata, paged_attention
+from kvserve.model.attention import AttentionMetadata
 from kvserve.model.config import ModelConfig
 from kvserve.model.cpu_linear import prepack_linears, prepacking_available
 from kvserve.model.lean_decode import LeanDecoder
@@ -60,35 +60,15 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
+        """qkv -> RoPE -> the attention backend (model/attention/) -> o_proj."""
         heads = self.qkv_proj(x).view(x.shape[0], self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         # q and k heads are rotated together in one pass.
         qk = apply_rotary(heads[:, : self.num_heads + self.num_kv_heads], *rope)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         v = heads[:, self.num_heads + self.num_kv_heads:]
-        if self.key_center is not None:
-            k = k - self.key_center
-        plain_q = q
-        if self.key_basis is not None:
-            q, k = self._change_key_basis(q, k)
-        if meta.unrotated_key_rows is not None:  # requests under KV eviction store keys before RoPE
-            rows = meta.unrotated_key_rows
-            k = k.index_copy(0, rows, heads[rows, self.num_heads: self.num_heads + self.num_kv_heads].to(k.dtype))
-            if self.key_basis is not None:
-                q = q.index_copy(0, rows, plain_q[rows])
-        out = self.o_proj(paged_attention(q, k, v, kv_cache.layers[self.layer_idx], kv_cache.format, meta,
-                                          self.window))
+        key_before_rope = heads[:, self.num_heads: self.num_heads + self.num_kv_heads]
+        out = self.o_proj(meta.backend.forward(self, q, k, v, key_before_rope, kv_cache, meta))
         return out if self.reduce is None else self.reduce(out)
-
-    def _change_key_basis(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [tokens, heads, d] -> q·T^-T and k [tokens, kv_heads, d] -> k·T, per KV head, as one
-        float32 bmm each over [kv_heads, rows, d] (on CPU faster than einsum or bfloat16)."""
-        key_transform, query_transform = self.key_basis
-        tokens, kv_heads, dim = q.shape[0], self.num_kv_heads, self.head_dim
-        grouped = q.float().view(tokens, kv_heads, -1, dim).transpose(0, 1).reshape(kv_heads, -1, dim)
-        q_new = torch.bmm(grouped, query_transform).view(kv_heads, tokens, -1, dim).transpose(0, 1)
-        k_new = torch.bmm(k.float().transpose(0, 1), key_transform).transpose(0, 1)
-        # The keys stay float32: the format rounds them once, from float32, as they are stored.
-        return q_new.reshape(q.shape).to(q.dtype), k_new
 
 
 class MLP(nn.Module):
@@ -205,7 +185,7 @@ class LlamaForCausalLM(nn.Module):
             if transforms is None:
                 layer.self_attn.key_basis = None
             else:
-                transform = transforms[i].float()  # applied in float32 (Attention._change_key_basis)
+                transform = transforms[i].float()  # applied in float32 (attention.base.change_key_basis)
                 layer.self_attn.key_basis = (transform, torch.linalg.inv(transform).mT.contiguous())
 
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:

@@ -26,7 +26,7 @@ from kvserve.engine.parallel.group import (
     DistributedConfig, RankGroups, distributed_config, join, leave, rank_device, set_rank_threads)
 from kvserve.engine.parallel.launch import Watchdog, spawn_workers, stop_workers
 from kvserve.engine.parallel.messages import Describe, Heartbeat, MoveTokens, RankStats, Setup, Shutdown, StepPlan
-from kvserve.model.attention_backend import StepSequence
+from kvserve.model.attention import StepSequence
 
 logger = logging.getLogger("kvserve")
 

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from kvserve.cache.kv_cache import KVCacheSpec
-from kvserve.model.attention_backend import StepSequence
+from kvserve.model.attention import StepSequence
 
 
 @dataclass

@@ -24,7 +24,7 @@ from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.parallel.executor import TensorParallelExecutor
 from kvserve.engine.parallel.messages import RankStats, Setup
 from kvserve.engine.parallel.worker import mib, release_freed_memory, sharded_layer_bytes
-from kvserve.model.attention_backend import AttentionBackend
+from kvserve.model.attention import AttentionBackend
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.parallel import ShardLayout, shard_heads, shard_layout, shard_model
 from kvserve.model.quant_linear import install_quantized, quantized_for_a_while, resident_weight_bytes
@@ -80,7 +80,7 @@ def calibrate_full_model(model: LlamaForCausalLM, fmt: KVFormat, backend: Attent
     full_spec = replace(spec, num_kv_heads=built.config.num_kv_heads)
     blocks = min(num_blocks, blocks_for_tokens(CALIBRATION_TOKENS, spec.block_size) + 1)
     scratch = KVCache(full_spec, fmt, blocks, backend.device)
-    scratch_backend = AttentionBackend(fmt, full_spec, built.plan.dtype, model.rope, backend.device, backend.kernel)
+    scratch_backend = backend.for_spec(full_spec)
     calibrate_key_transforms(ModelRunner(model, scratch, scratch_backend), max_model_len, built.path)
     attention = [layer.self_attn for layer in model.layers]
     centers = [a.key_center for a in attention] if fmt.center_keys else None

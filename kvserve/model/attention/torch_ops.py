@@ -1,18 +1,18 @@
-"""Paged attention over a packed batch of mixed decode and prefill tokens.
+"""The torch backend's attention: paged attention over a packed batch of mixed decode and prefill tokens.
 
 The runner packs every scheduled token of every request into one flat batch (no padding in the
 linear layers). Attention then needs, per request: where its new K/V go (`slot_mapping`), which
 physical blocks hold its context (`block_tables`), how many tokens its context has (`seq_lens`)
 and which packed rows are its queries. The runner packs decodes first, then prefill chunks;
-the attention backend (attention_backend.py) builds this metadata.
+the torch backend (torch_backend.py) builds this metadata.
 
 * decodes (one query each): with a format that reads them in place (the CPU kernel,
-  model/cpu_attention.py), one kernel call over all of them. Otherwise vectorised over the
+  cpu_paged.py), one kernel call over all of them. Otherwise vectorised over the
   requests with padding and a mask:
   grouped-query matmuls, queries of a KV head batched together, softmax in float32: on CPU much
   faster than SDPA with a length-1 query. Decode time is mostly reading K/V (gather, then
   the matmuls), so the backend splits decodes of very different context lengths into a few groups
-  padded separately (attention_backend.split_by_length). A group of one request needs no padding:
+  padded separately (torch_backend.split_by_length). A group of one request needs no padding:
   its exact context goes to one SDPA call, the KV head's query heads as its query rows.
 * prefill chunks (several queries each), one `scaled_dot_product_attention` call per chunk at
   its exact context length (a step holds only a few chunks; padding them to a common length and
@@ -31,7 +31,6 @@ layers and heads into tensors the runner hands in. Other requests never pay for 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -39,109 +38,7 @@ import torch.nn.functional as F
 
 from kvserve.cache.eviction.positions import rope_gathered_keys
 from kvserve.cache.kv_cache import KVFormat, ScaledKV
-
-
-@dataclass
-class AttentionGroup:
-    """The decode requests of a step (one query each), padded to a common context length. Their
-    queries are the first rows of the packed batch."""
-
-    block_ids: torch.Tensor  # [requests * blocks_per_seq] flattened, padded block tables
-    seq_lens: torch.Tensor  # [requests] context length after this step's token is written
-    context_len: int  # blocks_per_seq * block_size
-    max_seq_len: int  # the longest of seq_lens (a group of one request: its exact length)
-    # Evicting requests only: cos and signed sin [context_len, head_dim] to rotate their keys
-    # (stored before RoPE) by cache index (positions.py); a [requests, context_len] float32
-    # tensor that each layer adds its attention probabilities to, summed over query heads.
-    key_rope: tuple[torch.Tensor, torch.Tensor] | None = None
-    observed_attention: torch.Tensor | None = None
-    _masks: dict[int | None, torch.Tensor] = field(default_factory=dict, repr=False)
-
-    @property
-    def num_requests(self) -> int:
-        return self.seq_lens.shape[0]
-
-    def mask_bias(self, window: int | None) -> torch.Tensor:
-        """[requests, 1, context] float32, 0 where the query may attend and -inf elsewhere; built
-        once per step for each distinct sliding window and shared by all layers."""
-        if window not in self._masks:
-            kv_pos = torch.arange(self.context_len, device=self.seq_lens.device)
-            q_pos = (self.seq_lens - 1)[:, None]
-            allowed = kv_pos < self.seq_lens[:, None]
-            if window is not None:
-                allowed &= kv_pos > q_pos - window
-            bias = torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device)
-            self._masks[window] = bias.masked_fill_(~allowed, float("-inf")).unsqueeze(1)
-        return self._masks[window]
-
-
-@dataclass
-class ObservedAttention:
-    """Where a chunk reports the attention of its queries [first, num_queries) (what a KV
-    eviction policy observes): every layer adds their softmax probabilities, summed over query
-    heads, into `rows` [num_queries - first, context_len], one row per query, or with `summed`
-    into `rows` [1, context_len], summed over those queries too."""
-
-    rows: torch.Tensor
-    first: int = 0
-    summed: bool = False
-
-
-@dataclass
-class PrefillChunk:
-    """One request's chunk of several queries: packed rows [row_start, row_start + num_queries),
-    attending to a context of `context_len` tokens (earlier ones and the chunk itself)."""
-
-    row_start: int
-    num_queries: int
-    context_len: int
-    block_ids: torch.Tensor  # [blocks] the request's block table
-    # As in AttentionGroup, for a request under eviction.
-    key_rope: tuple[torch.Tensor, torch.Tensor] | None = None
-    observed_attention: ObservedAttention | None = None
-    _masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict, repr=False)
-    _biases: dict[tuple[int | None, torch.dtype], torch.Tensor | None] = field(default_factory=dict, repr=False)
-
-    def mask(self, window: int | None) -> torch.Tensor | None:
-        """[queries, context] bool, or None when the chunk is plain causal self-attention."""
-        if window not in self._masks:
-            start = self.context_len - self.num_queries
-            if start == 0 and (window is None or window >= self.context_len):
-                self._masks[window] = None
-            else:
-                device = self.block_ids.device
-                q_pos = torch.arange(start, self.context_len, device=device)[:, None]
-                kv_pos = torch.arange(self.context_len, device=device)
-                allowed = kv_pos <= q_pos
-                if window is not None:
-                    allowed &= kv_pos > q_pos - window
-                self._masks[window] = allowed
-        return self._masks[window]
-
-    def bias(self, window: int | None, dtype: torch.dtype) -> torch.Tensor | None:
-        """`mask` as an additive [queries, context] tensor in `dtype` (0 or -inf): CPU SDPA runs
-        faster with it than with the bool mask."""
-        key = (window, dtype)
-        if key not in self._biases:
-            allowed = self.mask(window)
-            self._biases[key] = None if allowed is None else torch.zeros(
-                allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
-        return self._biases[key]
-
-
-@dataclass
-class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [tokens] pool slot of each packed token
-    decodes: list[AttentionGroup]  # consecutive runs of the first rows
-    prefills: list[PrefillChunk]
-    evicting_decode: AttentionGroup | None = None  # decodes of evicting requests, right after `decodes`'
-    unrotated_key_rows: torch.Tensor | None = None  # packed rows whose keys are stored before RoPE
-    # Reads all of `decodes` in place (pool, queries [B, H, d], block tables [B, W], seq_lens, window),
-    # or None: they are gathered. Set by the backend when a kernel reads the format's layout.
-    decode_in_place: Callable[..., torch.Tensor] | None = None
-    # (request id, [rows, seq_len] float32): the attention rows a sequence's eviction policy
-    # observes, summed over layers and heads; filled by the forward pass.
-    observed_attention: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+from kvserve.model.attention.metadata import AttentionGroup, AttentionMetadata, ObservedAttention, PrefillChunk
 
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pool: dict,
@@ -159,19 +56,27 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         start += group.num_requests
     if meta.evicting_decode is not None:
         group = meta.evicting_decode
-        k_ctx, v_ctx = kv_format.gather(pool, group.block_ids, group.num_requests, query.dtype)
-        k_ctx = rope_gathered_keys(k_ctx, *group.key_rope, rotation)
-        q = query[start: start + group.num_requests].unsqueeze(1)
-        parts.append(_decode_attention(q, k_ctx, v_ctx, group, window).view(-1, heads, dim))
-    parts.extend(_prefills(query, meta.prefills, pool, kv_format, rotation, window))
+        parts.append(decode_gathered(query[start: start + group.num_requests], group, pool, kv_format, rotation,
+                                     window))
+    parts.extend(prefills_gathered(query, meta.prefills, pool, kv_format, rotation, window))
     out = parts[0] if len(parts) == 1 else torch.cat(parts)
     if rotation is not None:  # probs·(VR)·R^T = probs·V
         out = out @ rotation.T
     return out.reshape(tokens, heads * dim)
 
 
-def _prefills(query: torch.Tensor, chunks: list[PrefillChunk], pool: dict, kv_format: KVFormat,
-              rotation: torch.Tensor | None, window: int | None) -> list[torch.Tensor]:
+def decode_gathered(query: torch.Tensor, group: AttentionGroup, pool: dict, kv_format: KVFormat,
+                    rotation: torch.Tensor | None, window: int | None) -> torch.Tensor:
+    """The decodes of sequences under eviction (queries [n, H, d] -> [n, H, d]): their context
+    gathered, keys rotated by cache index (stored before RoPE), attention observed if asked."""
+    heads, dim = query.shape[1:]
+    k_ctx, v_ctx = kv_format.gather(pool, group.block_ids, group.num_requests, query.dtype)
+    k_ctx = rope_gathered_keys(k_ctx, *group.key_rope, rotation)
+    return _decode_attention(query.unsqueeze(1), k_ctx, v_ctx, group, window).view(-1, heads, dim)
+
+
+def prefills_gathered(query: torch.Tensor, chunks: list[PrefillChunk], pool: dict, kv_format: KVFormat,
+                      rotation: torch.Tensor | None, window: int | None) -> list[torch.Tensor]:
     """Each chunk's attention output [num_queries, H, d], in chunk order. Chunks of the same shape
     (queries, context) share one batched SDPA call: e.g. questions after a cached system prompt,
     faster on CPU than a call per chunk. Chunks under eviction go one by one."""

@@ -1,4 +1,5 @@
-"""The CPU paged decode kernel (csrc/paged_decode.cpp): build, load, choose.
+"""The CPU paged backend: the torch backend with decodes read in place by a C++ kernel
+(csrc/paged_decode.cpp), built, loaded and chosen here.
 
 Decode attention in torch ops has to gather each request's blocks into one padded tensor before
 its matmuls: on CPU that copy, the padding and the mask were a large share of a decode step at
@@ -8,13 +9,12 @@ tables instead (what vLLM's CPU and CUDA backends do; BENCHMARKS.md, "Offline th
 
 It is C++ built for the CPU's vector ISA by `kvserve build-kernel` at set-up, or on first use
 (kernel_build.py: cached per ISA and torch version, safe when processes start at once). When it
-cannot be built or loaded, `--attention-backend auto` logs why in one line and keeps the torch
-path, which is also the path on CUDA.
+cannot be built or loaded, `--attention-backend auto` logs why in one line and takes the torch
+backend.
 """
 from __future__ import annotations
 
 import functools
-import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,12 +23,12 @@ from typing import Any
 import torch
 
 from kvserve.cache.kv_cache import InPlaceLayout
+from kvserve.model.attention.base import BackendConfig
+from kvserve.model.attention.torch_backend import TorchBackend
 from kvserve.model.kernel_build import KernelBuild, current_isa, load_kernel
 
-logger = logging.getLogger(__name__)
 
-ATTENTION_BACKENDS = ("auto", "torch", "cpu_paged")
-SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
+SOURCE = Path(__file__).parent.parent / "csrc" / "paged_decode.cpp"
 
 
 @dataclass(frozen=True)
@@ -87,24 +87,44 @@ def load_paged_decode_module() -> tuple[Any | None, str]:
     return load_kernel(paged_decode_build())
 
 
-def paged_decode_kernel(backend: str, device: torch.device, head_dim: int) -> PagedDecodeKernel | None:
-    """The decode kernel an engine uses for `--attention-backend`, or None for the torch path.
-    `auto` takes the kernel on CPU when it builds; `cpu_paged` insists on it (ValueError if it
-    cannot run here); `torch` never uses it."""
-    if backend not in ATTENTION_BACKENDS:
-        raise ValueError(f"unknown attention backend {backend!r}: choose one of {', '.join(ATTENTION_BACKENDS)}")
-    if backend == "torch":
-        return None
-    if device.type != "cpu":
-        if backend == "cpu_paged":
-            raise ValueError(f"--attention-backend cpu_paged runs on CPU only, not {device}")
-        return None
+def paged_decode_kernel(head_dim: int) -> tuple[PagedDecodeKernel | None, str]:
+    """The compiled decode kernel for `head_dim`, or None and why not."""
     module, why = load_paged_decode_module()
     if module is not None and not module.supports_head_dim(head_dim):
-        module, why = None, f"head_dim {head_dim} is not one the kernel is compiled for"
+        return None, f"head_dim {head_dim} is not one the kernel is compiled for"
     if module is None:
-        if backend == "cpu_paged":
-            raise ValueError(f"the CPU paged decode kernel is not available: {why}")
-        logger.warning("CPU paged decode kernel unavailable (%s); decode attention uses torch ops", why)
-        return None
-    return PagedDecodeKernel(module, 1.0 / math.sqrt(head_dim))
+        return None, f"the CPU paged decode kernel is not available: {why}"
+    return PagedDecodeKernel(module, 1.0 / math.sqrt(head_dim)), ""
+
+
+class CpuPagedBackend(TorchBackend):
+    """Decodes read in place by the CPU kernel (one call over every decode of the step, no gather,
+    no padding); prefill chunks and sequences under KV eviction as in the torch backend."""
+
+    name = "cpu_paged"
+    auto_devices = ("cpu",)
+    reads_decodes_in_place = True
+
+    def __init__(self, config: BackendConfig):
+        super().__init__(config)
+        self.layout = config.kv_format.in_place_layout(config.query_dtype)
+        self.kernel, why = paged_decode_kernel(config.spec.head_dim)
+        if self.kernel is None or self.layout is None:
+            raise ValueError(why or self.unsupported(config))
+
+    @classmethod
+    def unsupported(cls, config: BackendConfig) -> str | None:
+        if config.device.type != "cpu":
+            return f"the cpu_paged backend runs on CPU only, not {config.device}"
+        if config.kv_format.in_place_layout(config.query_dtype) is None:
+            return (f"the cpu_paged backend reads a KV cache in the model dtype, or fp8/int8/int4 under a bfloat16 "
+                    f"or float32 model; not a {config.kv_format.name} KV cache with "
+                    f"{str(config.query_dtype).removeprefix('torch.')} weights")
+        return paged_decode_kernel(config.spec.head_dim)[1] or None
+
+    @property
+    def description(self) -> str:
+        return "CPU paged kernel (in place)"
+
+    def decode_in_place(self, pool, query, block_tables, seq_lens, window):
+        return self.kernel.decode(self.layout, pool, query, block_tables, seq_lens, window)

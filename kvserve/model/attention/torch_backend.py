@@ -1,58 +1,25 @@
-"""The attention backend, chosen once at start-up, and the per-step metadata it builds.
+"""The torch backend: the step's metadata for attention in torch ops (torch_ops.py).
 
-vLLM v1's split: the runner packs the step's tokens and hands over, per sequence, its rows of
-the packed batch, its context length and its block table (`StepSequence`), plus every token's
-pool slot. The backend decides the rest: whether a kernel reads decodes in place (the KV format
-says how its pool is laid out; `cpu_attention` has the kernel), how decodes are grouped and
-padded, where padding points (the null block), and what sequences under KV eviction need.
+From the runner's `StepSequence` data it decides how decodes are grouped and padded (runs of
+similar lengths, `split_by_length`), where padding points (the null block), and what sequences
+under KV eviction need (keys rotated when read, observed attention rows). The CPU paged backend
+(cpu_paged.py) builds the same metadata and reads decodes in place instead.
 """
 from __future__ import annotations
-
-import logging
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from kvserve.cache.block_pool import NULL_BLOCK_ID
-from kvserve.cache.kv_cache import KVCacheSpec, KVFormat
-from kvserve.model.attention import AttentionGroup, AttentionMetadata, ObservedAttention, PrefillChunk
-from kvserve.model.cpu_attention import PagedDecodeKernel, paged_decode_kernel
-from kvserve.model.rope import RotaryEmbedding
-
-logger = logging.getLogger("kvserve")
+from kvserve.model.attention.base import AttentionBackend
+from kvserve.model.attention.metadata import (AttentionGroup, AttentionMetadata, ObservedAttention, PrefillChunk,
+                                              StepSequence)
+from kvserve.model.attention.torch_ops import paged_attention
 
 # A decode group's fixed cost (its gather, matmuls, softmax and mask in every layer) is about
 # that of attending to this many more padded context tokens on CPU (estimated from a profile of
 # the default model: BENCHMARKS.md, "Offline throughput").
 GROUP_COST_TOKENS = 1024
-
-
-@dataclass
-class StepSequence:
-    """One sequence's share of a step: packed rows [row_start, row_start + num_queries), a
-    context of `seq_len` tokens once they are written, the block table holding it."""
-
-    request_id: str
-    row_start: int
-    num_queries: int
-    seq_len: int
-    block_table: np.ndarray  # int64 block ids
-    keys_before_rope: bool = False  # under KV eviction: keys stored unrotated, rotated when read
-    # Under an eviction policy that observes attention: (first observed query row, rows
-    # reported, whether they are summed into one), as Evictor.observed_rows gives it.
-    observed_rows: tuple[int, int, bool] | None = None
-
-    @property
-    def is_decode(self) -> bool:
-        return self.num_queries == 1
-
-
-def packing_order(is_decode: bool, keys_before_rope: bool, context_len: int) -> tuple:
-    """Sort key of a sequence in the packed batch: decodes first (each attention group then owns
-    one run of rows), sequences under eviction after the others, decodes longest first (so that
-    similar lengths are neighbours)."""
-    return (not is_decode, keys_before_rope, -context_len if is_decode else 0)
 
 
 def split_by_length(num_blocks: list[int], block_size: int) -> list[tuple[int, int]]:
@@ -77,33 +44,25 @@ def split_by_length(num_blocks: list[int], block_size: int) -> list[tuple[int, i
     return runs[::-1]
 
 
-class AttentionBackend:
-    """How this engine's attention reads the pool: in place through `kernel` when the format's
-    layout allows it (`kv_format.in_place_layout`), else gathered by torch ops."""
+class TorchBackend(AttentionBackend):
+    """Attention in torch ops (torch_ops.py): each step's context gathered from the pool into padded
+    tensors, then matmuls and softmax, or SDPA. Runs anywhere, reads every KV format, and is the
+    reference the other backends are tested against."""
 
-    def __init__(self, kv_format: KVFormat, spec: KVCacheSpec, query_dtype: torch.dtype, rope: RotaryEmbedding,
-                 device: torch.device, kernel: PagedDecodeKernel | None = None):
-        self.layout = kv_format.in_place_layout(query_dtype) if kernel is not None else None
-        self.kernel = kernel if self.layout is not None else None
-        self.spec = spec
-        self.rope = rope
-        self.device = device
-
-    @property
-    def block_size(self) -> int:
-        return self.spec.block_size
-
-    @property
-    def reads_decodes_in_place(self) -> bool:
-        return self.kernel is not None
+    name = "torch"
 
     @property
     def description(self) -> str:
-        return "CPU paged kernel (in place)" if self.reads_decodes_in_place else "torch ops (gathered blocks)"
+        return "torch ops (gathered blocks)"
+
+    def attend(self, query, key, value, pool, kv_format, meta, window):
+        return paged_attention(query, key, value, pool, kv_format, meta, window)
 
     def decode_in_place(self, pool: dict[str, torch.Tensor], query: torch.Tensor, block_tables: torch.Tensor,
                         seq_lens: torch.Tensor, window: int | None) -> torch.Tensor:
-        return self.kernel.decode(self.layout, pool, query, block_tables, seq_lens, window)
+        """Decode attention read in place (pool, queries [B, H, d], block tables [B, W], seq_lens,
+        window): only backends with `reads_decodes_in_place` have it."""
+        raise NotImplementedError(f"the {self.name} backend gathers decodes")
 
     # ------------------------------------------------------------------ metadata
     def build(self, sequences: list[StepSequence], slot_mapping: torch.Tensor) -> AttentionMetadata:
@@ -135,10 +94,8 @@ class AttentionBackend:
             unrotated_key_rows=self._tensor(rows) if rows else None,
             decode_in_place=self.decode_in_place if self.reads_decodes_in_place else None,
             observed_attention=observed,
+            backend=self,
         )
-
-    def _tensor(self, array) -> torch.Tensor:
-        return torch.as_tensor(array, dtype=torch.long).to(self.device, non_blocking=True)
 
     def _decode_runs(self, decode: list[StepSequence]) -> list[tuple[int, int]]:
         """[start, end) runs of the decodes that attend together: one run when the pool is read in
@@ -184,17 +141,3 @@ class AttentionBackend:
         cos, signed_sin = self.rope.cos, self.rope.signed_sin
         index = torch.arange(length, device=cos.device).clamp_(max=cos.shape[0] - 1)
         return cos[index], signed_sin[index]
-
-
-def make_attention_backend(name: str, kv_format: KVFormat, spec: KVCacheSpec, query_dtype: torch.dtype,
-                           rope: RotaryEmbedding, device: torch.device) -> AttentionBackend:
-    """`--attention-backend`: `auto` reads decodes in place with the CPU kernel where it builds
-    and the format's layout allows it; `cpu_paged` insists (ValueError otherwise); `torch` gathers."""
-    kernel = paged_decode_kernel(name, device, spec.head_dim)  # checks the name
-    backend = AttentionBackend(kv_format, spec, query_dtype, rope, device, kernel)
-    if name == "cpu_paged" and not backend.reads_decodes_in_place:
-        raise ValueError(f"--attention-backend cpu_paged reads a KV cache in the model dtype, or fp8/int8/int4 under "
-                         f"a bfloat16 or float32 model; not a {kv_format.name} KV cache with "
-                         f"{str(query_dtype).removeprefix('torch.')} weights")
-    logger.info("Decode attention: %s", backend.description)
-    return backend

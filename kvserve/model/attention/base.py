@@ -1,0 +1,123 @@
+"""The attention backend interface: what every way of computing paged attention provides.
+
+A backend is chosen once at start-up (registry.py, `--attention-backend`) for one configuration
+(`BackendConfig`: device, KV format, query dtype, pool shape). It declares whether it can serve
+that configuration (`unsupported`), builds each step's metadata from the runner's plain
+`StepSequence` data (`build`), and computes attention for the packed batch: it writes the step's
+new K/V into the pool and attends decodes and prefill chunks, prefix hits included (`attend`).
+
+The model's attention layer stops at q, k, v after RoPE and hands them over (`forward`); the
+key transforms a KV format asks for (centering, a fitted key basis: engine/key_centering.py,
+engine/key_basis.py) and the unrotated keys of sequences under KV eviction are applied here,
+once, for every backend. The same split as vLLM's `AttentionBackend` / `AttentionImpl`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from kvserve.cache.kv_cache import KVCacheSpec, KVFormat
+from kvserve.model.attention.metadata import AttentionMetadata, StepSequence
+from kvserve.model.rope import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from kvserve.cache.kv_cache import KVCache
+    from kvserve.model.llama import Attention
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    """What a backend is asked to serve."""
+
+    kv_format: KVFormat
+    spec: KVCacheSpec
+    query_dtype: torch.dtype
+    rope: RotaryEmbedding
+    device: torch.device
+
+
+class AttentionBackend:
+    """One way of computing paged attention. Subclasses set `name`, say what they cannot serve
+    (`unsupported`) and implement `build` and `attend`."""
+
+    name: str = "abstract"
+    # Device types on which `--attention-backend auto` considers this backend (None: any).
+    auto_devices: tuple[str, ...] | None = None
+    # Whether `build` hands the CPU lean decode step (lean_decode.py) an in-place decode reader.
+    reads_decodes_in_place: bool = False
+
+    def __init__(self, config: BackendConfig):
+        self.config = config
+        self.spec = config.spec
+        self.rope = config.rope
+        self.device = config.device
+
+    @classmethod
+    def unsupported(cls, config: BackendConfig) -> str | None:
+        """Why this backend cannot serve `config` (one line), or None when it can."""
+        return None
+
+    @property
+    def block_size(self) -> int:
+        return self.spec.block_size
+
+    @property
+    def description(self) -> str:
+        """What the start-up log says runs attention."""
+        return self.name
+
+    def for_spec(self, spec: KVCacheSpec) -> AttentionBackend:
+        """The same backend over a pool of another shape (calibration's full-model scratch pool)."""
+        return type(self)(replace(self.config, spec=spec))
+
+    def build(self, sequences: list[StepSequence], slot_mapping: torch.Tensor) -> AttentionMetadata:
+        """The step's metadata; `sequences` in packed order (metadata.packing_order)."""
+        raise NotImplementedError
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pool: dict[str, torch.Tensor],
+               kv_format: KVFormat, meta: AttentionMetadata, window: int | None) -> torch.Tensor:
+        """Write key/value [tokens, kv_heads, d] at `meta.slot_mapping`, then attend: query
+        [tokens, heads, d] -> [tokens, heads * d], rows in packed order."""
+        raise NotImplementedError
+
+    def forward(self, layer: Attention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                key_before_rope: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        """A decoder layer's attention from its q/k/v: the layer's key transforms, the keys stored
+        before RoPE for sequences under eviction, then `attend` over the layer's pool."""
+        query, key = layer_keys(layer, query, key, key_before_rope, meta.unrotated_key_rows)
+        return self.attend(query, key, value, kv_cache.layers[layer.layer_idx], kv_cache.format, meta, layer.window)
+
+    def _tensor(self, array: np.ndarray | list[int]) -> torch.Tensor:
+        return torch.as_tensor(array, dtype=torch.long).to(self.device, non_blocking=True)
+
+
+def layer_keys(layer: Attention, query: torch.Tensor, key: torch.Tensor, key_before_rope: torch.Tensor,
+               unrotated_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k as the pool stores and scores them: keys minus the layer's centre, in its fitted
+    basis (the queries in the dual basis), and for the packed rows of sequences under KV
+    eviction the keys before RoPE (with their queries left in the plain basis)."""
+    if layer.key_center is not None:
+        key = key - layer.key_center
+    plain_query = query
+    if layer.key_basis is not None:
+        query, key = change_key_basis(query, key, *layer.key_basis)
+    if unrotated_rows is not None:
+        key = key.index_copy(0, unrotated_rows, key_before_rope[unrotated_rows].to(key.dtype))
+        if layer.key_basis is not None:
+            query = query.index_copy(0, unrotated_rows, plain_query[unrotated_rows])
+    return query, key
+
+
+def change_key_basis(query: torch.Tensor, key: torch.Tensor, key_transform: torch.Tensor,
+                     query_transform: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [tokens, heads, d] -> q·T^-T and k [tokens, kv_heads, d] -> k·T, per KV head, as one
+    float32 bmm each over [kv_heads, rows, d] (on CPU faster than einsum or bfloat16)."""
+    tokens, kv_heads, dim = key.shape
+    grouped = query.float().view(tokens, kv_heads, -1, dim).transpose(0, 1).reshape(kv_heads, -1, dim)
+    q_new = torch.bmm(grouped, query_transform).view(kv_heads, tokens, -1, dim).transpose(0, 1)
+    k_new = torch.bmm(key.float().transpose(0, 1), key_transform).transpose(0, 1)
+    # The keys stay float32: the format rounds them once, from float32, as they are stored.
+    return q_new.reshape(query.shape).to(query.dtype), k_new

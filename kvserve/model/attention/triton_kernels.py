@@ -1,0 +1,428 @@
+"""Triton kernels for paged attention that read every KV format where it lies.
+
+* `store_kv`: a step's new K/V into their pool slots, quantized on the way (fp8 e4m3/e5m2 with a
+  power-of-two scale per token, int8 with a float16 scale, int4 with a float16 scale and zero),
+  one program per (token, KV head), bit for bit what the formats' torch writes store.
+* `paged_decode`: one query per sequence; one program per (sequence, KV head, split) covers the
+  whole GQA query group (the group's rows are the rows of its dots), walking the block table and
+  dequantizing K/V in registers. Long contexts are cut into fixed-size splits (flash-decoding,
+  Dao et al. 2023) whose partial softmax sums `_combine_splits` merges.
+* `paged_prefill`: chunks of queries over paged K/V, causal aligned to the end of the context, so
+  a chunk after a prefix-cache hit reads the cached blocks in place (FlashAttention-2's online
+  softmax, Dao 2023, over blocks found through the block table).
+
+Every kernel splits a head's channels into halves [0, D/2) and [D/2, D): int4 packs channel j
+with channel j + D/2 in one byte, and the other formats are read the same way so that all
+formats share one code path. Pools are laid out as the formats allocate them (cache/formats/):
+K in rows [0, kv_heads), V in rows [kv_heads, 2 kv_heads) of [rows, blocks, block_size, ...].
+
+They run on CUDA and, for tests, under Triton's interpreter on CPU tensors (TRITON_INTERPRET=1).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+# Layout kinds (KIND, a constexpr of every kernel): the Python values, and the same as constants
+# the kernels may read.
+FLOAT, INT8, FP8, INT4, INT4_KIVI = range(5)
+K_FLOAT, K_INT8, K_FP8, K_INT4, K_INT4_KIVI = (tl.constexpr(kind) for kind in range(5))
+# fp8 variants: (mantissa bits, exponent bias, largest finite value).
+FP8_VARIANTS = {"e4m3": (3, 7, 448.0), "e5m2": (2, 15, 57344.0)}
+LOG2E = 1.4426950408889634
+# Adding and subtracting 1.5 * 2^23 rounds a float32 of magnitude < 2^22 to the nearest integer,
+# ties to even (torch.round's rule), with no libdevice call (the interpreter has none).
+ROUNDER = tl.constexpr(12582912.0)
+NEG_BIG = tl.constexpr(-1.0e30)  # the running maximum's start: finite, so exp2(m_old - m_new) is never NaN
+
+
+@triton.jit
+def _rint(x):
+    return (x + ROUNDER) - ROUNDER
+
+
+@triton.jit
+def _dot(a, b, PRECISE: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """a @ b with float32 accumulation: IEEE float32 products for float32 models (and under the
+    interpreter), else the model's 16-bit dtype on the tensor cores."""
+    if PRECISE:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE))
+
+
+@triton.jit
+def _fp8_to_float(code, MANT: tl.constexpr, BIAS: tl.constexpr):
+    """1-byte fp8 codes (int32 holding 0..255) -> their float32 values, exactly, by integer ops:
+    normal numbers move their exponent and mantissa into a float32's, subnormals are m * 2^(1 - BIAS - MANT)."""
+    magnitude = code & 0x7F
+    negative = (code & 0x80) != 0
+    normal = ((magnitude << (23 - MANT)) + ((127 - BIAS) << 23)).to(tl.float32, bitcast=True)
+    subnormal = magnitude.to(tl.float32) * (2.0 ** (1 - BIAS - MANT))
+    value = tl.where((magnitude >> MANT) == 0, subnormal, normal)
+    return tl.where(negative, -value, value)
+
+
+@triton.jit
+def _float_to_fp8(x, MANT: tl.constexpr, BIAS: tl.constexpr):
+    """float32 values within the format's range -> 1-byte fp8 codes (int32), rounded to nearest,
+    ties to even: what torch's cast to float8_e4m3fn / float8_e5m2 does."""
+    bits = x.to(tl.int32, bitcast=True)
+    negative = bits < 0
+    magnitude = tl.abs(x)
+    min_normal = 2.0 ** (1 - BIAS)
+    # Subnormals: multiples of 2^(1 - BIAS - MANT), rounded as integers.
+    sub = _rint(tl.minimum(magnitude, min_normal) * (2.0 ** (BIAS + MANT - 1))).to(tl.int32)
+    mbits = magnitude.to(tl.int32, bitcast=True)
+    exponent = (mbits >> 23) - 127 + BIAS
+    mantissa = mbits & 0x7FFFFF
+    drop: tl.constexpr = 23 - MANT
+    kept = mantissa >> drop
+    rest = mantissa & ((1 << drop) - 1)
+    half = 1 << (drop - 1)
+    up = (rest > half) | ((rest == half) & ((kept & 1) == 1))
+    normal = (exponent << MANT) + kept + up.to(tl.int32)  # a mantissa carry moves into the exponent
+    code = tl.where(magnitude < min_normal, sub, normal)
+    return tl.where(negative, code | 0x80, code)
+
+
+@triton.jit
+def _f16_step(x, UP: tl.constexpr):
+    """nextafter of float16 values toward +inf (UP) or -inf, as torch.nextafter."""
+    bits = x.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    negative = (bits & 0x8000) != 0
+    zero = (bits & 0x7FFF) == 0
+    if UP:
+        stepped = tl.where(negative, bits - 1, bits + 1)
+        stepped = tl.where(zero, 1, stepped)
+    else:
+        stepped = tl.where(negative, bits + 1, bits - 1)
+        stepped = tl.where(zero, 0x8001, stepped)
+    return stepped.to(tl.int16).to(tl.float16, bitcast=True)
+
+
+# ---------------------------------------------------------------------------------------- store
+@triton.jit
+def _quantize_row(lo, hi, kv_ptr, aux_ptr, row, HALF: tl.constexpr, KIND: tl.constexpr,
+                  MANT: tl.constexpr, BIAS: tl.constexpr, FMAX: tl.constexpr):
+    """Store one (token, head) row, channel halves lo/hi [HALF] in float32, at pool row `row`
+    (head * blocks * block_size + slot), with its scale(s) in aux; fp8 as MANT/BIAS/FMAX say."""
+    D: tl.constexpr = 2 * HALF
+    c = tl.arange(0, HALF)
+    if KIND == K_FLOAT:
+        tl.store(kv_ptr + row * D + c, lo.to(kv_ptr.dtype.element_ty))
+        tl.store(kv_ptr + row * D + HALF + c, hi.to(kv_ptr.dtype.element_ty))
+    elif KIND == K_INT8:
+        amax = tl.maximum(tl.max(tl.abs(lo), axis=0), tl.max(tl.abs(hi), axis=0))
+        scale16 = tl.maximum(amax / 127.0, 2.0 ** -14).to(tl.float16)
+        scale = scale16.to(tl.float32)
+        lo_code = tl.minimum(tl.maximum(_rint(lo / scale), -127.0), 127.0).to(tl.int8)
+        hi_code = tl.minimum(tl.maximum(_rint(hi / scale), -127.0), 127.0).to(tl.int8)
+        tl.store(kv_ptr + row * D + c, lo_code)
+        tl.store(kv_ptr + row * D + HALF + c, hi_code)
+        tl.store(aux_ptr + row, scale16)
+    elif KIND == K_FP8:
+        amax = tl.maximum(tl.max(tl.abs(lo), axis=0), tl.max(tl.abs(hi), axis=0))
+        ratio = tl.maximum(amax, 1e-6) / FMAX
+        # ceil(log2(ratio)) exactly, from the float32's bits: its exponent, plus one unless a power of two.
+        rbits = ratio.to(tl.int32, bitcast=True)
+        exponent = ((rbits >> 23) & 0xFF) - 127 + ((rbits & 0x7FFFFF) != 0).to(tl.int32)
+        exponent = tl.minimum(exponent, BIAS)
+        inv = (((127 - exponent) & 0xFF) << 23).to(tl.float32, bitcast=True)  # 2^-exponent, exact
+        lo_code = _float_to_fp8(tl.minimum(tl.maximum(lo * inv, -FMAX), FMAX), MANT, BIAS)
+        hi_code = _float_to_fp8(tl.minimum(tl.maximum(hi * inv, -FMAX), FMAX), MANT, BIAS)
+        tl.store(kv_ptr + row * D + c, lo_code.to(tl.int8))
+        tl.store(kv_ptr + row * D + HALF + c, hi_code.to(tl.int8))
+        tl.store(aux_ptr + row, exponent.to(tl.int8))
+    else:  # K_INT4: asymmetric per (token, head), float16 (scale, zero) covering [min, max]
+        low = tl.minimum(tl.min(lo, axis=0), tl.min(hi, axis=0))
+        high = tl.maximum(tl.max(lo, axis=0), tl.max(hi, axis=0))
+        low = tl.minimum(tl.maximum(low, -65504.0), 65504.0)
+        high = tl.minimum(tl.maximum(high, -65504.0), 65504.0)
+        zero16 = low.to(tl.float16)
+        zero16 = tl.where(zero16.to(tl.float32) > low, _f16_step(zero16, False), zero16)
+        zero = zero16.to(tl.float32)
+        scale16 = ((high - zero) / 15.0).to(tl.float16)
+        scale16 = tl.where(scale16.to(tl.float32) * 15.0 + zero < high, _f16_step(scale16, True), scale16)
+        scale = tl.maximum(scale16.to(tl.float32), 1e-12)
+        lo_code = tl.minimum(tl.maximum(_rint((lo - zero) / scale), 0.0), 15.0).to(tl.int32)
+        hi_code = tl.minimum(tl.maximum(_rint((hi - zero) / scale), 0.0), 15.0).to(tl.int32)
+        tl.store(kv_ptr + row * HALF + c, (lo_code | (hi_code << 4)).to(tl.uint8))
+        tl.store(aux_ptr + row * 2, scale16)
+        tl.store(aux_ptr + row * 2 + 1, zero16)
+
+
+@triton.jit
+def _store_kernel(key_ptr, value_ptr, slot_ptr, kv_ptr, aux_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
+                  num_kv_heads, pool_slots, HALF: tl.constexpr, KIND: tl.constexpr,
+                  MANT: tl.constexpr, BIAS: tl.constexpr, FMAX: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    c = tl.arange(0, HALF)
+    key = key_ptr + token * stride_kt + head * stride_kh
+    value = value_ptr + token * stride_vt + head * stride_vh
+    _quantize_row(tl.load(key + c).to(tl.float32), tl.load(key + HALF + c).to(tl.float32), kv_ptr, aux_ptr,
+                  head * pool_slots + slot, HALF, KIND, MANT, BIAS, FMAX)
+    _quantize_row(tl.load(value + c).to(tl.float32), tl.load(value + HALF + c).to(tl.float32), kv_ptr, aux_ptr,
+                  (head + num_kv_heads) * pool_slots + slot, HALF, KIND, MANT, BIAS, FMAX)
+
+
+def store_kv(kind: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
+             kv: torch.Tensor, aux: torch.Tensor | None, fp8: str = "e4m3") -> None:
+    """Write key/value [tokens, kv_heads, D] (last dim contiguous) at their slots of a pool kv
+    [2 kv_heads, blocks, block_size, D or D/2] with per-token scales aux (None for float pools)."""
+    tokens, kv_heads, dim = key.shape
+    if tokens == 0:
+        return
+    assert key.stride(-1) == 1 and value.stride(-1) == 1
+    pool_slots = kv.shape[1] * kv.shape[2]
+    mant, bias, fmax = FP8_VARIANTS[fp8]
+    _store_kernel[(tokens, kv_heads)](key, value, slot_mapping, kv, kv if aux is None else aux,
+                                      key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+                                      kv_heads, pool_slots, HALF=dim // 2, KIND=kind, MANT=mant, BIAS=bias, FMAX=fmax)
+
+
+# ---------------------------------------------------------------------------------------- read
+@triton.jit
+def _load_kv(kv_ptr, aux_ptr, kp_ptr, kv_row, block, offsets, valid, num_blocks,
+             BLOCK_SIZE: tl.constexpr, HALF: tl.constexpr, KIND: tl.constexpr, IS_KEY: tl.constexpr,
+             MANT: tl.constexpr, BIAS: tl.constexpr):
+    """Tokens `offsets` [N] of block `block` (pool row `kv_row`: a head of K or of V), dequantized:
+    (lo, hi) float32 [N, HALF]. kp_ptr: int4_kivi's per-channel key (scale, zero) per block."""
+    c = tl.arange(0, HALF)
+    slot = (kv_row * num_blocks + block) * BLOCK_SIZE + offsets  # int64 [N]
+    m = valid[:, None]
+    if KIND == K_FLOAT:
+        lo = tl.load(kv_ptr + slot[:, None] * (2 * HALF) + c[None, :], mask=m, other=0.0).to(tl.float32)
+        hi = tl.load(kv_ptr + slot[:, None] * (2 * HALF) + HALF + c[None, :], mask=m, other=0.0).to(tl.float32)
+    elif (KIND == K_INT8) or (KIND == K_FP8):
+        lo_code = tl.load(kv_ptr + slot[:, None] * (2 * HALF) + c[None, :], mask=m, other=0).to(tl.int32)
+        hi_code = tl.load(kv_ptr + slot[:, None] * (2 * HALF) + HALF + c[None, :], mask=m, other=0).to(tl.int32)
+        stored = tl.load(aux_ptr + slot, mask=valid, other=0)
+        if KIND == K_INT8:
+            lo = lo_code.to(tl.float32)
+            hi = hi_code.to(tl.float32)
+            scale = stored.to(tl.float32)
+        else:
+            lo = _fp8_to_float(lo_code & 0xFF, MANT, BIAS)
+            hi = _fp8_to_float(hi_code & 0xFF, MANT, BIAS)
+            scale = (((stored.to(tl.int32) + 127) & 0xFF) << 23).to(tl.float32, bitcast=True)  # 2^exponent
+        lo = lo * scale[:, None]
+        hi = hi * scale[:, None]
+    else:
+        packed = tl.load(kv_ptr + slot[:, None] * HALF + c[None, :], mask=m, other=0).to(tl.int32)
+        lo = (packed & 0xF).to(tl.float32)
+        hi = ((packed >> 4) & 0xF).to(tl.float32)
+        if (KIND == K_INT4_KIVI) and IS_KEY:  # per channel of the block: params [2, D] per (head, block)
+            base = (kv_row * num_blocks + block) * (4 * HALF)
+            lo = lo * tl.load(kp_ptr + base + c).to(tl.float32)[None, :] + \
+                tl.load(kp_ptr + base + 2 * HALF + c).to(tl.float32)[None, :]
+            hi = hi * tl.load(kp_ptr + base + HALF + c).to(tl.float32)[None, :] + \
+                tl.load(kp_ptr + base + 3 * HALF + c).to(tl.float32)[None, :]
+        else:  # per token: params [2] per slot
+            scale = tl.load(aux_ptr + slot * 2, mask=valid, other=0.0).to(tl.float32)
+            zero = tl.load(aux_ptr + slot * 2 + 1, mask=valid, other=0.0).to(tl.float32)
+            lo = lo * scale[:, None] + zero[:, None]
+            hi = hi * scale[:, None] + zero[:, None]
+    return lo, hi
+
+
+@triton.jit
+def _attend_blocks(q_lo, q_hi, q_pos, table_ptr, first_token, end_token, window,
+                   k_ptr, k_aux_ptr, kp_ptr, v_ptr, v_aux_ptr, k_row, v_row, num_blocks, qk_scale,
+                   M: tl.constexpr, BLOCK_SIZE: tl.constexpr, HALF: tl.constexpr, KIND: tl.constexpr,
+                   MANT: tl.constexpr, BIAS: tl.constexpr, PRECISE: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Online softmax of M query rows (q_lo/q_hi [M, HALF], positions q_pos [M]) over the context
+    tokens [first_token, end_token) found through the block table: (acc_lo, acc_hi, m, l)."""
+    m_i = tl.full([M], NEG_BIG, tl.float32)
+    l_i = tl.zeros([M], tl.float32)
+    acc_lo = tl.zeros([M, HALF], tl.float32)
+    acc_hi = tl.zeros([M, HALF], tl.float32)
+    offsets = tl.arange(0, BLOCK_SIZE)
+    for b in range(first_token // BLOCK_SIZE, tl.cdiv(end_token, BLOCK_SIZE)):
+        block = tl.load(table_ptr + b).to(tl.int64)
+        kv_pos = b * BLOCK_SIZE + offsets
+        valid = (kv_pos >= first_token) & (kv_pos < end_token)
+        k_lo, k_hi = _load_kv(k_ptr, k_aux_ptr, kp_ptr, k_row, block, offsets, valid, num_blocks,
+                              BLOCK_SIZE, HALF, KIND, True, MANT, BIAS)
+        scores = _dot(q_lo, tl.trans(k_lo), PRECISE, DOT_DTYPE) + _dot(q_hi, tl.trans(k_hi), PRECISE, DOT_DTYPE)
+        allowed = valid[None, :] & (kv_pos[None, :] <= q_pos[:, None])
+        allowed = allowed & ((kv_pos[None, :] > q_pos[:, None] - window) | (window <= 0))
+        scores = tl.where(allowed, scores * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v_lo, v_hi = _load_kv(v_ptr, v_aux_ptr, kp_ptr, v_row, block, offsets, valid, num_blocks,
+                              BLOCK_SIZE, HALF, KIND, False, MANT, BIAS)
+        acc_lo = acc_lo * alpha[:, None] + _dot(p, v_lo, PRECISE, DOT_DTYPE)
+        acc_hi = acc_hi * alpha[:, None] + _dot(p, v_hi, PRECISE, DOT_DTYPE)
+        m_i = m_new
+    return acc_lo, acc_hi, m_i, l_i
+
+
+@triton.jit
+def _decode_kernel(q_ptr, out_ptr, part_acc_ptr, part_ml_ptr, table_ptr, seq_lens_ptr,
+                   k_ptr, k_aux_ptr, kp_ptr, v_ptr, v_aux_ptr,
+                   stride_qt, stride_qh, stride_ot, stride_oh, stride_table, num_heads, num_kv_heads, num_blocks,
+                   v_row_offset, window, qk_scale, num_splits, split_tokens,
+                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, HALF: tl.constexpr,
+                   KIND: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr, PRECISE: tl.constexpr,
+                   DOT_DTYPE: tl.constexpr, SPLIT: tl.constexpr):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    first = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    first = tl.maximum(first, split * split_tokens)
+    end = tl.minimum(seq_len, (split + 1) * split_tokens)
+    g = tl.arange(0, GROUP_PAD)
+    heads = kv_head * GROUP + g
+    row_ok = g < GROUP
+    c = tl.arange(0, HALF)
+    q_base = q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
+    q_lo = tl.load(q_base + c[None, :], mask=row_ok[:, None], other=0.0)
+    q_hi = tl.load(q_base + HALF + c[None, :], mask=row_ok[:, None], other=0.0)
+    q_pos = tl.full([GROUP_PAD], 0, tl.int32) + (seq_len - 1)
+    acc_lo, acc_hi, m_i, l_i = _attend_blocks(
+        q_lo, q_hi, q_pos, table_ptr + seq.to(tl.int64) * stride_table, first, end, window,
+        k_ptr, k_aux_ptr, kp_ptr, v_ptr, v_aux_ptr, kv_head.to(tl.int64), kv_head.to(tl.int64) + v_row_offset,
+        num_blocks, qk_scale, GROUP_PAD, BLOCK_SIZE, HALF, KIND, MANT, BIAS, PRECISE, DOT_DTYPE)
+    if SPLIT:  # partial sums [seq, head, split, D] and (m, l) [seq, head, split, 2]
+        part = (seq * num_heads + heads).to(tl.int64) * num_splits + split
+        tl.store(part_acc_ptr + part[:, None] * (2 * HALF) + c[None, :], acc_lo, mask=row_ok[:, None])
+        tl.store(part_acc_ptr + part[:, None] * (2 * HALF) + HALF + c[None, :], acc_hi, mask=row_ok[:, None])
+        tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
+    else:
+        denom = tl.where(l_i > 0, l_i, 1.0)[:, None]
+        o_base = out_ptr + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
+        tl.store(o_base + c[None, :], (acc_lo / denom).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(o_base + HALF + c[None, :], (acc_hi / denom).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _combine_splits(out_ptr, part_acc_ptr, part_ml_ptr, stride_ot, stride_oh, num_heads, num_splits,
+                    SPLITS_PAD: tl.constexpr, D: tl.constexpr):
+    """Merge a (sequence, head)'s split partial sums: each weighted by exp2(its max - the max)."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, SPLITS_PAD)
+    ok = s < num_splits
+    part = (seq * num_heads + head).to(tl.int64) * num_splits + s
+    m = tl.load(part_ml_ptr + part * 2, mask=ok, other=NEG_BIG)
+    l_s = tl.load(part_ml_ptr + part * 2 + 1, mask=ok, other=0.0)
+    weight = tl.exp2(m - tl.max(m, axis=0))
+    acc = tl.load(part_acc_ptr + part[:, None] * D + tl.arange(0, D)[None, :], mask=ok[:, None], other=0.0)
+    total = tl.sum(weight * l_s, axis=0)
+    out = tl.sum(acc * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + tl.arange(0, D),
+             out.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, out_ptr, table_ptr, tile_chunk_ptr, tile_start_ptr, chunk_row_ptr, chunk_queries_ptr,
+                    chunk_context_ptr, k_ptr, k_aux_ptr, kp_ptr, v_ptr, v_aux_ptr,
+                    stride_qt, stride_qh, stride_ot, stride_oh, stride_table, num_blocks, v_row_offset,
+                    window, qk_scale,
+                    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, HALF: tl.constexpr,
+                    KIND: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr, PRECISE: tl.constexpr,
+                    DOT_DTYPE: tl.constexpr):
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    chunk = tl.load(tile_chunk_ptr + tile)
+    q_start = tl.load(tile_start_ptr + tile)
+    row0 = tl.load(chunk_row_ptr + chunk)
+    num_queries = tl.load(chunk_queries_ptr + chunk)
+    context = tl.load(chunk_context_ptr + chunk)
+    r = q_start + tl.arange(0, BLOCK_M)
+    row_ok = r < num_queries
+    q_pos = context - num_queries + r
+    c = tl.arange(0, HALF)
+    q_base = q_ptr + (row0 + r).to(tl.int64)[:, None] * stride_qt + head * stride_qh
+    q_lo = tl.load(q_base + c[None, :], mask=row_ok[:, None], other=0.0)
+    q_hi = tl.load(q_base + HALF + c[None, :], mask=row_ok[:, None], other=0.0)
+    last = tl.minimum(context - num_queries + q_start + BLOCK_M, context)  # the tile's keys end here
+    first = tl.where(window > 0, tl.maximum(context - num_queries + q_start - window + 1, 0), 0)
+    kv_head = (head // GROUP).to(tl.int64)
+    acc_lo, acc_hi, m_i, l_i = _attend_blocks(
+        q_lo, q_hi, q_pos, table_ptr + chunk.to(tl.int64) * stride_table, first, last, window,
+        k_ptr, k_aux_ptr, kp_ptr, v_ptr, v_aux_ptr, kv_head, kv_head + v_row_offset, num_blocks, qk_scale,
+        BLOCK_M, BLOCK_SIZE, HALF, KIND, MANT, BIAS, PRECISE, DOT_DTYPE)
+    denom = tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o_base = out_ptr + (row0 + r).to(tl.int64)[:, None] * stride_ot + head * stride_oh
+    tl.store(o_base + c[None, :], (acc_lo / denom).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(o_base + HALF + c[None, :], (acc_hi / denom).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def _pool_args(kind: int, pool: dict[str, torch.Tensor]) -> tuple:
+    """(K tensor, K aux, kivi key params, V tensor, V aux, V's first row, blocks) for a kernel."""
+    if kind == INT4_KIVI:
+        key, value = pool["key"], pool["value"]
+        return key, pool["value_params"], pool["key_params"], value, pool["value_params"], 0, key.shape[1]
+    kv = pool["kv"]
+    if kind in (INT8, FP8):
+        kv, aux = kv.view(torch.int8), pool["kv_scale"]
+    elif kind == INT4:
+        aux = pool["kv_params"]
+    else:
+        aux = kv
+    return kv, aux, aux, kv, aux, kv.shape[0] // 2, kv.shape[1]
+
+
+def _dot_dtype(query: torch.Tensor, interpreting: bool) -> tuple[bool, object]:
+    precise = interpreting or query.dtype == torch.float32
+    return precise, tl.float16 if query.dtype == torch.float16 else tl.bfloat16
+
+
+def paged_decode(kind: int, query: torch.Tensor, out: torch.Tensor, pool: dict[str, torch.Tensor],
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int, window: int | None,
+                 split_tokens: int, interpreting: bool, fp8: str = "e4m3") -> None:
+    """Decode attention of query [B, H, D] (one per sequence) into out [B, H, D] over each
+    sequence's first seq_lens tokens, found through block_tables [B, W]."""
+    batch, heads, dim = query.shape
+    k, k_aux, kp, v, v_aux, v_row, num_blocks = _pool_args(kind, pool)
+    kv_heads = (k.shape[0] if kind == INT4_KIVI else k.shape[0] // 2)
+    block_size = k.shape[2]
+    group = heads // kv_heads
+    num_splits = max(1, -(-max_seq_len // split_tokens))
+    precise, dot_dtype = _dot_dtype(query, interpreting)
+    qk_scale = LOG2E / math.sqrt(dim)
+    if num_splits > 1:
+        part_acc = torch.empty(batch, heads, num_splits, dim, dtype=torch.float32, device=query.device)
+        part_ml = torch.empty(batch, heads, num_splits, 2, dtype=torch.float32, device=query.device)
+    else:
+        part_acc = part_ml = out
+    _decode_kernel[(batch, kv_heads, num_splits)](
+        query, out, part_acc, part_ml, block_tables, seq_lens, k, k_aux, kp, v, v_aux,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), heads, kv_heads,
+        num_blocks, v_row, window or 0, qk_scale, num_splits, split_tokens,
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size, HALF=dim // 2,
+        KIND=kind, MANT=FP8_VARIANTS[fp8][0], BIAS=FP8_VARIANTS[fp8][1], PRECISE=precise, DOT_DTYPE=dot_dtype,
+        SPLIT=num_splits > 1)
+    if num_splits > 1:
+        _combine_splits[(batch, heads)](out, part_acc, part_ml, out.stride(0), out.stride(1), heads, num_splits,
+                                        SPLITS_PAD=triton.next_power_of_2(num_splits), D=dim)
+
+
+def paged_prefill(kind: int, query: torch.Tensor, out: torch.Tensor, pool: dict[str, torch.Tensor],
+                  block_tables: torch.Tensor, tile_chunk: torch.Tensor, tile_start: torch.Tensor,
+                  chunk_row: torch.Tensor, chunk_queries: torch.Tensor, chunk_context: torch.Tensor,
+                  window: int | None, block_m: int, interpreting: bool, fp8: str = "e4m3") -> None:
+    """Causal attention of prefill chunks: chunk i's queries are packed rows [chunk_row[i],
+    chunk_row[i] + chunk_queries[i]) of query [tokens, H, D], the last of its chunk_context[i]
+    context tokens (block_tables [chunks, W]); the tiles (chunk, first query) cover them all."""
+    heads, dim = query.shape[1], query.shape[2]
+    k, k_aux, kp, v, v_aux, v_row, num_blocks = _pool_args(kind, pool)
+    kv_heads = (k.shape[0] if kind == INT4_KIVI else k.shape[0] // 2)
+    precise, dot_dtype = _dot_dtype(query, interpreting)
+    _prefill_kernel[(tile_chunk.shape[0], heads)](
+        query, out, block_tables, tile_chunk, tile_start, chunk_row, chunk_queries, chunk_context,
+        k, k_aux, kp, v, v_aux, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        block_tables.stride(0), num_blocks, v_row, window or 0, LOG2E / math.sqrt(dim),
+        GROUP=heads // kv_heads, BLOCK_M=block_m, BLOCK_SIZE=k.shape[2], HALF=dim // 2, KIND=kind,
+        MANT=FP8_VARIANTS[fp8][0], BIAS=FP8_VARIANTS[fp8][1], PRECISE=precise, DOT_DTYPE=dot_dtype)
