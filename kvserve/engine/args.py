@@ -13,6 +13,7 @@ from kvserve.cache.eviction import NO_EVICTION, POLICY_CHOICES
 from kvserve.cache.formats import KV_CACHE_DTYPES
 from kvserve.units import parse_size
 from kvserve.model.attention import attention_backend_names
+from kvserve.model.attention.triton_backend import triton_unavailable
 from kvserve.model.quant_linear import QUANTIZATION_MODES
 
 # A --kv-cache-memory above this (1 PiB) is a typo, not a machine.
@@ -40,6 +41,13 @@ def _check_int(name: str, value: Any, minimum: int, optional: bool = False) -> N
         raise ValueError(f"{_flag(name)} must be an integer, got {value!r} ({type(value).__name__})")
     if value < minimum:
         raise ValueError(f"{_flag(name)} must be {'positive' if minimum == 1 else f'at least {minimum}'}, got {value}")
+
+
+def _device_type(name: str) -> str:
+    """The device type a checked --device value resolves to (auto: cuda where torch sees a GPU)."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name).type
 
 
 def _check_device(name: Any) -> None:
@@ -117,9 +125,11 @@ class EngineArgs:
         "docstring; budget - sinks for a policy that only keeps sinks and recent tokens)",
         type=int))
     attention_backend: str = field(default="auto", metadata=_opt(
-        "decode attention: cpu_paged = a C++ kernel reading the paged pool in place (kvserve build-kernel); "
-        "torch = gather the blocks, then torch matmuls (the CUDA path); auto = cpu_paged on CPU when it "
-        "builds and reads the KV cache dtype (the model dtype, fp8, int8, int4), else torch", choices=attention_backend_names()))
+        "how attention reads the paged KV pool (kvserve/model/attention/): triton = Triton kernels reading every "
+        "KV dtype in place (CUDA; on CPU only under TRITON_INTERPRET=1, for tests); cpu_paged = a C++ decode "
+        "kernel reading the pool in place (kvserve build-kernel); torch = gather the blocks, then torch ops; "
+        "auto = triton on CUDA, cpu_paged on CPU, where they serve the configuration, else torch "
+        "(the start-up log says which and why)", choices=attention_backend_names))
     kv_offloading_size: float | None = field(default=None, metadata=_opt(
         "GiB of host memory for the KV offload tier (vLLM's flag): published prefix-cache blocks the pool "
         "reclaims are kept there and loaded back on a prefix hit; 0 or absent: off", type=float))
@@ -155,12 +165,18 @@ class EngineArgs:
         _check_device(self.device)
         for f in fields(self):
             choices = f.metadata.get("choices")
+            if callable(choices):  # a registry that may grow (--attention-backend)
+                choices = choices()
             value = getattr(self, f.name)
             if f.name == "kv_eviction":  # checked with --kv-budget etc. by resolve_eviction (preflight)
                 continue
             if choices is not None and (not isinstance(value, type(choices[0])) or isinstance(value, bool)
                                         or value not in choices):
                 raise ValueError(f"{_flag(f.name)} must be one of {', '.join(map(str, choices))}, got {value!r}")
+        if self.attention_backend == "triton":
+            why = triton_unavailable(_device_type(self.device))
+            if why is not None:
+                raise ValueError(f"--attention-backend triton: {why}")
         if self.kv_cache_memory is not None:
             _check_size("kv_cache_memory", self.kv_cache_memory)
         utilization = self.gpu_memory_utilization
@@ -211,6 +227,8 @@ class EngineArgs:
             if f.name in skip:
                 continue
             kwargs = dict(f.metadata)
+            if callable(kwargs.get("choices")):
+                kwargs["choices"] = kwargs["choices"]()
             default = f.default if f.default is not MISSING else None
             if "action" not in kwargs and "type" not in kwargs:
                 kwargs["type"] = str if default is None else type(default)

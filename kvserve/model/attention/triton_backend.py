@@ -42,6 +42,18 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def triton_unavailable(device_type: str) -> str | None:
+    """Why the Triton backend cannot run on this device type here, or None."""
+    if device_type not in ("cpu", "cuda"):
+        return f"the Triton backend runs on CUDA, not {device_type}"
+    if device_type == "cpu" and not interpreting():
+        return ("the Triton backend needs CUDA, or TRITON_INTERPRET=1 to run its kernels under Triton's "
+                "interpreter on CPU (slow: for tests)")
+    if importlib.util.find_spec("triton") is None:
+        return "the Triton backend needs the triton package (CUDA builds of torch ship it; pip install triton)"
+    return None
+
+
 def layout_kind(kv_format: KVFormat) -> int | None:
     """The kernels' KIND for a format (triton_kernels.FLOAT...), None for one they cannot read."""
     kinds = {FullPrecisionFormat: 0, Int8Format: 1, Fp8Format: 2, Int4Format: 3, Int4KiviFormat: 4}
@@ -94,13 +106,9 @@ class TritonBackend(TorchBackend):
 
     @classmethod
     def unsupported(cls, config: BackendConfig) -> str | None:
-        if importlib.util.find_spec("triton") is None:
-            return "the Triton backend needs the triton package (it ships with CUDA builds of torch)"
-        if config.device.type == "cpu" and not interpreting():
-            return ("the Triton backend needs CUDA, or TRITON_INTERPRET=1 to run its kernels under Triton's "
-                    "interpreter on CPU (slow: for tests)")
-        if config.device.type not in ("cpu", "cuda"):
-            return f"the Triton backend runs on CUDA, not {config.device}"
+        why = triton_unavailable(config.device.type)
+        if why is not None:
+            return why
         if layout_kind(config.kv_format) is None:
             return f"no Triton kernel reads a {config.kv_format.name} KV cache in place"
         dim, block = config.spec.head_dim, config.spec.block_size

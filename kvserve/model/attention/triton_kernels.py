@@ -106,15 +106,28 @@ def _f16_step(x, UP: tl.constexpr):
 
 # ---------------------------------------------------------------------------------------- store
 @triton.jit
+def _bf16_bits(x):
+    """float32 -> the bits of the nearest bfloat16 (ties to even) as int16. Triton's interpreter
+    truncates in its own cast, so the store does the rounding itself."""
+    bits = x.to(tl.int32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return rounded.to(tl.int16)
+
+
+@triton.jit
 def _quantize_row(lo, hi, kv_ptr, aux_ptr, row, HALF: tl.constexpr, KIND: tl.constexpr,
-                  MANT: tl.constexpr, BIAS: tl.constexpr, FMAX: tl.constexpr):
+                  MANT: tl.constexpr, BIAS: tl.constexpr, FMAX: tl.constexpr, BF16_BITS: tl.constexpr):
     """Store one (token, head) row, channel halves lo/hi [HALF] in float32, at pool row `row`
     (head * blocks * block_size + slot), with its scale(s) in aux; fp8 as MANT/BIAS/FMAX say."""
     D: tl.constexpr = 2 * HALF
     c = tl.arange(0, HALF)
     if KIND == K_FLOAT:
-        tl.store(kv_ptr + row * D + c, lo.to(kv_ptr.dtype.element_ty))
-        tl.store(kv_ptr + row * D + HALF + c, hi.to(kv_ptr.dtype.element_ty))
+        if BF16_BITS:  # a bfloat16 pool seen as int16: rounded here, to nearest even, as torch rounds
+            tl.store(kv_ptr + row * D + c, _bf16_bits(lo))
+            tl.store(kv_ptr + row * D + HALF + c, _bf16_bits(hi))
+        else:
+            tl.store(kv_ptr + row * D + c, lo.to(kv_ptr.dtype.element_ty))
+            tl.store(kv_ptr + row * D + HALF + c, hi.to(kv_ptr.dtype.element_ty))
     elif KIND == K_INT8:
         amax = tl.maximum(tl.max(tl.abs(lo), axis=0), tl.max(tl.abs(hi), axis=0))
         scale16 = tl.maximum(amax / 127.0, 2.0 ** -14).to(tl.float16)
@@ -158,7 +171,7 @@ def _quantize_row(lo, hi, kv_ptr, aux_ptr, row, HALF: tl.constexpr, KIND: tl.con
 @triton.jit
 def _store_kernel(key_ptr, value_ptr, slot_ptr, kv_ptr, aux_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
                   num_kv_heads, pool_slots, HALF: tl.constexpr, KIND: tl.constexpr,
-                  MANT: tl.constexpr, BIAS: tl.constexpr, FMAX: tl.constexpr):
+                  MANT: tl.constexpr, BIAS: tl.constexpr, FMAX: tl.constexpr, BF16_BITS: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)
@@ -166,9 +179,9 @@ def _store_kernel(key_ptr, value_ptr, slot_ptr, kv_ptr, aux_ptr, stride_kt, stri
     key = key_ptr + token * stride_kt + head * stride_kh
     value = value_ptr + token * stride_vt + head * stride_vh
     _quantize_row(tl.load(key + c).to(tl.float32), tl.load(key + HALF + c).to(tl.float32), kv_ptr, aux_ptr,
-                  head * pool_slots + slot, HALF, KIND, MANT, BIAS, FMAX)
+                  head * pool_slots + slot, HALF, KIND, MANT, BIAS, FMAX, BF16_BITS)
     _quantize_row(tl.load(value + c).to(tl.float32), tl.load(value + HALF + c).to(tl.float32), kv_ptr, aux_ptr,
-                  (head + num_kv_heads) * pool_slots + slot, HALF, KIND, MANT, BIAS, FMAX)
+                  (head + num_kv_heads) * pool_slots + slot, HALF, KIND, MANT, BIAS, FMAX, BF16_BITS)
 
 
 def store_kv(kind: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
@@ -181,9 +194,13 @@ def store_kv(kind: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: to
     assert key.stride(-1) == 1 and value.stride(-1) == 1
     pool_slots = kv.shape[1] * kv.shape[2]
     mant, bias, fmax = FP8_VARIANTS[fp8]
+    bf16_bits = kv.dtype == torch.bfloat16
+    if bf16_bits:
+        kv = kv.view(torch.int16)
     _store_kernel[(tokens, kv_heads)](key, value, slot_mapping, kv, kv if aux is None else aux,
                                       key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-                                      kv_heads, pool_slots, HALF=dim // 2, KIND=kind, MANT=mant, BIAS=bias, FMAX=fmax)
+                                      kv_heads, pool_slots, HALF=dim // 2, KIND=kind, MANT=mant, BIAS=bias, FMAX=fmax,
+                                      BF16_BITS=bf16_bits)
 
 
 # ---------------------------------------------------------------------------------------- read

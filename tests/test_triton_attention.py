@@ -1,0 +1,243 @@
+"""The Triton attention backend against the torch backend, under Triton's interpreter on CPU
+(TRITON_INTERPRET=1; on a machine with CUDA the same tests run the compiled kernels).
+
+Every kernel is checked on small shapes: the store kernel bit for bit against each format's torch
+write, and a scripted sequence of steps (prefill chunks, a chunk after a prefix hit, ragged
+decodes, a context spanning many blocks cut into splits) for each KV format, block size, GQA ratio,
+head size and sliding window. Then a tiny model served through the Triton backend gives the torch
+backend's greedy tokens, and the kernels compile for an H100/H200 (sm_90) with the ptxas that
+ships with triton, which the interpreter does not check.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels' module is imported
+
+triton = pytest.importorskip("triton", reason="the triton package is not installed (pip install -e '.[test]')")
+
+from kvserve import LLM, SamplingParams  # noqa: E402
+from kvserve.cache.formats import make_kv_format  # noqa: E402
+from kvserve.cache.kv_cache import KVCache, KVCacheSpec  # noqa: E402
+from kvserve.model.attention import StepSequence, make_attention_backend  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@dataclass(frozen=True)
+class Shape:
+    dtype: torch.dtype
+    block_size: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    window: int | None = None
+
+    def __str__(self) -> str:
+        window = f"-window{self.window}" if self.window else ""
+        return (f"{str(self.dtype).removeprefix('torch.')}-bs{self.block_size}-gqa{self.heads // self.kv_heads}"
+                f"-d{self.head_dim}{window}")
+
+
+SHAPES = [
+    Shape(torch.float32, 16, 4, 2, 64),
+    Shape(torch.bfloat16, 32, 8, 1, 64),
+    Shape(torch.float32, 64, 2, 2, 128, window=24),
+]
+FORMATS = ["auto", "int8", "fp8_e4m3", "fp8_e5m2", "int4", "int4_kivi"]
+SPLIT_TOKENS = 32  # small, so that contexts of 33+ tokens take the split-K path
+# (request id, tokens already cached, tokens this step) per step; "c" shares "a"'s first two
+# blocks (a prefix-cache hit), "d" spans many blocks.
+STEPS = [
+    [("a", 0, 37), ("b", 0, 20), ("d", 0, 150)],
+    [("c", 32, 14), ("b", 20, 30), ("a", 37, 1), ("d", 150, 1)],
+    [("a", 38, 1), ("b", 50, 1), ("c", 46, 1), ("d", 151, 1)],
+]
+
+
+def block_tables(block_size: int) -> dict[str, np.ndarray]:
+    """Scattered, non-contiguous blocks for each request; "c" starts with "a"'s first two."""
+    rng = np.random.default_rng(0)
+    ids = rng.permutation(np.arange(1, 64))
+    need = {rid: -(-160 // block_size) for rid in "abd"}
+    tables, start = {}, 0
+    for rid, n in need.items():
+        tables[rid] = ids[start: start + n]
+        start += n
+    tables["c"] = np.concatenate([tables["a"][: 32 // block_size], ids[start: start + 4]])
+    return tables
+
+
+def run_steps(backend_name: str, kv_cache_dtype: str, shape: Shape,
+              compute_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """The attention output of each step of STEPS through one backend: inputs in shape.dtype,
+    computed in compute_dtype (default: the same; float32 gives a reference for bfloat16)."""
+    compute_dtype = compute_dtype or shape.dtype
+    spec = KVCacheSpec(1, shape.kv_heads, shape.head_dim, shape.block_size)
+    fmt = make_kv_format(kv_cache_dtype, shape.dtype if kv_cache_dtype != "auto" else compute_dtype)
+    cache = KVCache(spec, fmt, 64, DEVICE)
+    backend = make_attention_backend(backend_name, fmt, spec, compute_dtype, None, DEVICE)
+    backend.split_tokens = SPLIT_TOKENS
+    tables = block_tables(shape.block_size)
+    gen = torch.Generator().manual_seed(0)
+    outputs = []
+    for step in sorted(STEPS, key=len):
+        step = sorted(step, key=lambda s: (s[2] != 1, -s[1]))  # decodes first, longest first (packing_order)
+        sequences, slots, row = [], [], 0
+        for rid, cached, new in step:
+            sequences.append(StepSequence(rid, row, new, cached + new, tables[rid]))
+            positions = np.arange(cached, cached + new)
+            slots.append(tables[rid][positions // shape.block_size] * shape.block_size + positions % shape.block_size)
+            row += new
+        q, k, v = (torch.randn(row, heads, shape.head_dim, generator=gen).to(shape.dtype).to(DEVICE, compute_dtype)
+                   for heads in (shape.heads, shape.kv_heads, shape.kv_heads))
+        meta = backend.build(sequences, torch.as_tensor(np.concatenate(slots), device=DEVICE))
+        outputs.append(backend.attend(q, k, v, cache.layers[0], fmt, meta, shape.window).float().cpu())
+    return outputs
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("kv_cache_dtype", FORMATS)
+def test_kernels_match_the_torch_backend(kv_cache_dtype, shape):
+    """float32: the torch backend's outputs to float32 rounding. bfloat16: both backends against
+    exact (float32) attention over the same pool, the kernels at least as close as torch ops (which
+    round dequantized K/V to bfloat16 where the kernels keep float32)."""
+    got = run_steps("triton", kv_cache_dtype, shape)
+    if shape.dtype == torch.float32:
+        for step, (want, have) in enumerate(zip(run_steps("torch", kv_cache_dtype, shape), got)):
+            error = (want - have).abs().max().item()
+            assert error <= 2e-5 * max(1.0, want.abs().max().item()), (step, error)
+        return
+    exact = run_steps("torch", kv_cache_dtype, shape, compute_dtype=torch.float32)
+    torch_ops = run_steps("torch", kv_cache_dtype, shape)
+    for step, (reference, ours, theirs) in enumerate(zip(exact, got, torch_ops)):
+        ours_error = (reference - ours).abs().max().item()
+        theirs_error = (reference - theirs).abs().max().item()
+        assert ours_error <= max(theirs_error, 2e-2), (step, ours_error, theirs_error)
+
+
+def test_float_pools_of_another_dtype_are_read_in_place():
+    """A float16 KV cache under a float32 model: the torch backend converts what it gathers, the
+    kernels convert in registers."""
+    shape = Shape(torch.float32, 16, 4, 2, 64)
+    for want, have in zip(run_steps("torch", "float16", shape), run_steps("triton", "float16", shape)):
+        assert (want - have).abs().max().item() <= 2e-5
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2", "int4"])
+def test_store_kernel_writes_what_the_format_writes(kv_cache_dtype):
+    """Bit for bit the pool the format's torch write leaves: scales, codes, rounding ties and all,
+    for values of very different magnitudes (and an all-zero token)."""
+    spec = KVCacheSpec(1, 2, 64, 16)
+    fmt = make_kv_format(kv_cache_dtype, torch.float32)
+    gen = torch.Generator().manual_seed(1)
+    tokens = 40
+    magnitudes = torch.logspace(-6, 3, tokens)[:, None, None]
+    key = torch.randn(tokens, 2, 64, generator=gen) * magnitudes
+    value = torch.randn(tokens, 2, 64, generator=gen) * magnitudes.flip(0)
+    key[3] = 0.0
+    value[5, :, :8] = 0.5  # exact ties for the rounding
+    slots = torch.randperm(16 * 8, generator=gen)[:tokens] + 16
+    pools = []
+    for backend_name in ("torch", "triton"):
+        cache = KVCache(spec, fmt, 8, DEVICE)
+        backend = make_attention_backend(backend_name, fmt, spec, torch.float32, None, DEVICE)
+        if backend_name == "torch":
+            fmt.write(cache.layers[0], key.to(DEVICE), value.to(DEVICE), slots.to(DEVICE))
+        else:
+            backend._write(key.to(DEVICE), value.to(DEVICE), cache.layers[0], fmt, slots.to(DEVICE))
+        pools.append({name: t.cpu() for name, t in cache.layers[0].items()})
+    for name in pools[0]:
+        assert torch.equal(pools[0][name].view(torch.uint8), pools[1][name].view(torch.uint8)), name
+
+
+def test_the_backend_says_what_it_cannot_serve():
+    spec = KVCacheSpec(1, 2, 64, 16)
+    fmt = make_kv_format("auto", torch.float32)
+    with pytest.raises(ValueError, match="power-of-two head_dim of 32 or more, not 48"):
+        make_attention_backend("triton", fmt, KVCacheSpec(1, 2, 48, 16), torch.float32, None, DEVICE)
+    with pytest.raises(ValueError, match="power-of-two block size of 16 or more, not 8"):
+        make_attention_backend("triton", fmt, KVCacheSpec(1, 2, 64, 8), torch.float32, None, DEVICE)
+    assert "Triton paged kernels" in make_attention_backend("triton", fmt, spec, torch.float32, None,
+                                                            DEVICE).description
+
+
+def test_on_cpu_without_the_interpreter_it_is_a_one_line_error(tiny_llama):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-m", "kvserve.cli", "chat", "hi", "--model", str(tiny_llama),
+                             "--device", "cpu", "--attention-backend", "triton"],
+                            capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith("kvserve chat: error: --attention-backend triton: the Triton backend needs CUDA, or "
+                           "TRITON_INTERPRET=1"), line
+
+
+# ------------------------------------------------------------------------------------------ engine
+PROMPTS = [
+    "It is a truth universally acknowledged, that a single man in possession of a good fortune",
+    "It is a truth universally acknowledged, that a single man in want of a wife",
+    "Hello",
+    "Mr. Bennet was so odd a mixture of quick parts, sarcastic humour, reserve, and caprice",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_d32(tiny_model_factory):
+    """A tiny llama with head_dim 32 (the Triton kernels' smallest), GQA 2."""
+    return tiny_model_factory("llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_an_engine_on_the_triton_backend_gives_the_torch_backends_tokens(tiny_llama_d32, kv_cache_dtype):
+    """Chunked prefill (16 tokens a step), prefix-cache hits between the first two prompts and
+    decodes of several lengths, through the whole engine."""
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    tokens = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(str(tiny_llama_d32), dtype="float32", kv_cache_memory="4MiB", max_num_batched_tokens=16,
+                  kv_cache_dtype=kv_cache_dtype, attention_backend=backend, device=str(DEVICE))
+        assert llm.engine.attention_backend.name == backend
+        llm.generate(PROMPTS[:1], greedy, use_tqdm=False)  # its blocks are then prefix-cache hits
+        outputs = llm.generate(PROMPTS, greedy, use_tqdm=False)
+        assert outputs[0].num_cached_tokens > 0 and outputs[1].num_cached_tokens > 0
+        tokens[backend] = [o.outputs[0].token_ids for o in outputs]
+    assert tokens["triton"] == tokens["torch"]
+
+
+def test_sequences_under_eviction_share_a_batch_with_the_kernels(tiny_llama_d32):
+    """Requests under H2O (keys stored before RoPE, attention observed) take the torch path inside
+    a Triton step, beside requests the kernels serve: each gives what the torch backend gives."""
+    plain = SamplingParams(temperature=0, max_tokens=12)
+    evicting = SamplingParams(temperature=0, max_tokens=12, kv_eviction={"policy": "h2o", "budget": 32})
+    tokens = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(str(tiny_llama_d32), dtype="float32", kv_cache_memory="4MiB", attention_backend=backend,
+                  enable_prefix_caching=False, device=str(DEVICE))
+        outputs = llm.generate(PROMPTS, [evicting, plain, evicting, plain], use_tqdm=False)
+        tokens[backend] = [o.outputs[0].token_ids for o in outputs]
+    assert tokens["triton"] == tokens["torch"]
+
+
+# ------------------------------------------------------------------------------------------ GPU build
+def test_kernels_compile_for_sm90():
+    """Each kernel, for each layout kind, compiled to a cubin for sm_90 (H100/H200) without a GPU,
+    by Triton's nvidia backend and the ptxas it ships (tests/compile_triton_kernels.py, in a
+    process without the interpreter): catches what the interpreter lets through."""
+    try:
+        import triton.backends.nvidia  # noqa: F401
+    except ImportError as exc:
+        pytest.skip(f"triton's nvidia backend is missing: {exc}")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = os.path.join(os.path.dirname(__file__), "compile_triton_kernels.py")
+    result = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
