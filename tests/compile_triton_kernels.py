@@ -1,4 +1,4 @@
-"""Compile kvserve's Triton kernels for sm_90 (H100/H200) without a GPU, with the ptxas that ships
+"""Compile kvserve's Triton kernels (attention and fused ops) for sm_90 (H100/H200) without a GPU, with the ptxas that ships
 with triton: what the interpreter does not check (constexpr globals, branch types, dot shapes).
 Run by tests/test_triton_attention.py in a process without TRITON_INTERPRET; exits 1 on a failure."""
 from __future__ import annotations
@@ -13,6 +13,7 @@ import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from kvserve.model import fused_ops as F  # noqa: E402
 from kvserve.model.attention import triton_kernels as K  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -49,13 +50,7 @@ def main() -> int:
             ok &= compile_kernel(f"store kind {kind}", K._store_kernel,
                                  {"key_ptr": "*bf16", "value_ptr": "*bf16", "slot_ptr": "*i64", "kv_ptr": codes,
                                   "aux_ptr": scales},
-                                 {"HALF": 64, "KIND": kind, "MANT": 3, "BIAS": 7, "FMAX": 448.0,
-                                  "BF16_BITS": False})
-        if kind == K.FLOAT:
-            ok &= compile_kernel("store bfloat16 bits", K._store_kernel,
-                                 {"key_ptr": "*bf16", "value_ptr": "*bf16", "slot_ptr": "*i64", "kv_ptr": "*i16",
-                                  "aux_ptr": "*i16"},
-                                 {"HALF": 64, "KIND": kind, "MANT": 3, "BIAS": 7, "FMAX": 448.0, "BF16_BITS": True})
+                                 {"HALF": 64, "KIND": kind, "MANT": 3, "BIAS": 7, "FMAX": 448.0})
         for split in (False, True):
             ok &= compile_kernel(f"decode kind {kind} split {split}", K._decode_kernel, pool,
                                  {**common, "GROUP": 4, "GROUP_PAD": 16, "PRECISE": False, "SPLIT": split})
@@ -64,6 +59,13 @@ def main() -> int:
     ok &= compile_kernel("combine", K._combine_splits,
                          {"out_ptr": "*bf16", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32"},
                          {"SPLITS_PAD": 4, "D": 128})
+    bf16 = {"x_ptr": "*bf16", "residual_ptr": "*bf16", "weight_ptr": "*bf16", "out_ptr": "*bf16", "sum_ptr": "*bf16",
+            "gate_up_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "eps": "fp32"}
+    for residual in (False, True):
+        ok &= compile_kernel(f"add_rms_norm residual {residual}", F._add_rms_norm_kernel, bf16,
+                             {"HAS_RESIDUAL": residual, "BLOCK": 2048})
+    ok &= compile_kernel("silu_mul", F._silu_mul_kernel, bf16, {"BLOCK": 1024})
+    ok &= compile_kernel("rotary", F._rotary_kernel, bf16, {"HALF": 32})
     return 0 if ok else 1
 
 

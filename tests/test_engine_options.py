@@ -18,7 +18,7 @@ import kvserve.cache.sizing as sizing_module
 import kvserve.engine.llm_engine as llm_engine_module
 import kvserve.engine.loading as loading_module
 from kvserve.cli import build_parser
-from kvserve.engine import preflight as preflight_module
+import kvserve.engine.platforms.cpu as cpu_platform
 from kvserve.engine.args import EngineArgs
 from kvserve.engine.llm_engine import CapacityError, LLMEngine
 from kvserve.engine.preflight import resolve_dtype
@@ -124,10 +124,10 @@ def test_cli_bad_option_is_one_line_and_exit_2(tiny_llama, argv, message):
 # ----------------------------------------------------------------------------- dtype
 def test_dtype_auto_and_its_reason(monkeypatch):
     cpu = torch.device("cpu")
-    monkeypatch.setattr(preflight_module, "native_bf16_missing", lambda: "no avx512_bf16 here")
+    monkeypatch.setattr(cpu_platform, "native_bf16_missing", lambda: "no avx512_bf16 here")
     assert resolve_dtype("auto", cpu) == (torch.float32, "no avx512_bf16 here")
-    monkeypatch.setattr(preflight_module, "native_bf16_missing", lambda: None)
-    monkeypatch.setattr(preflight_module, "cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"}))
+    monkeypatch.setattr(cpu_platform, "native_bf16_missing", lambda: None)
+    monkeypatch.setattr(cpu_platform, "cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"}))
     assert resolve_dtype("auto", cpu) == (torch.bfloat16, "native bf16 matmul (avx512_bf16)")
     assert resolve_dtype("float16", cpu)[0] == torch.float16
     assert llm_engine_module.select_dtype("auto", cpu) == torch.bfloat16

@@ -38,13 +38,12 @@ from kvserve.engine.output_processor import OutputProcessor, apply_chat_template
 # CapacityError, select_device and select_dtype are imported from here by the CLI, plan and benchmarks.
 from kvserve.engine.preflight import CapacityError, select_device, select_dtype  # noqa: F401
 from kvserve.engine.preflight import preflight
+from kvserve.engine.platforms import platform_for
 from kvserve.engine.pool_sizing import size_kv_pool
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.scheduler import Scheduler, SchedulerConfig
 from kvserve.engine.structured_output import GrammarCompiler
-from kvserve.model.lean_decode import LeanDecoder
 from kvserve.model.loader import LoadedModel
-from kvserve.model.quant_linear import QuantizedLinear
 from kvserve.model.shape import ModelShape
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -109,13 +108,7 @@ class LLMEngine:
         # block manager and its evictor count in the same blocks.
         self.evictor = Evictor(self.kv_spec.block_size, self.max_model_len, self.device)
         self.runner = ModelRunner(self.model, self.kv_cache, self.attention_backend, self.evictor, self.parallel)
-        if self.parallel is None and self.attention_backend.reads_decodes_in_place:
-            self.model.lean, why = LeanDecoder.for_model(self.model)
-            if self.model.lean is not None:
-                logger.info("Decode steps of %d to %d sequences run each layer as two fused C++ calls (lean decode)",
-                            self.model.lean.min_rows, self.model.lean.max_rows)
-            elif any(isinstance(m, QuantizedLinear) for m in self.model.modules()):
-                logger.info("Lean decode step not used: %s", why)
+        platform_for(self.device).prepare_model(self.model, self.attention_backend, self.parallel is not None)
         if self.parallel is None:  # under tensor parallelism, calibrated on the full model (start_rank_zero)
             calibrate_key_transforms(self.runner, self.max_model_len, self.model_path)
         self.eviction_defaults = EvictionSpec(args.kv_eviction, args.kv_budget, args.sink_tokens, args.recent_tokens)

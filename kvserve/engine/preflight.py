@@ -16,10 +16,11 @@ from kvserve.cache.eviction import POLICIES, EvictionSpec
 from kvserve.cache.eviction.config import resolve_eviction
 from kvserve.cache.formats import make_kv_format
 from kvserve.cache.kv_cache import KVCacheSpec
-from kvserve.cache.sizing import blocks_for_tokens, blocks_in_budget, bytes_per_block, default_cpu_budget
+from kvserve.cache.sizing import blocks_for_tokens, blocks_in_budget, bytes_per_block
 from kvserve.cache.tiers.disk import check_directory
 from kvserve.engine.args import EngineArgs
-from kvserve.hardware import available_ram_bytes, cpu_flags, native_bf16_missing
+from kvserve.engine.platforms import platform_for
+from kvserve.hardware import native_bf16_missing
 from kvserve.model.parallel import check_quantized_shards, check_tensor_parallel_size, kv_heads_per_rank
 from kvserve.model.shape import ModelShape, read_model_shape
 from kvserve.units import GiB, parse_size
@@ -62,15 +63,7 @@ def resolve_dtype(name: str, device: torch.device) -> tuple[torch.dtype, str]:
     older GPUs and float32 on other CPUs, where bf16 is emulated and slower than float32."""
     if name != "auto":
         return _DTYPES[name], "given by --dtype"
-    if device.type == "cuda":
-        if torch.cuda.is_bf16_supported():
-            return torch.bfloat16, "this GPU supports bfloat16"
-        return torch.float16, "this GPU has no bfloat16"
-    missing = native_bf16_missing()
-    if missing is not None:
-        return torch.float32, missing
-    flags = ", ".join(sorted({"avx512_bf16", "amx_bf16"} & cpu_flags())) or "oneDNN"
-    return torch.bfloat16, f"native bf16 matmul ({flags})"
+    return platform_for(device).auto_dtype(device)
 
 
 def select_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -122,16 +115,8 @@ def lowered_max_model_len_warning(max_model_len: int, limit: int, budget: int) -
 def kv_budget_before_load(args: EngineArgs, device: torch.device) -> int | None:
     """The KV budget in bytes when it is known before the weights load: --kv-cache-memory, or
     on CPU min(4 GiB, RAM/4). None on CUDA without it (a profiling pass measures it after)."""
-    if args.kv_cache_memory is not None:
-        budget = parse_size(args.kv_cache_memory)
-        if device.type == "cpu" and budget > (available := available_ram_bytes()):
-            raise ValueError(f"--kv-cache-memory {args.kv_cache_memory} ({budget / GiB:.2f} GiB) is more than the "
-                             f"memory available now ({available / GiB:.2f} GiB)")
-        if device.type == "cuda" and budget > (total := torch.cuda.get_device_properties(device).total_memory):
-            raise ValueError(f"--kv-cache-memory {args.kv_cache_memory} ({budget / GiB:.2f} GiB) is more than "
-                             f"{device}'s memory ({total / GiB:.2f} GiB)")
-        return budget
-    return default_cpu_budget() if device.type == "cpu" else None
+    budget = None if args.kv_cache_memory is None else parse_size(args.kv_cache_memory)
+    return platform_for(device).kv_budget_before_load(args, budget, device)
 
 
 @dataclass(frozen=True)

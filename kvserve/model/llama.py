@@ -6,6 +6,7 @@ into one matmul each (fewer, larger matmuls: what a batch-1 decode step on CPU i
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -57,13 +58,15 @@ class Attention(nn.Module):
         self.key_basis: tuple[torch.Tensor, torch.Tensor] | None = None
         # Under tensor parallelism (parallel.py): the sum over ranks of o_proj's partial outputs.
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.fused: ModuleType | None = None  # fused_ops, where the platform installs it (CUDA)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
         """qkv -> RoPE -> the attention backend (model/attention/) -> o_proj."""
         heads = self.qkv_proj(x).view(x.shape[0], self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-        # q and k heads are rotated together in one pass.
-        qk = apply_rotary(heads[:, : self.num_heads + self.num_kv_heads], *rope)
+        # q and k heads are rotated together in one pass (one launch with the fused ops).
+        rotate = apply_rotary if self.fused is None else self.fused.rotary
+        qk = rotate(heads[:, : self.num_heads + self.num_kv_heads], *rope)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         v = heads[:, self.num_heads + self.num_kv_heads:]
         key_before_rope = heads[:, self.num_heads: self.num_heads + self.num_kv_heads]
@@ -77,8 +80,12 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # as Attention.reduce
+        self.fused: ModuleType | None = None  # as Attention.fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            out = self.down_proj(self.fused.silu_mul(self.gate_up_proj(x)))
+            return out if self.reduce is None else self.reduce(out)
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         out = self.down_proj(F.silu(gate) * up)
         return out if self.reduce is None else self.reduce(out)
@@ -110,6 +117,8 @@ class LlamaForCausalLM(nn.Module):
         self.rope: RotaryEmbedding | None = None
         # Decode-only steps through fused C++ ops (lean_decode.py), set by the engine where it applies.
         self.lean: LeanDecoder | None = None
+        # fused_ops (Triton: residual add + RMSNorm, SiLU x up, RoPE), set by the CUDA platform.
+        self.fused: ModuleType | None = None
 
     @classmethod
     def from_hf_weights(cls, config: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int,
@@ -163,10 +172,31 @@ class LlamaForCausalLM(nn.Module):
         rope = self.rope(positions)
         if self.lean is not None and self.lean.applies(x.shape[0], kv_cache, meta):
             x = self.lean.run(x, rope, kv_cache, meta)
+        elif self.fused is not None:
+            return self._fused_layers(x, rope, kv_cache, meta, rows)
         else:
             for layer in self.layers:
                 x = layer(x, rope, kv_cache, meta)
         return self.norm(x[rows])
+
+    def _fused_layers(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache,
+                      meta: AttentionMetadata, rows: torch.Tensor) -> torch.Tensor:
+        """The decoder stack with the residual stream carried between fused add + RMSNorm launches
+        (vLLM's pattern): the same sums, rounded the same way, as DecoderLayer.forward."""
+        add_rms_norm, residual = self.fused.add_rms_norm, None
+        for layer in self.layers:
+            normed, residual = add_rms_norm(x, residual, layer.input_layernorm.weight, layer.input_layernorm.eps)
+            attended = layer.self_attn(normed, rope, kv_cache, meta)
+            normed, residual = add_rms_norm(attended, residual, layer.post_attention_layernorm.weight,
+                                            layer.post_attention_layernorm.eps)
+            x = layer.mlp(normed)
+        return add_rms_norm(x[rows], residual[rows], self.norm.weight, self.norm.eps)[0]
+
+    def use_fused_ops(self, fused: ModuleType | None) -> None:
+        """Run the layers' small steps through `fused` (fused_ops), or torch ops with None."""
+        self.fused = fused
+        for layer in self.layers:
+            layer.self_attn.fused = layer.mlp.fused = fused
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

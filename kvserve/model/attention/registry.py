@@ -2,8 +2,8 @@
 
 Adding a backend is one module with an `AttentionBackend` subclass and one entry in `BACKENDS`:
 `auto` tries the entries of `AUTO_ORDER` in turn (the fastest first), those meant for the device
-(`auto_devices`), and takes the first whose `unsupported` says nothing; the start-up log names the backend and, for each faster one passed
-over, why.
+(`auto_devices`), and takes the first whose `unsupported` says nothing; the start-up log names
+the backend and, for each faster one passed over, why.
 """
 from __future__ import annotations
 

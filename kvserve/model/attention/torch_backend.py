@@ -44,6 +44,16 @@ def split_by_length(num_blocks: list[int], block_size: int) -> list[tuple[int, i
     return runs[::-1]
 
 
+def padded_block_tables(members: list[StepSequence], block_size: int) -> np.ndarray:
+    """[sequences, most blocks] int64: each sequence's blocks holding its seq_len tokens, padded
+    with the null block."""
+    needed = [-(-s.seq_len // block_size) for s in members]
+    tables = np.full((len(members), max(needed)), NULL_BLOCK_ID, dtype=np.int64)
+    for i, (s, n) in enumerate(zip(members, needed)):
+        tables[i, :n] = s.block_table[:n]
+    return tables
+
+
 class TorchBackend(AttentionBackend):
     """Attention in torch ops (torch_ops.py): each step's context gathered from the pool into padded
     tensors, then matmuls and softmax, or SDPA. Runs anywhere, reads every KV format, and is the
@@ -74,7 +84,7 @@ class TorchBackend(AttentionBackend):
         observed: list[tuple[str, torch.Tensor]] = []
         chunks = []
         for seq in sequences:
-            if seq.is_decode:
+            if seq.is_decode or not self._gathers_chunk(seq):
                 continue
             chunk = PrefillChunk(seq.row_start, seq.num_queries, seq.seq_len, self._tensor(seq.block_table))
             if seq.keys_before_rope:
@@ -97,6 +107,10 @@ class TorchBackend(AttentionBackend):
             backend=self,
         )
 
+    def _gathers_chunk(self, seq: StepSequence) -> bool:
+        """Whether this prefill chunk is attended by torch ops (here: every chunk)."""
+        return True
+
     def _decode_runs(self, decode: list[StepSequence]) -> list[tuple[int, int]]:
         """[start, end) runs of the decodes that attend together: one run when the pool is read in
         place (nothing is padded), else runs of similar lengths (split_by_length)."""
@@ -108,14 +122,10 @@ class TorchBackend(AttentionBackend):
         """Pad the decodes' block tables to a common length with the null block."""
         if not members:
             return None
-        needed = [-(-s.seq_len // self.block_size) for s in members]
-        max_blocks = max(needed)
-        block_ids = np.full((len(members), max_blocks), NULL_BLOCK_ID, dtype=np.int64)
-        for i, (s, n) in enumerate(zip(members, needed)):
-            block_ids[i, :n] = s.block_table[:n]
+        block_ids = padded_block_tables(members, self.block_size)
         return AttentionGroup(block_ids=self._tensor(block_ids.reshape(-1)),
                               seq_lens=self._tensor([s.seq_len for s in members]),
-                              context_len=max_blocks * self.block_size,
+                              context_len=block_ids.shape[1] * self.block_size,
                               max_seq_len=max(s.seq_len for s in members))
 
     def _evicting_decode_group(self, members: list[StepSequence],

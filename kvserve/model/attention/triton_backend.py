@@ -17,10 +17,8 @@ import importlib.util
 import os
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from kvserve.cache.block_pool import NULL_BLOCK_ID
 from kvserve.cache.formats.fp8 import Fp8Format
 from kvserve.cache.formats.full_precision import FullPrecisionFormat
 from kvserve.cache.formats.int4 import Int4Format
@@ -29,7 +27,7 @@ from kvserve.cache.formats.int8 import Int8Format
 from kvserve.cache.kv_cache import KVFormat
 from kvserve.model.attention.base import BackendConfig
 from kvserve.model.attention.metadata import AttentionMetadata, StepSequence
-from kvserve.model.attention.torch_backend import TorchBackend
+from kvserve.model.attention.torch_backend import TorchBackend, padded_block_tables
 from kvserve.model.attention.torch_ops import decode_gathered, prefills_gathered
 
 # Context tokens per split of a decode (flash-decoding): a fixed size, so a sequence's reduction
@@ -134,27 +132,25 @@ class TritonBackend(TorchBackend):
         if decodes:
             meta.decode = TritonDecode(self._padded_tables(decodes), self._tensor([s.seq_len for s in decodes]),
                                        max(s.seq_len for s in decodes))
-        chunks = [s for s in sequences if not s.is_decode and not s.keys_before_rope and s.observed_rows is None]
+        chunks = [s for s in sequences if not s.is_decode and not self._gathers_chunk(s)]
         if chunks:
-            tiles = [(i, start) for i, s in enumerate(chunks) for start in range(0, s.num_queries, self.prefill_block_m)]
+            tiles = [(i, start) for i, s in enumerate(chunks)
+                     for start in range(0, s.num_queries, self.prefill_block_m)]
             meta.prefill = TritonPrefill(
                 self._padded_tables(chunks), self._tensor([s.row_start for s in chunks]),
                 self._tensor([s.num_queries for s in chunks]), self._tensor([s.seq_len for s in chunks]),
                 self._tensor([t[0] for t in tiles]), self._tensor([t[1] for t in tiles]))
-        # The torch path keeps only what the kernels do not cover.
-        meta.decodes = []
-        meta.prefills = [c for c in meta.prefills if c.key_rope is not None or c.observed_attention is not None]
         return meta
 
+    # The torch backend's metadata keeps only what the kernels do not serve: sequences under eviction.
+    def _gathers_chunk(self, seq: StepSequence) -> bool:
+        return seq.keys_before_rope or seq.observed_rows is not None
+
     def _decode_runs(self, decode):
-        return [(0, len(decode))] if decode else []  # one group, read in place: nothing is padded
+        return []
 
     def _padded_tables(self, members: list[StepSequence]) -> torch.Tensor:
-        needed = [-(-s.seq_len // self.block_size) for s in members]
-        tables = np.full((len(members), max(needed)), NULL_BLOCK_ID, dtype=np.int64)
-        for i, (s, n) in enumerate(zip(members, needed)):
-            tables[i, :n] = s.block_table[:n]
-        return self._tensor(tables)
+        return self._tensor(padded_block_tables(members, self.block_size))
 
     # ------------------------------------------------------------------ attention
     def attend(self, query, key, value, pool, kv_format, meta, window):

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvserve.model.triton_rounding import round_to
+
 # Layout kinds (KIND, a constexpr of every kernel): the Python values, and the same as constants
 # the kernels may read.
 FLOAT, INT8, FP8, INT4, INT4_KIVI = range(5)
@@ -106,28 +108,15 @@ def _f16_step(x, UP: tl.constexpr):
 
 # ---------------------------------------------------------------------------------------- store
 @triton.jit
-def _bf16_bits(x):
-    """float32 -> the bits of the nearest bfloat16 (ties to even) as int16. Triton's interpreter
-    truncates in its own cast, so the store does the rounding itself."""
-    bits = x.to(tl.int32, bitcast=True)
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-    return rounded.to(tl.int16)
-
-
-@triton.jit
 def _quantize_row(lo, hi, kv_ptr, aux_ptr, row, HALF: tl.constexpr, KIND: tl.constexpr,
-                  MANT: tl.constexpr, BIAS: tl.constexpr, FMAX: tl.constexpr, BF16_BITS: tl.constexpr):
+                  MANT: tl.constexpr, BIAS: tl.constexpr, FMAX: tl.constexpr):
     """Store one (token, head) row, channel halves lo/hi [HALF] in float32, at pool row `row`
     (head * blocks * block_size + slot), with its scale(s) in aux; fp8 as MANT/BIAS/FMAX say."""
     D: tl.constexpr = 2 * HALF
     c = tl.arange(0, HALF)
     if KIND == K_FLOAT:
-        if BF16_BITS:  # a bfloat16 pool seen as int16: rounded here, to nearest even, as torch rounds
-            tl.store(kv_ptr + row * D + c, _bf16_bits(lo))
-            tl.store(kv_ptr + row * D + HALF + c, _bf16_bits(hi))
-        else:
-            tl.store(kv_ptr + row * D + c, lo.to(kv_ptr.dtype.element_ty))
-            tl.store(kv_ptr + row * D + HALF + c, hi.to(kv_ptr.dtype.element_ty))
+        tl.store(kv_ptr + row * D + c, round_to(lo, kv_ptr.dtype.element_ty))
+        tl.store(kv_ptr + row * D + HALF + c, round_to(hi, kv_ptr.dtype.element_ty))
     elif KIND == K_INT8:
         amax = tl.maximum(tl.max(tl.abs(lo), axis=0), tl.max(tl.abs(hi), axis=0))
         scale16 = tl.maximum(amax / 127.0, 2.0 ** -14).to(tl.float16)
@@ -171,7 +160,7 @@ def _quantize_row(lo, hi, kv_ptr, aux_ptr, row, HALF: tl.constexpr, KIND: tl.con
 @triton.jit
 def _store_kernel(key_ptr, value_ptr, slot_ptr, kv_ptr, aux_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
                   num_kv_heads, pool_slots, HALF: tl.constexpr, KIND: tl.constexpr,
-                  MANT: tl.constexpr, BIAS: tl.constexpr, FMAX: tl.constexpr, BF16_BITS: tl.constexpr):
+                  MANT: tl.constexpr, BIAS: tl.constexpr, FMAX: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)
@@ -179,9 +168,9 @@ def _store_kernel(key_ptr, value_ptr, slot_ptr, kv_ptr, aux_ptr, stride_kt, stri
     key = key_ptr + token * stride_kt + head * stride_kh
     value = value_ptr + token * stride_vt + head * stride_vh
     _quantize_row(tl.load(key + c).to(tl.float32), tl.load(key + HALF + c).to(tl.float32), kv_ptr, aux_ptr,
-                  head * pool_slots + slot, HALF, KIND, MANT, BIAS, FMAX, BF16_BITS)
+                  head * pool_slots + slot, HALF, KIND, MANT, BIAS, FMAX)
     _quantize_row(tl.load(value + c).to(tl.float32), tl.load(value + HALF + c).to(tl.float32), kv_ptr, aux_ptr,
-                  (head + num_kv_heads) * pool_slots + slot, HALF, KIND, MANT, BIAS, FMAX, BF16_BITS)
+                  (head + num_kv_heads) * pool_slots + slot, HALF, KIND, MANT, BIAS, FMAX)
 
 
 def store_kv(kind: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
@@ -194,13 +183,9 @@ def store_kv(kind: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: to
     assert key.stride(-1) == 1 and value.stride(-1) == 1
     pool_slots = kv.shape[1] * kv.shape[2]
     mant, bias, fmax = FP8_VARIANTS[fp8]
-    bf16_bits = kv.dtype == torch.bfloat16
-    if bf16_bits:
-        kv = kv.view(torch.int16)
     _store_kernel[(tokens, kv_heads)](key, value, slot_mapping, kv, kv if aux is None else aux,
                                       key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-                                      kv_heads, pool_slots, HALF=dim // 2, KIND=kind, MANT=mant, BIAS=bias, FMAX=fmax,
-                                      BF16_BITS=bf16_bits)
+                                      kv_heads, pool_slots, HALF=dim // 2, KIND=kind, MANT=mant, BIAS=bias, FMAX=fmax)
 
 
 # ---------------------------------------------------------------------------------------- read
@@ -318,8 +303,9 @@ def _decode_kernel(q_ptr, out_ptr, part_acc_ptr, part_ml_ptr, table_ptr, seq_len
     else:
         denom = tl.where(l_i > 0, l_i, 1.0)[:, None]
         o_base = out_ptr + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
-        tl.store(o_base + c[None, :], (acc_lo / denom).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-        tl.store(o_base + HALF + c[None, :], (acc_hi / denom).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(o_base + c[None, :], round_to(acc_lo / denom, out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(o_base + HALF + c[None, :], round_to(acc_hi / denom, out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None])
 
 
 @triton.jit
@@ -338,7 +324,7 @@ def _combine_splits(out_ptr, part_acc_ptr, part_ml_ptr, stride_ot, stride_oh, nu
     total = tl.sum(weight * l_s, axis=0)
     out = tl.sum(acc * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + tl.arange(0, D),
-             out.to(out_ptr.dtype.element_ty))
+             round_to(out, out_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -372,8 +358,8 @@ def _prefill_kernel(q_ptr, out_ptr, table_ptr, tile_chunk_ptr, tile_start_ptr, c
         BLOCK_M, BLOCK_SIZE, HALF, KIND, MANT, BIAS, PRECISE, DOT_DTYPE)
     denom = tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_base = out_ptr + (row0 + r).to(tl.int64)[:, None] * stride_ot + head * stride_oh
-    tl.store(o_base + c[None, :], (acc_lo / denom).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-    tl.store(o_base + HALF + c[None, :], (acc_hi / denom).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(o_base + c[None, :], round_to(acc_lo / denom, out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(o_base + HALF + c[None, :], round_to(acc_hi / denom, out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 def _pool_args(kind: int, pool: dict[str, torch.Tensor]) -> tuple:

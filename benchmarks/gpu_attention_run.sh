@@ -1,0 +1,32 @@
+#!/bin/bash
+# Issue 41's GPU measurements in one device call (../shared/gpu/README.md sets up .gpu/ and .whl/;
+# call the device tool with carry [".whl", ".gpu"] and this script as the command, timeout ~560 s).
+# Every step writes under $OUT through tee, so a run cut short still returns what it measured.
+# Dry run on CPU first: DEV=cpu TRITON_INTERPRET=1 OUT=/tmp/out bash benchmarks/gpu_attention_run.sh --dry
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+G=$PWD/.gpu
+DEV=${DEV:-cuda}
+MODEL=/tmp/m1b; [ "$1" = "--dry" ] && MODEL=/tmp/mtiny
+if [ "$1" != "--dry" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1 || { echo "wheel install failed"; exit 1; }
+  export PYTHONPATH=/tmp/site:$PWD
+fi
+kv() { python3 -c "import sys; from kvserve.cli import main; sys.argv[0]='kvserve'; sys.exit(main())" "$@"; }
+{
+(cd $G && DEV=$DEV timeout 60 python3 make_model.py $(basename $MODEL) 2>&1 | grep made)
+echo "=== 1 float32 greedy parity with HF on CUDA, Triton backend (auto)"
+DEV=$DEV timeout 120 python3 $G/parity.py $MODEL float32 2>&1 | grep -E "PARITY|Error|Attention backend" | tail -4
+echo "=== 2 decode attention kernels: K/V bandwidth vs copy, fp8 vs bfloat16"
+timeout 150 python3 benchmarks/triton_attention.py $([ "$1" = "--dry" ] && echo --smoke) 2>&1 | tail -12
+for backend in triton torch; do
+  echo "=== 3 offline default workload, --attention-backend $backend (with HF on the first)"
+  extra=$([ $backend = triton ] && echo "--backend kvserve,hf" || echo "--backend kvserve")
+  timeout 150 kv bench throughput --model $MODEL --device $DEV $extra --attention-backend $backend --efficiency \
+    $([ "$1" = "--dry" ] && echo "--num-prompts 2 --random-input-len 16 --random-output-len 4 --dataset-name random") \
+    --output-json $OUT/throughput-$backend.json 2>&1 | grep -v -E "it/s\]|s/it\]" | tail -14
+done
+echo "=== 4 offline 512 x 512/256, Triton backend"
+timeout 120 kv bench throughput --model $MODEL --device $DEV --backend kvserve --attention-backend triton \
+  --dataset-name random $([ "$1" = "--dry" ] && echo "--num-prompts 2 --random-input-len 16 --random-output-len 4" || echo "--num-prompts 512 --random-input-len 512 --random-output-len 256") \
+  2>&1 | grep -E "Workload|Throughput|Attention backend"
+} 2>&1 | tee $OUT/attention-log.txt

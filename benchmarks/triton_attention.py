@@ -1,0 +1,107 @@
+"""Decode attention of the Triton backend against the torch backend, one layer, on CUDA: the K/V
+bytes each reads per second beside the GPU's measured copy bandwidth, and fp8 against bfloat16.
+
+Issue 41's targets: bfloat16 decode at 128 requests x 1,024-token contexts reads >= 60% of the
+copy bandwidth in K/V bytes; fp8 decode >= 1.6x faster than bfloat16 at 4,096-token contexts.
+The shape is one layer of Llama-3.2-1B (32 query heads, 8 KV heads, head_dim 64, blocks of 16),
+blocks scattered through the pool as a busy server leaves them.
+
+    python benchmarks/triton_attention.py                      # CUDA
+    TRITON_INTERPRET=1 python benchmarks/triton_attention.py --smoke   # CPU dry run of the script
+
+K/V bytes are those a decode must read (codes and scales of every context token), whatever the
+backend really moves (the torch backend also writes and re-reads its gathered copy). The copy
+bandwidth is (read + written bytes) / time of a 1 GiB device-to-device copy.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from kvserve.cache.formats import make_kv_format
+from kvserve.cache.kv_cache import KVCache, KVCacheSpec
+from kvserve.model.attention import StepSequence, make_attention_backend
+
+
+def timed(fn, device: torch.device, repeats: int) -> float:
+    """Median seconds of `fn()` over `repeats` runs (CUDA events on a GPU)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int, repeats: int) -> float:
+    """Bytes read + written per second by a device-to-device copy of `nbytes`."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / timed(lambda: dst.copy_(src), device, repeats)
+
+
+def decode_case(backend_name: str, kv_cache_dtype: str, batch: int, context: int, device: torch.device,
+                repeats: int, heads: int = 32, kv_heads: int = 8, head_dim: int = 64,
+                block_size: int = 16) -> tuple[float, int]:
+    """(median seconds of one layer's decode attention, K/V bytes it must read)."""
+    dtype = torch.bfloat16
+    spec = KVCacheSpec(1, kv_heads, head_dim, block_size)
+    fmt = make_kv_format(kv_cache_dtype, dtype)
+    blocks_per_seq = -(-(context + 1) // block_size)
+    cache = KVCache(spec, fmt, batch * blocks_per_seq, device)
+    all_slots = torch.arange(block_size, (batch * blocks_per_seq + 1) * block_size, device=device)
+    for chunk in all_slots.split(1 << 16):  # every slot holds a random token, written by the format
+        fmt.write(cache.layers[0], torch.randn(len(chunk), kv_heads, head_dim, device=device, dtype=dtype),
+                  torch.randn(len(chunk), kv_heads, head_dim, device=device, dtype=dtype), chunk)
+    backend = make_attention_backend(backend_name, fmt, spec, dtype, None, device)
+    ids = np.random.default_rng(0).permutation(np.arange(1, batch * blocks_per_seq + 1)).reshape(batch, -1)
+    sequences = [StepSequence(str(i), i, 1, context + 1, ids[i]) for i in range(batch)]
+    slots = torch.as_tensor(ids[:, context // block_size] * block_size + context % block_size, device=device)
+    q = torch.randn(batch, heads, head_dim, device=device, dtype=dtype)
+    k = torch.randn(batch, kv_heads, head_dim, device=device, dtype=dtype)
+    v = torch.randn(batch, kv_heads, head_dim, device=device, dtype=dtype)
+    meta = backend.build(sequences, slots)
+    seconds = timed(lambda: backend.attend(q, k, v, cache.layers[0], fmt, meta, None), device, repeats)
+    kv_bytes = batch * (context + 1) * fmt.bytes_per_block(spec) // block_size
+    return seconds, kv_bytes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes (a CPU dry run under TRITON_INTERPRET=1)")
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    batch, short, long_ = (4, 64, 160) if args.smoke else (128, 1024, 4096)
+    repeats = 2 if args.smoke else args.repeats
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (interpreter: timings meaningless)"
+    print(f"device: {name}; one layer of a 1B-shaped Llama (32 heads, 8 KV heads, head_dim 64, block 16)")
+    bandwidth = copy_bandwidth(device, (16 << 20) if args.smoke else (1 << 30), repeats)
+    print(f"copy bandwidth: {bandwidth / 1e9:,.0f} GB/s (read + written)")
+    results = {}
+    for backend in ("triton", "torch"):
+        for kv_cache_dtype, context in (("auto", short), ("auto", long_), ("fp8", long_)):
+            seconds, kv_bytes = decode_case(backend, kv_cache_dtype, batch, context, device, repeats)
+            results[backend, kv_cache_dtype, context] = seconds
+            print(f"{backend:6} {kv_cache_dtype:4} batch {batch} x context {context:5}: {seconds * 1e6:9.1f} us, "
+                  f"K/V {kv_bytes / seconds / 1e9:8,.0f} GB/s = {kv_bytes / seconds / bandwidth:6.1%} of copy")
+    for backend in ("triton", "torch"):
+        ratio = results[backend, "auto", long_] / results[backend, "fp8", long_]
+        print(f"{backend}: fp8 vs bfloat16 at context {long_}: {ratio:.2f}x faster")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,28 @@
+"""The platform interface: the start-up decisions that depend on the device type."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from kvserve.engine.args import EngineArgs
+    from kvserve.model.attention import AttentionBackend
+    from kvserve.model.llama import LlamaForCausalLM
+
+
+class Platform:
+    name: str = "abstract"
+
+    def auto_dtype(self, device: torch.device) -> tuple[torch.dtype, str]:
+        """The model dtype `--dtype auto` means here, and why (for the start-up log)."""
+        raise NotImplementedError
+
+    def kv_budget_before_load(self, args: EngineArgs, budget: int | None, device: torch.device) -> int | None:
+        """The KV budget in bytes known before the weights load: `budget` (--kv-cache-memory,
+        parsed) checked against the device, or the platform's default; None when only a
+        measurement after loading can tell (`measure_kv_budget`)."""
+        raise NotImplementedError
+
+    def prepare_model(self, model: LlamaForCausalLM, backend: AttentionBackend, tensor_parallel: bool) -> None:
+        """Ready a loaded model for this platform's step (fused kernels, specialised decode paths)."""

@@ -1,0 +1,49 @@
+"""The CPU platform: bfloat16 only where the CPU has native bf16 matmul, a KV budget from RAM,
+and the lean decode step (model/lean_decode.py) where the CPU paged kernel reads decodes."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kvserve.cache.sizing import default_cpu_budget
+from kvserve.engine.platforms.base import Platform
+from kvserve.hardware import available_ram_bytes, cpu_flags, native_bf16_missing
+from kvserve.model.lean_decode import LeanDecoder
+from kvserve.model.quant_linear import QuantizedLinear
+from kvserve.units import GiB
+
+logger = logging.getLogger("kvserve")
+
+
+class CpuPlatform(Platform):
+    name = "cpu"
+
+    def auto_dtype(self, device):
+        """bfloat16 where it runs natively (AVX512-BF16 or AMX), else float32: emulated bf16 is
+        slower than float32."""
+        missing = native_bf16_missing()
+        if missing is not None:
+            return torch.float32, missing
+        flags = ", ".join(sorted({"avx512_bf16", "amx_bf16"} & cpu_flags())) or "oneDNN"
+        return torch.bfloat16, f"native bf16 matmul ({flags})"
+
+    def kv_budget_before_load(self, args, budget, device):
+        if budget is None:
+            return default_cpu_budget()
+        if budget > (available := available_ram_bytes()):
+            raise ValueError(f"--kv-cache-memory {args.kv_cache_memory} ({budget / GiB:.2f} GiB) is more than the "
+                             f"memory available now ({available / GiB:.2f} GiB)")
+        return budget
+
+    def prepare_model(self, model, backend, tensor_parallel):
+        """Decode steps as two fused C++ calls per layer (lean decode) where the CPU paged kernel
+        reads decodes in place; not under tensor parallelism (its sharded layers reduce)."""
+        if tensor_parallel or not backend.reads_decodes_in_place:
+            return
+        model.lean, why = LeanDecoder.for_model(model)
+        if model.lean is not None:
+            logger.info("Decode steps of %d to %d sequences run each layer as two fused C++ calls (lean decode)",
+                        model.lean.min_rows, model.lean.max_rows)
+        elif any(isinstance(m, QuantizedLinear) for m in model.modules()):
+            logger.info("Lean decode step not used: %s", why)

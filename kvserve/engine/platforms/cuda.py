@@ -1,0 +1,38 @@
+"""The CUDA platform: bfloat16 where the GPU has it, a KV budget measured after loading (vLLM's
+profiling pass, engine/pool_sizing.py) unless given, and the layers' small steps as fused Triton
+kernels (model/fused_ops.py) where triton is installed."""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+
+import torch
+
+from kvserve.engine.platforms.base import Platform
+from kvserve.units import GiB
+
+logger = logging.getLogger("kvserve")
+
+
+class CudaPlatform(Platform):
+    name = "cuda"
+
+    def auto_dtype(self, device):
+        if torch.cuda.is_bf16_supported():
+            return torch.bfloat16, "this GPU supports bfloat16"
+        return torch.float16, "this GPU has no bfloat16"
+
+    def kv_budget_before_load(self, args, budget, device):
+        if budget is not None and budget > (total := torch.cuda.get_device_properties(device).total_memory):
+            raise ValueError(f"--kv-cache-memory {args.kv_cache_memory} ({budget / GiB:.2f} GiB) is more than "
+                             f"{device}'s memory ({total / GiB:.2f} GiB)")
+        return budget
+
+    def prepare_model(self, model, backend, tensor_parallel):
+        """Residual add + RMSNorm, SiLU x up and RoPE as one Triton launch each."""
+        if importlib.util.find_spec("triton") is None:
+            logger.info("Fused Triton ops not used: triton is not installed")
+            return
+        model.use_fused_ops(importlib.import_module("kvserve.model.fused_ops"))
+        logger.info("Residual add + RMSNorm, SiLU x up and RoPE run as fused Triton kernels")
