@@ -87,6 +87,8 @@ class SamplingParams:
     its prompt logprobs, and finishes with "length" without sampling a token.
     `kv_eviction` overrides the engine's KV eviction settings for this request: a dict with any of
     policy, budget, sink_tokens, recent_tokens (or just a policy name, e.g. "none").
+    `logit_bias` ({token id: bias}, OpenAI's and vLLM's): added to those tokens' logits before
+    penalties, temperature and truncation (the HTTP API clamps biases to [-100, 100] as vLLM does).
     `logits_processors` (Python only, not an API field) run in order on this request's logits
     before any other transformation; logprobs stay those of the raw distribution. A processor
     that raises fails its request (finish reason "error"), not the batch. With n > 1 every sample
@@ -116,6 +118,7 @@ class SamplingParams:
     logits_processors: list[LogitsProcessor] = field(default_factory=list)
     structured_outputs: StructuredOutputsParams | None = None
     prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         self.kv_eviction = EvictionSpec.parse(self.kv_eviction)
@@ -172,6 +175,14 @@ class SamplingParams:
             raise ValueError(f"seed must be a 64-bit integer, got {self.seed!r}.")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError("structured_outputs must be a StructuredOutputsParams.")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a mapping of token ids to biases, got {self.logit_bias!r}.")
+            for token, bias in self.logit_bias.items():
+                if not isinstance(token, int) or isinstance(token, bool):
+                    raise ValueError(f"logit_bias keys must be token ids, got {token!r}.")
+                if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
+                    raise ValueError(f"logit_bias values must be finite numbers, got {bias!r} for token {token}.")
         if any(not callable(p) for p in self.logits_processors):
             raise ValueError("logits_processors must be callables (output_token_ids, logits) -> logits.")
 

@@ -65,6 +65,23 @@ def test_seeded_request_does_not_depend_on_its_batch(llm):
     assert batched == alone
 
 
+def test_logit_bias_forces_and_bans_tokens_and_logprobs_stay_raw(llm):
+    greedy = tokens(llm, temperature=0)
+    forced = 7 if greedy[0] != 7 else 8
+    assert tokens(llm, temperature=0, logit_bias={forced: 100.0}) == [forced] * 12
+    banned = tokens(llm, temperature=0, logit_bias={greedy[0]: -100.0})
+    assert banned[0] != greedy[0]
+    # in a batch, a bias changes only its own request
+    outs = llm.generate([PROMPT] * 2, [SamplingParams(max_tokens=12, ignore_eos=True, temperature=0),
+                                       SamplingParams(max_tokens=12, ignore_eos=True, temperature=0,
+                                                      logit_bias={forced: 100.0})], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [greedy, [forced] * 12]
+    with pytest.raises(ValueError, match=r"token_id\(s\) \[100000\] in logit_bias contain out-of-vocab"):
+        llm.generate([PROMPT], SamplingParams(logit_bias={100000: 1.0}), use_tqdm=False)
+    with pytest.raises(ValueError, match="logit_bias values must be finite"):
+        SamplingParams(logit_bias={1: math.inf})
+
+
 def test_invalid_request_is_rejected_before_it_is_queued(llm):
     with pytest.raises(ValueError, match="maximum context length"):
         llm.generate([PROMPT], SamplingParams(max_tokens=10 ** 6), use_tqdm=False)

@@ -172,6 +172,93 @@ def test_stop_strings(tiny_server, client):
     assert "".join(c.choices[0].text for c in streamed) == expected
 
 
+def test_min_tokens_holds_back_stop_strings(tiny_server, client):
+    """vLLM's rule: a stop string inside the text of the first min_tokens tokens does not end the
+    sequence; the first one completed after them does."""
+    def complete(max_tokens: int, **extra):
+        return client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=max_tokens, **GREEDY,
+                                         **extra).choices[0]
+
+    full = complete(30).text
+    stop = complete(1).text.strip()[:2] or complete(1).text
+    early = complete(30, stop=[stop])
+    assert early.text == full[: full.index(stop)] and early.finish_reason == "stop"
+    min_tokens = 8
+    before = complete(min_tokens - 1).text  # the text of the tokens before the min_tokens-th
+    later = full.find(stop, len(before) - len(stop) + 1)  # the first occurrence not inside it
+    held = complete(30, stop=[stop], extra_body={"min_tokens": min_tokens})
+    if later == -1:
+        assert (held.text, held.finish_reason) == (full, "length")
+    else:
+        assert (held.text, held.finish_reason) == (full[:later], "stop")
+    assert full.index(stop) < len(before)  # the held-back occurrence was there to be skipped
+
+
+def test_logit_bias_forces_and_bans_a_token(tiny_server, client):
+    """OpenAI's logit_bias through the openai client: +100 forces a token, -100 bans the greedy one;
+    ids are checked against the vocabulary and biases clamped to [-100, 100] (vLLM)."""
+    def completion(**extra):
+        return client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=6, logprobs=1, **GREEDY,
+                                         **extra).choices[0]
+
+    greedy = completion()
+    forced = completion(logit_bias={"7": 100})
+    assert len(set(forced.logprobs.tokens)) == 1 and len(forced.logprobs.tokens) == 6
+    assert completion(logit_bias={"7": 1e6}).text == forced.text  # clamped to 100, still forcing
+    first = greedy.logprobs.tokens[0]
+    [first_id] = httpx.post(f"{tiny_server.base_url}/tokenize",
+                            json={"prompt": first, "add_special_tokens": False}).json()["tokens"]
+    banned = completion(logit_bias={str(first_id): -100})
+    assert banned.logprobs.tokens[0] != first
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                          logit_bias={"7": 100}, logprobs=True, **GREEDY)
+    assert len({t.token for t in chat.choices[0].logprobs.content}) == 1
+    for bias, message in (({"99999999": 1}, "out of vocabulary"), ({"x": 1}, "logit_bias keys must be token ids")):
+        with pytest.raises(openai.BadRequestError, match=message):
+            completion(logit_bias=bias)
+
+
+def test_continue_final_message_continues_the_assistant_turn(tiny_server, client):
+    """vLLM's continue_final_message (with add_generation_prompt false): the last assistant message
+    is left open, and the reply is what a raw completion of that rendered prompt gives."""
+    messages = [{"role": "user", "content": "Tell me of Netherfield."},
+                {"role": "assistant", "content": "The weather at Netherfield"}]
+    flags = {"add_generation_prompt": False, "continue_final_message": True}
+    ids = httpx.post(f"{tiny_server.base_url}/tokenize", json={"messages": messages, **flags}).json()["tokens"]
+    rendered = httpx.post(f"{tiny_server.base_url}/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert rendered.endswith("The weather at Netherfield")  # no end of turn after it
+    reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, extra_body=flags, **GREEDY)
+    raw = client.completions.create(model="tiny", prompt=ids, max_tokens=8, **GREEDY)
+    assert reply.choices[0].message.content == raw.choices[0].text
+    assert reply.usage.prompt_tokens == len(ids)
+    echoed = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8,
+                                            extra_body={**flags, "echo": True}, **GREEDY)
+    assert echoed.choices[0].message.content == "The weather at Netherfield" + raw.choices[0].text
+    streamed = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, stream=True,
+                                              extra_body={**flags, "echo": True}, **GREEDY)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == echoed.choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="Cannot set both `continue_final_message` and "
+                                                     "`add_generation_prompt` to True"):
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=2,
+                                       extra_body={"continue_final_message": True})
+
+
+def test_chat_template_kwargs_reach_the_template(tiny_server, client):
+    """The tiny model's template renders a `persona` variable as a system turn when given one."""
+    messages = [{"role": "user", "content": "Hello"}]
+    plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=1, **GREEDY)
+    persona = {"chat_template_kwargs": {"persona": "You are terse."}}
+    ids = httpx.post(f"{tiny_server.base_url}/tokenize", json={"messages": messages, **persona}).json()["tokens"]
+    rendered = httpx.post(f"{tiny_server.base_url}/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert rendered.startswith("<|im_start|>system\nYou are terse.<|im_end|>")
+    with_persona = client.chat.completions.create(model="tiny", messages=messages, max_tokens=1, extra_body=persona,
+                                                  **GREEDY)
+    assert with_persona.usage.prompt_tokens == len(ids) > plain.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError, match="chat_template_kwargs may not set add_generation_prompt"):
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=1,
+                                       extra_body={"chat_template_kwargs": {"add_generation_prompt": False}})
+
+
 def test_logprobs(client):
     response = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=5, logprobs=3, **GREEDY)
     lp = response.choices[0].logprobs

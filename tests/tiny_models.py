@@ -7,7 +7,9 @@ from pathlib import Path
 import torch
 
 BOOK = Path(__file__).resolve().parent.parent / "kvserve" / "data" / "pride-and-prejudice.txt"
+# `persona`, when the caller passes one (chat_template_kwargs), renders as a system turn first.
 CHAT_TEMPLATE = (
+    "{% if persona is defined %}{{ '<|im_start|>system\n' + persona + '<|im_end|>\n' }}{% endif %}"
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
     "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )

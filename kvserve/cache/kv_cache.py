@@ -67,7 +67,7 @@ class InPlaceLayout:
 class KVFormat:
     """How K/V values are stored in the pool: sizes, allocation, writes and reads. Subclasses
     implement one storage dtype each; how attention consumes the pool is the model's business
-    (model/attention.py), which asks `in_place_layout` whether a kernel can read it directly."""
+    (model/attention/), which asks `in_place_layout` whether a kernel can read it directly."""
 
     name: str = "abstract"
     value_bits: int  # bits per cached K or V value, scales not counted (the planner's formula)

@@ -15,8 +15,12 @@ _CONTEXT_TOKENS = 6
 
 
 class IncrementalDetokenizer:
+    """`min_tokens`: stop strings are not looked for until that many tokens are generated (vLLM's
+    rule: the text of those tokens can no longer end the sequence, a stop string completed later
+    can, even one that began inside it)."""
+
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], stop: list[str],
-                 include_stop_str_in_output: bool, skip_special_tokens: bool):
+                 include_stop_str_in_output: bool, skip_special_tokens: bool, min_tokens: int = 0):
         self.tokenizer = tokenizer
         self.tokens = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
@@ -27,6 +31,8 @@ class IncrementalDetokenizer:
         self.hold_back = max((len(s) for s in stop), default=1) - 1
         self.text = ""  # the output text so far (after any stop-string truncation)
         self.stop_string: str | None = None
+        self.min_tokens = min_tokens
+        self.generated = 0
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
@@ -34,6 +40,7 @@ class IncrementalDetokenizer:
     def add_token(self, token_id: int) -> None:
         """Append one generated token; sets `stop_string` if a stop string completed."""
         self.tokens.append(token_id)
+        self.generated += 1
         before = self._decode(self.tokens[self.prefix_offset:self.read_offset])
         after = self._decode(self.tokens[self.prefix_offset:])
         if len(after) <= len(before) or after.endswith("\ufffd"):
@@ -42,6 +49,8 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
         start = max(0, len(self.text) - self.hold_back)
         self.text += new_text
+        if self.generated < self.min_tokens:
+            return
         for stop in self.stop:
             index = self.text.find(stop, start)
             if index != -1:

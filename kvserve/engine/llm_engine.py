@@ -131,11 +131,13 @@ class LLMEngine:
         return tokenize(self.tokenizer, prompt)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> list[int]:
+                            tools: list[dict] | None = None, continue_final_message: bool = False,
+                            template_kwargs: dict | None = None) -> list[int]:
         """Render a conversation (and tool definitions, for templates that use them) with the
         tokenizer's chat template, then tokenize it (the template already holds the special
-        tokens, so none are added)."""
-        return apply_chat_template(self.tokenizer, messages, add_generation_prompt, tools)
+        tokens, so none are added); output_processor.apply_chat_template says the rest."""
+        return apply_chat_template(self.tokenizer, messages, add_generation_prompt, tools, continue_final_message,
+                                   template_kwargs)
 
     def resolve_eviction(self, spec: EvictionSpec | None) -> EvictionConfig | None:
         """A request's KV eviction settings (its `kv_eviction` over the engine's flags), checked;
@@ -167,6 +169,10 @@ class LLMEngine:
         for kind, wanted in (("sample", params.logprobs), ("prompt", params.prompt_logprobs)):
             if wanted is not None and wanted > limit:  # vLLM's text
                 raise ValueError(f"Requested {kind} logprobs of {wanted}, which is greater than max allowed: {limit}")
+        outside = sorted(t for t in (params.logit_bias or {}) if not 0 <= t < vocab)
+        if outside:  # vLLM's text
+            raise ValueError(f"token_id(s) {outside} in logit_bias contain out-of-vocab token ids. "
+                             f"Vocabulary size: {vocab}")
         if params.min_tokens > max_tokens:  # without max_tokens, SamplingParams could not check it
             raise ValueError(f"min_tokens must be less than or equal to max_tokens={max_tokens}, "
                              f"got {params.min_tokens}.")

@@ -66,17 +66,32 @@ def tokenize(tokenizer: Any, prompt: str | list[int] | dict) -> tuple[str | None
     return None, list(prompt)
 
 
+# Arguments of the template call that chat_template_kwargs may not replace.
+_RESERVED_TEMPLATE_KWARGS = ("conversation", "messages", "tools", "documents", "tokenize", "add_generation_prompt",
+                             "continue_final_message", "return_dict", "return_tensors")
+
+
 def apply_chat_template(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True,
-                        tools: list[dict] | None = None) -> list[int]:
+                        tools: list[dict] | None = None, continue_final_message: bool = False,
+                        template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """Render a conversation with the tokenizer's chat template, then tokenize it (the template
     already holds the special tokens, so none are added). Tool definitions, assistant `tool_calls`
     and `tool` results go to the template where it renders them, else into the turns as hermes
-    text (tool_prompts.py)."""
+    text (tool_prompts.py). `continue_final_message` leaves the last message open (no end-of-turn
+    after it) for the model to continue; `template_kwargs` are extra variables for the template
+    (vLLM's chat_template_kwargs, e.g. a reasoning switch)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template; use the completions API")
+    if continue_final_message and add_generation_prompt:  # vLLM's text
+        raise ValueError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+    template_kwargs = dict(template_kwargs or {})
+    reserved = sorted(set(template_kwargs) & set(_RESERVED_TEMPLATE_KWARGS))
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}: use the request's own fields")
     messages, tools = render_messages(messages, tools, tokenizer.chat_template)
     text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt)
+                                         add_generation_prompt=add_generation_prompt,
+                                         continue_final_message=continue_final_message, **template_kwargs)
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -108,7 +123,8 @@ class OutputProcessor:
         for request in sequences:
             params = request.params
             detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop,
-                                           params.include_stop_str_in_output, params.skip_special_tokens)
+                                           params.include_stop_str_in_output, params.skip_special_tokens,
+                                           params.min_tokens)
             child = _Child(request, detok, [] if params.logprobs is not None else None)
             parent.children.append(child)
             self._children[request.request_id] = (parent, child)

@@ -73,6 +73,7 @@ class Sampler:
         params = [r.params for r in requests]
         raw = logits
         logits = self._apply_processors(logits, requests)
+        logits = self._apply_logit_bias(logits, requests, cloned=logits is not raw)
         logits = self._apply_grammars(logits, requests, cloned=logits is not raw)
         logits = self._apply_penalties(logits, requests)
         logits = self._mask_min_tokens(logits, requests)
@@ -116,6 +117,23 @@ class Sampler:
             else:
                 processed[i] = row
         return processed
+
+    def _apply_logit_bias(self, logits: torch.Tensor, requests: list[Request], cloned: bool) -> torch.Tensor:
+        """Each request's logit_bias added to its row (on a copy unless `cloned`), in one indexed add."""
+        rows, ids, biases = [], [], []
+        for i, r in enumerate(requests):
+            for token, bias in (r.params.logit_bias or {}).items():
+                rows.append(i)
+                ids.append(token)
+                biases.append(bias)
+        if not rows:
+            return logits
+        if not cloned:
+            logits = logits.clone()
+        device = logits.device
+        logits.index_put_((torch.tensor(rows, device=device), torch.tensor(ids, device=device)),
+                          torch.tensor(biases, dtype=logits.dtype, device=device), accumulate=True)
+        return logits
 
     def _apply_grammars(self, logits: torch.Tensor, requests: list[Request], cloned: bool) -> torch.Tensor:
         """Tokens a request's grammar does not allow next become -inf (on a copy unless `cloned`:

@@ -115,7 +115,7 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope: RotaryEmbedding | None = None
-        # Decode-only steps through fused C++ ops (lean_decode.py), set by the engine where it applies.
+        # Decode-only steps through fused C++ ops (lean_decode.py), set by the CPU platform where it applies.
         self.lean: LeanDecoder | None = None
         # fused_ops (Triton: residual add + RMSNorm, SiLU x up, RoPE), set by the CUDA platform.
         self.fused: ModuleType | None = None

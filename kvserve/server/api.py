@@ -123,7 +123,8 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
             raise APIError(400, "Give exactly one of `prompt` and `messages`.")
         if body.messages is not None:
             tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-            ids = await tokens.chat_prompt(conversation(body.messages), body.add_generation_prompt, tools)
+            ids = await tokens.chat_prompt(conversation(body.messages), body.add_generation_prompt, tools,
+                                           body.continue_final_message, body.chat_template_kwargs)
         else:
             ids = await tokens.encode(body.prompt, body.add_special_tokens)
         strs = [tokens.token_text(t) for t in ids] if body.return_token_strs else None

@@ -58,6 +58,14 @@ def assistant_message(plan: ToolPlan | None, output: CompletionOutput) -> tuple[
             plan.finish_reason(output.finish_reason, bool(message.tool_calls)))
 
 
+def echoed_content(body: ChatCompletionRequest, messages: list[dict]) -> str:
+    """What `echo` puts before the reply (vLLM's rule): the last message's text when that message
+    is the assistant's, the role the reply continues; else nothing."""
+    if not body.echo or messages[-1].get("role") != "assistant":
+        return ""
+    return messages[-1].get("content") or ""
+
+
 class ChatServing:
     def __init__(self, ctx: ServingContext, tool_parser: str | None = None):
         self.ctx = ctx
@@ -75,13 +83,15 @@ class ChatServing:
             params = dataclasses.replace(params, structured_outputs=constraint)
         # A client that leaves while its prompt waits for the tokenizer drops the job.
         prompt_ids = await unless_disconnected(ctx.tokens.chat_prompt(
-            messages, body.add_generation_prompt, plan.tools if plan is not None else None), request)
+            messages, body.add_generation_prompt, plan.tools if plan is not None else None,
+            body.continue_final_message, body.chat_template_kwargs), request)
+        echoed = echoed_content(body, messages)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = await ctx.submit([PromptSpec(prompt_ids, params, body.cache_salt)], request_id)
         created = int(time.time())
         if body.stream:
-            return EventStreamResponse(self._events(body, plan, len(prompt_ids), stream, request_id, created),
-                                       stream.close)
+            return EventStreamResponse(self._events(body, plan, len(prompt_ids), stream, request_id, created,
+                                                    echoed), stream.close)
         try:
             [output] = await ctx.final_outputs(stream, request)
         finally:
@@ -89,6 +99,8 @@ class ChatServing:
         choices = []
         for c in output.outputs:
             message, finish_reason = assistant_message(plan, c)
+            if echoed:
+                message.content = echoed + (message.content or "")
             choices.append(ChatChoice(index=c.index, message=message,
                                       logprobs=chat_logprobs(ctx.tokens, c.logprobs) if c.logprobs is not None else None,
                                       finish_reason=finish_reason, stop_reason=c.stop_reason))
@@ -99,7 +111,7 @@ class ChatServing:
         return Response(response.model_dump_json(), media_type="application/json")
 
     async def _events(self, body: ChatCompletionRequest, plan: ToolPlan | None, prompt_len: int,
-                      stream: RequestStream, request_id: str, created: int) -> AsyncIterator[str]:
+                      stream: RequestStream, request_id: str, created: int, echoed: str) -> AsyncIterator[str]:
         ctx = self.ctx
         state = StreamState(body.n)
         tool_deltas: dict[int, ToolDeltas] = {}  # choice index -> its tool-call progress
@@ -113,6 +125,8 @@ class ChatServing:
         continuous = body.include_usage and body.continuous_usage
         for i in range(body.n):
             yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))], continuous)
+            if echoed:
+                yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(content=echoed))], continuous)
         try:
             async for batch in stream:
                 for p, out in batch:

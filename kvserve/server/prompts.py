@@ -161,16 +161,18 @@ class Tokenization:
         return prompts
 
     async def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                          tools: list[dict[str, Any]] | None = None) -> list[int]:
+                          tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
+                          template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """The conversation rendered by the model's chat template and tokenized; tool definitions,
         calls and results go where the template puts them, or in hermes text (engine/tool_prompts.py)."""
         chars = sum(len(str(m.get("content") or "")) + len(json.dumps(m.get("tool_calls") or [])) for m in messages)
-        chars += len(json.dumps(tools or []))
+        chars += len(json.dumps(tools or [])) + len(json.dumps(template_kwargs or {}))
         self.check_length(chars, "messages")
 
         def render() -> list[int]:
             try:
-                return self._engine.apply_chat_template(messages, add_generation_prompt, tools=tools)
+                return self._engine.apply_chat_template(messages, add_generation_prompt, tools, continue_final_message,
+                                                        template_kwargs)
             except ValueError as exc:
                 raise APIError(400, str(exc), param="messages") from exc
             except Exception as exc:  # a Jinja error raised by the template itself

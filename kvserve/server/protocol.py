@@ -8,6 +8,7 @@ answer that silently ignored what it asked for.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
@@ -25,10 +26,8 @@ def _off(value: Any) -> bool:
 
 # field -> test that its value asks for nothing kvserve would have to ignore
 _UNSUPPORTED_COMMON: dict[str, Callable[[Any], bool]] = {
-    "logit_bias": _off,
     "guided_whitespace_pattern": _off,
     "guided_decoding_backend": _off,
-    "chat_template_kwargs": _off,
     "lora_request": _off,
 }
 UNSUPPORTED_COMPLETION_FIELDS = {
@@ -168,6 +167,8 @@ class SamplingFields(OpenAIModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # OpenAI's: token id (a JSON key, so a string) -> bias, clamped to [-100, 100] as vLLM does.
+    logit_bias: dict[str, float] | None = None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> "SamplingFields":
@@ -199,7 +200,23 @@ class SamplingFields(OpenAIModel):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             kv_eviction=self.kv_eviction.model_dump(exclude_none=True) if self.kv_eviction else None,
-            structured_outputs=self.structured_outputs_params(), **given)
+            structured_outputs=self.structured_outputs_params(), logit_bias=self.logit_bias_ids(), **given)
+
+    def logit_bias_ids(self) -> dict[int, float] | None:
+        """logit_bias with integer token ids and biases clamped to [-100, 100]; ValueError (a 400)
+        for a key that is not a token id or a bias that is not finite."""
+        if not self.logit_bias:
+            return None
+        biases = {}
+        for key, bias in self.logit_bias.items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}.") from None
+            if not math.isfinite(bias):
+                raise ValueError(f"logit_bias values must be finite numbers, got {bias!r} for token {key}.")
+            biases[token] = min(100.0, max(-100.0, float(bias)))
+        return biases
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """The one output constraint the request asks for, from whichever field it used; None
@@ -299,6 +316,9 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: continue the last (assistant) message, no new turn
+    chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template
+    echo: bool = False  # vLLM's: the reply starts with the last message's content when it is the assistant's
     tools: list[ChatTool] | None = None
     # "none", "auto", "required" or {"type": "function", "function": {"name": ...}}; checked in
     # kvserve/server/tools.py with vLLM's messages.
@@ -315,6 +335,8 @@ class TokenizeRequest(OpenAIModel):
     tools: list[ChatTool] | None = None  # rendered with the messages, as chat renders them
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
 

@@ -60,9 +60,11 @@ class ServingContext:
         # fail the whole engine step, not just this request.
         self.tokens.check_token_ids(body.stop_token_ids or [], "stop_token_ids")
         try:
-            return body.sampling_params(max_tokens, logprobs, prompt_logprobs)
+            params = body.sampling_params(max_tokens, logprobs, prompt_logprobs)
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
+        self.tokens.check_token_ids(list(params.logit_bias or {}), "logit_bias")
+        return params
 
     async def submit(self, specs: list[PromptSpec], request_id: str) -> RequestStream:
         ids = [request_id] if len(specs) == 1 else [f"{request_id}-{i}" for i in range(len(specs))]
