@@ -89,6 +89,28 @@ def test_streamed_json_schema_reassembles_to_a_valid_object(tiny):
         check_bounded(text)
 
 
+def test_response_format_objects_are_closed_unless_strict_is_false(tiny):
+    """A schema whose objects leave additionalProperties unset: closed (xgrammar's strict mode), so
+    ten samples at temperature 1 hold only the declared keys; `strict: false` keeps it open, and the
+    grammar then lets the model add keys (this tiny random model does, at temperature 1)."""
+    open_schema = {"type": "object", "properties": {"size": {"type": "integer", "minimum": 0, "maximum": 9}},
+                   "required": ["size"]}
+
+    def samples(strict):
+        response_format = {"type": "json_schema", "json_schema": {"name": "t", "schema": open_schema}}
+        if strict is not None:
+            response_format["json_schema"]["strict"] = strict
+        response = chat(tiny, "A thing:", max_tokens=60, n=10, temperature=1.0, seed=4,
+                        response_format=response_format)
+        return [c.message.content for c in response.choices], [c.finish_reason for c in response.choices]
+
+    texts, reasons = samples(None)
+    assert reasons == ["stop"] * 10
+    assert all(set(json.loads(t)) == {"size"} for t in texts), texts
+    opened, _ = samples(False)
+    assert any(not t.rstrip().endswith("}") or set(json.loads(t)) != {"size"} for t in opened), opened
+
+
 def test_max_tokens_cut_reports_length(tiny):
     schema = {"type": "object", "properties": {"story": {"type": "string", "minLength": 500}}, "required": ["story"]}
     response = chat(tiny, "Tell a story.", max_tokens=12, response_format={

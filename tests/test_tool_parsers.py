@@ -152,7 +152,8 @@ def test_forced_readers():
 
 
 def test_tool_schemas_are_closed_to_undeclared_keys_except_where_composed():
-    from kvserve.server.tools import closed_schema, required_schema
+    from kvserve.server.json_schemas import closed_schema
+    from kvserve.server.tools import required_schema
 
     schema = {"type": "object", "properties": {
         "where": {"type": "object", "properties": {"city": {"type": "string"}}},
@@ -176,4 +177,6 @@ def test_tool_schemas_are_closed_to_undeclared_keys_except_where_composed():
     [f, g] = required["items"]["anyOf"]
     assert f["properties"]["name"] == {"type": "string", "enum": ["f"]} and "$defs" not in f["properties"]["parameters"]
     assert g["properties"]["parameters"] == {"type": "object", "properties": {}, "additionalProperties": False}
+    # the wrapper of each call is closed too: a call holds its name and parameters, nothing else
+    assert f["additionalProperties"] is False and g["additionalProperties"] is False
     assert required_schema(tools, parallel=False)["maxItems"] == 1

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_valid
 
 from kvserve.cache.eviction import POLICY_CHOICES
 from kvserve.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, StructuredOutputsParams
+from kvserve.server.json_schemas import closed_schema
 
 # Prompts x n in one HTTP request: bounds the work one request can queue.
 MAX_CHOICES_PER_REQUEST = 128
@@ -101,8 +102,10 @@ class KVEvictionField(BaseModel):
 
 
 class JsonSchemaFormat(BaseModel):
-    """OpenAI's `response_format.json_schema`: a named schema (`strict` is accepted; the grammar
-    always enforces the schema)."""
+    """OpenAI's `response_format.json_schema`: a named schema, always enforced by the grammar. Its
+    objects that leave `additionalProperties` unset are closed (json_schemas.closed_schema, as
+    xgrammar's strict mode and OpenAI's strict schemas are) unless `strict` is false, which keeps
+    the schema exactly as given."""
 
     model_config = ConfigDict(extra="allow", populate_by_name=True)
 
@@ -241,7 +244,8 @@ class SamplingFields(OpenAIModel):
         elif fmt is not None and fmt.type == "json_schema":
             if fmt.json_schema is None or fmt.json_schema.json_schema is None:
                 raise ValueError("response_format of type json_schema needs json_schema.schema (the JSON schema).")
-            _add_constraint(constraints, "json", fmt.json_schema.json_schema)
+            schema = fmt.json_schema.json_schema
+            _add_constraint(constraints, "json", schema if fmt.json_schema.strict is False else closed_schema(schema))
         if not constraints:
             return None
         return StructuredOutputsParams(**constraints, disable_any_whitespace=whitespace)

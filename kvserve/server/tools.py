@@ -19,6 +19,7 @@ from typing import Any
 
 from kvserve.sampling_params import StructuredOutputsParams
 from kvserve.server.errors import APIError
+from kvserve.server.json_schemas import closed_schema
 from kvserve.server.protocol import ChatCompletionRequest
 from kvserve.server.tool_parsers import TOOL_PARSERS, ToolParser
 from kvserve.server.tool_parsers.forced import NamedCallReader, RequiredCallsReader
@@ -66,35 +67,6 @@ class ToolPlan:
         return finish_reason
 
 
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SCHEMA_VALUES = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
-
-
-def closed_schema(schema: Any, close: bool = True) -> Any:
-    """A copy of `schema` where objects that list `properties` and say nothing about
-    `additionalProperties` allow no other keys (xgrammar's strict mode, vLLM's default backend):
-    a function's arguments are the parameters it declares, and a small model left free to add
-    keys may add them until max_tokens. Objects whose keys are also declared elsewhere (`allOf`
-    parts, `$ref`, `unevaluatedProperties`) are left open, so composed schemas still validate."""
-    if not isinstance(schema, dict):
-        return schema
-    result = dict(schema)
-    for key in _SCHEMA_MAPS:
-        if isinstance(result.get(key), dict):
-            result[key] = {name: closed_schema(sub) for name, sub in result[key].items()}
-    for key in _SCHEMA_LISTS:
-        if isinstance(result.get(key), list):
-            result[key] = [closed_schema(sub, close=key != "allOf") for sub in result[key]]
-    for key in _SCHEMA_VALUES:
-        if key in result:
-            result[key] = closed_schema(result[key])
-    composed = any(key in result for key in ("allOf", "$ref", "unevaluatedProperties", "additionalProperties"))
-    if close and "properties" in result and not composed:
-        result["additionalProperties"] = False
-    return result
-
-
 def required_schema(tools: list[dict[str, Any]], parallel: bool = True) -> dict:
     """vLLM's schema for `tool_choice: "required"`: an array of at least one call (exactly one
     without `parallel`), each naming a tool (an enum of one) with that tool's parameters. `$defs`
@@ -111,7 +83,7 @@ def required_schema(tools: list[dict[str, Any]], parallel: bool = True) -> dict:
             definitions[name] = schema
         alternatives.append({"properties": {"name": {"type": "string", "enum": [function["name"]]},
                                             "parameters": parameters},
-                             "required": ["name", "parameters"]})
+                             "required": ["name", "parameters"], "additionalProperties": False})
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": alternatives}}
     if not parallel:
         schema["maxItems"] = 1
