@@ -259,6 +259,25 @@ def test_chat_template_kwargs_reach_the_template(tiny_server, client):
                                        extra_body={"chat_template_kwargs": {"add_generation_prompt": False}})
 
 
+def test_best_of_returns_the_candidates_with_the_highest_cumulative_logprob(client):
+    """vLLM v0's best_of: best_of samples (each sample seeded seed + its index, as n samples are),
+    the n with the highest sum of their tokens' logprobs returned, best first."""
+    sample = {"temperature": 1.0, "seed": 21, "max_tokens": 8}
+    candidates = client.completions.create(model="tiny", prompt=PROMPTS[1], n=4, logprobs=0, **sample).choices
+    total = {c.text: sum(c.logprobs.token_logprobs) for c in candidates}
+    ranked = sorted(candidates, key=lambda c: (-total[c.text], c.index))
+    best = client.completions.create(model="tiny", prompt=PROMPTS[1], best_of=4, **sample)
+    assert [c.text for c in best.choices] == [ranked[0].text] and best.choices[0].logprobs is None
+    two = client.completions.create(model="tiny", prompt=PROMPTS[1], n=2, best_of=4, logprobs=0, **sample).choices
+    assert [c.text for c in two] == [c.text for c in ranked[:2]] and [c.index for c in two] == [0, 1]
+    for extra, message in (({"n": 3, "best_of": 2}, "best_of must be greater than or equal to n"),
+                           ({"best_of": 2, "temperature": 0}, "best_of must be 1 when using greedy sampling"),
+                           ({"best_of": 2, "stream": True}, "best_of > n is not supported with streaming")):
+        with pytest.raises(openai.BadRequestError, match=message):
+            client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=2,
+                                      **{"temperature": 1.0, **extra})
+
+
 def test_logprobs(client):
     response = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=5, logprobs=3, **GREEDY)
     lp = response.choices[0].logprobs

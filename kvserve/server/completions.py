@@ -6,6 +6,7 @@ come first too (computed as prompt logprobs, as vLLM does), and `max_tokens: 0` 
 returns the prompt alone (the engine computes the prompt and samples nothing)."""
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from typing import AsyncIterator
@@ -13,11 +14,13 @@ from typing import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response
 
-from kvserve.outputs import Logprob
+from kvserve.outputs import CompletionOutput, Logprob, RequestOutput
+from kvserve.server.errors import APIError
 from kvserve.server.engine_loop import EngineError, PromptSpec, RequestStream
 from kvserve.server.prompt_logprobs import echoed_prompt_logprobs, prompt_logprobs_field
 from kvserve.server.prompts import Prompt, Tokenization
-from kvserve.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
+from kvserve.server.protocol import (MAX_CHOICES_PER_REQUEST, CompletionChoice, CompletionLogprobs, CompletionRequest,
+                                     CompletionResponse)
 from kvserve.server.serving import ServingContext, StreamState, usage
 from kvserve.server.streaming import DONE, EventStreamResponse, sse, sse_error, unless_disconnected
 
@@ -45,6 +48,18 @@ def joined(first: CompletionLogprobs, second: CompletionLogprobs) -> CompletionL
                               tokens=first.tokens + second.tokens, top_logprobs=first.top_logprobs + second.top_logprobs)
 
 
+def best_candidates(output: RequestOutput, n: int, keep_logprobs: bool) -> RequestOutput:
+    """The n of a request's candidates with the highest cumulative logprob (of the raw model, as
+    every kvserve logprob), best first, numbered 0..n-1; their logprobs dropped unless asked for."""
+    def cumulative(c: CompletionOutput) -> float:
+        return sum(entry.logprob for entry in c.logprobs or [])
+
+    ranked = sorted(output.outputs, key=lambda c: (-cumulative(c), c.index))[:n]
+    best = [dataclasses.replace(c, index=i, logprobs=c.logprobs if keep_logprobs else None)
+            for i, c in enumerate(ranked)]
+    return dataclasses.replace(output, outputs=best)
+
+
 class CompletionServing:
     def __init__(self, ctx: ServingContext):
         self.ctx = ctx
@@ -58,6 +73,12 @@ class CompletionServing:
         echo_logprobs = body.echo and body.logprobs is not None
         params = ctx.sampling_params(body, body.max_tokens, body.logprobs, len(prompts),
                                      prompt_logprobs=body.logprobs if echo_logprobs else None, prompt_only=body.echo)
+        best_of = body.best_of if body.best_of is not None and body.best_of > body.n else None
+        if best_of is not None:  # every candidate reports its tokens' logprobs, to rank them by their sum
+            if len(prompts) * best_of > MAX_CHOICES_PER_REQUEST:
+                raise APIError(400, f"At most {MAX_CHOICES_PER_REQUEST} completions per request (prompts x best_of), "
+                                    f"got {len(prompts)} x {best_of}.", param="best_of")
+            params = dataclasses.replace(params, n=best_of, logprobs=params.logprobs or 0)
         if body.echo:
             for prompt in prompts:
                 if prompt.text is None:
@@ -71,6 +92,8 @@ class CompletionServing:
             outputs = await ctx.final_outputs(stream, request)
         finally:
             stream.close()
+        if best_of is not None:
+            outputs = [best_candidates(out, body.n, keep_logprobs=body.logprobs is not None) for out in outputs]
         choices = []
         for p, (prompt, out) in enumerate(zip(prompts, outputs)):
             prefix = prompt.text if body.echo else ""

@@ -34,7 +34,6 @@ _UNSUPPORTED_COMMON: dict[str, Callable[[Any], bool]] = {
 UNSUPPORTED_COMPLETION_FIELDS = {
     **_UNSUPPORTED_COMMON,
     "suffix": _off,
-    "best_of": lambda v: _off(v) or v == 1,
 }
 UNSUPPORTED_CHAT_FIELDS = {
     **_UNSUPPORTED_COMMON,
@@ -271,6 +270,22 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+    # OpenAI's (vLLM v0's): sample best_of candidates per prompt, return the n with the highest
+    # cumulative logprob.
+    best_of: int | None = None
+
+    @model_validator(mode="after")
+    def _best_of(self) -> "CompletionRequest":
+        if self.best_of is None:
+            return self
+        if self.best_of < self.n:  # vLLM v0's texts
+            raise ValueError(f"best_of must be greater than or equal to n, got n={self.n} and best_of={self.best_of}.")
+        if self.best_of > self.n and self.stream:
+            raise ValueError("best_of > n is not supported with streaming: every candidate would have to be "
+                             "streamed before the best are known; use n.")
+        if self.best_of > 1 and self.temperature == 0:
+            raise ValueError(f"best_of must be 1 when using greedy sampling. Got {self.best_of}.")
+        return self
 
     unsupported_fields: ClassVar[dict[str, Callable[[Any], bool]]] = UNSUPPORTED_COMPLETION_FIELDS
 
