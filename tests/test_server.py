@@ -278,6 +278,32 @@ def test_best_of_returns_the_candidates_with_the_highest_cumulative_logprob(clie
                                       **{"temperature": 1.0, **extra})
 
 
+def test_suffix_fills_in_the_middle_where_the_model_has_fim_tokens(server_factory, tiny_tokenizer, tmp_path_factory,
+                                                                   client):
+    """A model whose tokenizer has <fim_prefix>/<fim_suffix>/<fim_middle>: the prompt and suffix go
+    around them in prefix-suffix-middle order, as a raw prompt of those ids would. Without FIM
+    tokens (the tiny model) suffix is vLLM's 400."""
+    import copy
+
+    from tiny_models import build_tiny_model
+
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<fim_prefix>", "<fim_suffix>", "<fim_middle>"]})
+    path = build_tiny_model(tmp_path_factory.mktemp("tiny-fim"), "llama", tokenizer)
+    server = server_factory(str(path), "--dtype", "float32", "--kv-cache-memory", "8MiB", "--served-model-name", "fim")
+    fim = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    prefix, middle, suffix = (tokenizer.convert_tokens_to_ids(t) for t in ("<fim_prefix>", "<fim_middle>",
+                                                                            "<fim_suffix>"))
+    ids = [prefix, *tokenizer.encode("Mr. Darcy", add_special_tokens=False), suffix,
+           *tokenizer.encode(" said Elizabeth.", add_special_tokens=False), middle]
+    filled = fim.completions.create(model="fim", prompt="Mr. Darcy", suffix=" said Elizabeth.", max_tokens=6,
+                                    **GREEDY)
+    raw = fim.completions.create(model="fim", prompt=ids, max_tokens=6, **GREEDY)
+    assert filled.choices[0].text == raw.choices[0].text and filled.usage.prompt_tokens == len(ids)
+    with pytest.raises(openai.BadRequestError, match="suffix is not currently supported for this model"):
+        client.completions.create(model="tiny", prompt="Mr. Darcy", suffix=" said Elizabeth.", max_tokens=2)
+
+
 def test_logprobs(client):
     response = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=5, logprobs=3, **GREEDY)
     lp = response.choices[0].logprobs

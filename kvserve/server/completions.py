@@ -69,6 +69,8 @@ class CompletionServing:
         ctx.check_fields(body)
         # A client that leaves while its prompt waits for the tokenizer drops the job.
         prompts = await unless_disconnected(ctx.tokens.completion_prompts(body.prompt), request)
+        if body.suffix:
+            await ctx.tokens.fill_in_the_middle(prompts, body.suffix)
         # As in vLLM: echo with logprobs computes the prompt's logprobs (k = logprobs).
         echo_logprobs = body.echo and body.logprobs is not None
         params = ctx.sampling_params(body, body.max_tokens, body.logprobs, len(prompts),

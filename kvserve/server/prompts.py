@@ -33,6 +33,20 @@ class Prompt:
     token_ids: list[int]
 
 
+# Fill-in-the-middle special tokens: (prefix, suffix, middle), in the spellings models use.
+_FIM_SPELLINGS = (("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+                  ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"))
+
+
+def fim_token_ids(tokenizer: Any) -> tuple[int, int, int] | None:
+    """The tokenizer's fill-in-the-middle token ids, or None when it has none."""
+    vocab = tokenizer.get_vocab()
+    for spelling in _FIM_SPELLINGS:
+        if all(token in vocab for token in spelling):
+            return tuple(vocab[token] for token in spelling)
+    return None
+
+
 def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Chat messages as the template expects them; text content parts are joined by newlines.
     An assistant message's `tool_calls` keep their arguments as objects (what chat templates
@@ -178,6 +192,22 @@ class Tokenization:
             except Exception as exc:  # a Jinja error raised by the template itself
                 raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from exc
         return await self._run(chars, render)
+
+    async def fill_in_the_middle(self, prompts: list[Prompt], suffix: str) -> None:
+        """Each text prompt becomes <prefix> prompt <suffix> suffix <middle> (the prefix-suffix-middle
+        order of StarCoder's and Qwen2.5-Coder's FIM tokens), in place. APIError (400) for a model
+        without FIM tokens, or a prompt given as token ids."""
+        fim = fim_token_ids(self.tokenizer)
+        if fim is None:  # vLLM's text, and why
+            raise APIError(400, "suffix is not currently supported for this model: its tokenizer has no "
+                                "fill-in-the-middle tokens.", param="suffix")
+        if any(p.text is None for p in prompts):
+            raise APIError(400, "suffix needs the prompt as text, not token ids.", param="suffix")
+        self.check_length(len(suffix) + sum(len(p.text) for p in prompts), "suffix")
+        prefix_id, suffix_id, middle_id = fim
+        tail = [suffix_id, *await self.encode(suffix, add_special_tokens=False), middle_id]
+        for prompt in prompts:
+            prompt.token_ids = [prefix_id, *await self.encode(prompt.text, add_special_tokens=False), *tail]
 
     async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         self.check_length(len(text), "prompt")

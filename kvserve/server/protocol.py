@@ -31,10 +31,7 @@ _UNSUPPORTED_COMMON: dict[str, Callable[[Any], bool]] = {
     "guided_decoding_backend": _off,
     "lora_request": _off,
 }
-UNSUPPORTED_COMPLETION_FIELDS = {
-    **_UNSUPPORTED_COMMON,
-    "suffix": _off,
-}
+UNSUPPORTED_COMPLETION_FIELDS = dict(_UNSUPPORTED_COMMON)
 UNSUPPORTED_CHAT_FIELDS = {
     **_UNSUPPORTED_COMMON,
     "functions": _off,
@@ -270,6 +267,8 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+    # Fill in the middle: the text after the insertion (models whose tokenizer has FIM tokens).
+    suffix: str | None = None
     # OpenAI's (vLLM v0's): sample best_of candidates per prompt, return the n with the highest
     # cumulative logprob.
     best_of: int | None = None
