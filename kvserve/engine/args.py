@@ -124,6 +124,9 @@ class EngineArgs:
         "newest tokens always kept under --kv-eviction (default: the policy's own, given in its module's "
         "docstring; budget - sinks for a policy that only keeps sinks and recent tokens)",
         type=int))
+    pooling_type: str = field(default="LAST", metadata=_opt(
+        "how /v1/embeddings pools a sequence's final hidden states (vLLM's pooling types): LAST = the last "
+        "token's, MEAN = the mean over all tokens; L2-normalised either way", choices=("LAST", "MEAN")))
     attention_backend: str = field(default="auto", metadata=_opt(
         "how attention reads the paged KV pool (kvserve/model/attention/): triton = Triton kernels reading every "
         "KV dtype in place (CUDA; on CPU only under TRITON_INTERPRET=1, for tests); cpu_paged = a C++ decode "

@@ -254,6 +254,28 @@ class LLMEngine:
         request = Request(f"score-{next(self._ids)}", token_ids, SamplingParams(max_tokens=1), eviction=eviction)
         return scoring.score_chunks(self.runner, self.kv_manager, request, chunk_size)
 
+    def embed(self, token_ids: list[int]) -> torch.Tensor:
+        """The sequence's embedding: its final-normed hidden states pooled (--pooling-type: the last
+        token's, or the mean over all tokens) and L2-normalised, float32 [hidden size] (vLLM's
+        pooling of a decoder model). Computed like `score`, through the paged cache in chunks;
+        the blocks go back to the pool as soon as it is done."""
+        if not token_ids:
+            raise ValueError("the input to embed must not be empty")
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                             f"requested {len(token_ids)} tokens in the input for embedding generation. Please "
+                             f"reduce the length of the input.")
+        request = Request(f"embed-{next(self._ids)}", token_ids, SamplingParams(max_tokens=1))
+        chunks = scoring.score_chunks(self.runner, self.kv_manager, request, self.args.max_num_batched_tokens,
+                                      hidden=True)
+        if self.args.pooling_type == "MEAN":
+            total = sum(chunk.float().sum(dim=0) for chunk in chunks)
+            pooled = total / len(token_ids)
+        else:
+            *_, last = chunks
+            pooled = last[-1].float()
+        return torch.nn.functional.normalize(pooled, dim=0).cpu()
+
     def close(self) -> None:
         """Flush the KV tiers (the pool's prefix-cache blocks and the host tier to the disk tier, so
         a restart finds them) and stop their writer, then stop the tensor-parallel workers, if any.

@@ -140,6 +140,13 @@ class ModelRunner:
             sequences=sequences,
         )
 
+    def hidden_states(self, inputs: ModelInputs) -> torch.Tensor:
+        """The final-normed hidden states [rows, hidden] of `inputs.logits_rows` (what an embedding pools)."""
+        if self.parallel is None:
+            return self.model.final_hidden(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta,
+                                           inputs.logits_rows)
+        return self._parallel_hidden(inputs, inputs.logits_rows)
+
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
         """Float32 logits of `inputs.logits_rows` (prompt rows are not scored)."""
         return self.run(inputs)[0]

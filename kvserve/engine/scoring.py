@@ -24,8 +24,9 @@ from kvserve.engine.scheduler import ScheduledRequest
 
 
 def score_chunks(runner: ModelRunner, kv_manager: KVCacheManager, request: Request,
-                 chunk_size: int) -> Iterator[torch.Tensor]:
-    """Float32 logits [chunk tokens, vocab] for each chunk of at most `chunk_size` tokens of
+                 chunk_size: int, hidden: bool = False) -> Iterator[torch.Tensor]:
+    """Float32 logits [chunk tokens, vocab] (with `hidden`, the final-normed hidden states
+    [chunk tokens, hidden size] instead) for each chunk of at most `chunk_size` tokens of
     `request.token_ids`, in order (fewer under eviction: the cache's budget caps a chunk). The
     request's blocks go back to the pool when the iterator ends or is closed. Raises
     CapacityError when the free blocks cannot hold the next chunk."""
@@ -38,8 +39,8 @@ def score_chunks(runner: ModelRunner, kv_manager: KVCacheManager, request: Reque
             item = ScheduledRequest(request, n)
             inputs = runner.prepare([item], {request.request_id: kv_manager.block_ids(request.request_id)},
                                     all_logits=True)
-            logits = runner.forward(inputs)
+            out = runner.hidden_states(inputs) if hidden else runner.forward(inputs)
             request.num_computed_tokens += n
-            yield logits
+            yield out
     finally:
         kv_manager.free(request)

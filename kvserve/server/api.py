@@ -22,6 +22,7 @@ from kvserve.server.body_limit import BodySizeLimitMiddleware
 from kvserve.server.chat import ChatServing
 from kvserve.server.dashboard import add_dashboard
 from kvserve.server.completions import CompletionServing
+from kvserve.server.embeddings import EmbeddingRequest, EmbeddingResponse, EmbeddingServing
 from kvserve.server.engine_loop import AsyncEngine
 from kvserve.server.errors import APIError, error_body, install_error_handlers
 from kvserve.server.faults import add_fault_injection
@@ -64,6 +65,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     tokens = Tokenization(engine)
     ctx = ServingContext(async_engine, tokens, list(config.served_model_names), engine.max_model_len)
     completions, chat = CompletionServing(ctx), ChatServing(ctx, config.tool_call_parser)
+    embeddings = EmbeddingServing(ctx, tokens, engine.model_config.hidden_size)
     created = int(time.time())
 
     @asynccontextmanager
@@ -115,6 +117,10 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     @app.post("/v1/chat/completions", responses=_answers(ChatCompletionResponse))
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         return await chat.create(body, request)
+
+    @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=_ERRORS)
+    async def create_embedding(body: EmbeddingRequest) -> EmbeddingResponse:
+        return await embeddings.create(body)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:

@@ -37,7 +37,7 @@ import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from kvserve.engine.errors import FatalEngineError
 from kvserve.engine.llm_engine import LLMEngine
@@ -176,6 +176,14 @@ class _Fatal:
 
 
 @dataclass
+class _Call:
+    """Run `fn(engine)` on the engine thread between two steps; its result or error goes to `future`."""
+
+    fn: Callable
+    future: asyncio.Future
+
+
+@dataclass
 class _Snapshot:
     """Take an `EngineState` before the next step (wakes an idle engine)."""
 
@@ -192,6 +200,15 @@ class StateSnapshot:
 
 
 _STOP = object()
+
+
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:  # on the event loop
+    if future.done():  # the caller went away
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 class AsyncEngine:
@@ -263,6 +280,16 @@ class AsyncEngine:
             raise
         return stream
 
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """`fn(engine)` run on the engine thread between two steps (the engine is not thread-safe),
+        its result returned here; what it raises is raised here."""
+        future = asyncio.get_running_loop().create_future()
+        with self._lock:
+            if self.dead is not None:
+                raise EngineDeadError("the engine has stopped")
+            self._commands.put(_Call(fn, future))
+        return await future
+
     def abort(self, request_ids: list[str]) -> None:
         self._commands.put(_Abort(list(request_ids)))
 
@@ -312,6 +339,8 @@ class AsyncEngine:
                         self._abort(command)
                     elif isinstance(command, _Snapshot):
                         want_state = True
+                    elif isinstance(command, _Call):
+                        self._call(command)
                     elif isinstance(command, _Fatal):
                         raise FatalEngineError(command.message)
                     else:
@@ -331,6 +360,8 @@ class AsyncEngine:
                 command = self._commands.get_nowait()
                 if isinstance(command, _Add):
                     self._post(command.stream._fail, EngineDeadError("the engine has stopped"))
+                elif isinstance(command, _Call):
+                    self._post(_settle, command.future, None, EngineDeadError("the engine has stopped"))
             if self.on_dead is not None:
                 self._post(self.on_dead, exc)
 
@@ -346,6 +377,14 @@ class AsyncEngine:
         while not self._commands.empty():
             commands.append(self._commands.get_nowait())
         return commands
+
+    def _call(self, command: _Call) -> None:
+        try:
+            result = command.fn(self.engine)
+        except Exception as exc:  # the caller's error (bad input), not the engine's
+            self._post(_settle, command.future, None, exc)
+        else:
+            self._post(_settle, command.future, result, None)
 
     def _add(self, command: _Add) -> None:
         added = []

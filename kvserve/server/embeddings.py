@@ -1,0 +1,77 @@
+"""`POST /v1/embeddings`: OpenAI's embeddings API served from the decoder itself, as vLLM serves a
+generative model's embeddings: the final-normed hidden states pooled (`--pooling-type`: the last
+token's, or the mean) and L2-normalised (LLMEngine.embed). Each input runs on the engine thread
+between two steps, through the paged cache in chunks; its blocks go back to the pool at once, so
+embeddings take no lasting KV memory. `encoding_format` float or base64 (float32 bytes, as
+OpenAI's clients decode them); `dimensions` is refused unless it is the model's own size, since
+a decoder's hidden state is not trained to be cut (no Matryoshka representation)."""
+from __future__ import annotations
+
+import base64
+from typing import Literal
+
+import numpy as np
+from pydantic import BaseModel
+
+from kvserve.server.errors import APIError
+from kvserve.server.prompts import Tokenization
+from kvserve.server.protocol import OpenAIModel
+from kvserve.server.serving import ServingContext
+
+MAX_INPUTS = 2048  # OpenAI's limit of inputs per request
+
+
+class EmbeddingRequest(OpenAIModel):
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    embedding: list[float] | str
+    index: int
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+
+
+class EmbeddingServing:
+    def __init__(self, ctx: ServingContext, tokens: Tokenization, hidden_size: int):
+        self.ctx = ctx
+        self.tokens = tokens
+        self.hidden_size = hidden_size
+
+    async def create(self, body: EmbeddingRequest) -> EmbeddingResponse:
+        self.ctx.check_model(body.model)
+        if body.dimensions is not None and body.dimensions != self.hidden_size:  # vLLM's text, and the size
+            raise APIError(400, f"Model does not support matryoshka representation, changing output dimensions "
+                                f"will lead to poor results (its embeddings have {self.hidden_size} dimensions).",
+                           param="dimensions")
+        prompts = await self.tokens.completion_prompts(body.input)
+        if len(prompts) > MAX_INPUTS:
+            raise APIError(400, f"At most {MAX_INPUTS} inputs per request, got {len(prompts)}.", param="input")
+        data = []
+        for index, prompt in enumerate(prompts):
+            try:
+                vector = await self.ctx.engine.call(lambda engine, ids=prompt.token_ids: engine.embed(ids))
+            except ValueError as exc:
+                raise APIError(400, str(exc), param="input") from exc
+            values = vector.numpy().astype(np.float32)
+            encoded = (base64.b64encode(values.tobytes()).decode("ascii") if body.encoding_format == "base64"
+                       else values.tolist())
+            data.append(Embedding(embedding=encoded, index=index))
+        tokens = sum(len(p.token_ids) for p in prompts)
+        return EmbeddingResponse(data=data, model=self.ctx.model_name,
+                                 usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
