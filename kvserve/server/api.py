@@ -24,6 +24,7 @@ from kvserve.server.dashboard import add_dashboard
 from kvserve.server.completions import CompletionServing
 from kvserve.server.embeddings import EmbeddingRequest, EmbeddingResponse, EmbeddingServing
 from kvserve.server.engine_loop import AsyncEngine
+from kvserve.server.responses import ResponsesRequest, ResponsesServing
 from kvserve.server.errors import APIError, error_body, install_error_handlers
 from kvserve.server.faults import add_fault_injection
 from kvserve.server.kv_events_api import add_kv_event_routes, attach_kv_events
@@ -66,6 +67,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     ctx = ServingContext(async_engine, tokens, list(config.served_model_names), engine.max_model_len)
     completions, chat = CompletionServing(ctx), ChatServing(ctx, config.tool_call_parser)
     embeddings = EmbeddingServing(ctx, tokens, engine.model_config.hidden_size)
+    responses = ResponsesServing(chat)
     created = int(time.time())
 
     @asynccontextmanager
@@ -117,6 +119,19 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     @app.post("/v1/chat/completions", responses=_answers(ChatCompletionResponse))
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         return await chat.create(body, request)
+
+    @app.post("/v1/responses", responses=_ERRORS)
+    async def create_response(body: ResponsesRequest, request: Request) -> Response:
+        ctx.check_model(body.model)
+        return await responses.create(body, request)
+
+    @app.get("/v1/responses/{response_id}", responses=_ERRORS)
+    async def get_response(response_id: str) -> JSONResponse:
+        return JSONResponse(responses.get(response_id))
+
+    @app.post("/v1/responses/{response_id}/cancel", responses=_ERRORS)
+    async def cancel_response(response_id: str) -> JSONResponse:
+        return JSONResponse(responses.cancel(response_id))
 
     @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=_ERRORS)
     async def create_embedding(body: EmbeddingRequest) -> EmbeddingResponse:

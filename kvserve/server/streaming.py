@@ -38,13 +38,13 @@ class EventStreamResponse(StreamingResponse):
     def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]):
         super().__init__(events, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._on_close = on_close
+        self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self._on_close()
+            self.on_close()
 
 
 class ClientDisconnected(Exception):

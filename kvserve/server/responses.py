@@ -1,0 +1,307 @@
+"""`POST /v1/responses`: OpenAI's Responses API (what the openai-agents SDK calls by default), on
+the chat completions path.
+
+A request's `instructions` and `input` (a string, or items: messages, `function_call`s and their
+`function_call_output`s) become chat messages, after the conversation of `previous_response_id`
+when given; `tools` (function tools), `tool_choice`, `text.format` (a JSON schema),
+`max_output_tokens`, `temperature` and `top_p` map to their chat fields; the chat reply becomes
+output items (a `message` with `output_text`, `function_call`s). Streaming sends the Responses
+event types as the chat stream produces text and calls. `store` (on by default) keeps a response
+and its conversation in memory, in an LRU of `MAX_STORED` entries, for `GET /v1/responses/{id}`
+and `previous_response_id`. Responses are synchronous: `background` is refused, so `cancel` has
+nothing to cancel and says so.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from kvserve.server.chat import ChatServing
+from kvserve.server.errors import APIError
+from kvserve.server.protocol import ChatCompletionRequest, OpenAIModel
+from kvserve.server.streaming import EventStreamResponse
+
+MAX_STORED = 1024  # responses kept for previous_response_id and GET, least recently used dropped first
+
+
+class ResponsesRequest(OpenAIModel):
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    store: bool = True
+    previous_response_id: str | None = None
+    stream: bool = False
+    background: bool = False
+    metadata: dict[str, Any] | None = None
+    user: str | None = None
+
+
+def _text_of(content: Any, where: str) -> str:
+    """A message's content as text: a string, or input_text / output_text / text parts joined."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise APIError(400, f"{where}.content[{j}]: only text parts are supported, not {kind!r}.",
+                               param="input")
+            texts.append(str(part.get("text", "")))
+        return "\n".join(texts)
+    raise APIError(400, f"{where}.content must be a string or a list of text parts.", param="input")
+
+
+def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Responses input items as chat messages; consecutive function calls become one assistant
+    message with several tool calls."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    messages: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise APIError(400, f"{where}.role must be user, assistant, system or developer.", param="input")
+            messages.append({"role": "system" if role == "developer" else role,
+                             "content": _text_of(item.get("content"), where)})
+        elif kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and last.get("tool_calls") and not last["content"]:
+                last["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                             "content": output if isinstance(output, str) else json.dumps(output)})
+        else:
+            raise APIError(400, f"{where}.type {kind!r} is not supported; use message, function_call or "
+                                f"function_call_output.", param="input")
+    return messages
+
+
+def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Responses function tools ({"type", "name", "parameters", ...}) in chat's nesting."""
+    if not tools:
+        return None
+    result = []
+    for i, tool in enumerate(tools):
+        if tool.get("type") != "function":
+            raise APIError(400, f"tools[{i}]: only function tools are supported, not {tool.get('type')!r}.",
+                           param="tools")
+        result.append({"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters",
+                                                                            "strict") if tool.get(k) is not None}})
+    return result
+
+
+def chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    return choice
+
+
+def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
+    """`text.format` as chat's response_format."""
+    fmt = (text or {}).get("format")
+    if not fmt or fmt.get("type") == "text":
+        return None
+    if fmt.get("type") == "json_schema":
+        return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict", "description")
+                                                       if k in fmt}}
+    if fmt.get("type") == "json_object":
+        return {"type": "json_object"}
+    raise APIError(400, f"text.format.type {fmt.get('type')!r} is not supported.", param="text")
+
+
+def _message_item(text: str, status: str = "completed") -> dict[str, Any]:
+    return {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+
+def _call_item(call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
+    return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call_id, "name": name,
+            "arguments": arguments, "status": status}
+
+
+class ResponsesServing:
+    def __init__(self, chat: ChatServing):
+        self.chat = chat
+        self.stored: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = OrderedDict()
+
+    # ------------------------------------------------------------------ the store
+    def get(self, response_id: str) -> dict[str, Any]:
+        if response_id not in self.stored:
+            raise APIError(404, f"Response with id '{response_id}' not found.", param="response_id")
+        self.stored.move_to_end(response_id)
+        return self.stored[response_id][0]
+
+    def cancel(self, response_id: str) -> dict[str, Any]:
+        self.get(response_id)
+        raise APIError(400, "Only responses created with background=true can be cancelled; kvserve answers every "
+                            "response synchronously, so this one has already completed.", param="response_id")
+
+    def _store(self, response: dict[str, Any], messages: list[dict[str, Any]]) -> None:
+        self.stored[response["id"]] = (response, messages)
+        while len(self.stored) > MAX_STORED:
+            self.stored.popitem(last=False)
+
+    # ------------------------------------------------------------------ create
+    async def create(self, body: ResponsesRequest, request: Request) -> Response:
+        if body.background:
+            raise APIError(400, "`background` is not supported by kvserve: responses are synchronous.",
+                           param="background")
+        history: list[dict[str, Any]] = []
+        if body.previous_response_id is not None:
+            if body.previous_response_id not in self.stored:
+                raise APIError(404, f"Previous response with id '{body.previous_response_id}' not found.",
+                               param="previous_response_id", code="previous_response_not_found")
+            self.stored.move_to_end(body.previous_response_id)
+            history = self.stored[body.previous_response_id][1]
+        conversation = history + input_messages(body.input)
+        system = [{"role": "system", "content": body.instructions}] if body.instructions else []
+        chat_body = ChatCompletionRequest.model_validate({
+            "model": body.model, "messages": system + conversation, "tools": chat_tools(body.tools),
+            "tool_choice": chat_tool_choice(body.tool_choice), "parallel_tool_calls": body.parallel_tool_calls,
+            "response_format": response_format(body.text), "max_tokens": body.max_output_tokens,
+            "temperature": body.temperature, "top_p": body.top_p, "user": body.user, "stream": body.stream,
+            **({"stream_options": {"include_usage": True}} if body.stream else {}),
+            **{k: v for k, v in (body.model_extra or {}).items()}})
+        response_id = f"resp_{uuid.uuid4().hex}"
+        base = self._response(body, response_id)
+        if body.stream:
+            reply = await self.chat.create(chat_body, request)
+            return EventStreamResponse(self._events(reply, base, conversation, body.store), reply.on_close)
+        reply = json.loads((await self.chat.create(chat_body, request)).body)
+        choice = reply["choices"][0]
+        message = choice["message"]
+        output = []
+        if message.get("content") or not message.get("tool_calls"):
+            output.append(_message_item(message.get("content") or ""))
+        output += [_call_item(c["id"], c["function"]["name"], c["function"]["arguments"])
+                   for c in message.get("tool_calls") or []]
+        response = self._finish(base, output, choice["finish_reason"], reply["usage"])
+        if body.store:
+            self._store(response, conversation + self._output_messages(output))
+        return Response(json.dumps(response), media_type="application/json")
+
+    def _response(self, body: ResponsesRequest, response_id: str) -> dict[str, Any]:
+        return {"id": response_id, "object": "response", "created_at": int(time.time()), "status": "in_progress",
+                "model": self.chat.ctx.model_name, "output": [], "error": None, "incomplete_details": None,
+                "instructions": body.instructions, "tools": body.tools or [], "tool_choice": body.tool_choice or "auto",
+                "parallel_tool_calls": body.parallel_tool_calls is not False, "temperature": body.temperature,
+                "top_p": body.top_p, "max_output_tokens": body.max_output_tokens,
+                "previous_response_id": body.previous_response_id, "store": body.store,
+                "text": body.text or {"format": {"type": "text"}}, "metadata": body.metadata or {},
+                "usage": None, "user": body.user}
+
+    @staticmethod
+    def _finish(base: dict[str, Any], output: list[dict[str, Any]], finish_reason: str | None,
+                usage: dict[str, Any] | None) -> dict[str, Any]:
+        response = dict(base, output=output, status="completed")
+        if finish_reason == "length":
+            response.update(status="incomplete", incomplete_details={"reason": "max_output_tokens"})
+        if usage is not None:
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+            response["usage"] = {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
+                                 "total_tokens": usage["total_tokens"],
+                                 "input_tokens_details": {"cached_tokens": cached},
+                                 "output_tokens_details": {"reasoning_tokens": 0}}
+        return response
+
+    @staticmethod
+    def _output_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """A response's output items as the chat messages a follow-up continues from."""
+        return input_messages([{k: v for k, v in item.items() if k not in ("id", "status")} for item in output])
+
+    async def _events(self, reply: Response, base: dict[str, Any], conversation: list[dict[str, Any]],
+                      store: bool) -> AsyncIterator[str]:
+        """The chat stream re-told as Responses events (each with its sequence number)."""
+        sequence = 0
+
+        def event(kind: str, **fields: Any) -> str:
+            nonlocal sequence
+            data = {"type": kind, "sequence_number": sequence, **fields}
+            sequence += 1
+            return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
+
+        yield event("response.created", response=base)
+        yield event("response.in_progress", response=base)
+        text_item: dict[str, Any] | None = None
+        text = ""
+        calls: dict[int, dict[str, Any]] = {}  # chat tool-call index -> its output item
+        output: list[dict[str, Any]] = []
+        finish_reason, usage = None, None
+        async for raw in reply.body_iterator:
+            for line in (raw if isinstance(raw, str) else raw.decode()).splitlines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: "):])
+                if "error" in chunk and "choices" not in chunk:
+                    yield event("error", message=chunk["error"].get("message"), code=chunk["error"].get("code"))
+                    return
+                usage = chunk.get("usage") or usage
+                for choice in chunk.get("choices") or []:
+                    delta = choice.get("delta") or {}
+                    finish_reason = choice.get("finish_reason") or finish_reason
+                    if delta.get("content"):
+                        if text_item is None:
+                            text_item = _message_item("", status="in_progress")
+                            text_item["content"] = []
+                            output.append(text_item)
+                            yield event("response.output_item.added", output_index=len(output) - 1, item=text_item)
+                            yield event("response.content_part.added", item_id=text_item["id"],
+                                        output_index=len(output) - 1, content_index=0,
+                                        part={"type": "output_text", "text": "", "annotations": []})
+                        text += delta["content"]
+                        yield event("response.output_text.delta", item_id=text_item["id"],
+                                    output_index=output.index(text_item), content_index=0, delta=delta["content"],
+                                    logprobs=[])
+                    for call in delta.get("tool_calls") or []:
+                        function = call.get("function") or {}
+                        if call["index"] not in calls:
+                            item = _call_item(call.get("id"), function.get("name"), "", status="in_progress")
+                            calls[call["index"]] = item
+                            output.append(item)
+                            yield event("response.output_item.added", output_index=len(output) - 1, item=item)
+                        item = calls[call["index"]]
+                        if function.get("arguments"):
+                            item["arguments"] += function["arguments"]
+                            yield event("response.function_call_arguments.delta", item_id=item["id"],
+                                        output_index=output.index(item), delta=function["arguments"])
+        for index, item in enumerate(output):
+            item["status"] = "completed"
+            if item is text_item:
+                part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+                item["content"] = [part]
+                yield event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
+                            text=text, logprobs=[])
+                yield event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
+                            part=part)
+            else:
+                yield event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                            arguments=item["arguments"])
+            yield event("response.output_item.done", output_index=index, item=item)
+        response = self._finish(base, output, finish_reason, usage)
+        if store:
+            self._store(response, conversation + self._output_messages(output))
+        yield event("response.completed" if response["status"] == "completed" else "response.incomplete",
+                    response=response)

@@ -1,0 +1,101 @@
+"""`/v1/responses` (OpenAI's Responses API) through the openai client against a real server: a tool
+loop with `previous_response_id`, streaming with the Responses event types, `text.format`,
+`instructions`, the store (`GET`, an unknown id, `cancel`), and openai-agents' default model where
+that package is installed."""
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+import openai
+import pytest
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                          "required": ["city"]}}
+
+
+@pytest.fixture(scope="module")
+def client(tiny_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{tiny_server.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_a_tool_loop_with_previous_response_id(client):
+    first = client.responses.create(model="tiny", input="What is the weather in Paris?", tools=[WEATHER],
+                                    tool_choice="required", max_output_tokens=60, temperature=0)
+    calls = [item for item in first.output if item.type == "function_call"]
+    assert first.status == "completed" and calls
+    assert all(c.name == "get_weather" and "city" in json.loads(c.arguments) for c in calls)
+    results = [{"type": "function_call_output", "call_id": c.call_id, "output": "Sunny, 21 C."} for c in calls]
+    second = client.responses.create(model="tiny", previous_response_id=first.id, input=results, tools=[WEATHER],
+                                     tool_choice="none", max_output_tokens=8, temperature=0)
+    assert second.output[0].type == "message" and isinstance(second.output_text, str)
+    assert second.previous_response_id == first.id
+    # the second prompt holds the first exchange, the calls and their results
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    stored = client.responses.retrieve(first.id)
+    assert stored.id == first.id and [i.type for i in stored.output] == [i.type for i in first.output]
+
+
+def test_streaming_events_tell_the_same_response(client):
+    plain = client.responses.create(model="tiny", input="Hello", instructions="Be brief.", max_output_tokens=8,
+                                    temperature=0)
+    with client.responses.stream(model="tiny", input="Hello", instructions="Be brief.", max_output_tokens=8,
+                                 temperature=0) as stream:
+        events = list(stream)
+    kinds = [event.type for event in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and "response.output_text.delta" in kinds
+    # cut by max_output_tokens: OpenAI's closing event is then response.incomplete
+    assert kinds[-1] == ("response.completed" if plain.status == "completed" else "response.incomplete")
+    final = events[-1].response
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == plain.output_text
+    assert final.output_text == plain.output_text and final.usage.output_tokens == plain.usage.output_tokens
+    without = client.responses.create(model="tiny", input="Hello", max_output_tokens=8, temperature=0)
+    assert plain.usage.input_tokens > without.usage.input_tokens  # the instructions are in the prompt
+    assert plain.status == "completed" or plain.incomplete_details.reason == "max_output_tokens"
+
+
+def test_text_format_json_schema(client):
+    schema = {"type": "object", "properties": {"size": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["size"]}
+    response = client.responses.create(model="tiny", input="A thing:", max_output_tokens=30, temperature=0,
+                                       text={"format": {"type": "json_schema", "name": "thing", "schema": schema}})
+    assert set(json.loads(response.output_text)) == {"size"}
+
+
+def test_the_store_and_its_errors(client):
+    unstored = client.responses.create(model="tiny", input="Hi", max_output_tokens=2, store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+    with pytest.raises(openai.NotFoundError, match="Previous response with id 'resp_nothing' not found"):
+        client.responses.create(model="tiny", input="Hi", previous_response_id="resp_nothing")
+    stored = client.responses.create(model="tiny", input="Hi", max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="background=true"):
+        client.responses.cancel(stored.id)
+    with pytest.raises(openai.BadRequestError, match="`background` is not supported"):
+        client.responses.create(model="tiny", input="Hi", background=True)
+    with pytest.raises(openai.BadRequestError, match="only function tools are supported"):
+        client.responses.create(model="tiny", input="Hi", tools=[{"type": "web_search"}])
+
+
+def test_openai_agents_default_model_runs_a_tool_loop(tiny_server):
+    agents = pytest.importorskip("agents", reason="openai-agents is not installed (pip install openai-agents)")
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool
+
+    called = []
+
+    @function_tool
+    def get_weather(city: Literal["Paris", "London"]) -> str:  # an enum: a tiny random model's calls end
+        """The weather in a city."""
+        called.append(city)
+        return "Sunny, 21 C."
+
+    client = openai.AsyncOpenAI(base_url=f"{tiny_server.base_url}/v1", api_key="unused", max_retries=0)
+    model = OpenAIResponsesModel(model="tiny", openai_client=client)
+    agents.set_tracing_disabled(True)
+    agent = Agent(name="weather", instructions="Answer with the weather tool.", tools=[get_weather], model=model,
+                  model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False, max_tokens=120,
+                                                temperature=0),
+                  tool_use_behavior="stop_on_first_tool")
+    result = Runner.run_sync(agent, "What is the weather in Paris?", max_turns=3)
+    assert called and result.final_output == "Sunny, 21 C."
