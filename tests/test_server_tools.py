@@ -344,6 +344,27 @@ def test_required_tool_choice_on_the_default_model(client):
 
 
 @pytest.mark.slow
+def test_required_finishes_with_tool_calls_within_100_tokens_on_ten_prompts(client):
+    """The required wrapper's calls are closed objects (name and parameters only), so the default
+    model can no longer add keys until max_tokens (issue 44 saw it run to `length` at 100, 400 and
+    1000 tokens). With one call per reply, all ten prompts finish with `tool_calls` within 100 tokens;
+    with parallel calls every call it makes is well formed (greedy, it repeats one identical call
+    after "Forecast for Berlin?" until max_tokens: a loop of the model, not an extra key)."""
+    questions = ["What time is it in Tokyo?", "Weather in Paris?", "Is it raining in London?", "Time in Oslo now?",
+                 "How warm is Rome today?", "What's the hour in Lima?", "Is Cairo sunny?", "Current time in Sydney?",
+                 "Forecast for Berlin?", "Clock time in Toronto?"]
+    for question in questions:
+        for parallel in (False, True):
+            choice = client.chat.completions.create(
+                model=model_id(client), messages=[{"role": "user", "content": question}], tools=[WEATHER, TIME],
+                tool_choice="required", parallel_tool_calls=parallel, max_tokens=100, temperature=0).choices[0]
+            if not parallel:
+                assert choice.finish_reason == "tool_calls", (question, choice.message)
+            if choice.finish_reason == "tool_calls":
+                assert_valid_calls(choice.message, [WEATHER, TIME])
+
+
+@pytest.mark.slow
 def test_two_turn_tool_conversation_on_the_default_model(client):
     """Turn 1 calls the tool; turn 2 sends the call back (content null) with the tool's result,
     and the model answers in text."""
