@@ -184,7 +184,7 @@ class ResponsesServing:
             "response_format": response_format(body.text), "max_tokens": body.max_output_tokens,
             "temperature": body.temperature, "top_p": body.top_p, "user": body.user, "stream": body.stream,
             **({"stream_options": {"include_usage": True}} if body.stream else {}),
-            **{k: v for k, v in (body.model_extra or {}).items()}})
+            **(body.model_extra or {})})  # vLLM's extra sampling fields (top_k, seed, ...) pass through
         response_id = f"resp_{uuid.uuid4().hex}"
         base = self._response(body, response_id)
         if body.stream:
