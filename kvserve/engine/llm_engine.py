@@ -261,6 +261,8 @@ class LLMEngine:
         the blocks go back to the pool as soon as it is done."""
         if not token_ids:
             raise ValueError("the input to embed must not be empty")
+        if not all(0 <= t < self.model_config.vocab_size for t in token_ids):
+            raise ValueError(f"token ids must be in [0, {self.model_config.vocab_size}), the model's vocabulary")
         if len(token_ids) > self.max_model_len:
             raise ValueError(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
                              f"requested {len(token_ids)} tokens in the input for embedding generation. Please "

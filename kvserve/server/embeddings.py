@@ -62,6 +62,8 @@ class EmbeddingServing:
         prompts = await self.tokens.completion_prompts(body.input)
         if len(prompts) > MAX_INPUTS:
             raise APIError(400, f"At most {MAX_INPUTS} inputs per request, got {len(prompts)}.", param="input")
+        for prompt in prompts:  # ids given by the client index the embedding table
+            self.tokens.check_token_ids(prompt.token_ids, "input")
         data = []
         for index, prompt in enumerate(prompts):
             try:

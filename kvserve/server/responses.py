@@ -20,6 +20,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
+from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -122,6 +123,8 @@ def chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any
 def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     """`text.format` as chat's response_format."""
     fmt = (text or {}).get("format")
+    if fmt is not None and not isinstance(fmt, dict):
+        raise APIError(400, "text.format must be an object.", param="text")
     if not fmt or fmt.get("type") == "text":
         return None
     if fmt.get("type") == "json_schema":
@@ -178,7 +181,7 @@ class ResponsesServing:
             history = self.stored[body.previous_response_id][1]
         conversation = history + input_messages(body.input)
         system = [{"role": "system", "content": body.instructions}] if body.instructions else []
-        chat_body = ChatCompletionRequest.model_validate({
+        chat_body = self._chat_request({
             "model": body.model, "messages": system + conversation, "tools": chat_tools(body.tools),
             "tool_choice": chat_tool_choice(body.tool_choice), "parallel_tool_calls": body.parallel_tool_calls,
             "response_format": response_format(body.text), "max_tokens": body.max_output_tokens,
@@ -202,6 +205,17 @@ class ResponsesServing:
         if body.store:
             self._store(response, conversation + self._output_messages(output))
         return Response(json.dumps(response), media_type="application/json")
+
+    @staticmethod
+    def _chat_request(fields: dict[str, Any]) -> ChatCompletionRequest:
+        """The chat request the items and fields map to; a field they fill wrongly (a tool without
+        a name, say) is a 400 naming it, as it would be on the chat API."""
+        try:
+            return ChatCompletionRequest.model_validate(fields)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(part) for part in first["loc"])
+            raise APIError(400, f"{where}: {first['msg']}", param=str(first["loc"][0])) from None
 
     def _response(self, body: ResponsesRequest, response_id: str) -> dict[str, Any]:
         return {"id": response_id, "object": "response", "created_at": int(time.time()), "status": "in_progress",
