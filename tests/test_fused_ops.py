@@ -80,3 +80,20 @@ def test_a_model_on_the_fused_ops_gives_the_torch_paths_tokens_and_logits(tiny_l
     got = llm.generate(prompts, greedy, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert (llm.engine.score(full, chunk_size=7) - want_logits).abs().max().item() <= 1e-4
+
+
+def test_the_cuda_platform_installs_the_fused_ops_unless_disabled(tiny_llama, monkeypatch):
+    """What CudaPlatform.prepare_model does to a loaded model (here a CPU one, the kernels under the
+    interpreter): the fused ops on every layer, or none with KVSERVE_DISABLE_FUSED_OPS=1."""
+    from kvserve.engine.platforms import CudaPlatform
+
+    llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory="4MiB", attention_backend="torch",
+              device=str(DEVICE))
+    model = llm.engine.model
+    monkeypatch.setenv("KVSERVE_DISABLE_FUSED_OPS", "1")
+    CudaPlatform().prepare_model(model, llm.engine.attention_backend, tensor_parallel=False)
+    assert model.fused is None
+    monkeypatch.delenv("KVSERVE_DISABLE_FUSED_OPS")
+    CudaPlatform().prepare_model(model, llm.engine.attention_backend, tensor_parallel=False)
+    assert model.fused is fused_ops
+    assert all(layer.self_attn.fused is fused_ops and layer.mlp.fused is fused_ops for layer in model.layers)
