@@ -21,7 +21,7 @@ class Platform:
     def kv_budget_before_load(self, args: EngineArgs, budget: int | None, device: torch.device) -> int | None:
         """The KV budget in bytes known before the weights load: `budget` (--kv-cache-memory,
         parsed) checked against the device, or the platform's default; None when only a
-        measurement after loading can tell (`measure_kv_budget`)."""
+        measurement after loading can tell (CUDA: pool_sizing.profile_cuda_budget)."""
         raise NotImplementedError
 
     def prepare_model(self, model: LlamaForCausalLM, backend: AttentionBackend, tensor_parallel: bool) -> None:
