@@ -65,7 +65,7 @@ def main() -> int:
                               "PRECISE": False})
     ok &= compile_kernel("combine", K._combine_splits,
                          {"out_ptr": "*bf16", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32"},
-                         {"SPLITS_PAD": 4, "D": 128})
+                         {"D": 128})
     bf16 = {"x_ptr": "*bf16", "residual_ptr": "*bf16", "weight_ptr": "*bf16", "out_ptr": "*bf16", "sum_ptr": "*bf16",
             "gate_up_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "eps": "fp32"}
     for residual in (False, True):

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.fixed_order import fixed_order_matmul
+
 
 @dataclass(frozen=True)
 class KVCacheSpec:
@@ -78,6 +80,8 @@ class KVFormat:
     center_keys: bool = False
     # Store keys in a basis fitted at start-up to the format's relative rounding (engine/key_basis.py).
     fit_key_basis: bool = False
+    # --deterministic: rotations multiply each row in one fixed order, whatever the row count.
+    fixed_order: bool = False
 
     def bytes_per_block(self, spec: KVCacheSpec) -> int:
         """Bytes one block takes in one layer, K and V and any scales included."""

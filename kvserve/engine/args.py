@@ -133,6 +133,11 @@ class EngineArgs:
         "kernel reading the pool in place (kvserve build-kernel); torch = gather the blocks, then torch ops; "
         "auto = triton on CUDA, cpu_paged on CPU, where they serve the configuration, else torch "
         "(the start-up log says which and why)", choices=attention_backend_names))
+    deterministic: bool = field(default=False, metadata=_opt(
+        "batch-invariant inference: a request's tokens (greedy, or sampled with a seed) depend on the request "
+        "alone, not on batching, chunked prefill, prefix-cache hits, KV tiers, preemption or the thread count "
+        "(CPU; README, 'Deterministic inference'). Alias: --enable-deterministic-inference (SGLang's name)",
+        action=argparse.BooleanOptionalAction, aliases=("--enable-deterministic-inference",)))
     kv_offloading_size: float | None = field(default=None, metadata=_opt(
         "GiB of host memory for the KV offload tier (vLLM's flag): published prefix-cache blocks the pool "
         "reclaims are kept there and loaded back on a prefix hit; 0 or absent: off", type=float))
@@ -222,6 +227,27 @@ class EngineArgs:
                              f"{self.nnodes} (each node runs the same number of processes)")
         if self.master_addr is not None and not isinstance(self.master_addr, str):
             raise ValueError(f"--master-addr must be a host name or address, got {self.master_addr!r}")
+        self._check_deterministic()
+
+    def _check_deterministic(self) -> None:
+        """--deterministic's limits, each one line: what it cannot make batch-invariant (yet)."""
+        if not isinstance(self.deterministic, bool):
+            raise ValueError(f"deterministic must be True or False, got {self.deterministic!r}")
+        if not self.deterministic:
+            return
+        refused = [
+            (self.tensor_parallel_size > 1, "--tensor-parallel-size > 1 (its sharded layers are not covered yet)"),
+            (self.kv_cache_dtype == "int4_kivi", "--kv-cache-dtype int4_kivi (a block's key ranges grow as it fills, "
+                                                 "so a key reads differently before and after)"),
+            (self.kv_eviction != NO_EVICTION, "--kv-eviction (what is evicted depends on the attention scores)"),
+            (self.attention_backend == "torch", "--attention-backend torch (its padded matmuls and SDPA change "
+                                                "their order with the batch)"),
+            (_device_type(self.device) == "cuda", "CUDA (its cuBLAS GEMMs are not batch-invariant; the Triton "
+                                                  "attention kernels are)"),
+        ]
+        for applies, what in refused:
+            if applies:
+                raise ValueError(f"--deterministic does not support {what}")
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
@@ -230,12 +256,13 @@ class EngineArgs:
             if f.name in skip:
                 continue
             kwargs = dict(f.metadata)
+            aliases = kwargs.pop("aliases", ())
             if callable(kwargs.get("choices")):
                 kwargs["choices"] = kwargs["choices"]()
             default = f.default if f.default is not MISSING else None
             if "action" not in kwargs and "type" not in kwargs:
                 kwargs["type"] = str if default is None else type(default)
-            group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=default, **kwargs)
+            group.add_argument("--" + f.name.replace("_", "-"), *aliases, dest=f.name, default=default, **kwargs)
 
     @classmethod
     def from_cli_args(cls, namespace: argparse.Namespace) -> "EngineArgs":

@@ -43,6 +43,7 @@ from kvserve.engine.pool_sizing import size_kv_pool
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.scheduler import Scheduler, SchedulerConfig
 from kvserve.engine.structured_output import GrammarCompiler
+from kvserve.model.batch_invariant import make_batch_invariant
 from kvserve.model.loader import LoadedModel
 from kvserve.model.shape import ModelShape
 from kvserve.outputs import RequestOutput
@@ -91,6 +92,9 @@ class LLMEngine:
         built = load_engine_model(args, loaded_model, prepack=self.parallel is None)
         self.device, self.dtype = built.plan.device, built.plan.dtype
         self.model, self.model_config, self.model_path = built.model, built.config, built.path
+        if args.deterministic:
+            make_batch_invariant(self.model)
+            logger.info("--deterministic: every layer on a fixed-order path (batch-invariant); no lean decode step")
         self.tokenizer, self.eos_token_ids = built.tokenizer, built.eos_token_ids
         self.kv_format, self.attention_backend = select_attention(args, built)
         self.kv_spec = built.plan.kv_spec
@@ -113,7 +117,8 @@ class LLMEngine:
             calibrate_key_transforms(self.runner, self.max_model_len, self.model_path)
         self.eviction_defaults = EvictionSpec(args.kv_eviction, args.kv_budget, args.sink_tokens, args.recent_tokens)
         self.resolve_eviction(None)  # bad --kv-eviction flags fail at start-up
-        namespace = kv_namespace(self.kv_cache, self.model_config, self.model_path, self.dtype, self.model)
+        namespace = kv_namespace(self.kv_cache, self.model_config, self.model_path, self.dtype, self.model,
+                                 args.deterministic)
         self.tiers = _make_tiers(args, self.kv_cache, namespace)
         self.kv_manager = KVCacheManager(pool.num_blocks, self.kv_spec.block_size, args.enable_prefix_caching,
                                          namespace=namespace, evictor=self.evictor, tiers=self.tiers)
@@ -154,6 +159,10 @@ class LLMEngine:
                     if not isinstance(t, int) or not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"Token id {bad} is out of vocabulary (the model has {vocab} tokens).")
+        if self.args.deterministic and params.kv_eviction is not None \
+                and self.resolve_eviction(params.kv_eviction) is not None:
+            raise ValueError("kv_eviction is not available under --deterministic: what a policy evicts depends on "
+                             "attention scores, so the request's tokens would depend on it")
         if self.resolve_eviction(params.kv_eviction) is not None:
             # Under eviction max-model-len bounds the cache, not the sequence; "up to the context
             # limit" (no max_tokens) then means max-model-len new tokens.

@@ -122,6 +122,7 @@ def select_attention(args: EngineArgs, built: EngineModel) -> tuple[KVFormat, At
     for the built model; the backend logs which decode path runs."""
     plan = built.plan
     kv_format = make_kv_format(args.kv_cache_dtype, plan.dtype)
+    kv_format.fixed_order = args.deterministic
     backend = make_attention_backend(args.attention_backend, kv_format, plan.kv_spec, plan.dtype, built.model.rope,
-                                     plan.device)
+                                     plan.device, args.deterministic)
     return kv_format, backend

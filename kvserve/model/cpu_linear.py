@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.fixed_order import at_least_two_rows
 from kvserve.hardware import available_ram_bytes, onednn_bf16_missing, onednn_runs_amx
 from kvserve.model.lean_kernel import load_lean_decode_module
 from kvserve.units import format_size
@@ -102,6 +103,7 @@ class PrepackedLinear(nn.Module):
         weight = linear.weight.detach()
         self.bias = linear.bias
         self.packed = self.plain = self.kernel_weight = None
+        self.fixed_order = False  # --deterministic (batch_invariant.py): single rows multiplied as two
         kernel = bf16_kernel() if weight.dtype == torch.bfloat16 else None
         if takes_bf16_kernel(linear, kernel):
             self.kernel_weight, self._kernel_matmul = kernel.bf16_pack(weight), kernel.bf16_matmul
@@ -116,6 +118,10 @@ class PrepackedLinear(nn.Module):
         if self.kernel_weight is not None:
             out = self._kernel_matmul(x.reshape(rows, self.in_features), self.kernel_weight, self._kernel_bias)
             return out.view(*x.shape[:-1], self.out_features)
+        if rows == 1 and self.fixed_order:  # oneDNN takes another kernel for a single row
+            flat = at_least_two_rows(x.reshape(1, self.in_features))
+            out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
+            return out[:1].view(*x.shape[:-1], self.out_features)
         if self.plain is not None and rows == 1:
             return native_linear(x, self.plain, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")

@@ -25,9 +25,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.fixed_order = False  # --deterministic (batch_invariant.py): one row as any other
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] == 1:
+        if x.shape[0] == 1 and not self.fixed_order:
             # One row (batch-1 decode): layer_norm over [x, -x], whose mean is 0 and variance
             # mean(x^2), is RMSNorm in one fused kernel (float32 inside, rounded once to x's
             # dtype, as below). torch's rms_norm runs as several small ops, which at one row cost
@@ -119,6 +120,8 @@ class LlamaForCausalLM(nn.Module):
         self.lean: LeanDecoder | None = None
         # fused_ops (Triton: residual add + RMSNorm, SiLU x up, RoPE), set by the CUDA platform.
         self.fused: ModuleType | None = None
+        # Every layer on its fixed-order path (--deterministic, batch_invariant.py).
+        self.batch_invariant = False
 
     @classmethod
     def from_hf_weights(cls, config: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int,

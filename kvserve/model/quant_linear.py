@@ -165,6 +165,7 @@ class QuantizedLinear(nn.Module):
             device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
             and self.in_features % _KERNEL_GROUP == 0 and matrix.group_size % _KERNEL_GROUP == 0)
         self.max_kernel_rows = kernel_max_rows(dtype, self.bits if self.gemv is not None else None)
+        self.fixed_order = False  # --deterministic (batch_invariant.py): kvserve's kernel at every row count
         self.matrix: QuantizedMatrix | None = None
         if self.gemv is not None:
             pass  # the codes live in gemv_operands
@@ -188,7 +189,7 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if self.gemv is not None and (self.dense is None or rows <= self.max_kernel_rows):
+        if self.gemv is not None and (self.dense is None or rows <= self.max_kernel_rows or self.fixed_order):
             flat = x.reshape(rows, self.in_features)
             if flat.dtype not in (torch.float32, torch.bfloat16):
                 flat = flat.float()

@@ -38,8 +38,9 @@ class CpuPlatform(Platform):
 
     def prepare_model(self, model, backend, tensor_parallel):
         """Decode steps as two fused C++ calls per layer (lean decode) where the CPU paged kernel
-        reads decodes in place; not under tensor parallelism (its sharded layers reduce)."""
-        if tensor_parallel or not backend.reads_decodes_in_place:
+        reads decodes in place; not under tensor parallelism (its sharded layers reduce), nor under
+        --deterministic (it sums in another order than the module path that prefills)."""
+        if tensor_parallel or not backend.reads_decodes_in_place or model.batch_invariant:
             return
         model.lean, why = LeanDecoder.for_model(model)
         if model.lean is not None:

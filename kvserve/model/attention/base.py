@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from kvserve.cache.kv_cache import KVCacheSpec, KVFormat
+from kvserve.fixed_order import fixed_order_matmul
 from kvserve.model.attention.metadata import AttentionMetadata, StepSequence
 from kvserve.model.rope import RotaryEmbedding
 
@@ -37,6 +38,9 @@ class BackendConfig:
     query_dtype: torch.dtype
     rope: RotaryEmbedding
     device: torch.device
+    # --deterministic: every query row attended by one kernel in one reduction order over its
+    # context (prefill rows as decode rows), whatever the batch, chunking or prefix hits.
+    deterministic: bool = False
 
 
 class AttentionBackend:
@@ -87,7 +91,8 @@ class AttentionBackend:
                 key_before_rope: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         """A decoder layer's attention from its q/k/v: the layer's key transforms, the keys stored
         before RoPE for sequences under eviction, then `attend` over the layer's pool."""
-        query, key = layer_keys(layer, query, key, key_before_rope, meta.unrotated_key_rows)
+        query, key = layer_keys(layer, query, key, key_before_rope, meta.unrotated_key_rows,
+                                self.config.deterministic)
         return self.attend(query, key, value, kv_cache.layers[layer.layer_idx], kv_cache.format, meta, layer.window)
 
     def _tensor(self, array: np.ndarray | list[int]) -> torch.Tensor:
@@ -95,7 +100,7 @@ class AttentionBackend:
 
 
 def layer_keys(layer: Attention, query: torch.Tensor, key: torch.Tensor, key_before_rope: torch.Tensor,
-               unrotated_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+               unrotated_rows: torch.Tensor | None, fixed_order: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """q and k as the pool stores and scores them: keys minus the layer's centre, in its fitted
     basis (the queries in the dual basis), and for the packed rows of sequences under KV
     eviction the keys before RoPE (with their queries left in the plain basis)."""
@@ -103,7 +108,7 @@ def layer_keys(layer: Attention, query: torch.Tensor, key: torch.Tensor, key_bef
         key = key - layer.key_center
     plain_query = query
     if layer.key_basis is not None:
-        query, key = change_key_basis(query, key, *layer.key_basis)
+        query, key = change_key_basis(query, key, *layer.key_basis, fixed_order=fixed_order)
     if unrotated_rows is not None:
         key = key.index_copy(0, unrotated_rows, key_before_rope[unrotated_rows].to(key.dtype))
         if layer.key_basis is not None:
@@ -112,10 +117,16 @@ def layer_keys(layer: Attention, query: torch.Tensor, key: torch.Tensor, key_bef
 
 
 def change_key_basis(query: torch.Tensor, key: torch.Tensor, key_transform: torch.Tensor,
-                     query_transform: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                     query_transform: torch.Tensor, fixed_order: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """q [tokens, heads, d] -> q·T^-T and k [tokens, kv_heads, d] -> k·T, per KV head, as one
-    float32 bmm each over [kv_heads, rows, d] (on CPU faster than einsum or bfloat16)."""
+    float32 bmm each over [kv_heads, rows, d] (on CPU faster than einsum or bfloat16); with
+    `fixed_order` (--deterministic) one fixed-order matmul per KV head instead."""
     tokens, kv_heads, dim = key.shape
+    if fixed_order:
+        q_heads = query.float().view(tokens, kv_heads, -1, dim)
+        q_new = torch.stack([fixed_order_matmul(q_heads[:, h], query_transform[h]) for h in range(kv_heads)], 1)
+        k_new = torch.stack([fixed_order_matmul(key[:, h].float(), key_transform[h]) for h in range(kv_heads)], 1)
+        return q_new.reshape(query.shape).to(query.dtype), k_new
     grouped = query.float().view(tokens, kv_heads, -1, dim).transpose(0, 1).reshape(kv_heads, -1, dim)
     q_new = torch.bmm(grouped, query_transform).view(kv_heads, tokens, -1, dim).transpose(0, 1)
     k_new = torch.bmm(key.float().transpose(0, 1), key_transform).transpose(0, 1)

@@ -38,6 +38,19 @@ class StepSequence:
         return self.num_queries == 1
 
 
+def rows_as_decodes(sequences: list[StepSequence]) -> list[StepSequence]:
+    """Every query row of the step as a decode of its own, in packed-row order: row i of a chunk of
+    q queries attends to the first seq_len - q + i + 1 tokens of its context. Under
+    --deterministic a token's attention is then the same computation whether it is prefilled in
+    any chunk, decoded, or recomputed after a preemption."""
+    rows = []
+    for seq in sorted(sequences, key=lambda s: s.row_start):
+        first = seq.seq_len - seq.num_queries
+        rows.extend(StepSequence(seq.request_id, seq.row_start + i, 1, first + i + 1, seq.block_table)
+                    for i in range(seq.num_queries))
+    return rows
+
+
 def packing_order(is_decode: bool, keys_before_rope: bool, context_len: int) -> tuple:
     """Sort key of a sequence in the packed batch: decodes first (each attention group then owns
     one run of rows), sequences under eviction after the others, decodes longest first (so that

@@ -42,10 +42,10 @@ def backend_class(name: str) -> type[AttentionBackend]:
 
 
 def make_attention_backend(name: str, kv_format: KVFormat, spec: KVCacheSpec, query_dtype: torch.dtype,
-                           rope: RotaryEmbedding, device: torch.device) -> AttentionBackend:
+                           rope: RotaryEmbedding, device: torch.device, deterministic: bool = False) -> AttentionBackend:
     """The backend `name` for this configuration (ValueError naming why when it cannot serve it), or
     with `auto` the first of AUTO_ORDER that can. The choice is logged once."""
-    config = BackendConfig(kv_format, spec, query_dtype, rope, device)
+    config = BackendConfig(kv_format, spec, query_dtype, rope, device, deterministic)
     if name != "auto":
         cls = backend_class(name)
         why = cls.unsupported(config)

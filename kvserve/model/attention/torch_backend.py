@@ -13,7 +13,7 @@ import torch
 from kvserve.cache.block_pool import NULL_BLOCK_ID
 from kvserve.model.attention.base import AttentionBackend
 from kvserve.model.attention.metadata import (AttentionGroup, AttentionMetadata, ObservedAttention, PrefillChunk,
-                                              StepSequence)
+                                              StepSequence, rows_as_decodes)
 from kvserve.model.attention.torch_ops import paged_attention
 
 # A decode group's fixed cost (its gather, matmuls, softmax and mask in every layer) is about
@@ -60,6 +60,13 @@ class TorchBackend(AttentionBackend):
     reference the other backends are tested against."""
 
     name = "torch"
+
+    @classmethod
+    def unsupported(cls, config):
+        if config.deterministic:
+            return ("--deterministic needs one reduction order per query row, and torch ops' padded matmuls and SDPA "
+                    "change theirs with the batch: the cpu_paged (CPU) or triton backend has it")
+        return None
 
     @property
     def description(self) -> str:

@@ -26,7 +26,7 @@ from kvserve.cache.formats.int4_kivi import Int4KiviFormat
 from kvserve.cache.formats.int8 import Int8Format
 from kvserve.cache.kv_cache import KVFormat
 from kvserve.model.attention.base import BackendConfig
-from kvserve.model.attention.metadata import AttentionMetadata, StepSequence
+from kvserve.model.attention.metadata import AttentionMetadata, StepSequence, rows_as_decodes
 from kvserve.model.attention.torch_backend import TorchBackend, padded_block_tables
 from kvserve.model.attention.torch_ops import decode_gathered, prefills_gathered
 
@@ -126,6 +126,8 @@ class TritonBackend(TorchBackend):
 
     # ------------------------------------------------------------------ metadata
     def build(self, sequences: list[StepSequence], slot_mapping: torch.Tensor) -> TritonMetadata:
+        if self.config.deterministic:  # every query row through the decode kernel (fixed splits)
+            sequences = rows_as_decodes(sequences)
         base = super().build(sequences, slot_mapping)
         meta = TritonMetadata(**{f: getattr(base, f) for f in AttentionMetadata.__dataclass_fields__})
         decodes = [s for s in sequences if s.is_decode and not s.keys_before_rope]
@@ -158,7 +160,7 @@ class TritonBackend(TorchBackend):
         rotation = kv_format.rotation(query.shape[-1], query.dtype, query.device)
         self._write(key, value, pool, kv_format, meta.slot_mapping)
         if rotation is not None:  # the pool holds K·R and V·R: (qR)·(kR) = q·k
-            query = query @ rotation
+            query = kv_format.rotate(query, rotation)
         tokens, heads, dim = query.shape
         out = torch.empty(tokens, heads, dim, dtype=query.dtype, device=query.device)
         if meta.decode is not None:
@@ -180,7 +182,7 @@ class TritonBackend(TorchBackend):
                                                                       rotation, window)):
             out[chunk.row_start: chunk.row_start + chunk.num_queries] = chunk_out
         if rotation is not None:  # probs·(VR)·R^T = probs·V
-            out = out @ rotation.T
+            out = kv_format.rotate(out, rotation.T)
         return out.reshape(tokens, heads * dim)
 
     def _write(self, key: torch.Tensor, value: torch.Tensor, pool: dict[str, torch.Tensor], kv_format: KVFormat,
@@ -192,7 +194,7 @@ class TritonBackend(TorchBackend):
             return
         rotation = kv_format.rotation(key.shape[-1], torch.float32, key.device)
         if rotation is not None:
-            both = torch.cat((key, value), dim=1).float() @ rotation
+            both = kv_format.rotate(torch.cat((key, value), dim=1).float(), rotation)
             key, value = both[:, : key.shape[1]], both[:, key.shape[1]:]
         key, value = (x if x.stride(-1) == 1 else x.contiguous() for x in (key, value))
         aux = {k.FLOAT: None, k.INT8: "kv_scale", k.FP8: "kv_scale", k.INT4: "kv_params"}[self.kind]

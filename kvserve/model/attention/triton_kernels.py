@@ -310,21 +310,29 @@ def _decode_kernel(q_ptr, out_ptr, part_acc_ptr, part_ml_ptr, table_ptr, seq_len
 
 @triton.jit
 def _combine_splits(out_ptr, part_acc_ptr, part_ml_ptr, stride_ot, stride_oh, num_heads, num_splits,
-                    SPLITS_PAD: tl.constexpr, D: tl.constexpr):
-    """Merge a (sequence, head)'s split partial sums: each weighted by exp2(its max - the max)."""
+                    D: tl.constexpr):
+    """Merge a (sequence, head)'s split partial sums in split order, as an online softmax over the
+    splits. A split past the sequence's end (m = NEG_BIG, l = 0, sums 0) leaves the running sums
+    exactly as they were, and a sequence of one split comes out as the unsplit kernel writes it:
+    the result depends on the sequence alone, not on the longest context in the batch."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    s = tl.arange(0, SPLITS_PAD)
-    ok = s < num_splits
-    part = (seq * num_heads + head).to(tl.int64) * num_splits + s
-    m = tl.load(part_ml_ptr + part * 2, mask=ok, other=NEG_BIG)
-    l_s = tl.load(part_ml_ptr + part * 2 + 1, mask=ok, other=0.0)
-    weight = tl.exp2(m - tl.max(m, axis=0))
-    acc = tl.load(part_acc_ptr + part[:, None] * D + tl.arange(0, D)[None, :], mask=ok[:, None], other=0.0)
-    total = tl.sum(weight * l_s, axis=0)
-    out = tl.sum(acc * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + tl.arange(0, D),
-             round_to(out, out_ptr.dtype.element_ty))
+    first = (seq * num_heads + head).to(tl.int64) * num_splits
+    d = tl.arange(0, D)
+    m_run = tl.full([1], NEG_BIG, tl.float32)
+    l_run = tl.zeros([1], tl.float32)
+    acc = tl.zeros([D], tl.float32)
+    for s in range(num_splits):
+        m_s = tl.load(part_ml_ptr + (first + s) * 2)
+        l_s = tl.load(part_ml_ptr + (first + s) * 2 + 1)
+        m_new = tl.maximum(m_run, m_s)
+        alpha = tl.exp2(m_run - m_new)
+        weight = tl.exp2(m_s - m_new)
+        acc = acc * alpha + tl.load(part_acc_ptr + (first + s) * D + d) * weight
+        l_run = l_run * alpha + l_s * weight
+        m_run = m_new
+    out = acc / tl.where(l_run > 0, l_run, 1.0)
+    tl.store(out_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + d, round_to(out, out_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -409,7 +417,7 @@ def paged_decode(kind: int, query: torch.Tensor, out: torch.Tensor, pool: dict[s
         SPLIT=num_splits > 1)
     if num_splits > 1:
         _combine_splits[(batch, heads)](out, part_acc, part_ml, out.stride(0), out.stride(1), heads, num_splits,
-                                        SPLITS_PAD=triton.next_power_of_2(num_splits), D=dim)
+                                        D=dim)
 
 
 def paged_prefill(kind: int, query: torch.Tensor, out: torch.Tensor, pool: dict[str, torch.Tensor],
