@@ -118,6 +118,11 @@ class KVFormat:
         and multiplies its output by R^T. None (the default): K and V are stored as given."""
         return None
 
+    def rotate_rows(self, x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
+        """x @ matrix (the rotation or its transpose), in x's dtype; under `fixed_order` each row's
+        sums in one order whatever the row count (kvserve/fixed_order.py)."""
+        return fixed_order_matmul(x, matrix) if self.fixed_order else x @ matrix
+
 
 class Scratch:
     """Grow-only buffers reused by every layer's gather. A fresh multi-MB tensor per layer costs

@@ -47,5 +47,5 @@ def read_slots(kv_format: KVFormat, pool: dict[str, torch.Tensor], slots: torch.
     key, value = key[:, 0, rows].transpose(0, 1), value[:, 0, rows].transpose(0, 1)
     rotation = kv_format.rotation(key.shape[-1], torch.float32, key.device)
     if rotation is not None:  # the pool holds K·R: (K·R)·R^T = K
-        key, value = kv_format.rotate(key, rotation.T), kv_format.rotate(value, rotation.T)
+        key, value = kv_format.rotate_rows(key, rotation.T), kv_format.rotate_rows(value, rotation.T)
     return key, value

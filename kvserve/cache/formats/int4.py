@@ -125,7 +125,7 @@ class Int4Format(KVFormat):
         new = torch.cat((key, value), dim=1).float()  # [tokens, 2 * kv_heads, head_dim]
         rotation = self.rotation(key.shape[-1], torch.float32, key.device)
         if rotation is not None:
-            new = self.rotate(new, rotation)
+            new = self.rotate_rows(new, rotation)
         write_token_groups(pool["kv"], pool["kv_params"], new, slot_mapping)
 
     def gather(self, pool, block_ids, batch, dtype):

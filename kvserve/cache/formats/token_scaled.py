@@ -76,7 +76,7 @@ class TokenScaledFormat(KVFormat):
         new = torch.cat((key, value), dim=1).float()  # [tokens, 2 * kv_heads, head_dim]
         rotation = self.rotation(key.shape[-1], torch.float32, key.device)
         if rotation is not None:
-            new = self.rotate(new, rotation)
+            new = self.rotate_rows(new, rotation)
         stored = self.scale_for(new.abs().amax(-1))  # [tokens, 2 * kv_heads]
         codes = self.encode(new / self.scale_value(stored).unsqueeze(-1))
         heads, dim = new.shape[1], new.shape[2]

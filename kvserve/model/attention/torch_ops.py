@@ -47,7 +47,7 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     kv_format.write(pool, key, value, meta.slot_mapping)
     rotation = kv_format.rotation(query.shape[-1], query.dtype, query.device)
     if rotation is not None:  # the pool holds K·R and V·R: (qR)·(kR) = q·k
-        query = kv_format.rotate(query, rotation)
+        query = kv_format.rotate_rows(query, rotation)
     tokens, heads, dim = query.shape
     parts, start = [], 0
     for group in meta.decodes:
@@ -61,7 +61,7 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     parts.extend(prefills_gathered(query, meta.prefills, pool, kv_format, rotation, window))
     out = parts[0] if len(parts) == 1 else torch.cat(parts)
     if rotation is not None:  # probs·(VR)·R^T = probs·V
-        out = kv_format.rotate(out, rotation.T)
+        out = kv_format.rotate_rows(out, rotation.T)
     return out.reshape(tokens, heads * dim)
 
 

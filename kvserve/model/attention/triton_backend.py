@@ -160,7 +160,7 @@ class TritonBackend(TorchBackend):
         rotation = kv_format.rotation(query.shape[-1], query.dtype, query.device)
         self._write(key, value, pool, kv_format, meta.slot_mapping)
         if rotation is not None:  # the pool holds K·R and V·R: (qR)·(kR) = q·k
-            query = kv_format.rotate(query, rotation)
+            query = kv_format.rotate_rows(query, rotation)
         tokens, heads, dim = query.shape
         out = torch.empty(tokens, heads, dim, dtype=query.dtype, device=query.device)
         if meta.decode is not None:
@@ -182,7 +182,7 @@ class TritonBackend(TorchBackend):
                                                                       rotation, window)):
             out[chunk.row_start: chunk.row_start + chunk.num_queries] = chunk_out
         if rotation is not None:  # probs·(VR)·R^T = probs·V
-            out = kv_format.rotate(out, rotation.T)
+            out = kv_format.rotate_rows(out, rotation.T)
         return out.reshape(tokens, heads * dim)
 
     def _write(self, key: torch.Tensor, value: torch.Tensor, pool: dict[str, torch.Tensor], kv_format: KVFormat,
@@ -194,7 +194,7 @@ class TritonBackend(TorchBackend):
             return
         rotation = kv_format.rotation(key.shape[-1], torch.float32, key.device)
         if rotation is not None:
-            both = kv_format.rotate(torch.cat((key, value), dim=1).float(), rotation)
+            both = kv_format.rotate_rows(torch.cat((key, value), dim=1).float(), rotation)
             key, value = both[:, : key.shape[1]], both[:, key.shape[1]:]
         key, value = (x if x.stride(-1) == 1 else x.contiguous() for x in (key, value))
         aux = {k.FLOAT: None, k.INT8: "kv_scale", k.FP8: "kv_scale", k.INT4: "kv_params"}[self.kind]
