@@ -85,7 +85,11 @@ class TorchBackend(AttentionBackend):
     def build(self, sequences: list[StepSequence], slot_mapping: torch.Tensor) -> AttentionMetadata:
         """The step's metadata; `sequences` in packed order (`packing_order`). Sequences whose
         eviction policy observes attention get zeroed [rows, seq_len] float32 tensors, listed in
-        `AttentionMetadata.observed_attention` for the caller to collect after the forward pass."""
+        `AttentionMetadata.observed_attention` for the caller to collect after the forward pass.
+        Under --deterministic every query row is a decode (`rows_as_decodes`), which only the
+        backends reading decodes in place serve."""
+        if self.config.deterministic:
+            sequences = rows_as_decodes(sequences)
         decode = [s for s in sequences if s.is_decode and not s.keys_before_rope]
         evicting_decode = [s for s in sequences if s.is_decode and s.keys_before_rope]
         observed: list[tuple[str, torch.Tensor]] = []
