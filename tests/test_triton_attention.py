@@ -159,6 +159,68 @@ def test_store_kernel_writes_what_the_format_writes(kv_cache_dtype):
         assert torch.equal(pools[0][name].view(torch.uint8), pools[1][name].view(torch.uint8)), name
 
 
+def attend_rows(backend_name: str, kv_cache_dtype: str, shape: Shape, steps: list[list[tuple[str, int, int]]],
+                deterministic: bool, split_tokens: int = SPLIT_TOKENS) -> dict[tuple[str, int], torch.Tensor]:
+    """Each (request, position)'s attention output over `steps` of (request, cached, new) in a fresh
+    pool; every request's q/k/v per position are fixed (seeded by request), whatever the step."""
+    spec = KVCacheSpec(1, shape.kv_heads, shape.head_dim, shape.block_size)
+    fmt = make_kv_format(kv_cache_dtype, shape.dtype)
+    fmt.fixed_order = deterministic
+    cache = KVCache(spec, fmt, 64, DEVICE)
+    backend = make_attention_backend(backend_name, fmt, spec, shape.dtype, None, DEVICE, deterministic)
+    backend.split_tokens = split_tokens
+    tables = block_tables(shape.block_size)
+    qkv = {}
+    for i, rid in enumerate("abcd"):
+        gen = torch.Generator().manual_seed(i)
+        qkv[rid] = [torch.randn(160, heads, shape.head_dim, generator=gen).to(shape.dtype)
+                    for heads in (shape.heads, shape.kv_heads, shape.kv_heads)]
+    outputs = {}
+    for step in steps:
+        sequences, slots, parts, keys, row = [], [], [], [], 0
+        for rid, cached, new in step:
+            sequences.append(StepSequence(rid, row, new, cached + new, tables[rid]))
+            positions = np.arange(cached, cached + new)
+            slots.append(tables[rid][positions // shape.block_size] * shape.block_size + positions % shape.block_size)
+            parts.append([t[cached: cached + new] for t in qkv[rid]])
+            keys += [(rid, int(p)) for p in positions]
+            row += new
+        q, k, v = (torch.cat([p[i] for p in parts]).to(DEVICE) for i in range(3))
+        meta = backend.build(sequences, torch.as_tensor(np.concatenate(slots), device=DEVICE))
+        out = backend.attend(q, k, v, cache.layers[0], fmt, meta, shape.window).cpu()
+        outputs.update(zip(keys, out))
+    return outputs
+
+
+def test_a_decode_does_not_depend_on_the_longest_context_in_its_batch():
+    """The split merge runs in split order, so a decode beside a context of many splits (and a
+    merge pass) gives the bits it gives alone."""
+    shape = Shape(torch.bfloat16, 16, 4, 2, 64)
+    history = [[("a", 0, 20), ("d", 0, 100)]]
+    alone = attend_rows("triton", "auto", shape, history + [[("a", 20, 1)]], deterministic=False)
+    beside = attend_rows("triton", "auto", shape, history + [[("a", 20, 1), ("d", 100, 1)]], deterministic=False)
+    assert torch.equal(alone[("a", 20)], beside[("a", 20)])
+
+
+@pytest.mark.parametrize("kv_cache_dtype,shape", [("auto", SHAPES[0]), ("int4", SHAPES[0]), ("fp8_e5m2", SHAPES[1])],
+                         ids=lambda x: str(x))
+def test_deterministic_rows_do_not_depend_on_chunks_batch_or_prefill_versus_decode(kv_cache_dtype, shape):
+    """--deterministic: a token's attention output is the same bits prefilled in one chunk alone,
+    prefilled in small chunks beside other sequences (one of them several splits long), or decoded
+    past a split. (In float32 without the option, the decodes past a split differ in their last bits
+    from the prefill kernel's single pass.)"""
+    one_chunk = attend_rows("triton", kv_cache_dtype, shape, [[("a", 0, 40)]], deterministic=True)
+    mixed = attend_rows("triton", kv_cache_dtype, shape, [
+        [("d", 0, 70), ("a", 0, 12)],
+        [("a", 12, 21), ("b", 0, 9), ("d", 70, 1)],
+        [("a", 33, 1), ("b", 9, 1)],  # decodes past one split (SPLIT_TOKENS)
+        [("a", 34, 1)],
+        [("a", 35, 5), ("d", 71, 1)],
+    ], deterministic=True)
+    differing = [p for p in range(40) if not torch.equal(one_chunk[("a", p)], mixed[("a", p)])]
+    assert not differing, differing
+
+
 def test_the_backend_says_what_it_cannot_serve():
     spec = KVCacheSpec(1, 2, 64, 16)
     fmt = make_kv_format("auto", torch.float32)
