@@ -276,6 +276,20 @@ def test_an_engine_on_the_triton_backend_gives_the_torch_backends_tokens(tiny_ll
     assert tokens["triton"] == tokens["torch"]
 
 
+def test_an_engine_on_the_triton_backend_under_deterministic_gives_the_same_bits_alone_and_batched(tiny_llama_d32):
+    if DEVICE.type == "cuda":
+        pytest.skip("--deterministic is refused on CUDA (cuBLAS GEMMs are not batch-invariant)")
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=0)
+    llm = LLM(str(tiny_llama_d32), dtype="float32", kv_cache_memory="4MiB", max_num_batched_tokens=16,
+              attention_backend="triton", deterministic=True)
+
+    def results(outputs):
+        return [(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in outputs]
+
+    alone = [results(llm.generate([prompt], params, use_tqdm=False))[0] for prompt in PROMPTS]
+    assert results(llm.generate(PROMPTS, params, use_tqdm=False)) == alone
+
+
 def test_sequences_under_eviction_share_a_batch_with_the_kernels(tiny_llama_d32):
     """Requests under H2O (keys stored before RoPE, attention observed) take the torch path inside
     a Triton step, beside requests the kernels serve: each gives what the torch backend gives."""
