@@ -37,11 +37,11 @@ def throughput(rounds: int, engine_flags: list[str]) -> None:
             for name, workload in WORKLOADS.items():
                 for deterministic in (False, True):
                     out = Path(tmp) / "result.json"
-                    command = ["kvserve", "bench", "throughput", *workload, *engine_flags, "--output-json", str(out)]
+                    command = [sys.executable, "-m", "kvserve.cli", "bench", "throughput", *workload, *engine_flags, "--output-json", str(out)]
                     if deterministic:
                         command.append("--deterministic")
                     subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                    value = json.loads(out.read_text())["output_tokens_per_second"]
+                    value = json.loads(out.read_text())["kvserve"]["output_tokens_per_second"]
                     results.setdefault((name, deterministic), []).append(value)
                     print(f"round {r + 1} {name} deterministic={deterministic}: {value:.1f} output tok/s",
                           file=sys.stderr)

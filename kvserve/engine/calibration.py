@@ -62,9 +62,11 @@ def record_projections(runner: ModelRunner, max_tokens: int, num_tokens: int = C
         recorded.append(qkv.view(num_tokens, -1, config.head_dim).clone())
 
     hooks = [layer.self_attn.qkv_proj.register_forward_hook(record) for layer in model.layers]
+    lean, model.lean = model.lean, None  # the modules' hooks record (under --deterministic lean takes prefills)
     try:
         runner.forward(runner.prepare([ScheduledRequest(request, num_tokens)], {request.request_id: block_table}))
     finally:
+        model.lean = lean
         for hook in hooks:
             hook.remove()
     return recorded

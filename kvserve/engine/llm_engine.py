@@ -94,7 +94,7 @@ class LLMEngine:
         self.model, self.model_config, self.model_path = built.model, built.config, built.path
         if args.deterministic:
             make_batch_invariant(self.model)
-            logger.info("--deterministic: every layer on a fixed-order path (batch-invariant); no lean decode step")
+            logger.info("--deterministic: every layer on a fixed-order path (batch-invariant)")
         self.tokenizer, self.eos_token_ids = built.tokenizer, built.eos_token_ids
         self.kv_format, self.attention_backend = select_attention(args, built)
         self.kv_spec = built.plan.kv_spec

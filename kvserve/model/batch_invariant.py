@@ -11,8 +11,9 @@ one row could depend on the row count onto fixed-order paths:
 - linears on oneDNN's prepacked GEMM: a single row is multiplied as two (kvserve/fixed_order.py),
   checked here at start-up on this CPU, since oneDNN documents no such guarantee;
 - RMSNorm: the batched rms_norm for one row too (its one-row layer_norm trick sums in another order).
-Attention is the backend's business (BackendConfig.deterministic), and the lean decode step, which
-fuses the same math in another order, is not installed (engine/platforms/cpu.py).
+Attention is the backend's business (BackendConfig.deterministic). The lean decode step, which
+fuses the same math in another order, then runs every step of a quantized model or none
+(lean_decode.py), so no token is computed one way in one step and the other way in another.
 """
 from __future__ import annotations
 

@@ -22,6 +22,7 @@ kernel that does not build) takes the module path unchanged.
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,7 +94,10 @@ class LeanDecoder:
 
     @classmethod
     def for_model(cls, model: torch.nn.Module) -> tuple["LeanDecoder | None", str]:
-        """A decoder for `model` (a LlamaForCausalLM), or None and why it does not apply."""
+        """A decoder for `model` (a LlamaForCausalLM), or None and why it does not apply. Under
+        --deterministic (`model.batch_invariant`) it takes every step of quantized layers, whatever
+        its rows: with every query row a decode, each step is one it serves, and its kernels treat
+        each row alone, so the same path for every step keeps a row's bits independent of the rest."""
         weight = model.embed_tokens.weight
         if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32):
             return None, f"runs on CPU in bfloat16 or float32 only, not {weight.device.type} {weight.dtype}"
@@ -125,6 +129,10 @@ class LeanDecoder:
         module, why = load_lean_decode_module()
         if module is None:
             return None, why
+        if model.batch_invariant:
+            if kinds != {"quantized"}:  # oneDNN's packed GEMM takes another kernel for a single row
+                return None, "under --deterministic only quantized layers run fused"
+            return cls(module, model, layers, kernel_rows=sys.maxsize, max_rows=sys.maxsize), ""
         if kinds == {"dense"}:
             # full-precision weights: every row count multiplies through the packed weights, except
             # the single rows the module path sends to torch's GEMV on a plain copy (cpu_linear.py)

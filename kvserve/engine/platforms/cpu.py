@@ -38,12 +38,14 @@ class CpuPlatform(Platform):
 
     def prepare_model(self, model, backend, tensor_parallel):
         """Decode steps as two fused C++ calls per layer (lean decode) where the CPU paged kernel
-        reads decodes in place; not under tensor parallelism (its sharded layers reduce), nor under
-        --deterministic (it sums in another order than the module path that prefills)."""
-        if tensor_parallel or not backend.reads_decodes_in_place or model.batch_invariant:
+        reads decodes in place; not under tensor parallelism (its sharded layers reduce). Under
+        --deterministic it takes every step or none (LeanDecoder.for_model)."""
+        if tensor_parallel or not backend.reads_decodes_in_place:
             return
         model.lean, why = LeanDecoder.for_model(model)
-        if model.lean is not None:
+        if model.lean is not None and model.batch_invariant:
+            logger.info("Every step runs each layer as two fused C++ calls (lean decode; --deterministic)")
+        elif model.lean is not None:
             logger.info("Decode steps of %d to %d sequences run each layer as two fused C++ calls (lean decode)",
                         model.lean.min_rows, model.lean.max_rows)
         elif any(isinstance(m, QuantizedLinear) for m in model.modules()):
