@@ -107,6 +107,8 @@ def build_cases(tmp: Path, tiny: Path, mismatched: Path) -> dict[str, tuple[Path
          f"no model.layers.{config['num_hidden_layers']}."),
         ("config max_position_embeddings 0", {"max_position_embeddings": 0}, "max_position_embeddings = 0"),
         ("config max_position_embeddings -5", {"max_position_embeddings": -5}, "max_position_embeddings = -5"),
+        ("config num_attention_heads 0", {"num_attention_heads": 0}, "num_attention_heads = 0"),
+        ("config vocab_size 2^40", {"vocab_size": 2 ** 40}, "vocab_size = 1099511627776 is more than any model has"),
     ):
         model = with_config(tiny, tmp / name.replace(" ", "-"), **changes)
         cases[name] = (model, str(model / "config.json"), problem)
@@ -122,6 +124,9 @@ def build_cases(tmp: Path, tiny: Path, mismatched: Path) -> dict[str, tuple[Path
              "max_position_embeddings (context length) = 4294967295"),
             ("GGUF rope.freq_base NaN", "llama.rope.freq_base", "f", float("nan"), "rope_theta = nan"),
             ("GGUF one layer too many", "llama.block_count", "I", 31, "no model.layers.30."),
+            ("GGUF block_count 2^31", "llama.block_count", "I", 2 ** 31,
+             "num_hidden_layers = 2147483648 is more than any model has"),
+            ("GGUF head_count 0", "llama.attention.head_count", "I", 0, "num_attention_heads = 0"),
         ):
             target = patched_gguf(gguf, tmp / f"{name.replace(' ', '-')}.gguf", key, fmt, value)
             cases[name] = (target, str(target), problem)
@@ -149,7 +154,8 @@ CASE_NAMES = ["missing file", "truncated safetensors", "unsupported architecture
               "GGUF cut inside its tensor data", "config hidden_size wrong", "config intermediate_size wrong",
               "config num_key_value_heads wrong", "config one layer too many", "config max_position_embeddings 0",
               "config max_position_embeddings -5", "GGUF context_length 2^32-1", "GGUF rope.freq_base NaN",
-              "GGUF one layer too many"]
+              "GGUF one layer too many", "GGUF block_count 2^31", "GGUF head_count 0", "config num_attention_heads 0",
+              "config vocab_size 2^40"]
 
 
 @pytest.mark.parametrize("name", CASE_NAMES)

@@ -18,6 +18,7 @@ from kvserve.engine.model_runner import PromptLogprobsChunk
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.sampler import SampleResult
 from kvserve.engine.scheduler import ScheduledRequest
+from kvserve.engine.template_budget import guard_chat_template
 from kvserve.engine.tool_prompts import render_messages
 from kvserve.outputs import CompletionOutput, Logprob, PromptLogprobs, RankedLogprob, RequestOutput
 
@@ -89,6 +90,7 @@ def apply_chat_template(tokenizer: Any, messages: list[dict], add_generation_pro
     if reserved:
         raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}: use the request's own fields")
     messages, tools = render_messages(messages, tools, tokenizer.chat_template)
+    guard_chat_template(tokenizer, tools)
     text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
                                          add_generation_prompt=add_generation_prompt,
                                          continue_final_message=continue_final_message, **template_kwargs)

@@ -5,8 +5,9 @@ whatever else is in the batch (Thinking Machines Lab, "Defeating Nondeterminism 
 A token's row meets other rows only inside matmuls and attention; elementwise ops, RoPE and
 row-wise RMSNorm already treat each row alone. So the pass switches the layers whose result for
 one row could depend on the row count onto fixed-order paths:
-- quantized linears: kvserve's integer kernel (csrc/quant_gemv.h) for every row count, never the
-  dense copy oneDNN multiplies large batches with;
+- quantized linears: one path for every row count. Their dense copy where it is on kvserve's
+  AVX512-BF16 kernel (faster than the integer kernel from a few rows on), else kvserve's integer
+  kernel (csrc/quant_gemv.h), never the dense copy oneDNN multiplies large batches with;
 - bf16 linears on kvserve's AVX512-BF16 kernel (csrc/bf16_gemm.h): fixed order already;
 - linears on oneDNN's prepacked GEMM: a single row is multiplied as two (kvserve/fixed_order.py),
   checked here at start-up on this CPU, since oneDNN documents no such guarantee;
@@ -36,7 +37,7 @@ def make_batch_invariant(model: LlamaForCausalLM) -> None:
         if isinstance(module, RMSNorm):
             module.fixed_order = True
         elif isinstance(module, QuantizedLinear):
-            if module.gemv is None:
+            if module.gemv is None and not module.dense_on_bf16_kernel:
                 raise ValueError(f"--deterministic: {name} is quantized but kvserve's CPU kernel does not serve it "
                                  f"(torch's int4 kernel's rows depend on the batch); run `kvserve build-kernel`, "
                                  f"or --quantization none")

@@ -14,6 +14,11 @@ SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3", "yarn", "longrope"}
 # More positions than any model is trained for: a context length above it is a corrupt file, and
 # tables sized from it (RoPE, the KV pool) would exhaust memory before any other check.
 MAX_CONTEXT_LENGTH = 2 ** 30
+# Likewise for the other counts (far above any published model): something is sized from each of
+# them (a tuple per layer, tensors per head) before the weights say otherwise.
+MAX_COUNTS = {"vocab_size": 2 ** 24, "hidden_size": 2 ** 20, "intermediate_size": 2 ** 22,
+              "num_hidden_layers": 2 ** 12, "num_attention_heads": 2 ** 12, "head_dim": 2 ** 12,
+              "num_key_value_heads": 2 ** 12, "max_position_embeddings": MAX_CONTEXT_LENGTH}
 
 
 class UnsupportedModelError(ValueError):
@@ -23,6 +28,10 @@ class UnsupportedModelError(ValueError):
 def _given(value: Any, default: Any) -> Any:
     """`value` unless it is missing (None): a 0 read from a file is kept, to be refused."""
     return default if value is None else value
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def _check_values(cfg: Any, num_heads: Any, head_dim: Any, rope_theta: float, rope: dict) -> None:
@@ -40,6 +49,10 @@ def _check_values(cfg: Any, num_heads: Any, head_dim: Any, rope_theta: float, ro
     if counts["max_position_embeddings"] > MAX_CONTEXT_LENGTH:
         raise UnsupportedModelError(f"invalid config: max_position_embeddings (context length) = "
                                     f"{counts['max_position_embeddings']} is more than {MAX_CONTEXT_LENGTH} tokens")
+    for name, value in counts.items():
+        if value > MAX_COUNTS[name]:
+            raise UnsupportedModelError(f"invalid config: {name} = {value} is more than any model has "
+                                        f"({MAX_COUNTS[name]}); the file is corrupt")
     if num_heads % counts["num_key_value_heads"]:
         raise UnsupportedModelError(f"invalid config: num_key_value_heads = {counts['num_key_value_heads']} does not "
                                     f"divide num_attention_heads = {num_heads}")
@@ -92,7 +105,8 @@ class ModelConfig:
                 f"unsupported architecture {model_type!r}: kvserve serves {sorted(SUPPORTED_ARCHITECTURES)}"
             )
         num_heads = cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
+        head_dim = getattr(cfg, "head_dim", None) or (
+            cfg.hidden_size // num_heads if _is_count(num_heads) and _is_count(cfg.hidden_size) else None)
         rope = dict(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -105,6 +119,8 @@ class ModelConfig:
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise UnsupportedModelError(f"unsupported activation {cfg.hidden_act!r} (SwiGLU/silu only)")
 
+        # before anything is sized from the counts (a window per layer below)
+        _check_values(cfg, num_heads, head_dim, rope_theta, rope)
         num_layers = cfg.num_hidden_layers
         window = getattr(cfg, "sliding_window", None)
         layer_types = getattr(cfg, "layer_types", None)
@@ -117,7 +133,6 @@ class ModelConfig:
 
         eos = getattr(cfg, "eos_token_id", None)
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
-        _check_values(cfg, num_heads, head_dim, rope_theta, rope)
         return cls(
             architecture=model_type,
             vocab_size=cfg.vocab_size,

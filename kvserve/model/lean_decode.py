@@ -101,7 +101,7 @@ class LeanDecoder:
         weight = model.embed_tokens.weight
         if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32):
             return None, f"runs on CPU in bfloat16 or float32 only, not {weight.device.type} {weight.dtype}"
-        layers, limits, kinds, plain = [], set(), set(), False
+        layers, limits, kinds, plain, bf16_kernel_everywhere = [], set(), set(), False, True
         for i, layer in enumerate(model.layers):
             attn, mlp = layer.self_attn, layer.mlp
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
@@ -110,9 +110,11 @@ class LeanDecoder:
                 limits.update(lin.max_kernel_rows for lin in linears)
                 kernel = _Linears(*(_operands(lin) for lin in linears))
                 dense = [_dense_operands(lin) for lin in linears]
+                bf16_kernel_everywhere &= all(lin.dense_on_bf16_kernel for lin in linears)
             elif all(isinstance(lin, PrepackedLinear) for lin in linears):  # --quantization none
                 kinds.add("dense")
                 plain = plain or any(lin.plain is not None for lin in linears)
+                bf16_kernel_everywhere &= all(lin.kernel_weight is not None for lin in linears)
                 kernel, dense = None, [_packed_operands(lin) for lin in linears]
             else:
                 return None, "not every linear layer is on the quantized small-batch kernel or oneDNN-packed"
@@ -129,10 +131,13 @@ class LeanDecoder:
         module, why = load_lean_decode_module()
         if module is None:
             return None, why
-        if model.batch_invariant:
-            if kinds != {"quantized"}:  # oneDNN's packed GEMM takes another kernel for a single row
-                return None, "under --deterministic only quantized layers run fused"
-            return cls(module, model, layers, kernel_rows=sys.maxsize, max_rows=sys.maxsize), ""
+        if model.batch_invariant:  # the path QuantizedLinear / PrepackedLinear take at every row count
+            if bf16_kernel_everywhere:
+                return cls(module, model, layers, kernel_rows=0, max_rows=sys.maxsize), ""
+            if kinds == {"quantized"}:
+                return cls(module, model, layers, kernel_rows=sys.maxsize, max_rows=sys.maxsize), ""
+            # oneDNN's packed GEMM takes another kernel for a single row
+            return None, "under --deterministic, layers on oneDNN's GEMM keep the module path"
         if kinds == {"dense"}:
             # full-precision weights: every row count multiplies through the packed weights, except
             # the single rows the module path sends to torch's GEMV on a plain copy (cpu_linear.py)

@@ -265,7 +265,9 @@ def _gguf_hf_config(gguf_file: GGUFFile, has_output: bool) -> Any:
         num_hidden_layers=field(f"{arch}.block_count"),
         num_attention_heads=num_heads,
         num_key_value_heads=field(f"{arch}.attention.head_count_kv", num_heads),
-        head_dim=field(f"{arch}.rope.dimension_count", hidden // num_heads),
+        head_dim=field(f"{arch}.rope.dimension_count",
+                       hidden // num_heads if isinstance(num_heads, int) and num_heads > 0 and isinstance(hidden, int)
+                       else None),
         rms_norm_eps=field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
         max_position_embeddings=field(f"{arch}.context_length", 2048),
         rope_parameters=rope_parameters,

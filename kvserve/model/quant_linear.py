@@ -186,17 +186,23 @@ class QuantizedLinear(nn.Module):
                 self.dense = PrepackedLinear(dense, keep_copy=False)
             else:
                 self.dense = weight
+        # A dense copy on kvserve's AVX512-BF16 kernel sums in one order at every row count, and beats
+        # the int kernel from a few rows on: under --deterministic it then takes every row count.
+        self.dense_on_bf16_kernel = isinstance(self.dense, PrepackedLinear) and self.dense.kernel_weight is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if self.gemv is not None and (self.dense is None or rows <= self.max_kernel_rows or self.fixed_order):
+        on_kernel = self.dense is None or rows <= self.max_kernel_rows
+        if self.fixed_order:  # one path for every row count (batch_invariant.py)
+            on_kernel = not self.dense_on_bf16_kernel
+        if self.gemv is not None and on_kernel:
             flat = x.reshape(rows, self.in_features)
             if flat.dtype not in (torch.float32, torch.bfloat16):
                 flat = flat.float()
             y = self.gemv(flat.contiguous(), *self.gemv_operands)
             y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias
-        if self.kernel and (self.dense is None or rows <= self.max_kernel_rows):
+        if self.kernel and on_kernel:
             flat = x.reshape(rows, self.in_features).to(_KERNEL_DTYPE)
             if self.bits == 8:  # the weight's high and low nibbles, each multiplied by x
                 flat = torch.cat((flat, flat), dim=1)
