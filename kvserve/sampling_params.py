@@ -16,6 +16,8 @@ MAX_STOP_STRINGS = 64
 DEFAULT_MAX_LOGPROBS = 20
 # Integers handed to torch (seeds, top_k) must fit in int64.
 INT64_MIN, INT64_MAX = -2 ** 63, 2 ** 63 - 1
+# The smallest normal float32: a top_p below it is raised to it (validate).
+FLOAT32_TINY = 1.1754943508222875e-38
 
 
 class LogitsProcessor(Protocol):
@@ -145,6 +147,10 @@ class SamplingParams:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
         if not 0 < finite("top_p") <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if self.top_p < FLOAT32_TINY:
+            # the sampler's float32 would round it to 0, which masks every token; any top_p this
+            # small keeps only the most likely token, and so does the smallest normal float32
+            self.top_p = FLOAT32_TINY
         if not isinstance(self.top_k, int) or not 0 <= self.top_k <= INT64_MAX:
             raise ValueError(f"top_k must be 0 or -1 (disable), or at least 1, got {self.top_k}.")
         if not 0 <= finite("min_p") <= 1:

@@ -107,7 +107,7 @@ def test_a_failing_disk_stops_writing_and_serving_goes_on(tiny_llama, baseline, 
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     engine = engine_for(tiny_llama, kv_offloading_disk_path=str(tmp_path / "kv"))
-    monkeypatch.setattr(disk_module.tempfile, "mkstemp", no_space)
+    monkeypatch.setattr(disk_module, "_create_file", no_space)
     with caplog.at_level(logging.WARNING, logger="kvserve"):
         assert multi_turn(engine) == baseline
     assert engine.tiers.disk.disabled is not None

@@ -108,7 +108,7 @@ def build_cases(tmp: Path, tiny: Path, mismatched: Path) -> dict[str, tuple[Path
         ("config max_position_embeddings 0", {"max_position_embeddings": 0}, "max_position_embeddings = 0"),
         ("config max_position_embeddings -5", {"max_position_embeddings": -5}, "max_position_embeddings = -5"),
         ("config num_attention_heads 0", {"num_attention_heads": 0}, "num_attention_heads = 0"),
-        ("config vocab_size 2^40", {"vocab_size": 2 ** 40}, "vocab_size = 1099511627776 is more than any model has"),
+        ("config vocab_size 2^40", {"vocab_size": 2 ** 40}, "vocab_size = 1099511627776"),
     ):
         model = with_config(tiny, tmp / name.replace(" ", "-"), **changes)
         cases[name] = (model, str(model / "config.json"), problem)

@@ -56,6 +56,18 @@ def test_text_that_cannot_fit_is_refused_before_tokenizing(default_server):
     assert time.perf_counter() - start < 5
 
 
+def test_a_body_whose_prompts_together_are_over_budget_is_refused_before_tokenizing(default_server):
+    """Each prompt fits, but five of the longest a body may send four of: refused at once (issue 45),
+    where before all of them held the tokenizer thread, one after the other."""
+    _, max_chars = limits(default_server)
+    start = time.perf_counter()
+    response = httpx.post(default_server.base_url + "/v1/completions",
+                          json={"prompt": ["a" * max_chars] * 5, "max_tokens": 1}, timeout=60)
+    assert response.status_code == 400, response.text
+    assert "characters in all, more than one request may send" in response.json()["error"]["message"]
+    assert time.perf_counter() - start < 5
+
+
 def send_and_leave(port: int, prompt: str, leave_after: float) -> None:
     """POST a completion for `prompt`, then close the connection before the answer."""
     body = ('{"prompt": "%s", "max_tokens": 1}' % prompt).encode()

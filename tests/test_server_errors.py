@@ -105,6 +105,28 @@ def test_unsupported_openai_fields_are_refused_unknown_keys_accepted(tiny_server
     assert ok.status_code == 200, ok.text
 
 
+def test_the_warning_for_many_unknown_keys_is_one_short_line(tiny_server):
+    """15,000 unknown keys (the tiny server takes 1 MiB bodies): accepted (vLLM ignores them too), and
+    logged in one line that names a few."""
+    extra = {f"key_{i:06d}_" + "k" * 40: 0 for i in range(15_000)}
+    ok = post(tiny_server, "/v1/completions", json={"prompt": "x", "max_tokens": 1, **extra})
+    assert ok.status_code == 200, ok.text
+    lines = [line for line in tiny_server.log_path.read_text(errors="replace").splitlines()
+             if "key_000000_" in line]
+    assert len(lines) == 1 and len(lines[0]) < 3000 and "and 14980 more" in lines[0], lines[0][:300]
+
+
+def test_a_top_p_that_underflows_float32_keeps_the_most_likely_token(tiny_server):
+    """top_p = 1e-46 is 0 in float32, which masked every token (a 200 of end-of-text tokens); it is
+    raised to the smallest normal float32, which keeps the most likely token: greedy's text."""
+    body = {"prompt": "It is a truth universally acknowledged", "max_tokens": 8, "ignore_eos": True}
+    greedy = post(tiny_server, "/v1/completions", json={**body, "temperature": 0}).json()
+    for top_p in (1e-46, 1e-300):
+        tiny = post(tiny_server, "/v1/completions", json={**body, "temperature": 1.0, "top_p": top_p})
+        assert tiny.status_code == 200, tiny.text
+        assert tiny.json()["choices"][0]["text"] == greedy["choices"][0]["text"]
+
+
 def test_routing_errors_have_openai_bodies(tiny_server):
     assert_error(httpx.get(tiny_server.base_url + "/v1/nothing-here"), 404)
     assert_error(httpx.get(tiny_server.base_url + "/v1/completions"), 405, "GET")

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import sys
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -45,6 +46,8 @@ from kvserve.cache.tiers import TieredStore
 
 # Extra key of the root hash for sequences that store keys before RoPE (evicting sequences).
 KEYS_BEFORE_ROPE = "keys-before-rope"
+# A disk read that has not finished by then is a miss: the request goes on without those blocks.
+TIER_LOAD_TIMEOUT_S = 10.0
 
 
 def root_hash(namespace: str, cache_salt: str | None, keys_before_rope: bool = False) -> bytes:
@@ -122,6 +125,11 @@ class _TierLoad:
     # The host-tier blocks among `hashes`, taken when the read started: the host tier may pass
     # them on to the disk meanwhile, and the hit must not stop there.
     held: dict[bytes, tuple[str, object]] = field(default_factory=dict)
+    deadline: float = field(default_factory=lambda: time.monotonic() + TIER_LOAD_TIMEOUT_S)
+
+    def result(self) -> dict:
+        """The blocks read, or none once the deadline has passed (a stuck read is a miss)."""
+        return self.future.result() if self.future.done() else {}
 
 
 class KVCacheManager:
@@ -189,10 +197,10 @@ class KVCacheManager:
         rid = request.request_id
         load = self._loading.get(rid)
         if load is not None:
-            if not load.future.done():
+            if not load.future.done() and time.monotonic() < load.deadline:
                 return None
             del self._loading[rid]
-            from_disk, fetched = load.future.result(), []
+            from_disk, fetched = load.result(), []
             for block_hash in load.hashes:
                 if block_hash in load.held:
                     fetched.append(load.held[block_hash])
@@ -244,7 +252,10 @@ class KVCacheManager:
         load = self._loading.get(request.request_id)
         if load is None or load.future.done():
             return False
-        load.future.result()
+        try:
+            load.future.result(timeout=max(0.0, load.deadline - time.monotonic()))
+        except TimeoutError:
+            pass  # fetch_tier_prefix then treats it as a miss
         return True
 
     def blocks_needed(self, request: CachedSequence, num_new_tokens: int, cached: list[Block] = (),

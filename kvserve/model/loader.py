@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from kvserve import disk_cache
-from kvserve.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedModelError
+from kvserve.model.config import MAX_COUNTS, SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedModelError
 from kvserve.model.gguf_file import GGUFFile, cut_tensor, dequantize, dequantize_all, quantized_matrix, read_gguf
 from kvserve.model.quantized import QuantizedMatrix
 from kvserve.model.weight_check import check_weight_shapes
@@ -155,6 +155,11 @@ def _check_config_json(path: Path) -> None:
     if model_type not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(f"unsupported architecture {model_type!r}: kvserve serves "
                                     f"{sorted(SUPPORTED_ARCHITECTURES)}")
+    # transformers divides by some of these while it reads the config: a 0 would be its traceback
+    for name, most in MAX_COUNTS.items():
+        value = raw.get(name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= most):
+            raise UnsupportedModelError(f"invalid config: {name} = {value!r} (must be a positive integer, at most {most})")
 
 
 def _check_weights(file: Path, config: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> None:

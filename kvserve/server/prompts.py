@@ -99,6 +99,9 @@ def _call(call: ToolCallParam, where: str) -> dict[str, Any]:
 
 # Jobs over this many characters run in the large-job thread.
 SMALL_JOB_CHARS = 16_384
+# The characters all the prompts of one body may have together, in prompts of the longest length
+# max-model-len can hold.
+BODY_PROMPTS_BUDGET = 4
 
 
 class Tokenization:
@@ -109,6 +112,8 @@ class Tokenization:
         self.max_model_len = engine.max_model_len
         self.longest_token_chars = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
         self.max_prompt_chars = self.max_model_len * self.longest_token_chars
+        # All the prompts of one body together: a batch of several full-length prompts, not hundreds
+        self.max_body_chars = BODY_PROMPTS_BUDGET * self.max_prompt_chars
         self._small = ThreadPoolExecutor(1, thread_name_prefix="kvserve-tokenizer")
         self._large = ThreadPoolExecutor(1, thread_name_prefix="kvserve-tokenizer-large")
         self._pending: set[asyncio.Future] = set()
@@ -163,16 +168,22 @@ class Tokenization:
             if isinstance(item, str):
                 self.check_length(len(item), "prompt" if len(items) == 1 else f"prompt[{i}]")
                 chars += len(item)
-        return await self._run(chars, self._tokenize_all, items)
-
-    def _tokenize_all(self, items: list[str | list[int]]) -> list[Prompt]:
+        if chars > self.max_body_chars:
+            raise APIError(400, f"The prompts of this request have {chars} characters in all, more than one request "
+                                f"may send ({self.max_body_chars}: {BODY_PROMPTS_BUDGET} prompts of the longest "
+                                f"max-model-len can hold). Send them in several requests.", param="prompt")
+        # One tokenizer job per prompt, queued one after the other: another request's job waits
+        # behind one of these prompts at most, not behind the whole body.
         prompts = []
         for item in items:
             if isinstance(item, str):
-                prompts.append(Prompt(item, self._engine.tokenize(item)[1]))
+                prompts.append(Prompt(item, await self._run(len(item), self._tokenize_one, item)))
             else:  # the engine checks the ids against the vocabulary
                 prompts.append(Prompt(None, list(item)))
         return prompts
+
+    def _tokenize_one(self, text: str) -> list[int]:
+        return self._engine.tokenize(text)[1]
 
     async def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
                           tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,

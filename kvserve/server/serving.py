@@ -19,6 +19,8 @@ from kvserve.server.streaming import unless_disconnected
 logger = logging.getLogger("kvserve.server")
 
 CONTEXT_LENGTH_PREFIX = "This model's maximum context length is"
+# The unknown-keys warning names at most this many keys, each cut to this many characters.
+MAX_LOGGED_KEYS, MAX_LOGGED_KEY_CHARS = 20, 64
 
 
 @dataclass
@@ -44,8 +46,10 @@ class ServingContext:
             if name in extra and not harmless(extra[name]):
                 raise APIError(400, f"`{name}` is not supported by kvserve.", param=name, code="unsupported_parameter")
         ignored = [k for k in body.unknown_fields() if k not in body.unsupported_fields]
-        if ignored:
-            logger.warning("The following fields were present in the request but ignored: %s", ignored)
+        if ignored:  # bounded: a body of 200,000 unknown keys must not write a megabyte per request
+            shown = ", ".join(repr(k[:MAX_LOGGED_KEY_CHARS]) for k in ignored[:MAX_LOGGED_KEYS])
+            more = f" and {len(ignored) - MAX_LOGGED_KEYS} more" if len(ignored) > MAX_LOGGED_KEYS else ""
+            logger.warning("The following fields were present in the request but ignored: [%s]%s", shown, more)
 
     def sampling_params(self, body: SamplingFields, max_tokens: int | None, logprobs: int | None,
                         num_prompts: int, prompt_logprobs: int | None = None,

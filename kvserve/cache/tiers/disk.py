@@ -15,11 +15,23 @@ directory and removes the least recently used files (mtime; a hit touches its fi
 of the bound; a reader whose file vanishes meanwhile just misses. Files are 0600 and directories
 0700: they hold tenants' KV. A write failing with ENOSPC, EROFS, EACCES (any OSError) stops
 further writes with one warning; reads go on.
+
+The directory is a trust boundary: whoever can write it chooses what a prefix hit loads. So the
+tier refuses a root owned by another user and makes a group- or world-writable one 0700 (one
+warning; ssh's rule for ~/.ssh); it works through file descriptors of its own namespace
+directory, opened once without following links, so a directory swapped for a symbolic link later
+neither redirects writes nor escapes the size bound; block files are opened with O_NOFOLLOW and
+O_NONBLOCK and read only if fstat says they are regular files of the right size (a FIFO or a link
+planted in place of a block is a miss, not a hang or a read of another file); and the scan that
+enforces the bound counts regular files only (lstat).
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import secrets
+import stat
 import struct
 import tempfile
 import threading
@@ -51,12 +63,33 @@ def checksum(payload: bytes | memoryview) -> int:
     return zlib.crc32(payload)
 
 
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+# A block file: never through a link, and never waiting on a FIFO or device planted in its place.
+_READ_FLAGS = os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0) | _CLOEXEC
+_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _NOFOLLOW | _CLOEXEC
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC
+
+
+def _secure(directory: Path) -> None:
+    """Refuse a directory another user owns; make a group- or world-writable one of ours 0700."""
+    st = directory.stat()
+    if hasattr(os, "geteuid") and st.st_uid != os.geteuid():
+        raise ValueError(f"--kv-offloading-disk-path: {str(directory)!r} belongs to uid {st.st_uid}, not to this "
+                         f"user (uid {os.geteuid()}): whoever controls it chooses what a prefix hit loads")
+    if st.st_mode & 0o022:
+        os.chmod(directory, 0o700)
+        logger.warning("KV disk tier: %s was writable by other users (mode %o); made 0700", directory,
+                       stat.S_IMODE(st.st_mode))
+
+
 def check_directory(root: str | os.PathLike) -> None:
-    """Create the tier's directory (0700) if needed and check that a file can be written in it;
-    ValueError with one line otherwise. Runs at start-up, before the weights load."""
+    """Create the tier's directory (0700) if needed, secure it (`_secure`) and check that a file can
+    be written in it; ValueError with one line otherwise. Runs at start-up, before the weights load."""
     root = Path(root).expanduser()
     try:
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _secure(root)
         fd, probe = tempfile.mkstemp(prefix=TMP_PREFIX, dir=root)
         os.close(fd)
         os.unlink(probe)
@@ -86,8 +119,13 @@ class DiskTier(BlockStore):
         check_directory(self.root)
         try:
             self.dir.mkdir(mode=0o700, exist_ok=True)
+            # every read and write goes through this descriptor: a link put in the directory's
+            # place later is never followed
+            self._dir_fd = os.open(self.dir, _DIR_FLAGS)
+            _secure(self.dir)
         except OSError as exc:
-            raise ValueError(f"--kv-offloading-disk-path {str(root)!r}: {exc.strerror or exc}") from None
+            why = "is a symbolic link" if self.dir.is_symlink() else (exc.strerror or exc)
+            raise ValueError(f"--kv-offloading-disk-path {str(root)!r}: {self.dir} {why}") from None
         self._used = self._scan()[1]
 
     # ------------------------------------------------------------------ paths and scanning
@@ -103,9 +141,11 @@ class DiskTier(BlockStore):
             for name in names:
                 path = os.path.join(dirpath, name)
                 try:
-                    st = os.stat(path)
+                    st = os.lstat(path)
                 except OSError:
                     continue  # removed meanwhile by another process
+                if not stat.S_ISREG(st.st_mode):
+                    continue  # a link or a FIFO is not a block this tier wrote
                 if name.startswith(TMP_PREFIX):
                     if now - st.st_mtime > STALE_TMP_S:
                         _unlink(path)
@@ -134,32 +174,68 @@ class DiskTier(BlockStore):
     def contains(self, block_hash: bytes) -> bool:
         return self.path(block_hash).exists()
 
+    def _open_block(self, block_hash: bytes) -> tuple[int | None, str | None]:
+        """(fd, None) for the block's file, opened through our directory descriptor without
+        following links; (None, None) when absent; (None, why) when something else is there."""
+        name = block_hash.hex()
+        try:
+            sub = os.open(name[:2], _DIR_FLAGS, dir_fd=self._dir_fd)
+        except OSError as exc:
+            return None, None if exc.errno == errno.ENOENT else f"sits in {name[:2]}, which is not a directory"
+        try:
+            fd = os.open(name + SUFFIX, _READ_FLAGS, dir_fd=sub)
+        except OSError as exc:
+            return None, None if exc.errno == errno.ENOENT else "is a symbolic link or cannot be opened"
+        finally:
+            os.close(sub)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != self.file_nbytes:
+            os.close(fd)
+            return None, "is not a regular file" if not stat.S_ISREG(st.st_mode) else "has the wrong length"
+        return fd, None
+
     def get(self, block_hash: bytes, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """The block's bytes, read into `out` (a 1-D uint8 CPU tensor of block_nbytes) when given."""
         path = self.path(block_hash)
         if out is None:
             out = torch.empty(self.block_nbytes, dtype=torch.uint8)
         payload = memoryview(out.numpy())
-        try:
-            with open(path, "rb") as f:
-                header = f.read(HEADER.size)
-                got = f.readinto(payload) if len(header) == HEADER.size else 0
-                extra = len(f.read(1))
-        except OSError:
+        fd, problem = self._open_block(block_hash)
+        header, got, extra = b"", 0, 0
+        if fd is not None:
+            try:
+                with os.fdopen(fd, "rb") as f:
+                    header = f.read(HEADER.size)
+                    got = f.readinto(payload) if len(header) == HEADER.size else 0
+                    extra = len(f.read(1))
+                    os.utime(f.fileno())  # least recently used goes first
+            except OSError:
+                fd = None
+        if fd is None and problem is None:
             self._removed(block_hash)  # absent (perhaps removed by another process sharing the directory)
             return None
-        problem = self._check(header, got, extra, payload, block_hash)
+        problem = problem or self._check(header, got, extra, payload, block_hash)
         if problem is not None:
             self.num_bad_files += 1
             logger.warning("KV disk tier: %s %s; treated as a miss and removed", path, problem)
-            _unlink(str(path))
+            self._unlink_block(block_hash)
             self._removed(block_hash)
             return None
+        return out
+
+    def _unlink_block(self, block_hash: bytes) -> None:
+        """Remove whatever sits at the block's name (a link itself, never its target)."""
+        name = block_hash.hex()
         try:
-            os.utime(path)  # least recently used goes first
+            sub = os.open(name[:2], _DIR_FLAGS, dir_fd=self._dir_fd)
+        except OSError:
+            return
+        try:
+            os.unlink(name + SUFFIX, dir_fd=sub)
         except OSError:
             pass
-        return out
+        finally:
+            os.close(sub)
 
     def _check(self, header: bytes, got: int, extra: int, payload: memoryview, block_hash: bytes) -> str | None:
         if len(header) < HEADER.size:
@@ -186,20 +262,32 @@ class DiskTier(BlockStore):
         payload = memoryview(data.contiguous().numpy())
         path = self.path(block_hash)
         header = HEADER.pack(MAGIC, FORMAT_VERSION, 0, self.namespace, block_hash, len(payload), checksum(payload))
-        tmp = None
+        name = block_hash.hex()
+        tmp, sub = None, None
         try:
-            path.parent.mkdir(mode=0o700, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, dir=path.parent)  # created 0600
+            try:
+                os.mkdir(name[:2], 0o700, dir_fd=self._dir_fd)
+            except FileExistsError:
+                pass
+            sub = os.open(name[:2], _DIR_FLAGS, dir_fd=self._dir_fd)
+            tmp = f"{TMP_PREFIX}{secrets.token_hex(8)}"
+            fd = _create_file(tmp, sub)
             with os.fdopen(fd, "wb") as f:
                 f.write(header)
                 f.write(payload)
-            os.replace(tmp, path)
+            os.replace(tmp, name + SUFFIX, src_dir_fd=sub, dst_dir_fd=sub)
             tmp = None
         except OSError as exc:
-            if tmp is not None:
-                _unlink(tmp)
-            self.disable(f"{exc.strerror or exc} ({self.root})")
+            if tmp is not None and sub is not None:
+                try:
+                    os.unlink(tmp, dir_fd=sub)
+                except OSError:
+                    pass
+            self.disable(f"{exc.strerror or exc} ({path.parent})")
             return
+        finally:
+            if sub is not None:
+                os.close(sub)
         self.num_writes += 1
         self._stored(block_hash)
         with self._lock:
@@ -220,6 +308,12 @@ class DiskTier(BlockStore):
                         continue
         return out
 
+    def close(self) -> None:
+        """Let go of the namespace directory's descriptor."""
+        if getattr(self, "_dir_fd", None) is not None:
+            os.close(self._dir_fd)
+            self._dir_fd = None
+
     def disable(self, reason: str) -> None:
         if self.disabled is None:
             self.disabled = reason
@@ -233,6 +327,11 @@ class DiskTier(BlockStore):
     @property
     def capacity_bytes(self) -> int:
         return self.max_bytes
+
+
+def _create_file(name: str, dir_fd: int) -> int:
+    """A new 0600 file `name` in the directory `dir_fd`, never through a link."""
+    return os.open(name, _CREATE_FLAGS, 0o600, dir_fd=dir_fd)
 
 
 def _unlink(path: str) -> bool:

@@ -1,0 +1,126 @@
+"""The disk KV tier's directory as a trust boundary (cache/tiers/disk.py): what someone who can put
+files or links there can and cannot make the tier do. A FIFO or a link in place of a block is a
+miss (never a hang, never a read of another file); a namespace directory swapped for a link
+redirects no write; the size bound counts only what the tier wrote; a directory others can write
+is made private, and one another user owns is refused. A disk read that does not finish in time is
+a miss (kv_cache_manager.TIER_LOAD_TIMEOUT_S)."""
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import threading
+import time
+
+import pytest
+import torch
+
+from kvserve.cache import kv_cache_manager
+from kvserve.cache.tiers import DiskTier
+
+BLOCK_BYTES = 4096
+NAMESPACE = bytes(range(32))
+
+
+def tier(root, capacity=1 << 30) -> DiskTier:
+    return DiskTier(root, NAMESPACE, capacity, BLOCK_BYTES)
+
+
+def block(seed: int) -> torch.Tensor:
+    return torch.randint(0, 256, (BLOCK_BYTES,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+def get_within(disk: DiskTier, block_hash: bytes, seconds: float = 5.0):
+    """disk.get(block_hash), failing the test if it does not return within `seconds`."""
+    result = {}
+    reader = threading.Thread(target=lambda: result.setdefault("data", disk.get(block_hash)), daemon=True)
+    reader.start()
+    reader.join(seconds)
+    assert not reader.is_alive(), "the read hung"
+    return result["data"]
+
+
+def test_a_fifo_in_place_of_a_block_is_a_miss_not_a_hang(tmp_path, caplog):
+    disk = tier(tmp_path)
+    key = bytes(32)
+    disk.put(key, block(0))
+    path = disk.path(key)
+    path.unlink()
+    os.mkfifo(path)
+    with caplog.at_level(logging.WARNING, logger="kvserve"):
+        assert get_within(disk, key) is None
+    assert "is not a regular file" in caplog.text
+    assert not path.exists()  # removed
+
+
+def test_a_block_file_that_is_a_link_is_not_followed(tmp_path, caplog):
+    disk = tier(tmp_path / "kv")
+    key = bytes([1] * 32)
+    disk.put(key, block(1))
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"x" * 10_000_000)
+    path = disk.path(key)
+    path.unlink()
+    path.symlink_to(secret)
+    with caplog.at_level(logging.WARNING, logger="kvserve"):
+        assert get_within(disk, key) is None
+    assert "symbolic link" in caplog.text
+    assert not os.path.lexists(path) and secret.stat().st_size == 10_000_000  # the link went, not its target
+    path.symlink_to(secret)
+    assert tier(tmp_path / "kv").used_bytes < 10_000_000  # a link's target is not counted as the tier's
+
+
+def test_a_namespace_directory_swapped_for_a_link_redirects_no_write(tmp_path):
+    disk = tier(tmp_path / "kv")
+    disk.put(bytes(32), block(2))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    disk.dir.rename(tmp_path / "kv" / "moved")
+    disk.dir.symlink_to(elsewhere)
+    for i in range(5):
+        disk.put(bytes([i + 3] * 32), block(i))
+    assert not any(elsewhere.rglob("*"))  # nothing written through the link
+    with pytest.raises(ValueError, match="symbolic link"):
+        tier(tmp_path / "kv")  # a new process refuses it
+
+
+def test_a_directory_other_users_can_write_is_made_private(tmp_path, caplog):
+    root = tmp_path / "kv"
+    root.mkdir()
+    root.chmod(0o777)
+    with caplog.at_level(logging.WARNING, logger="kvserve"):
+        tier(root)
+    assert stat.S_IMODE(root.stat().st_mode) == 0o700
+    assert "was writable by other users (mode 777); made 0700" in caplog.text
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0,
+                    reason="giving the directory to another user needs root")
+def test_a_directory_another_user_owns_is_refused(tmp_path):
+    root = tmp_path / "kv"
+    root.mkdir(mode=0o700)
+    os.chown(root, 65534, 65534)
+    with pytest.raises(ValueError, match="belongs to uid 65534, not to this user"):
+        tier(root)
+
+
+def test_a_disk_read_that_does_not_finish_in_time_is_a_miss(tiny_llama, tmp_path, monkeypatch):
+    """The loader thread stuck in a read: the request goes on without those blocks, with the same
+    output, instead of waiting for ever."""
+    from kvserve import LLM, SamplingParams
+
+    monkeypatch.setattr(kv_cache_manager, "TIER_LOAD_TIMEOUT_S", 1.0)
+    prompt = list(range(10, 150))
+    params = SamplingParams(temperature=0, max_tokens=4)
+    options = dict(dtype="float32", kv_offloading_disk_path=str(tmp_path / "kv"))
+    with LLM(str(tiny_llama), **options) as llm:
+        expected = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids
+    release = threading.Event()
+    with LLM(str(tiny_llama), **options) as llm:
+        original = llm.engine.tiers.disk.get
+        monkeypatch.setattr(llm.engine.tiers.disk, "get", lambda *a, **k: release.wait(30) and original(*a, **k))
+        start = time.monotonic()
+        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+        assert time.monotonic() - start < 20
+        assert out.outputs[0].token_ids == expected and out.num_cached_tokens == 0
+        release.set()
