@@ -126,6 +126,7 @@ def test_max_tokens_cut_reports_length(tiny):
     ({"structured_outputs": {}}, "You must use one kind"),
     ({"structured_outputs": {"regex": "[a-"}}, "Grammar error"),
     ({"guided_regex": "(unclosed"}, "Grammar error"),
+    ({"guided_regex": "(a{1000}){1000}"}, "unroll to more than 100000 characters"),  # a 200 of nothing before
     ({"structured_outputs": {"grammar": "start: missing_rule"}}, "unknown name"),
     ({"guided_json": "{not json"}, "Invalid grammar specification"),
     ({"guided_json": {"type": "strange"}}, "strange"),

@@ -41,6 +41,49 @@ def grammar_key(spec: StructuredOutputsParams) -> tuple[str, str, bool]:
     return kind, text, bool(spec.disable_any_whitespace)
 
 
+# The characters a regex's counted repetitions may unroll to: llguidance's lexer builds its states
+# lazily, so "(a{1000}){1000}" compiles, then fails at the first tokens ("too many expressions").
+MAX_REGEX_EXPANSION = 100_000
+
+
+def _expansion(parsed) -> int:
+    """The most characters a parsed regex (re._parser) unrolls its counted repetitions to; an
+    unbounded repeat counts its minimum (a lexer loops over it instead of unrolling)."""
+    from re import _constants as c
+
+    total = 0
+    for op, arg in parsed:
+        if op in (c.MAX_REPEAT, c.MIN_REPEAT, getattr(c, "POSSESSIVE_REPEAT", None)):
+            low, high, sub = arg
+            total += (max(low, 1) if high == c.MAXREPEAT else high) * _expansion(sub)
+        elif op == c.SUBPATTERN:
+            total += _expansion(arg[-1])
+        elif op == c.BRANCH:
+            total += max((_expansion(branch) for branch in arg[1]), default=0)
+        elif op == getattr(c, "ATOMIC_GROUP", None):
+            total += _expansion(arg)
+        else:
+            total += 1
+        if total > MAX_REGEX_EXPANSION:
+            return total
+    return total
+
+
+def check_regex_budget(pattern: str) -> None:
+    """ValueError naming the limit for a regex whose counted repetitions unroll past
+    MAX_REGEX_EXPANSION characters. A pattern Python's parser does not read is left to llguidance."""
+    import re._parser
+
+    try:
+        parsed = re._parser.parse(pattern)
+    except (re.error, RecursionError, OverflowError, ValueError):
+        return
+    size = _expansion(parsed)
+    if size > MAX_REGEX_EXPANSION:
+        raise ValueError(f"the regex's counted repetitions unroll to more than {MAX_REGEX_EXPANSION} characters "
+                         f"(the grammar engine's budget); write the repetition with * or +, or a smaller count")
+
+
 def serialize_grammar(kind: str, text: str, disable_any_whitespace: bool) -> str:
     """llguidance's grammar text for a constraint. JSON without free whitespace when asked
     (`whitespace_flexible` off, SEPARATORS fixed), else with any whitespace between tokens. Raises
@@ -57,6 +100,7 @@ def serialize_grammar(kind: str, text: str, disable_any_whitespace: bool) -> str
         if kind == "json_object":
             return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=options)
         if kind == "regex":
+            check_regex_budget(text)
             return llguidance.grammar_from("regex", text)
         if kind == "choice":
             return llguidance.grammar_from("choice", json.loads(text))
@@ -79,7 +123,8 @@ class GrammarMatcher:
         """Advance past a sampled token; returns why it was refused (None when accepted)."""
         if self.matcher.consume_token(token_id):
             return None
-        return self.matcher.get_error() or f"token {token_id} is not allowed by the grammar"
+        error = self.matcher.get_error() or f"token {token_id} is not allowed by the grammar"
+        return error.strip().splitlines()[-1][:300]  # llguidance's error ends a multi-line parser dump
 
     @property
     def finished(self) -> bool:
