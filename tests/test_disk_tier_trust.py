@@ -40,31 +40,30 @@ def get_within(disk: DiskTier, block_hash: bytes, seconds: float = 5.0):
     return result["data"]
 
 
-def test_a_fifo_in_place_of_a_block_is_a_miss_not_a_hang(tmp_path, caplog):
-    disk = tier(tmp_path)
-    key = bytes(32)
-    disk.put(key, block(0))
+def read_planted(disk: DiskTier, key: bytes, plant, caplog) -> str:
+    """Write a block, put `plant(path)` in its file's place, read it: a miss at once. The warnings."""
+    disk.put(key, block(key[0]))
     path = disk.path(key)
     path.unlink()
-    os.mkfifo(path)
+    plant(path)
     with caplog.at_level(logging.WARNING, logger="kvserve"):
         assert get_within(disk, key) is None
-    assert "is not a regular file" in caplog.text
-    assert not path.exists()  # removed
+    return caplog.text
+
+
+def test_a_fifo_in_place_of_a_block_is_a_miss_not_a_hang(tmp_path, caplog):
+    disk = tier(tmp_path)
+    assert "is not a regular file" in read_planted(disk, bytes(32), os.mkfifo, caplog)
+    assert not disk.path(bytes(32)).exists()  # removed
 
 
 def test_a_block_file_that_is_a_link_is_not_followed(tmp_path, caplog):
     disk = tier(tmp_path / "kv")
     key = bytes([1] * 32)
-    disk.put(key, block(1))
     secret = tmp_path / "secret"
     secret.write_bytes(b"x" * 10_000_000)
+    assert "symbolic link" in read_planted(disk, key, lambda path: path.symlink_to(secret), caplog)
     path = disk.path(key)
-    path.unlink()
-    path.symlink_to(secret)
-    with caplog.at_level(logging.WARNING, logger="kvserve"):
-        assert get_within(disk, key) is None
-    assert "symbolic link" in caplog.text
     assert not os.path.lexists(path) and secret.stat().st_size == 10_000_000  # the link went, not its target
     path.symlink_to(secret)
     assert tier(tmp_path / "kv").used_bytes < 10_000_000  # a link's target is not counted as the tier's
