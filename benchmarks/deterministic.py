@@ -1,11 +1,12 @@
 """What --deterministic costs and what it buys, on the default model.
 
     python benchmarks/deterministic.py throughput [--rounds 3] [engine flags...]
+    python benchmarks/deterministic.py latency [--rounds 3] [engine flags...]
     python benchmarks/deterministic.py outputs [--max-tokens 32] [engine flags...]
 
 `throughput` alternates `kvserve bench throughput` with and without --deterministic on two
 workloads (32 x 128/128, and the default one), `--rounds` times, and prints output tok/s per round,
-the medians and their ratio. `outputs` runs 32 prompts (four groups of eight sharing a 256-token
+the medians and their ratio; `latency` does the same with `kvserve bench latency` at batch 1 and 8. `outputs` runs 32 prompts (four groups of eight sharing a 256-token
 prefix of the bundled book; even ones greedy, odd ones sampled with their own seed) alone with prefix
 caching off as the reference, then under each condition the issue names: a batch of 64 mixed
 requests, prefix-cache hits, 64-token chunked prefill, forced preemptions, blocks restored from the
@@ -53,6 +54,32 @@ def throughput(rounds: int, engine_flags: list[str]) -> None:
     for name in WORKLOADS:
         ratio = statistics.median(results[(name, True)]) / statistics.median(results[(name, False)])
         print(f"{name}: --deterministic / default, ratio of medians = {ratio:.3f}")
+
+
+def latency(rounds: int, engine_flags: list[str]) -> None:
+    """`kvserve bench latency` (128 prompt tokens -> 128 output tokens) at batch 1 and 8, alternating
+    the modes: a lone stream is where a mode that multiplies more bytes per token would show it."""
+    results: dict[tuple[int, bool], list[float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(rounds):
+            for batch in (1, 8):
+                for deterministic in (False, True):
+                    out = Path(tmp) / "result.json"
+                    command = [sys.executable, "-m", "kvserve.cli", "bench", "latency", "--batch-size", str(batch),
+                               "--input-len", "128", "--output-len", "128", "--num-iters", "3", *engine_flags,
+                               "--output-json", str(out)] + (["--deterministic"] if deterministic else [])
+                    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                    value = json.loads(out.read_text())["kvserve"]["avg_latency"]
+                    results.setdefault((batch, deterministic), []).append(value)
+                    print(f"round {r + 1} batch {batch} deterministic={deterministic}: {value:.3f} s", file=sys.stderr)
+    print("| seconds per batch (128 -> 128) | " + " | ".join(f"round {r + 1}" for r in range(rounds)) + " | median |")
+    print("|---|" + "---|" * (rounds + 1))
+    for (batch, deterministic), values in results.items():
+        label = f"batch {batch}, {'--deterministic' if deterministic else 'default'}"
+        print(f"| {label} | " + " | ".join(f"{v:.3f}" for v in values) + f" | {statistics.median(values):.3f} |")
+    for batch in (1, 8):
+        ratio = statistics.median(results[(batch, True)]) / statistics.median(results[(batch, False)])
+        print(f"batch {batch}: --deterministic / default latency, ratio of medians = {ratio:.3f}")
 
 
 # ------------------------------------------------------------------------------------------ outputs
@@ -165,11 +192,15 @@ def main() -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     t = sub.add_parser("throughput")
     t.add_argument("--rounds", type=int, default=3)
+    lat = sub.add_parser("latency")
+    lat.add_argument("--rounds", type=int, default=3)
     o = sub.add_parser("outputs")
     o.add_argument("--max-tokens", type=int, default=32)
     args, engine_flags = parser.parse_known_args()
     if args.command == "throughput":
         throughput(args.rounds, engine_flags)
+    elif args.command == "latency":
+        latency(args.rounds, engine_flags)
     else:
         outputs(args.max_tokens, engine_flags)
 

@@ -1,8 +1,9 @@
 """--deterministic: a request's tokens and their logprobs, bit for bit, whatever else the engine is
 doing. Each weight format and KV dtype runs 32 prompts (half greedy, half sampled with a seed)
 alone, then among 64 mixed requests with prefix caching, 64-token chunked prefill and a pool small
-enough to force preemptions, then again with prefix hits on one thread; a restarted engine serves
-them from the disk tier; a server answers two same-seed requests among concurrent traffic.
+enough to force preemptions, then again with prefix hits on one thread; blocks come back from the
+host tier, and from the disk tier to a restarted engine; a server answers two same-seed requests
+among concurrent traffic.
 Comparing logprobs (not only tokens) makes a one-bit difference anywhere upstream fail the test:
 without the option these very runs differ (BENCHMARKS.md counts how often).
 """
@@ -129,6 +130,16 @@ def test_a_restarted_engine_restoring_blocks_from_disk_gives_the_same_tokens(tin
         assert llm.engine.kv_manager.stats.tier_hits["disk"] > 0
         assert any(o.num_cached_tokens > 0 for o in outputs)
     assert second == first
+
+
+def test_blocks_restored_from_the_host_tier_give_the_same_tokens(tiny_llama):
+    """A pool of 24 blocks cannot keep 32 prompts' prefixes: the second pass finds many in host memory."""
+    with LLM(str(tiny_llama), deterministic=True, quantization="int4", kv_cache_dtype="int8", max_model_len=128,
+             kv_cache_memory=_pool_bytes("int4", "int8", blocks=24), kv_offloading_size=0.05) as llm:
+        first = _alone(llm)
+        again = _alone(llm)
+        assert llm.engine.kv_manager.stats.tier_hits["host"] > 0
+    assert again == first
 
 
 def test_without_the_option_a_replayed_batch_or_a_request_alone_is_reproducible(tiny_llama):
