@@ -46,11 +46,21 @@ def grammar_key(spec: StructuredOutputsParams) -> tuple[str, str, bool]:
 MAX_REGEX_EXPANSION = 100_000
 
 
-def _expansion(parsed) -> int:
-    """The most characters a parsed regex (re._parser) unrolls its counted repetitions to; an
-    unbounded repeat counts its minimum (a lexer loops over it instead of unrolling)."""
-    from re import _constants as c
+def _regex_parser() -> tuple[Any, Any]:
+    """Python's regex parser and its constants (re._parser from 3.11, sre_parse before)."""
+    try:
+        from re import _constants, _parser
+        return _parser, _constants
+    except ImportError:  # Python 3.10
+        import sre_constants
+        import sre_parse
+        return sre_parse, sre_constants
 
+
+def _expansion(parsed) -> int:
+    """The most characters a parsed regex unrolls its counted repetitions to; an unbounded repeat
+    counts its minimum (a lexer loops over it instead of unrolling)."""
+    c = _regex_parser()[1]
     total = 0
     for op, arg in parsed:
         if op in (c.MAX_REPEAT, c.MIN_REPEAT, getattr(c, "POSSESSIVE_REPEAT", None)):
@@ -72,10 +82,10 @@ def _expansion(parsed) -> int:
 def check_regex_budget(pattern: str) -> None:
     """ValueError naming the limit for a regex whose counted repetitions unroll past
     MAX_REGEX_EXPANSION characters. A pattern Python's parser does not read is left to llguidance."""
-    import re._parser
+    import re
 
     try:
-        parsed = re._parser.parse(pattern)
+        parsed = _regex_parser()[0].parse(pattern)
     except (re.error, RecursionError, OverflowError, ValueError):
         return
     size = _expansion(parsed)
