@@ -32,6 +32,7 @@ import hashlib
 import sys
 import time
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout  # the builtin from Python 3.11 on
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -254,7 +255,7 @@ class KVCacheManager:
             return False
         try:
             load.future.result(timeout=max(0.0, load.deadline - time.monotonic()))
-        except TimeoutError:
+        except FutureTimeout:
             pass  # fetch_tier_prefix then treats it as a miss
         return True
 
