@@ -3,6 +3,7 @@ read its /router/state."""
 from __future__ import annotations
 
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -26,13 +27,16 @@ class RouterProcess:
         return f"http://127.0.0.1:{self.port}"
 
     @classmethod
-    def start(cls, backends: list[str], log_dir: Path, *args: str) -> "RouterProcess":
+    def start(cls, backends: list[str], log_dir: Path, *args: str, max_fds: int | None = None) -> "RouterProcess":
+        """`max_fds`: the process's file-descriptor limit (soft and hard)."""
         port = free_port()
         log_path = log_dir / "router.log"
         command = [sys.executable, "-m", "kvserve.cli", "router", *[x for b in backends for x in ("--backend", b)],
                    *args, "--host", "127.0.0.1", "--port", str(port)]
         with open(log_path, "wb") as log:
-            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ),
+                                       preexec_fn=None if max_fds is None else lambda: resource.setrlimit(
+                                           resource.RLIMIT_NOFILE, (max_fds, max_fds)))
         api_key = args[args.index("--api-key") + 1] if "--api-key" in args else None
         return cls(process, port, log_path, api_key)
 

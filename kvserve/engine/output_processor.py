@@ -75,8 +75,17 @@ _RESERVED_TEMPLATE_KWARGS = ("conversation", "messages", "tools", "documents", "
 def apply_chat_template(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True,
                         tools: list[dict] | None = None, continue_final_message: bool = False,
                         template_kwargs: dict[str, Any] | None = None) -> list[int]:
-    """Render a conversation with the tokenizer's chat template, then tokenize it (the template
-    already holds the special tokens, so none are added). Tool definitions, assistant `tool_calls`
+    """Render a conversation with the tokenizer's chat template (render_chat_template), then
+    tokenize it (the template already holds the special tokens, so none are added)."""
+    text = render_chat_template(tokenizer, messages, add_generation_prompt, tools, continue_final_message,
+                                template_kwargs)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def render_chat_template(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True,
+                         tools: list[dict] | None = None, continue_final_message: bool = False,
+                         template_kwargs: dict[str, Any] | None = None) -> str:
+    """A conversation as the text the tokenizer's chat template makes of it. Tool definitions, assistant `tool_calls`
     and `tool` results go to the template where it renders them, else into the turns as hermes
     text (tool_prompts.py). `continue_final_message` leaves the last message open (no end-of-turn
     after it) for the model to continue; `template_kwargs` are extra variables for the template
@@ -91,10 +100,9 @@ def apply_chat_template(tokenizer: Any, messages: list[dict], add_generation_pro
         raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}: use the request's own fields")
     messages, tools = render_messages(messages, tools, tokenizer.chat_template)
     guard_chat_template(tokenizer, tools)
-    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
                                          add_generation_prompt=add_generation_prompt,
                                          continue_final_message=continue_final_message, **template_kwargs)
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 class OutputProcessor:

@@ -128,7 +128,7 @@ def _stop(processes: list[subprocess.Popen], grace_s: float) -> None:
 
 
 def run_data_parallel(args: argparse.Namespace, serve_argv: list[str], sock, uvicorn_config_kwargs: dict,
-                      max_body: int) -> int:
+                      body_limits: tuple[int, int], max_connections: int) -> int:
     """Start the replicas, then the front end on `sock` (already bound); returns the exit status."""
     import uvicorn
 
@@ -157,7 +157,8 @@ def run_data_parallel(args: argparse.Namespace, serve_argv: list[str], sock, uvi
         _wait_ready(processes, urls, key)
         logger.info("%d replicas ready on %s", count, ", ".join(urls))
         config = RouterConfig(urls, policy, api_key=args.api_key, backend_api_key=key, tokenizer=model_path,
-                              max_request_body_bytes=max_body, startup_wait_s=30.0)
+                              max_request_body_bytes=body_limits[0], max_body_bytes_in_flight=body_limits[1],
+                              max_backend_connections=max_connections, startup_wait_s=30.0)
         app = build_router_app(config, tokenizer)
         # kvserve's server (lifecycle.py): the shutdown grace period, and a return instead of
         # uvicorn's re-raised signal, so the replicas are stopped below.

@@ -7,7 +7,7 @@ import os
 
 from kvserve.cli import UserError
 from kvserve.router import DEFAULT_LOAD_COST_TOKENS, POLICIES
-from kvserve.units import parse_size
+from kvserve.entrypoints.connection_options import add_connection_options, body_limits, connection_limits
 
 API_KEY_ENV = "KVSERVE_API_KEY"
 
@@ -32,7 +32,10 @@ def register(subparsers) -> None:
                              f"sent) and send it on the router's own calls to them (default: ${API_KEY_ENV})")
     parser.add_argument("--host", default="127.0.0.1", help="default: %(default)s")
     parser.add_argument("--port", type=int, default=8000, help="default: %(default)s")
-    parser.add_argument("--max-request-body-bytes", default="32MiB", help="default: %(default)s")
+    parser.add_argument("--request-timeout", type=float, default=1800.0, metavar="SECONDS",
+                        help="a request whose backend has not finished answering this long after it came is "
+                             "ended: a 504, or an error event in a stream (default: %(default)s)")
+    add_connection_options(parser.add_argument_group("connection options (as `kvserve serve`)"))
     parser.set_defaults(func=run_router)
 
 
@@ -54,6 +57,7 @@ def run_router(args: argparse.Namespace) -> int:
 
     from kvserve.entrypoints.serve import _bind
     from kvserve.router.app import RouterConfig, build_router_app
+    from kvserve.server.connections import guarded_protocol
 
     backends = [check_backend_url(url) for url in args.backend]
     if len(set(backends)) != len(backends):
@@ -64,10 +68,16 @@ def run_router(args: argparse.Namespace) -> int:
         raise UserError(f"--max-index-entries must be at least 1, got {args.max_index_entries}")
     if not args.load_cost_tokens >= 0:
         raise UserError(f"--load-cost-tokens must be >= 0, got {args.load_cost_tokens}")
+    if not 0 < args.request_timeout < float("inf"):
+        raise UserError(f"--request-timeout must be a positive number of seconds, got {args.request_timeout}")
+    max_body, in_flight = body_limits(args)
+    limits = connection_limits(args, fds_per_connection=2)  # a client connection and its backend connection
     config = RouterConfig(backends, args.routing_policy, api_key=args.api_key, tokenizer=args.tokenizer,
                           max_index_entries=args.max_index_entries, load_cost_tokens=args.load_cost_tokens,
-                          max_request_body_bytes=parse_size(args.max_request_body_bytes))
+                          max_request_body_bytes=max_body, max_body_bytes_in_flight=in_flight,
+                          request_timeout_s=args.request_timeout, max_backend_connections=limits.max_connections)
     sock = _bind(args.host, args.port)
     app = build_router_app(config)
-    uvicorn.Server(uvicorn.Config(app, log_level=args.log_level.lower(), timeout_keep_alive=5)).run(sockets=[sock])
+    uvicorn.Server(uvicorn.Config(app, log_level=args.log_level.lower(), timeout_keep_alive=5,
+                                  http=guarded_protocol(limits))).run(sockets=[sock])
     return 0

@@ -12,9 +12,9 @@ import socket
 import sys
 from pathlib import Path
 
-from kvserve.units import parse_size
 from kvserve.cli import UserError
 from kvserve.engine.args import EngineArgs
+from kvserve.entrypoints.connection_options import add_connection_options, body_limits, connection_limits
 
 API_KEY_ENV = "KVSERVE_API_KEY"
 
@@ -32,23 +32,10 @@ def register(subparsers) -> None:
     group.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
                        help=f"require `Authorization: Bearer KEY` on every path but /health, /metrics and "
                             f"/version (default: ${API_KEY_ENV})")
-    group.add_argument("--max-request-body-bytes", default="32MiB",
-                       help="larger request bodies get a 413 (bytes or with a unit; default: %(default)s)")
-    group.add_argument("--max-body-bytes-in-flight", default=None,
-                       help="request bodies the requests in flight may hold together; past it a new one gets a 503 "
-                            "(bytes or with a unit; default: 4x --max-request-body-bytes)")
     group.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                        help="on SIGTERM or Ctrl-C, how long requests in flight may take to finish before "
                             "they are failed; a second signal exits at once (default: %(default)s)")
-    group.add_argument("--timeout-header", type=float, default=10.0, metavar="SECONDS",
-                       help="close a connection whose request head is not complete this long after it opened or "
-                            "after its previous response (default: %(default)s)")
-    group.add_argument("--timeout-body", type=float, default=30.0, metavar="SECONDS",
-                       help="close a connection whose request body pauses longer than this (default: %(default)s)")
-    group.add_argument("--max-connections", type=int, default=None, metavar="N",
-                       help="open connections at most; at the limit a new one closes the oldest connection that "
-                            "sent no request, so /health stays reachable (default: the file-descriptor limit "
-                            "minus a reserve)")
+    add_connection_options(group)
     group.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
                        help="run N engine replicas, each in its own process with its own KV pool, behind this "
                             "one endpoint (default: %(default)s)")
@@ -103,25 +90,13 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _max_connections(given: int | None) -> int:
-    from kvserve.server.connections import RESERVED_FDS, default_max_connections, raise_fd_limit
-
-    if given is None:
-        return default_max_connections()
-    available = raise_fd_limit() - RESERVED_FDS
-    if not 1 <= given <= available:
-        raise UserError(f"--max-connections must be in 1..{available} (the file-descriptor limit minus "
-                        f"{RESERVED_FDS} kept back), got {given}")
-    return given
-
-
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvserve.engine.llm_engine import LLMEngine
     from kvserve.engine.preflight import preflight
     from kvserve.server.api import ServerConfig, build_app
-    from kvserve.server.connections import ConnectionLimits, guarded_protocol
+    from kvserve.server.connections import guarded_protocol
     from kvserve.server.engine_loop import ShuttingDownError
     from kvserve.server.faults import fault_injection_enabled
     from kvserve.server.lifecycle import EXIT_ENGINE_DEAD, ServingServer
@@ -139,17 +114,12 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.data_parallel_size > 1 and (args.nnodes > 1 or args.node_rank > 0 or args.master_port is not None):
         raise UserError("--data-parallel-size > 1 runs its replicas on this machine: it does not take --nnodes, "
                         "--node-rank or --master-port (each replica's tensor-parallel ranks meet on a free port)")
-    max_body = parse_size(args.max_request_body_bytes)
-    in_flight = parse_size(args.max_body_bytes_in_flight) if args.max_body_bytes_in_flight is not None else 4 * max_body
-    if in_flight < max_body:
-        raise UserError(f"--max-body-bytes-in-flight ({in_flight}) must be at least --max-request-body-bytes ({max_body})")
+    max_body, in_flight = body_limits(args)
     parser_name = tool_call_parser(args)
     if not args.shutdown_timeout >= 0:  # also refuses nan
         raise UserError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
-    for flag, value in (("--timeout-header", args.timeout_header), ("--timeout-body", args.timeout_body)):
-        if not 0 < value < float("inf"):  # also refuses nan
-            raise UserError(f"{flag} must be a positive number of seconds, got {value}")
-    limits = ConnectionLimits(args.timeout_header, args.timeout_body, _max_connections(args.max_connections))
+    # The data-parallel front end is a router: a client connection also holds a replica connection.
+    limits = connection_limits(args, fds_per_connection=2 if args.data_parallel_size > 1 else 1)
     engine_args = EngineArgs.from_cli_args(args)
     from kvserve.engine.parallel.group import torchrun_rank
 
@@ -166,7 +136,8 @@ def run_serve(args: argparse.Namespace) -> int:
         argv = getattr(args, "argv", None) or sys.argv[1:]
         serve_argv = argv[argv.index("serve") + 1:]
         return run_data_parallel(args, serve_argv, sock, {"log_level": args.log_level.lower(), "timeout_keep_alive": 5,
-                                                          "http": guarded_protocol(limits)}, max_body)
+                                                          "http": guarded_protocol(limits)},
+                                 (max_body, in_flight), limits.max_connections)
     engine = LLMEngine(engine_args)
     names = args.served_model_name or [args.model or Path(engine.model_path).name.removesuffix(".gguf")]
     app = build_app(engine, ServerConfig(names, args.api_key, max_body, max_body_bytes_in_flight=in_flight,

@@ -8,9 +8,13 @@
         /metrics (the router's own and every backend's, labelled `replica`), /router/state
 
 A backend that refuses the connection is taken out and the request tried on the next one (it
-never reached an engine). A backend that fails or is taken out while answering ends the request
-at once: a 502 with OpenAI's error body, or in a stream an error event and `[DONE]`. With no
-backend up the answer is a 503.
+never reached an engine). A backend that fails or is taken out while answering (its event stream
+or health checks went silent: a frozen process) ends the request at once, before or after its
+answer began: a 502 with OpenAI's error body, or in a stream an error event and `[DONE]`. A
+request not answered within --request-timeout is a 504. With no backend up the answer is a 503.
+JSON too deeply nested to parse is the router's own 400; other bodies the router cannot read go to
+a backend for its 400. Bodies over ROUTING_PARSE_MAX_BYTES are not parsed here (routed by load):
+parsing holds the event loop.
 """
 from __future__ import annotations
 
@@ -38,17 +42,27 @@ from kvserve.router.policy import Router
 from kvserve.router.prompt_hashes import PromptTokens
 from kvserve.server.auth import APIKeyMiddleware
 from kvserve.server.body_limit import BodySizeLimitMiddleware
+from kvserve.server.connections import install_loop_error_throttle
 from kvserve.server.errors import error_body, install_error_handlers
 from kvserve.server.streaming import DONE, EventStreamResponse, sse_error
 
 logger = logging.getLogger("kvserve.router")
 
 NO_BACKEND = "No backend is available to serve the request (every replica is down or unreachable)."
+TOO_DEEP = "The request body is not valid JSON: it is nested too deeply."
 _PASSED_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
+ROUTING_PARSE_MAX_BYTES = 4 * 1024 * 1024
+# How long a request waits for the router's tokenizer before it is routed by load instead (the
+# tokenizer thread is busy with other prompts).
+TOKENIZE_WAIT_S = 0.5
 
 
 class BackendGone(Exception):
-    """The backend failed or was taken out while answering."""
+    """The backend failed, was taken out, or passed the deadline while answering."""
+
+    def __init__(self, message: str, status: int = 502):
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass
@@ -61,6 +75,9 @@ class RouterConfig:
     max_index_entries: int = 1_000_000
     load_cost_tokens: float = DEFAULT_LOAD_COST_TOKENS
     max_request_body_bytes: int = 32 * 1024 * 1024
+    max_body_bytes_in_flight: int | None = None  # None: 4 x max_request_body_bytes
+    request_timeout_s: float = 1800.0  # a request's whole answer, sent or not, within this
+    max_backend_connections: int | None = None  # None: no limit
     names: list[str] = field(default_factory=list)  # labels per backend (default "0", "1", ...)
     startup_wait_s: float = 0.0  # serve only once every backend is up, or this long has passed
 
@@ -95,8 +112,10 @@ class RouterService:
 
     # ------------------------------------------------------------------ lifetime
     async def start(self) -> None:
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(CONNECT_TIMEOUT_S, read=None),
-                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        install_loop_error_throttle(asyncio.get_running_loop())
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(CONNECT_TIMEOUT_S, read=None, pool=None),
+                                        limits=httpx.Limits(max_connections=self.config.max_backend_connections,
+                                                            max_keepalive_connections=64))
         for backend in self.backends:
             watcher = self.watchers[backend.name] = BackendWatcher(backend, self.client, self.index, self.hints,
                                                                    self.own_headers)
@@ -148,17 +167,20 @@ class RouterService:
 
     # ------------------------------------------------------------------ proxying
     async def proxy(self, request: Request, route: str) -> Response:
+        deadline = asyncio.get_running_loop().time() + self.config.request_timeout_s
         raw = await request.body()
-        try:
-            body: Any = json.loads(raw)
-        except ValueError:
-            body = None
+        body: Any = None
+        if len(raw) <= ROUTING_PARSE_MAX_BYTES:
+            try:
+                body = json.loads(raw)
+            except RecursionError:
+                return JSONResponse(error_body(400, TOO_DEEP), status_code=400)
+            except ValueError:
+                pass
         token_ids = None
         if self.prompts is not None and self.config.policy == "kv_aware" and route != "other" and isinstance(body, dict):
-            token_ids = await asyncio.get_running_loop().run_in_executor(
-                self._tokenizer_pool, self.prompts.token_ids, route, body)
+            token_ids = await self._prompt_tokens(route, body)
         salt = body.get("cache_salt") if isinstance(body, dict) and isinstance(body.get("cache_salt"), str) else None
-        stream = isinstance(body, dict) and body.get("stream") is True
         headers = {k: v for k, v in request.headers.items() if k.lower() in _PASSED_HEADERS}
         if self.config.backend_api_key:
             headers["authorization"] = f"Bearer {self.config.backend_api_key}"
@@ -170,14 +192,16 @@ class RouterService:
             backend = choice.backend
             ticket = backend.open()
             try:
-                upstream = await self.client.send(
-                    self.client.build_request("POST", f"{backend.url}{request.url.path}", content=raw,
-                                              headers=headers), stream=True)
+                upstream = await self._send(backend, self.client.build_request(
+                    "POST", f"{backend.url}{request.url.path}", content=raw, headers=headers), deadline)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                 ticket.close()
                 tried.add(backend.name)
                 self.watchers[backend.name].mark_down(f"connection failed: {type(exc).__name__}")
                 continue
+            except BackendGone as exc:
+                ticket.close()
+                return JSONResponse(error_body(exc.status, str(exc)), status_code=exc.status)
             except BaseException:
                 ticket.close()
                 raise
@@ -189,24 +213,66 @@ class RouterService:
             self.m_prompt.inc(len(token_ids))
             self.m_cached.inc(choice.cached_tokens)
         media_type = upstream.headers.get("content-type", "application/json")
-        if stream and upstream.status_code == 200:
+        if upstream.status_code == 200 and media_type.startswith("text/event-stream"):
             def closed() -> None:  # however the response ends, even before its first chunk
                 ticket.close()
                 asyncio.ensure_future(upstream.aclose())
-            return EventStreamResponse(self._relay_stream(upstream, ticket), closed)
+            return EventStreamResponse(self._relay_stream(upstream, ticket, deadline), closed)
         try:
-            content = b"".join([chunk async for chunk in self._relay(upstream, ticket)])
+            content = b"".join([chunk async for chunk in self._relay(upstream, ticket, deadline)])
         except BackendGone as exc:
-            return JSONResponse(error_body(502, str(exc)), status_code=502)
+            return JSONResponse(error_body(exc.status, str(exc)), status_code=exc.status)
         finally:
             await upstream.aclose()
             ticket.close()
         return Response(content, status_code=upstream.status_code, media_type=media_type)
 
-    async def _relay(self, upstream: httpx.Response, ticket: Ticket) -> AsyncIterator[bytes]:
-        """The backend's body as it arrives; BackendGone if it fails or is taken out meanwhile."""
+    async def _prompt_tokens(self, route: str, body: dict) -> list[int] | None:
+        """The prompt's first tokens, or None (route by load) if the tokenizer is busy too long."""
+        job = asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, self.prompts.token_ids, route, body)
+        try:
+            return await asyncio.wait_for(asyncio.shield(job), TOKENIZE_WAIT_S)
+        except asyncio.TimeoutError:
+            return None
+
+    async def _send(self, backend: Backend, upstream_request: httpx.Request, deadline: float) -> httpx.Response:
+        """The backend's response head; BackendGone (502) if it fails or is taken out before
+        answering, or (504) past the deadline. Connection errors are raised as they are (retried)."""
+        loop = asyncio.get_running_loop()
+        send = asyncio.ensure_future(self.client.send(upstream_request, stream=True))
+        down = asyncio.ensure_future(backend.down.wait())
+        try:
+            await asyncio.wait({send, down}, timeout=max(0.0, deadline - loop.time()),
+                               return_when=asyncio.FIRST_COMPLETED)
+            if send.done():
+                try:
+                    return send.result()
+                except (httpx.ConnectError, httpx.ConnectTimeout):
+                    raise
+                except httpx.HTTPError as exc:
+                    self.m_failed.labels(backend.name).inc()
+                    raise BackendGone(f"The backend {backend.name} failed before answering "
+                                      f"({type(exc).__name__}).") from None
+            send.cancel()
+            if down.done():
+                self.m_failed.labels(backend.name).inc()
+                raise BackendGone(f"The backend {backend.name} was taken out of service before answering.")
+            raise BackendGone(self._timeout_message(backend), 504)
+        finally:
+            down.cancel()
+            if not send.done():  # our own task was cancelled (the client left)
+                send.cancel()
+
+    def _timeout_message(self, backend: Backend) -> str:
+        return (f"The backend {backend.name} did not answer within {self.config.request_timeout_s:g} s "
+                f"(--request-timeout).")
+
+    async def _relay(self, upstream: httpx.Response, ticket: Ticket, deadline: float) -> AsyncIterator[bytes]:
+        """The backend's body as it arrives; BackendGone if it fails or is taken out meanwhile, or
+        the deadline passes."""
         backend = ticket.backend
         gone = f"The backend {backend.name} was taken out of service while answering."
+        loop = asyncio.get_running_loop()
         down = asyncio.ensure_future(backend.down.wait())
         chunks = upstream.aiter_raw().__aiter__()
         step: asyncio.Future | None = None
@@ -215,9 +281,12 @@ class RouterService:
                 if down.done():
                     raise BackendGone(gone)
                 step = asyncio.ensure_future(chunks.__anext__())
-                await asyncio.wait({step, down}, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait({step, down}, timeout=max(0.0, deadline - loop.time()),
+                                   return_when=asyncio.FIRST_COMPLETED)
                 if not step.done():
-                    raise BackendGone(gone)
+                    if down.done():
+                        raise BackendGone(gone)
+                    raise BackendGone(self._timeout_message(backend), 504)
                 done, step = step, None
                 try:
                     chunk = done.result()
@@ -238,12 +307,12 @@ class RouterService:
                 else:
                     step.cancel()
 
-    async def _relay_stream(self, upstream: httpx.Response, ticket: Ticket) -> AsyncIterator[bytes]:
+    async def _relay_stream(self, upstream: httpx.Response, ticket: Ticket, deadline: float) -> AsyncIterator[bytes]:
         """An SSE body passed on whole message by message, so that an error event, if the backend
         fails, never lands inside one."""
         pending = b""
         try:
-            async for chunk in self._relay(upstream, ticket):
+            async for chunk in self._relay(upstream, ticket, deadline):
                 pending += chunk
                 end = pending.rfind(b"\n\n")
                 if end >= 0:
@@ -252,7 +321,7 @@ class RouterService:
             if pending:
                 yield pending
         except BackendGone as exc:
-            yield (sse_error(502, str(exc)) + DONE).encode()
+            yield (sse_error(exc.status, str(exc)) + DONE).encode()
         finally:
             await upstream.aclose()
 
@@ -353,7 +422,7 @@ def build_router_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
         return service.state(hashes)
 
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_request_body_bytes,
-                       max_bytes_in_flight=4 * config.max_request_body_bytes)
+                       max_bytes_in_flight=config.max_body_bytes_in_flight or 4 * config.max_request_body_bytes)
     if config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
     return app

@@ -6,16 +6,26 @@ the server's `conversation`) and hashed with the cache layer's `root_hash` and
 `prompt_block_hashes`, under the namespace and block size the replica publishes and the request's
 `cache_salt`. A body the router cannot read (invalid JSON or fields) yields no tokens: it is routed
 by load alone and the replica answers it with its own 400.
+
+Only the prompt's first ROUTING_PREFIX_CHARS characters are tokenized (its first
+ROUTING_PREFIX_TOKENS tokens when sent as ids): the longest cached run the router looks for
+starts at the prompt's beginning, and a whole 30 MB prompt would hold the router's tokenizer (and
+gigabytes of its memory) for every request behind it. The last few tokens before a cut are
+dropped, since tokenizing cut text can end differently from tokenizing it whole.
 """
 from __future__ import annotations
 
 from typing import Any
 
 from kvserve.cache.kv_cache_manager import prompt_block_hashes, root_hash
-from kvserve.engine.output_processor import apply_chat_template, tokenize
+from kvserve.engine.output_processor import render_chat_template, tokenize
 from kvserve.server.errors import APIError
 from kvserve.server.prompts import conversation
 from kvserve.server.protocol import ChatCompletionRequest
+
+ROUTING_PREFIX_CHARS = 256 * 1024
+ROUTING_PREFIX_TOKENS = 64 * 1024
+_CUT_TOKENS = 16  # dropped after a cut: the text's last pre-token may tokenize differently whole
 
 
 class PromptTokens:
@@ -31,18 +41,32 @@ class PromptTokens:
             if route == "chat":
                 request = ChatCompletionRequest.model_validate(body)
                 tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
-                return apply_chat_template(self.tokenizer, conversation(request.messages),
-                                           request.add_generation_prompt, tools)
+                text = render_chat_template(self.tokenizer, conversation(request.messages),
+                                            request.add_generation_prompt, tools)
+                return self._prefix_ids(text, add_special_tokens=False)
             prompt = body.get("prompt")
             if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
                 prompt = prompt[0]  # several prompts: route by the first
             if not prompt or not isinstance(prompt, (str, list)):
                 return None
-            return tokenize(self.tokenizer, prompt)[1]
+            if isinstance(prompt, str):
+                return self._prefix_ids(prompt, add_special_tokens=True)
+            return tokenize(self.tokenizer, prompt[:ROUTING_PREFIX_TOKENS])[1]
         except (APIError, ValueError, TypeError, KeyError):
             return None
         except Exception:  # a chat template's own error; the replica reports it
             return None
+
+
+    def _prefix_ids(self, text: str, add_special_tokens: bool) -> list[int]:
+        cut = len(text) > ROUTING_PREFIX_CHARS
+        if cut:
+            text = text[:ROUTING_PREFIX_CHARS]
+        if add_special_tokens:
+            ids = tokenize(self.tokenizer, text)[1]
+        else:
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return ids[:-_CUT_TOKENS] if cut else ids
 
 
 def block_hashes(token_ids: list[int], namespace: str, block_size: int, cache_salt: str | None) -> list[bytes]:

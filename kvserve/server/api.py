@@ -8,6 +8,7 @@
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from kvserve.server.body_limit import BodySizeLimitMiddleware
 from kvserve.server.chat import ChatServing
 from kvserve.server.dashboard import add_dashboard
 from kvserve.server.completions import CompletionServing
+from kvserve.server.connections import install_loop_error_throttle
 from kvserve.server.embeddings import EmbeddingRequest, EmbeddingResponse, EmbeddingServing
 from kvserve.server.engine_loop import AsyncEngine
 from kvserve.server.responses import ResponsesRequest, ResponsesServing
@@ -72,6 +74,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        install_loop_error_throttle(asyncio.get_running_loop())
         async_engine.start()
         try:
             yield

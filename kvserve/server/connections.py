@@ -18,6 +18,7 @@ Each kind of closing is logged once, on its first occurrence, not per connection
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 import resource
@@ -64,6 +65,36 @@ class _LogOnce:
         if kind not in self._said:
             self._said.add(kind)
             logger.warning("%s (logged once; later ones are not)", message)
+
+
+# accept() and socket errors a flood repeats: out of descriptors or kernel memory.
+_RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+LOOP_ERROR_LOG_INTERVAL_S = 10.0
+
+
+def install_loop_error_throttle(loop: asyncio.AbstractEventLoop,
+                                interval_s: float = LOOP_ERROR_LOG_INTERVAL_S) -> None:
+    """Log the event loop's out-of-resource errors (a descriptor flood makes asyncio report every
+    failed accept() with a traceback) as one line per interval with their count; others as before."""
+    previous = loop.get_exception_handler()
+    state = {"count": 0, "logged_at": float("-inf")}
+
+    def handler(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+        exc = context.get("exception")
+        if isinstance(exc, OSError) and exc.errno in _RESOURCE_ERRNOS:
+            state["count"] += 1
+            now = loop.time()
+            if now - state["logged_at"] >= interval_s:
+                logger.warning("%s: %s (%d times since the last such line; logged at most every %g s)",
+                               context.get("message", "event loop error"), exc.strerror, state["count"], interval_s)
+                state["count"], state["logged_at"] = 0, now
+            return
+        if previous is not None:
+            previous(loop, context)
+        else:
+            loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handler)
 
 
 _BUSY_RESPONSE = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"

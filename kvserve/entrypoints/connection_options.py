@@ -1,0 +1,52 @@
+"""The connection and body options `kvserve serve` and `kvserve router` share, and their checks.
+
+A router holds two descriptors per proxied request (the client's connection and its backend
+connection), so its default connection limit is half of what the descriptor limit leaves."""
+from __future__ import annotations
+
+import argparse
+
+from kvserve.cli import UserError
+from kvserve.server.connections import RESERVED_FDS, ConnectionLimits, raise_fd_limit
+from kvserve.units import parse_size
+
+
+def add_connection_options(group: argparse._ActionGroup) -> None:
+    group.add_argument("--max-request-body-bytes", default="32MiB",
+                       help="larger request bodies get a 413 (bytes or with a unit; default: %(default)s)")
+    group.add_argument("--max-body-bytes-in-flight", default=None,
+                       help="request bodies the requests in flight may hold together; past it a new one gets a 503 "
+                            "(bytes or with a unit; default: 4x --max-request-body-bytes)")
+    group.add_argument("--timeout-header", type=float, default=10.0, metavar="SECONDS",
+                       help="close a connection whose request head is not complete this long after it opened or "
+                            "after its previous response (default: %(default)s)")
+    group.add_argument("--timeout-body", type=float, default=30.0, metavar="SECONDS",
+                       help="close a connection whose request body pauses longer than this (default: %(default)s)")
+    group.add_argument("--max-connections", type=int, default=None, metavar="N",
+                       help="open connections at most; at the limit a new one closes the oldest connection that "
+                            "sent no request, so /health stays reachable (default: what the file-descriptor limit "
+                            "allows after a reserve)")
+
+
+def body_limits(args: argparse.Namespace) -> tuple[int, int]:
+    """(--max-request-body-bytes, --max-body-bytes-in-flight) in bytes."""
+    max_body = parse_size(args.max_request_body_bytes)
+    in_flight = parse_size(args.max_body_bytes_in_flight) if args.max_body_bytes_in_flight is not None else 4 * max_body
+    if in_flight < max_body:
+        raise UserError(f"--max-body-bytes-in-flight ({in_flight}) must be at least --max-request-body-bytes ({max_body})")
+    return max_body, in_flight
+
+
+def connection_limits(args: argparse.Namespace, fds_per_connection: int = 1) -> ConnectionLimits:
+    """The checked --timeout-header, --timeout-body and --max-connections. `fds_per_connection`:
+    descriptors one client connection may hold (2 in a router: its backend connection too)."""
+    for flag, value in (("--timeout-header", args.timeout_header), ("--timeout-body", args.timeout_body)):
+        if not 0 < value < float("inf"):  # also refuses nan
+            raise UserError(f"{flag} must be a positive number of seconds, got {value}")
+    available = max(16, (raise_fd_limit() - RESERVED_FDS) // fds_per_connection)
+    given = args.max_connections
+    if given is not None and not 1 <= given <= available:
+        per = f", halved: a client connection also holds a backend connection" if fds_per_connection > 1 else ""
+        raise UserError(f"--max-connections must be in 1..{available} (the file-descriptor limit minus "
+                        f"{RESERVED_FDS} kept back{per}), got {given}")
+    return ConnectionLimits(args.timeout_header, args.timeout_body, given or available)
