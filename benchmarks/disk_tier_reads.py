@@ -5,7 +5,9 @@ threads of one process: each time the loader comes back from a call that release
 read, the checksum, utime) it may wait for the engine thread to give the GIL up. This measures the
 time to read `--blocks` block files of the default model's KV layout (files in the OS page cache,
 as right after they were written) on the loader thread, alone and beside an engine decoding a
-batch of requests in the main thread; medians over `--rounds`.
+batch of requests in the main thread; medians over `--rounds`. Each round reads two tiers side by
+side: the default CRC-32 files and files authenticated with HMAC-SHA256 (--kv-offloading-disk-key),
+and times writing the blocks of each.
 
     python benchmarks/disk_tier_reads.py [--blocks 80] [--rounds 7] [--batch 8] [--json out.json]
 """
@@ -15,6 +17,7 @@ import argparse
 import hashlib
 import json
 import platform
+import secrets
 import statistics
 import sys
 import tempfile
@@ -29,11 +32,14 @@ from kvserve.engine.llm_engine import LLMEngine
 from kvserve.sampling_params import SamplingParams
 
 
-def write_blocks(tier: DiskTier, count: int) -> list[bytes]:
+def write_blocks(tier: DiskTier, count: int) -> tuple[list[bytes], float]:
+    """The blocks' hashes, and the seconds their writes took."""
     hashes = [hashlib.sha256(f"block {i}".encode()).digest() for i in range(count)]
-    for h in hashes:
-        tier.put(h, torch.randint(0, 256, (tier.block_nbytes,), dtype=torch.uint8))
-    return hashes
+    blocks = [torch.randint(0, 256, (tier.block_nbytes,), dtype=torch.uint8) for _ in hashes]
+    start = time.perf_counter()
+    for h, block in zip(hashes, blocks):
+        tier.put(h, block)
+    return hashes, time.perf_counter() - start
 
 
 def read_all(tier: DiskTier, hashes: list[bytes]) -> float:
@@ -77,28 +83,32 @@ def main() -> None:
 
     engine = LLMEngine(EngineArgs(kv_cache_memory="256MiB", max_model_len=2048))
     block_nbytes = engine.kv_cache.block_nbytes
+    modes = {"crc32": None, "hmac_sha256": secrets.token_bytes(32)}
+    times: dict[str, dict[str, list[float]]] = {m: {"alone": [], "busy": [], "write": []} for m in modes}
     with tempfile.TemporaryDirectory(prefix="kvserve-disk-reads-") as root:
-        tier = DiskTier(root, hashlib.sha256(b"bench").digest(), 2 ** 34, block_nbytes)
-        hashes = write_blocks(tier, args.blocks)
-        alone, busy = [], []
+        tiers = {m: DiskTier(f"{root}/{m}", hashlib.sha256(b"bench").digest(), 2 ** 34, block_nbytes, key)
+                 for m, key in modes.items()}
+        hashes = {}
         for _ in range(args.rounds):
-            alone.append(read_on_thread(tier, hashes, None))
-            for i in range(args.batch):
-                engine.add_request(list(range(100 + i, 164 + i)),
-                                   SamplingParams(temperature=0, max_tokens=1_900, ignore_eos=True), f"r{i}")
-            busy.append(read_on_thread(tier, hashes, engine))
-            for i in range(args.batch):
-                engine.abort_request(f"r{i}")
+            for mode, tier in tiers.items():
+                hashes[mode], written = write_blocks(tier, args.blocks)
+                times[mode]["write"].append(written)
+                times[mode]["alone"].append(read_on_thread(tier, hashes[mode], None))
+                for i in range(args.batch):
+                    engine.add_request(list(range(100 + i, 164 + i)),
+                                       SamplingParams(temperature=0, max_tokens=1_900, ignore_eos=True), f"r{i}")
+                times[mode]["busy"].append(read_on_thread(tier, hashes[mode], engine))
+                for i in range(args.batch):
+                    engine.abort_request(f"r{i}")
     result = {
         "blocks": args.blocks, "block_bytes": block_nbytes, "batch": args.batch, "rounds": args.rounds,
-        "read_alone_s": statistics.median(alone), "read_beside_engine_s": statistics.median(busy),
-        "per_block_alone_ms": 1e3 * statistics.median(alone) / args.blocks,
-        "per_block_beside_engine_ms": 1e3 * statistics.median(busy) / args.blocks,
-        "all_alone_s": alone, "all_beside_engine_s": busy, "switch_interval_s": sys.getswitchinterval(),
+        **{f"{mode}_{what}_per_block_ms": 1e3 * statistics.median(t[what]) / args.blocks
+           for mode, t in times.items() for what in ("write", "alone", "busy")},
+        "all": times, "switch_interval_s": sys.getswitchinterval(),
         "cpu": platform.processor() or platform.machine(), "torch_threads": torch.get_num_threads(),
         "dtype": str(engine.dtype),
     }
-    print(json.dumps({k: v for k, v in result.items() if not k.startswith("all_")}, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k != "all"}, indent=1))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

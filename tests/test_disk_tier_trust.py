@@ -3,7 +3,8 @@ files or links there can and cannot make the tier do. A FIFO or a link in place 
 miss (never a hang, never a read of another file); a namespace directory swapped for a link
 redirects no write; the size bound counts only what the tier wrote; a directory others can write
 is made private, and one another user owns is refused. A disk read that does not finish in time is
-a miss (kv_cache_manager.TIER_LOAD_TIMEOUT_S)."""
+a miss (kv_cache_manager.TIER_LOAD_TIMEOUT_S). A block forged with a recomputed CRC-32 is read as
+genuine; with a key (--kv-offloading-disk-key) it is a miss."""
 from __future__ import annotations
 
 import logging
@@ -17,6 +18,7 @@ import torch
 
 from kvserve.cache import kv_cache_manager
 from kvserve.cache.tiers import DiskTier
+from kvserve.cache.tiers import disk as disk_module
 
 BLOCK_BYTES = 4096
 NAMESPACE = bytes(range(32))
@@ -123,3 +125,58 @@ def test_a_disk_read_that_does_not_finish_in_time_is_a_miss(tiny_llama, tmp_path
         assert time.monotonic() - start < 20
         assert out.outputs[0].token_ids == expected and out.num_cached_tokens == 0
         release.set()
+
+
+def forge(path, kind: int, key: bytes | None = None) -> None:
+    """Rewrite a block file as a writer of the directory would who wants other KV loaded: a new
+    payload with a check it computed itself (a CRC-32, or a tag under its own key)."""
+    data = bytearray(path.read_bytes())
+    payload = bytes(255 - b for b in data[disk_module.HEADER.size:])
+    fields = list(disk_module.HEADER.unpack(bytes(data[:disk_module.HEADER.size])))
+    fields[2] = kind
+    header = disk_module.HEADER.pack(*fields[:6], disk_module.checksum(payload).to_bytes(4, "little"))
+    if kind == disk_module.HMAC_SHA256:
+        header = header[:disk_module.CHECKED] + disk_module.tag(key, header, payload)
+    path.write_bytes(header + payload)
+
+
+def test_a_block_forged_with_a_recomputed_crc_is_accepted_without_a_key_and_refused_with_one(tmp_path, caplog):
+    plain = tier(tmp_path / "plain")
+    plain.put(bytes(32), block(1))
+    forge(plain.path(bytes(32)), disk_module.CRC32)
+    assert torch.equal(plain.get(bytes(32)), 255 - block(1))  # CRC-32 catches accidents only
+
+    key = disk_module.load_key(tmp_path / "key")
+    keyed = DiskTier(tmp_path / "keyed", NAMESPACE, 1 << 30, BLOCK_BYTES, key)
+    forgeries = {bytes([1] * 32): (disk_module.CRC32, None), bytes([2] * 32): (disk_module.HMAC_SHA256, b"k" * 32)}
+    for name, (kind, their_key) in forgeries.items():
+        keyed.put(name, block(name[0]))
+        assert torch.equal(keyed.get(name), block(name[0]))  # an honest block reads back
+        forge(keyed.path(name), kind, their_key)
+    with caplog.at_level(logging.WARNING, logger="kvserve"):
+        assert all(keyed.get(name) is None for name in forgeries)
+    assert "carries no authentication tag" in caplog.text and "fails its authentication tag" in caplog.text
+    # A genuine file copied under another block's name fails too: the tag covers the header.
+    keyed.put(bytes([3] * 32), block(3))
+    keyed.put(bytes([4] * 32), block(4))
+    keyed.path(bytes([4] * 32)).write_bytes(keyed.path(bytes([3] * 32)).read_bytes())
+    assert keyed.get(bytes([4] * 32)) is None and keyed.get(bytes([3] * 32)) is not None
+
+
+def test_the_key_file_is_made_private_and_a_key_others_can_read_is_refused(tmp_path):
+    path = tmp_path / "key"
+    key = disk_module.load_key(path)
+    assert len(key) == 32 and stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert disk_module.load_key(path) == key  # kept, not remade
+    path.chmod(0o640)
+    with pytest.raises(ValueError, match="can be read or written by other users"):
+        disk_module.load_key(path)
+    short = tmp_path / "short"
+    short.write_bytes(b"x" * 8)
+    short.chmod(0o600)
+    with pytest.raises(ValueError, match="a key is at least 16"):
+        disk_module.load_key(short)
+    link = tmp_path / "link"
+    link.symlink_to(path)
+    with pytest.raises(ValueError, match="cannot use"):
+        disk_module.load_key(link)

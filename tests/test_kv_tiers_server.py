@@ -4,7 +4,11 @@ from disk (/metrics shows it); stopped normally, it flushes its cached prefixes 
 restart test in test_kv_tiers.py checks that a restart finds them)."""
 from __future__ import annotations
 
+import os
 import random
+import stat
+import subprocess
+import sys
 import threading
 
 import httpx
@@ -77,3 +81,57 @@ def _ignore_errors(fn, *args) -> None:
         fn(*args)
     except Exception:
         pass
+
+
+def test_with_a_key_forged_blocks_and_a_planted_fifo_are_misses_and_outputs_stay_right(tiny_llama, tmp_path):
+    """Someone who can write the directory but not read the key rewrites every block file (a
+    recomputed CRC-32, or a tag under their own key); later puts FIFOs in the blocks' places. Each
+    time the restarted server serves the same outputs, from recomputation (a FIFO neither hangs a
+    request nor the shutdown), and says why in its log."""
+    from test_disk_tier_trust import forge
+    from kvserve.cache.tiers import disk as disk_module
+
+    kv = tmp_path / "kv"
+    args = [str(tiny_llama), *SERVER_ARGS, "--kv-offloading-disk-path", str(kv), "--kv-offloading-disk-key", "auto"]
+    for name in "ab":
+        (tmp_path / name).mkdir()
+    first = ServerProcess.start(args, tmp_path / "a")
+    try:
+        expected = run_workload(first)
+    finally:
+        first.stop()  # SIGTERM: the cached prefixes go to disk
+    assert stat.S_IMODE((kv / disk_module.KEY_FILE).stat().st_mode) == 0o600
+    files = sorted(kv.rglob("*.kvb"))
+    assert len(files) > 4
+    for i, path in enumerate(files):
+        forge(path, disk_module.CRC32 if i % 2 else disk_module.HMAC_SHA256, b"not the key" * 3)
+    second = ServerProcess.start(args, tmp_path / "b")
+    try:
+        assert run_workload(second) == expected
+        assert disk_hits(second) == 0
+    finally:
+        second.stop()
+    log = second.log_path.read_text()
+    assert "fails its authentication tag" in log or "carries no authentication tag" in log, log
+
+    for path in kv.rglob("*.kvb"):  # what the second server wrote at shutdown
+        path.unlink()
+        os.mkfifo(path)
+    (tmp_path / "c").mkdir()
+    third = ServerProcess.start(args, tmp_path / "c")
+    try:
+        assert run_workload(third) == expected
+    finally:
+        third.stop()
+    assert third.process.returncode == 0 and "is not a regular file" in third.log_path.read_text(), third.log()
+
+
+def test_a_key_file_others_can_read_stops_serve_with_one_line(tiny_llama, tmp_path):
+    key = tmp_path / "key"
+    key.write_bytes(b"k" * 32)
+    key.chmod(0o644)
+    done = subprocess.run([sys.executable, "-m", "kvserve.cli", "serve", str(tiny_llama), "--kv-offloading-disk-path",
+                           str(tmp_path / "kv"), "--kv-offloading-disk-key", str(key)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines()[-1].endswith("can be read or written by other users (mode 644; make it 0600)")

@@ -146,6 +146,11 @@ class EngineArgs:
         "host tier (or the pool, without one) are written there and survive restarts; absent: off"))
     kv_offloading_disk_size: float = field(default=10.0, metadata=_opt(
         "GiB the disk KV tier's directory may hold (least recently used files are removed beyond it)"))
+    kv_offloading_disk_key: str | None = field(default=None, metadata=_opt(
+        "authenticate the disk tier's blocks with HMAC-SHA256 under a secret key, so that whoever can write "
+        "the directory but not read the key cannot forge a block: `auto` keeps the key in the directory "
+        "(DIR/.kvserve-block-key, 0600, made on first use), a path keeps it there (off the shared storage); "
+        "processes sharing a directory use one key. Absent: a CRC-32, which catches accidents only"))
     max_logprobs: int = field(default=20, metadata=_opt(
         "most logprobs (per generated token) and prompt_logprobs a request may ask for; -1: no limit"))
     seed: int = field(default=0, metadata=_opt("seed of the global random generator"))
@@ -209,6 +214,10 @@ class EngineArgs:
         path = self.kv_offloading_disk_path
         if path is not None and (not isinstance(path, (str, os.PathLike)) or not str(path)):
             raise ValueError(f"--kv-offloading-disk-path must be a directory path, got {path!r}")
+        key = self.kv_offloading_disk_key
+        if key is not None and (path is None or not isinstance(key, str) or not key):
+            raise ValueError(f"--kv-offloading-disk-key is `auto` or a key file path, and needs "
+                             f"--kv-offloading-disk-path; got {key!r}")
         if (self.kv_offloading_size or path is not None) and not self.enable_prefix_caching:
             raise ValueError("the KV offload tiers (--kv-offloading-size, --kv-offloading-disk-path) hold "
                              "prefix-cache blocks: they need --enable-prefix-caching")

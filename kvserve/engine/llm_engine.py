@@ -56,7 +56,7 @@ logger = logging.getLogger("kvserve")
 def _make_tiers(args: EngineArgs, kv_cache: KVCache, namespace: str) -> TieredStore | None:
     """The KV offload tiers the options ask for (None: none); logs their sizes in blocks."""
     config = TierConfig(int((args.kv_offloading_size or 0) * GiB), args.kv_offloading_disk_path,
-                        int(args.kv_offloading_disk_size * GiB))
+                        int(args.kv_offloading_disk_size * GiB), args.kv_offloading_disk_key)
     if not config.enabled:
         return None
     tiers = TieredStore(config, kv_cache, namespace)

@@ -17,7 +17,7 @@ from kvserve.cache.eviction.config import resolve_eviction
 from kvserve.cache.formats import make_kv_format
 from kvserve.cache.kv_cache import KVCacheSpec
 from kvserve.cache.sizing import blocks_for_tokens, blocks_in_budget, bytes_per_block
-from kvserve.cache.tiers.disk import check_directory
+from kvserve.cache.tiers.disk import check_directory, key_path, load_key
 from kvserve.engine.args import EngineArgs
 from kvserve.engine.platforms import platform_for
 from kvserve.hardware import native_bf16_missing
@@ -162,5 +162,7 @@ def preflight(args: EngineArgs, shape: ModelShape | None = None) -> Preflight:
                      max_model_len, POLICIES)
     if args.kv_offloading_disk_path is not None:
         check_directory(args.kv_offloading_disk_path)
+        if args.kv_offloading_disk_key is not None:
+            load_key(key_path(args.kv_offloading_disk_path, args.kv_offloading_disk_key))
     lowered = args.max_model_len is None and max_model_len < shape.max_position_embeddings
     return Preflight(device, dtype, reason, shape, max_model_len, lowered, kv_spec, per_block, budget)

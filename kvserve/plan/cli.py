@@ -24,7 +24,7 @@ _SKIPPED_ENGINE_ARGS = ("model", "kv_cache_dtype", "max_num_seqs", "max_num_batc
                         "enable_prefix_caching", "seed", "tensor_parallel_size", "nnodes", "node_rank",
                         "master_addr", "master_port",
                         # the offload tiers: the planner takes their sizes itself and needs no directory
-                        "kv_offloading_size", "kv_offloading_disk_size", "kv_offloading_disk_path",
+                        "kv_offloading_size", "kv_offloading_disk_size", "kv_offloading_disk_path", "kv_offloading_disk_key",
                         "kv_offloading_backend")
 
 

@@ -3,8 +3,11 @@ processes (servers, data-parallel replicas) pointed at one directory.
 
 A file is a fixed header, then the block's bytes::
 
-    magic "KVSB" | format version u16 | 0 u16 | namespace 32 B | block hash 32 B | payload length u64
-    | CRC-32 of the payload u32 | payload
+    magic "KVSB" | format version u16 | check kind u16 | namespace 32 B | block hash 32 B
+    | payload length u64 | check 32 B | payload
+
+The check is a CRC-32 of the payload (kind 0, the default), or with a key (`--kv-offloading-disk-key`)
+an HMAC-SHA256 of the header before it and the payload (kind 1).
 
 A file is written under a temporary name in its final directory and renamed into place
 (`os.replace` is atomic), so a reader, or a process killed mid-write, never sees a partial
@@ -23,11 +26,17 @@ directory, opened once without following links, so a directory swapped for a sym
 neither redirects writes nor escapes the size bound; block files are opened with O_NOFOLLOW and
 O_NONBLOCK and read only if fstat says they are regular files of the right size (a FIFO or a link
 planted in place of a block is a miss, not a hang or a read of another file); and the scan that
-enforces the bound counts regular files only (lstat).
+enforces the bound counts regular files only (lstat). CRC-32 catches accidents, not a writer who
+recomputes it: where someone else may write the directory (shared or network storage), a key
+(`load_key`: 32 random bytes in a 0600 file of this user, beside the tier or elsewhere) makes every
+block carry an HMAC-SHA256 tag that cannot be forged without it (RFC 2104). It covers the header
+too, so a valid file copied under another block's name fails as well.
 """
 from __future__ import annotations
 
 import errno
+import hashlib
+import hmac
 import logging
 import os
 import secrets
@@ -46,8 +55,13 @@ from kvserve.cache.tiers.block_store import BlockStore
 logger = logging.getLogger("kvserve")
 
 MAGIC = b"KVSB"
-FORMAT_VERSION = 2  # 1: a blake2b-128 checksum
-HEADER = struct.Struct("<4sHH32s32sQI")
+FORMAT_VERSION = 3  # 1: a blake2b-128 checksum; 2: a CRC-32 field of 4 bytes
+HEADER = struct.Struct("<4sHH32s32sQ32s")
+CHECKED = HEADER.size - 32  # the header bytes an HMAC tag covers (all but the check itself)
+CRC32, HMAC_SHA256 = 0, 1  # check kinds
+KEY_BYTES = 32
+AUTO_KEY = "auto"  # --kv-offloading-disk-key auto: the key file in the tier's directory
+KEY_FILE = ".kvserve-block-key"
 SUFFIX = ".kvb"
 TMP_PREFIX = ".tmp-"
 STALE_TMP_S = 600.0  # a temporary file this old belongs to a writer that died
@@ -61,6 +75,47 @@ def checksum(payload: bytes | memoryview) -> int:
     block), so a cryptographic hash buys nothing; blake2b-128 (format version 1) took most of a
     read's time (BENCHMARKS.md, "Disk-tier reads: a CRC-32 per block")."""
     return zlib.crc32(payload)
+
+
+def tag(key: bytes, header: bytes, payload: bytes | memoryview) -> bytes:
+    """HMAC-SHA256 of a block file's header (less its check field) and payload. hashlib releases the
+    GIL over large buffers, as zlib does; SHA-256 is hardware-accelerated on current x86 and Arm."""
+    mac = hmac.new(key, header[:CHECKED], hashlib.sha256)
+    mac.update(payload)
+    return mac.digest()
+
+
+def key_path(root: str | os.PathLike, setting: str) -> Path:
+    """Where the key for `--kv-offloading-disk-key setting` lives."""
+    return Path(root).expanduser() / KEY_FILE if setting == AUTO_KEY else Path(setting).expanduser()
+
+
+def load_key(path: str | os.PathLike) -> bytes:
+    """The key in `path`, created (32 random bytes, 0600) if absent. ValueError with one line if it is
+    not a regular file of this user that only this user can read, or is shorter than 16 bytes."""
+    path = Path(path)
+    try:
+        try:
+            fd = os.open(path, _CREATE_FLAGS, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(secrets.token_bytes(KEY_BYTES))
+        except FileExistsError:
+            pass
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0) | _CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            problem = ("is not a regular file" if not stat.S_ISREG(st.st_mode)
+                       else f"belongs to uid {st.st_uid}, not to this user" if hasattr(os, "geteuid") and st.st_uid != os.geteuid()
+                       else f"can be read or written by other users (mode {stat.S_IMODE(st.st_mode):o}; make it 0600)"
+                       if st.st_mode & 0o077 else None)
+            key = f.read(4096) if problem is None else b""
+    except OSError as exc:
+        raise ValueError(f"--kv-offloading-disk-key: cannot use {str(path)!r}: {exc.strerror or exc}") from None
+    if problem is None and len(key) < 16:
+        problem = f"holds {len(key)} bytes; a key is at least 16"
+    if problem is not None:
+        raise ValueError(f"--kv-offloading-disk-key: {str(path)!r} {problem}")
+    return key
 
 
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -101,10 +156,13 @@ def check_directory(root: str | os.PathLike) -> None:
 class DiskTier(BlockStore):
     name = "disk"
 
-    def __init__(self, root: str | os.PathLike, namespace: bytes, capacity_bytes: int, block_nbytes: int):
-        """Raises ValueError (one line) if the directory cannot be created or written."""
+    def __init__(self, root: str | os.PathLike, namespace: bytes, capacity_bytes: int, block_nbytes: int,
+                 key: bytes | None = None):
+        """`key`: authenticate blocks with HMAC-SHA256 under it (None: CRC-32). Raises ValueError (one
+        line) if the directory cannot be created or written."""
         if len(namespace) != 32:
             raise ValueError("the disk tier's namespace is a 32-byte digest")
+        self.key = key
         self.root = Path(root).expanduser()
         self.namespace = namespace
         self.dir = self.root / namespace.hex()
@@ -240,7 +298,7 @@ class DiskTier(BlockStore):
     def _check(self, header: bytes, got: int, extra: int, payload: memoryview, block_hash: bytes) -> str | None:
         if len(header) < HEADER.size:
             return "is truncated"
-        magic, version, _, namespace, stored_hash, length, digest = HEADER.unpack(header)
+        magic, version, kind, namespace, stored_hash, length, check = HEADER.unpack(header)
         if magic != MAGIC:
             return "is not a kvserve block file"
         if version != FORMAT_VERSION:
@@ -249,9 +307,24 @@ class DiskTier(BlockStore):
             return "belongs to another model, KV layout or block"
         if length != self.block_nbytes or got != length or extra:
             return "is truncated or has the wrong length"
-        if checksum(payload) != digest:
+        if self.key is not None:
+            if kind != HMAC_SHA256:
+                return "carries no authentication tag (written without --kv-offloading-disk-key)"
+            if not hmac.compare_digest(tag(self.key, header, payload), check):
+                return "fails its authentication tag (forged, or written under another key)"
+            return None
+        if kind != CRC32:
+            return "carries an authentication tag this server has no key for (--kv-offloading-disk-key)"
+        if checksum(payload) != int.from_bytes(check[:4], "little"):
             return "fails its checksum"
         return None
+
+    def _header(self, block_hash: bytes, payload: memoryview) -> bytes:
+        if self.key is None:
+            return HEADER.pack(MAGIC, FORMAT_VERSION, CRC32, self.namespace, block_hash, len(payload),
+                               checksum(payload).to_bytes(4, "little"))
+        unchecked = HEADER.pack(MAGIC, FORMAT_VERSION, HMAC_SHA256, self.namespace, block_hash, len(payload), b"")
+        return unchecked[:CHECKED] + tag(self.key, unchecked, payload)
 
     def put(self, block_hash: bytes, data: torch.Tensor) -> None:
         """Write one block (a CPU uint8 tensor); called by the background writer."""
@@ -261,7 +334,7 @@ class DiskTier(BlockStore):
             raise ValueError(f"a block is {self.block_nbytes} bytes, got {data.numel()}")
         payload = memoryview(data.contiguous().numpy())
         path = self.path(block_hash)
-        header = HEADER.pack(MAGIC, FORMAT_VERSION, 0, self.namespace, block_hash, len(payload), checksum(payload))
+        header = self._header(block_hash, payload)
         name = block_hash.hex()
         tmp, sub = None, None
         try:

@@ -22,7 +22,7 @@ import torch
 
 from kvserve.cache.kv_cache import KVCache
 from kvserve.cache.kv_events import KVEventLog
-from kvserve.cache.tiers.disk import DiskTier
+from kvserve.cache.tiers.disk import DiskTier, key_path, load_key
 from kvserve.cache.tiers.host import HostTier
 from kvserve.cache.tiers.writer import BackgroundWriter
 from kvserve.units import GiB
@@ -38,6 +38,7 @@ class TierConfig:
     host_bytes: int = 0
     disk_path: str | None = None
     disk_bytes: int = int(DEFAULT_DISK_GIB * GiB)
+    disk_key: str | None = None  # `auto` or a key file: HMAC-SHA256 blocks (disk.load_key)
 
     @property
     def enabled(self) -> bool:
@@ -62,8 +63,10 @@ class TieredStore:
         self.kv_cache = kv_cache
         self.block_nbytes = kv_cache.block_nbytes
         on_cuda = kv_cache.device.type == "cuda"
+        key = (load_key(key_path(config.disk_path, config.disk_key))
+               if config.disk_path is not None and config.disk_key is not None else None)
         self.disk = (DiskTier(config.disk_path, hashlib.sha256(namespace.encode()).digest(), config.disk_bytes,
-                              self.block_nbytes) if config.disk_path is not None else None)
+                              self.block_nbytes, key) if config.disk_path is not None else None)
         self.host = (HostTier(config.host_bytes, self.block_nbytes, pin_memory=on_cuda,
                               on_evict=self._spill if self.disk is not None else None)
                      if config.host_bytes > 0 else None)
