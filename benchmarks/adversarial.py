@@ -14,12 +14,15 @@ tries, in categories, each counted with its outcomes and whether the server's gu
   events and 503 OpenAI bodies, exit within --shutdown-timeout plus a few seconds.
 - model files and options: bad GGUF / config.json files and out-of-range options, each under a
   2 GiB address-space limit -> exit 2 with one line; peak RSS per process.
+- router, disk tier, requests that look valid: the second round (issue 45), in
+  benchmarks/adversarial_round2.py.
 
 It reuses the reliability tests' helpers (tests/ on sys.path) and prints a table; the results go
 to benchmarks/results/adversarial.json.
 
     python benchmarks/adversarial.py                    # the default model for the HTTP server
     python benchmarks/adversarial.py --skip model_files
+    python benchmarks/adversarial.py --only router disk_tier requests
 """
 from __future__ import annotations
 
@@ -517,15 +520,17 @@ def machine() -> str:
     return f"{os.cpu_count()} vCPU {cpu}, Python {platform.python_version()}, torch {torch.__version__}"
 
 
-SECTIONS = ("auth", "bodies", "floods", "large_prompts", "aborts", "sigterm", "model_files")
+SECTIONS = ("auth", "bodies", "floods", "large_prompts", "aborts", "sigterm", "model_files",
+            "router", "disk_tier", "requests")  # the last three: adversarial_round2.py
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--skip", nargs="*", default=[], choices=SECTIONS)
+    parser.add_argument("--only", nargs="*", default=None, choices=SECTIONS)
     parser.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "adversarial.json")
     args = parser.parse_args()
-    run = [name for name in SECTIONS if name not in args.skip]
+    run = [name for name in (args.only or SECTIONS) if name not in args.skip]
     sections: list[Section] = []
     started = time.monotonic()
 
@@ -569,6 +574,16 @@ def main() -> None:
             timed(run_sigterm, tmp / "sigterm", max_chars)
         if "model_files" in run:
             timed(run_model_files, tmp)
+        if {"router", "disk_tier", "requests"} & set(run):
+            from adversarial_round2 import run_disk_tier, run_requests, run_router
+
+            tiny_model = build_tiny_model(tmp / "tiny-model-round2", "llama")
+            for name, fn, fn_args in (("router", run_router, (tmp / "router",)),
+                                      ("disk_tier", run_disk_tier, (tmp / "disk_tier", tiny_model)),
+                                      ("requests", run_requests, (tmp / "requests", tiny_model))):
+                if name in run:
+                    (tmp / name).mkdir(exist_ok=True)
+                    timed(fn, *fn_args)
 
     table = summary(sections)
     print("\n" + table)
