@@ -238,64 +238,51 @@ class RouterService:
     async def _send(self, backend: Backend, upstream_request: httpx.Request, deadline: float) -> httpx.Response:
         """The backend's response head; BackendGone (502) if it fails or is taken out before
         answering, or (504) past the deadline. Connection errors are raised as they are (retried)."""
-        loop = asyncio.get_running_loop()
         send = asyncio.ensure_future(self.client.send(upstream_request, stream=True))
         down = asyncio.ensure_future(backend.down.wait())
         try:
-            await asyncio.wait({send, down}, timeout=max(0.0, deadline - loop.time()),
-                               return_when=asyncio.FIRST_COMPLETED)
-            if send.done():
-                try:
-                    return send.result()
-                except (httpx.ConnectError, httpx.ConnectTimeout):
-                    raise
-                except httpx.HTTPError as exc:
-                    self.m_failed.labels(backend.name).inc()
-                    raise BackendGone(f"The backend {backend.name} failed before answering "
-                                      f"({type(exc).__name__}).") from None
-            send.cancel()
-            if down.done():
-                self.m_failed.labels(backend.name).inc()
-                raise BackendGone(f"The backend {backend.name} was taken out of service before answering.")
-            raise BackendGone(self._timeout_message(backend), 504)
+            return await self._backend_part(backend, send, down, deadline, "before answering")
         finally:
             down.cancel()
-            if not send.done():  # our own task was cancelled (the client left)
+            if not send.done():  # taken out, past the deadline, or our own task cancelled (the client left)
                 send.cancel()
 
-    def _timeout_message(self, backend: Backend) -> str:
-        return (f"The backend {backend.name} did not answer within {self.config.request_timeout_s:g} s "
-                f"(--request-timeout).")
+    async def _backend_part(self, backend: Backend, part: asyncio.Future, down: asyncio.Future, deadline: float,
+                            when: str) -> Any:
+        """`part`'s result, unless the backend fails (502), is taken out (502) or the deadline
+        passes (504) first: BackendGone. Connection errors and the end of a body pass through."""
+        await asyncio.wait({part, down}, timeout=max(0.0, deadline - asyncio.get_running_loop().time()),
+                           return_when=asyncio.FIRST_COMPLETED)
+        if not part.done():
+            if not down.done():
+                raise BackendGone(f"The backend {backend.name} did not answer within "
+                                  f"{self.config.request_timeout_s:g} s (--request-timeout).", 504)
+            self.m_failed.labels(backend.name).inc()
+            raise BackendGone(f"The backend {backend.name} was taken out of service {when}.")
+        try:
+            return part.result()
+        except (httpx.ConnectError, httpx.ConnectTimeout):
+            raise
+        except httpx.HTTPError as exc:
+            self.m_failed.labels(backend.name).inc()
+            raise BackendGone(f"The backend {backend.name} failed {when} ({type(exc).__name__}).") from None
 
     async def _relay(self, upstream: httpx.Response, ticket: Ticket, deadline: float) -> AsyncIterator[bytes]:
         """The backend's body as it arrives; BackendGone if it fails or is taken out meanwhile, or
         the deadline passes."""
         backend = ticket.backend
-        gone = f"The backend {backend.name} was taken out of service while answering."
-        loop = asyncio.get_running_loop()
         down = asyncio.ensure_future(backend.down.wait())
         chunks = upstream.aiter_raw().__aiter__()
         step: asyncio.Future | None = None
         try:
             while True:
-                if down.done():
-                    raise BackendGone(gone)
                 step = asyncio.ensure_future(chunks.__anext__())
-                await asyncio.wait({step, down}, timeout=max(0.0, deadline - loop.time()),
-                                   return_when=asyncio.FIRST_COMPLETED)
-                if not step.done():
-                    if down.done():
-                        raise BackendGone(gone)
-                    raise BackendGone(self._timeout_message(backend), 504)
-                done, step = step, None
                 try:
-                    chunk = done.result()
+                    chunk = await self._backend_part(backend, step, down, deadline, "while answering")
                 except StopAsyncIteration:
+                    step = None
                     return
-                except httpx.HTTPError as exc:
-                    self.m_failed.labels(backend.name).inc()
-                    raise BackendGone(f"The backend {backend.name} failed while answering "
-                                      f"({type(exc).__name__}).") from None
+                step = None
                 ticket.answer()
                 yield chunk
         finally:
