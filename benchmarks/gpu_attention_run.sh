@@ -1,5 +1,5 @@
 #!/bin/bash
-# Issue 41's GPU measurements in one device call (../shared/gpu/README.md sets up .gpu/ and .whl/;
+# Issues 41 and 42's GPU measurements in one device call (../shared/gpu/README.md sets up .gpu/ and .whl/;
 # call the device tool with carry [".whl", ".gpu"] and this script as the command, timeout ~560 s).
 # Every step writes under $OUT through tee, so a run cut short still returns what it measured.
 # Dry run on CPU first: DEV=cpu TRITON_INTERPRET=1 OUT=/tmp/out bash benchmarks/gpu_attention_run.sh --dry
@@ -14,8 +14,8 @@ fi
 kv() { python3 -c "import sys; from kvserve.cli import main; sys.argv[0]='kvserve'; sys.exit(main())" "$@"; }
 {
 (cd $G && DEV=$DEV timeout 60 python3 make_model.py $(basename $MODEL) 2>&1 | grep made)
-echo "=== 1 float32 greedy parity with HF on CUDA, Triton backend (auto)"
-DEV=$DEV timeout 120 python3 $G/parity.py $MODEL float32 2>&1 | grep -E "PARITY|Error|Attention backend" | tail -4
+echo "=== 1 float32 greedy parity with HF on CUDA, Triton backend (auto), CUDA graphs on (the default)"
+DEV=$DEV timeout 120 python3 $G/parity.py $MODEL float32 2>&1 | grep -E "PARITY|Error|Attention backend|CUDA graph" | tail -5
 echo "=== 2 decode attention kernels: K/V bandwidth vs copy, fp8 vs bfloat16"
 timeout 150 python3 benchmarks/triton_attention.py $([ "$1" = "--dry" ] && echo --smoke) 2>&1 | tail -12
 for backend in triton torch; do
@@ -29,4 +29,12 @@ echo "=== 4 offline 512 x 512/256, Triton backend"
 timeout 120 kv bench throughput --model $MODEL --device $DEV --backend kvserve --attention-backend triton \
   --dataset-name random $([ "$1" = "--dry" ] && echo "--num-prompts 2 --random-input-len 16 --random-output-len 4" || echo "--num-prompts 512 --random-input-len 512 --random-output-len 256") \
   2>&1 | grep -E "Workload|Throughput|Attention backend"
+echo "=== 5 CUDA graphs (issue 42) vs --enforce-eager: one stream, then 128 at once (decode-heavy)"
+for eager in "" "--enforce-eager"; do
+  for n in 1 128; do
+    timeout 120 kv bench throughput --model $MODEL --device $DEV --backend kvserve $eager --dataset-name random \
+      $([ "$1" = "--dry" ] && echo "--num-prompts 2 --random-input-len 16 --random-output-len 4" || echo "--num-prompts $n --random-input-len 128 --random-output-len 256") \
+      2>&1 | grep -E "Throughput|CUDA graphs|capture" | sed "s/^/[$n ${eager:-graphs}] /"
+  done
+done
 } 2>&1 | tee $OUT/attention-log.txt

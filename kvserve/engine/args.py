@@ -98,6 +98,12 @@ class EngineArgs:
     kv_cache_memory: str | int | None = field(default=None, metadata=_opt(
         "KV pool budget in bytes or with a unit (4GiB, 512MiB); default: CPU min(4GiB, RAM/4) (generate "
         "and chat: one sequence of max-model-len), CUDA from --gpu-memory-utilization after a profiling pass"))
+    enforce_eager: bool = field(default=False, metadata=_opt(
+        "CUDA: run every step eagerly, without replaying decode steps from CUDA graphs (vLLM's flag)",
+        action="store_true"))
+    max_cudagraph_capture_size: int | None = field(default=None, metadata=_opt(
+        "CUDA: the largest decode batch captured in a CUDA graph (sizes 1, 2, 4, then multiples of 8 up to "
+        "it); larger decode steps run eagerly. Default: --max-num-seqs, at most 512", type=int))
     gpu_memory_utilization: float = field(default=0.9, metadata=_opt(
         "fraction of GPU memory kvserve may use (weights + activations + KV cache); CUDA only"))
     max_model_len: int | None = field(default=None, metadata=_opt(
@@ -197,6 +203,7 @@ class EngineArgs:
             raise ValueError(f"--gpu-memory-utilization must be a number in (0, 1], got {utilization!r}")
         _check_int("max_model_len", self.max_model_len, 1, optional=True)
         _check_int("max_num_seqs", self.max_num_seqs, 1)
+        _check_int("max_cudagraph_capture_size", self.max_cudagraph_capture_size, 1, optional=True)
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         for name in ("kv_budget", "sink_tokens", "recent_tokens"):
             _check_int(name, getattr(self, name), 0, optional=True)

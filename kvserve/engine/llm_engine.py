@@ -115,6 +115,8 @@ class LLMEngine:
         platform_for(self.device).prepare_model(self.model, self.attention_backend, self.parallel is not None)
         if self.parallel is None:  # under tensor parallelism, calibrated on the full model (start_rank_zero)
             calibrate_key_transforms(self.runner, self.max_model_len, self.model_path)
+        # after calibration: a graph holds the key transforms as they are when it is captured
+        platform_for(self.device).capture_decode_graphs(self.runner, args, self.max_model_len)
         self.eviction_defaults = EvictionSpec(args.kv_eviction, args.kv_budget, args.sink_tokens, args.recent_tokens)
         self.resolve_eviction(None)  # bad --kv-eviction flags fail at start-up
         namespace = kv_namespace(self.kv_cache, self.model_config, self.model_path, self.dtype, self.model,

@@ -11,6 +11,9 @@ its own; the attention rows its policy observes are handed to the evictor after 
 A request asking for prompt logprobs also has the final hidden state of every prompt position
 in its chunk kept (except the last prompt position, which is sampled); the LM head then scores
 the next prompt token from them a slice of rows at a time (kvserve/engine/logprobs.py).
+
+With decode graphs (CUDA, kvserve/engine/decode_graphs.py), a step of plain decodes only goes
+through them instead: the same tokens, positions and slots, replayed rather than launched.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from kvserve.cache.eviction.config import EvictionConfig
 from kvserve.cache.eviction.evictor import Evictor
 from kvserve.cache.eviction.moves import move_tokens
 from kvserve.cache.kv_cache import KVCache
+from kvserve.engine.decode_graphs import DecodeGraphs, GraphStep
 from kvserve.engine.logprobs import TokenLogprobs, prompt_token_logprobs
 from kvserve.engine.parallel.executor import TensorParallelExecutor
 from kvserve.engine.request import Request
@@ -88,6 +92,7 @@ class ModelRunner:
         self.backend = backend
         self.device = backend.device
         self.sampler = Sampler(model.config.vocab_size, self.device)
+        self.graphs: DecodeGraphs | None = None  # set by the platform (CUDA graphs), else every step eager
 
     def prepare(self, scheduled: list[ScheduledRequest], block_tables: dict[str, list[int]],
                 all_logits: bool = False) -> ModelInputs:
@@ -196,7 +201,30 @@ class ModelRunner:
             self.parallel.send_moves(src_slots, dst_slots)
         move_tokens(self.kv_cache, src_slots, dst_slots)
 
+    def graph_step(self, scheduled: list[ScheduledRequest], block_tables: dict[str, list[int]]) -> GraphStep | None:
+        """The step as decode-graph inputs, or None when it is not one a graph replays: a prefill
+        chunk, a request under KV eviction or asking prompt logprobs, or too many sequences."""
+        if self.graphs is None or self.graphs.size_for(len(scheduled)) is None:
+            return None
+        step = GraphStep([], [], [], [])
+        bs = self.kv_cache.spec.block_size
+        for item in scheduled:
+            r = item.request
+            if item.num_new_tokens != 1 or not item.samples or r.eviction is not None or r.params.prompt_logprobs is not None:
+                return None
+            position = r.num_computed_tokens
+            table = block_tables[r.request_id]
+            step.token_ids.append(r.token_ids[position])
+            step.positions.append(position)
+            step.slots.append(table[position // bs] * bs + position % bs)
+            step.block_tables.append(np.asarray(table, dtype=np.int64))
+        return step
+
     def execute(self, scheduled: list[ScheduledRequest], block_tables: dict[str, list[int]]) -> StepResult:
+        step = self.graph_step(scheduled, block_tables)
+        if step is not None:
+            logits = self.graphs.run(step)
+            return StepResult(list(scheduled), self.sampler(logits, [item.request for item in scheduled]))
         inputs = self.prepare(scheduled, block_tables)
         logits, prompt_logprobs = self.run(inputs)
         if not inputs.sampled:

@@ -7,6 +7,7 @@ import torch
 
 if TYPE_CHECKING:
     from kvserve.engine.args import EngineArgs
+    from kvserve.engine.model_runner import ModelRunner
     from kvserve.model.attention import AttentionBackend
     from kvserve.model.llama import LlamaForCausalLM
 
@@ -26,3 +27,7 @@ class Platform:
 
     def prepare_model(self, model: LlamaForCausalLM, backend: AttentionBackend, tensor_parallel: bool) -> None:
         """Ready a loaded model for this platform's step (fused kernels, specialised decode paths)."""
+
+    def capture_decode_graphs(self, runner: ModelRunner, args: EngineArgs, max_model_len: int) -> None:
+        """Give `runner` the decode steps this platform replays instead of launching (CUDA graphs);
+        none by default."""

@@ -50,3 +50,8 @@ class CpuPlatform(Platform):
                         model.lean.min_rows, model.lean.max_rows)
         elif any(isinstance(m, QuantizedLinear) for m in model.modules()):
             logger.info("Lean decode step not used: %s", why)
+
+    def capture_decode_graphs(self, runner, args, max_model_len):
+        if args.enforce_eager or args.max_cudagraph_capture_size is not None:
+            logger.info("--enforce-eager and --max-cudagraph-capture-size concern CUDA graphs: on CPU every step "
+                        "runs eagerly")

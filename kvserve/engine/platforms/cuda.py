@@ -10,6 +10,7 @@ import os
 
 import torch
 
+from kvserve.engine.decode_graphs import DecodeGraphs, graphs_unavailable, max_capture_size
 from kvserve.engine.platforms.base import Platform
 from kvserve.units import GiB
 
@@ -42,3 +43,20 @@ class CudaPlatform(Platform):
             return
         model.use_fused_ops(importlib.import_module("kvserve.model.fused_ops"))
         logger.info("Residual add + RMSNorm, SiLU x up and RoPE run as fused Triton kernels")
+
+    def capture_decode_graphs(self, runner, args, max_model_len):
+        """Decode steps of up to --max-cudagraph-capture-size sequences replayed from CUDA graphs
+        (engine/decode_graphs.py), unless --enforce-eager. A failed capture leaves every step
+        eager, with a warning (these graphs are not yet measured on a GPU)."""
+        why = graphs_unavailable(args, runner.backend)
+        if why is not None:
+            logger.info("CUDA graphs not used: %s", why)
+            return
+        graphs = DecodeGraphs(runner.model, runner.kv_cache, runner.backend, max_capture_size(args), max_model_len,
+                              capture=True)
+        try:
+            graphs.capture()
+        except RuntimeError as exc:
+            logger.warning("CUDA graph capture failed (%s); every step runs eagerly (--enforce-eager)", exc)
+            return
+        runner.graphs = graphs

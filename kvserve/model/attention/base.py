@@ -52,6 +52,8 @@ class AttentionBackend:
     auto_devices: tuple[str, ...] | None = None
     # Whether `build` hands the CPU lean decode step (lean_decode.py) an in-place decode reader.
     reads_decodes_in_place: bool = False
+    # Whether `graph_metadata` works: decodes read from fixed-shape inputs (CUDA graphs).
+    captures_decodes: bool = False
 
     def __init__(self, config: BackendConfig):
         self.config = config
@@ -80,6 +82,14 @@ class AttentionBackend:
     def build(self, sequences: list[StepSequence], slot_mapping: torch.Tensor) -> AttentionMetadata:
         """The step's metadata; `sequences` in packed order (metadata.packing_order)."""
         raise NotImplementedError
+
+    def graph_metadata(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                       max_seq_len: int) -> AttentionMetadata:
+        """The metadata of a step whose every row is a plain decode, over fixed-shape device
+        tensors (slots [B], block tables [B, W], seq_lens [B]) and a context bound fixed in
+        advance, with nothing computed on the host: what a CUDA graph can replay with new values
+        in the same tensors (engine/decode_graphs.py). Backends with `captures_decodes` only."""
+        raise NotImplementedError(f"the {self.name} attention backend cannot run decodes in a CUDA graph")
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pool: dict[str, torch.Tensor],
                kv_format: KVFormat, meta: AttentionMetadata, window: int | None) -> torch.Tensor:

@@ -90,6 +90,7 @@ class TritonBackend(TorchBackend):
 
     name = "triton"
     auto_devices = ("cuda",)
+    captures_decodes = True
 
     def __init__(self, config: BackendConfig):
         super().__init__(config)
@@ -143,6 +144,12 @@ class TritonBackend(TorchBackend):
                 self._tensor([s.num_queries for s in chunks]), self._tensor([s.seq_len for s in chunks]),
                 self._tensor([t[0] for t in tiles]), self._tensor([t[1] for t in tiles]))
         return meta
+
+    def graph_metadata(self, slot_mapping, block_tables, seq_lens, max_seq_len):
+        """The decode kernel over the given tensors with as many splits as `max_seq_len` needs: a
+        split past a sequence's end contributes nothing, so each result is the eager step's."""
+        return TritonMetadata(slot_mapping, decodes=[], prefills=[], backend=self,
+                              decode=TritonDecode(block_tables, seq_lens, max_seq_len))
 
     # The torch backend's metadata keeps only what the kernels do not serve: sequences under eviction.
     def _gathers_chunk(self, seq: StepSequence) -> bool:

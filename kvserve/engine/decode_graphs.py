@@ -1,0 +1,161 @@
+"""Decode steps replayed from CUDA graphs (vLLM's design, kvserve's code).
+
+A decode step of a 1B model on a big GPU is mostly launch gaps: hundreds of small kernels with
+Python between them. Here a step whose every sequence decodes one token (no prefill chunk, no KV
+eviction, no prompt logprobs) and that holds at most `max_batch` sequences is padded to the next
+captured batch size, its inputs copied into persistent device buffers, and the graph captured for
+that size replays the whole forward pass (every layer and the LM head) as one launch.
+
+- Persistent inputs: token ids, positions, pool slots, sequence lengths and block tables, each
+  one contiguous device buffer sized for `max_batch` (tables `max_model_len / block_size` wide),
+  filled from one pinned host buffer with non-blocking copies. The step's one device-to-host copy
+  stays the sampled token ids (the sampler's).
+- Padding rows decode token 0 at position 0 into slot 0, over a context of one token, with block
+  tables of block 0: block 0 is the pool's null block, never handed out, so they write and read
+  nothing a request owns.
+- The attention backend builds fixed-shape metadata over these buffers (`graph_metadata`): the
+  Triton decode kernel with as many splits as the longest context allowed; a split past a
+  sequence's end contributes nothing, so its result is the eager kernel's.
+- Graphs are captured largest first into one memory pool; the capture time and the pool's size are
+  logged (engine/pool_sizing.py reserves the largest decode's activations for it).
+
+Without CUDA, `capture=False` runs the same padded step eagerly over the same buffers: tests run
+it on CPU under Triton's interpreter (everything but the capture itself).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvserve.cache.kv_cache import KVCache
+from kvserve.model.attention import AttentionBackend
+from kvserve.model.llama import LlamaForCausalLM
+from kvserve.units import GiB
+
+logger = logging.getLogger("kvserve")
+
+DEFAULT_MAX_CAPTURE_SIZE = 512  # vLLM's default largest captured batch
+
+
+def graphs_unavailable(args, backend: AttentionBackend) -> str | None:
+    """Why a CUDA engine with these options runs every step eagerly, or None."""
+    if args.enforce_eager:
+        return "--enforce-eager"
+    if args.tensor_parallel_size > 1:
+        return "tensor parallelism (its all-reduces are not captured yet)"
+    if not backend.captures_decodes:
+        return f"the {backend.name} attention backend sizes its decode metadata on the host"
+    return None
+
+
+def max_capture_size(args) -> int:
+    return min(args.max_num_seqs, args.max_cudagraph_capture_size or DEFAULT_MAX_CAPTURE_SIZE)
+
+
+def capture_sizes(max_batch: int) -> list[int]:
+    """vLLM's ladder: 1, 2, 4, then every multiple of 8, up to `max_batch` (included)."""
+    sizes = [s for s in (1, 2, 4) if s < max_batch] + list(range(8, max_batch + 1, 8))
+    if not sizes or sizes[-1] != max_batch:
+        sizes.append(max_batch)
+    return sizes
+
+
+@dataclass
+class GraphStep:
+    """One decode step's inputs, per sequence: plain numbers and its block table."""
+
+    token_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    block_tables: list[np.ndarray]
+
+
+class DecodeGraphs:
+    FIELDS = ("input_ids", "positions", "slots", "seq_lens")
+
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, backend: AttentionBackend, max_batch: int,
+                 max_model_len: int, capture: bool):
+        self.model, self.kv_cache, self.backend = model, kv_cache, backend
+        self.device = backend.device
+        self.capture_enabled = capture
+        self.sizes = capture_sizes(max_batch)
+        self.max_batch = self.sizes[-1]
+        self.block_size = kv_cache.spec.block_size
+        self.width = -(-max_model_len // self.block_size)
+        self.max_context = self.width * self.block_size
+        long = dict(dtype=torch.long, device=self.device)
+        self.buffers = {name: torch.zeros(self.max_batch, **long) for name in self.FIELDS}
+        self.buffers["block_tables"] = torch.zeros(self.max_batch, self.width, **long)
+        self.rows = torch.arange(self.max_batch, **long)
+        pinned = self.device.type == "cuda"
+        # Host side: one pinned buffer per input, written in numpy, copied without blocking.
+        self.staging = {name: torch.zeros(buffer.shape, dtype=torch.long, pin_memory=pinned)
+                        for name, buffer in self.buffers.items()}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+
+    def size_for(self, batch: int) -> int | None:
+        """The captured size a batch of `batch` decodes pads to, or None (too large)."""
+        return next((s for s in self.sizes if s >= batch), None)
+
+    # ------------------------------------------------------------------ the padded forward
+    def _forward(self, size: int) -> torch.Tensor:
+        b = {name: buffer[:size] for name, buffer in self.buffers.items()}
+        meta = self.backend.graph_metadata(b["slots"], b["block_tables"], b["seq_lens"], self.max_context)
+        hidden = self.model.final_hidden(b["input_ids"], b["positions"], self.kv_cache, meta, self.rows[:size])
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """One graph per size, largest first, sharing one memory pool; logs time and pool size."""
+        start = time.perf_counter()
+        torch.cuda.synchronize(self.device)
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        self._fill(GraphStep([], [], [], []), self.max_batch)  # every row padding: a valid step
+        pool = None
+        for size in reversed(self.sizes):
+            self._forward(size)  # warm-up outside the capture: Triton compiles its kernels here
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.logits[size] = self._forward(size)
+            pool = graph.pool()
+            self.graphs[size] = graph
+        torch.cuda.synchronize(self.device)
+        used = free_before - torch.cuda.mem_get_info(self.device)[0]
+        logger.info("CUDA graphs: %d decode batch sizes (1 to %d) captured in %.1f s; their memory pool holds "
+                    "%.2f GiB", len(self.sizes), self.max_batch, time.perf_counter() - start, used / GiB)
+
+    # ------------------------------------------------------------------ a step
+    def _fill(self, step: GraphStep, size: int) -> None:
+        """The step's inputs into the persistent buffers, rows past it padding."""
+        batch = len(step.token_ids)
+        host = {name: staged.numpy() for name, staged in self.staging.items()}
+        for name in self.FIELDS:
+            host[name][batch:size] = 1 if name == "seq_lens" else 0
+        host["input_ids"][:batch] = step.token_ids
+        host["positions"][:batch] = step.positions
+        host["slots"][:batch] = step.slots
+        host["seq_lens"][:batch] = np.asarray(step.positions) + 1
+        tables = host["block_tables"]
+        tables[:size] = 0
+        for row, table in enumerate(step.block_tables):
+            tables[row, : len(table)] = table
+        for name, buffer in self.buffers.items():
+            buffer[:size].copy_(self.staging[name][:size], non_blocking=True)
+
+    @torch.inference_mode()
+    def run(self, step: GraphStep) -> torch.Tensor:
+        """Float32 logits [len(step.token_ids), vocab]: a view of the graph's output buffer, valid
+        until the next step."""
+        batch = len(step.token_ids)
+        size = self.size_for(batch)
+        self._fill(step, size)
+        if size in self.graphs:
+            self.graphs[size].replay()
+            return self.logits[size][:batch]
+        return self._forward(size)[:batch]

@@ -1,0 +1,94 @@
+"""Decode steps through CUDA graphs' persistent buffers (engine/decode_graphs.py) give the eager
+engine's tokens: padding rows write only the null block, block tables and lengths are read from
+fixed-shape buffers, steps too large or not plain decodes run eagerly beside them. On CPU the
+padded step runs eagerly over the same buffers under Triton's interpreter (everything but the
+capture); on a machine with CUDA the graphs are captured and replayed."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels' module is imported
+
+pytest.importorskip("triton", reason="the triton package is not installed (pip install -e '.[test]')")
+
+from kvserve import LLM, SamplingParams  # noqa: E402
+from kvserve.engine.decode_graphs import DecodeGraphs, capture_sizes  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+PROMPTS = ["It is a truth universally acknowledged", "Hello", "Mr. Bennet was so odd a mixture of quick parts",
+           "The", "However little known the feelings or views of such a man may be", "My dear Mr. Bennet"]
+
+
+def test_the_captured_sizes_follow_vllms_ladder():
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(6) == [1, 2, 4, 6]
+    assert capture_sizes(8) == [1, 2, 4, 8]
+    assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert capture_sizes(512)[-3:] == [496, 504, 512]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_d32(tiny_model_factory):
+    return tiny_model_factory("llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2)
+
+
+def engine(model, **options) -> LLM:
+    return LLM(str(model), dtype="float32", kv_cache_memory="4MiB", max_num_batched_tokens=32,
+               attention_backend="triton", device=str(DEVICE), **options)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto"])  # the buffers are the same for every KV format
+def test_decodes_through_the_graph_buffers_give_the_eager_tokens(tiny_llama_d32, kv_cache_dtype):
+    """Six prompts with max 4 sequences per graph: steps of 5-6 decodes run eagerly, later steps
+    of 1-4 through the buffers padded to 1, 2 or 4, with prefill chunks in between eager."""
+    params = [SamplingParams(temperature=0, max_tokens=6 + 3 * i, ignore_eos=True) for i in range(len(PROMPTS))]
+    eager = engine(tiny_llama_d32, kv_cache_dtype=kv_cache_dtype, enforce_eager=True)
+    assert eager.engine.runner.graphs is None
+    expected = [o.outputs[0].token_ids for o in eager.generate(PROMPTS, params, use_tqdm=False)]
+    eager.close()
+
+    llm = engine(tiny_llama_d32, kv_cache_dtype=kv_cache_dtype, max_cudagraph_capture_size=4)
+    runner = llm.engine.runner
+    if DEVICE.type == "cuda":
+        assert runner.graphs is not None and sorted(runner.graphs.graphs) == [1, 2, 4]
+    else:
+        assert runner.graphs is None  # no graphs on CPU: the same buffers, run eagerly
+        runner.graphs = DecodeGraphs(llm.engine.model, llm.engine.kv_cache, runner.backend, 4,
+                                     llm.engine.max_model_len, capture=False)
+    sizes = []
+    run = runner.graphs.run
+    runner.graphs.run = lambda step: sizes.append(len(step.token_ids)) or run(step)
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    assert got == expected
+    assert set(sizes) >= {1, 3, 4}  # padded (3 -> 4) and unpadded steps both ran through the buffers
+
+
+def test_prompt_logprobs_and_eviction_take_the_eager_path(tiny_llama_d32):
+    llm = engine(tiny_llama_d32, max_cudagraph_capture_size=4)
+    runner = llm.engine.runner
+    if runner.graphs is None:
+        runner.graphs = DecodeGraphs(llm.engine.model, llm.engine.kv_cache, runner.backend, 4,
+                                     llm.engine.max_model_len, capture=False)
+    calls = []
+    run = runner.graphs.run
+    runner.graphs.run = lambda step: calls.append(step) or run(step)
+    llm.generate(["Hello there"], SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=1), use_tqdm=False)
+    llm.generate(["Hello there"], SamplingParams(temperature=0, max_tokens=4,
+                                                 kv_eviction={"policy": "streaming", "budget": 32}),
+                 use_tqdm=False)
+    assert calls == []
+    llm.generate(["Hello there"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert len(calls) == 3  # the three decodes after the prefill
+
+
+def test_enforce_eager_on_cpu_says_it_changes_nothing(tiny_llama, caplog):
+    if DEVICE.type == "cuda":
+        pytest.skip("on CUDA --enforce-eager turns the graphs off (the test above)")
+    with caplog.at_level("INFO", logger="kvserve"):
+        llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory="4MiB", enforce_eager=True)
+    assert llm.engine.runner.graphs is None
+    assert "on CPU every step runs eagerly" in caplog.text
