@@ -118,7 +118,13 @@ class DecodeGraphs:
         self._fill(GraphStep([], [], [], []), self.max_batch)  # every row padding: a valid step
         pool = None
         for size in reversed(self.sizes):
-            self._forward(size)  # warm-up outside the capture: Triton compiles its kernels here
+            # Warm-up outside the capture, on a side stream as torch's docs ask: Triton compiles its
+            # kernels and cuBLAS sets up its workspaces here, not inside the graph.
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                self._forward(size)
+            torch.cuda.current_stream(self.device).wait_stream(side)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
