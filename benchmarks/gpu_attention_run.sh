@@ -11,7 +11,7 @@ if [ "$1" != "--dry" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1 || { echo "wheel install failed"; exit 1; }
   export PYTHONPATH=/tmp/site:$PWD
 fi
-kv() { python3 -c "import sys; from kvserve.cli import main; sys.argv[0]='kvserve'; sys.exit(main())" "$@"; }
+KV="python3 -m kvserve.cli"  # a command, not a shell function: `timeout` runs commands only
 {
 (cd $G && DEV=$DEV timeout 60 python3 make_model.py $(basename $MODEL) 2>&1 | grep made)
 echo "=== 1 float32 greedy parity with HF on CUDA, Triton backend (auto), CUDA graphs on (the default)"
@@ -21,18 +21,18 @@ timeout 150 python3 benchmarks/triton_attention.py $([ "$1" = "--dry" ] && echo 
 for backend in triton torch; do
   echo "=== 3 offline default workload, --attention-backend $backend (with HF on the first)"
   extra=$([ $backend = triton ] && echo "--backend kvserve,hf" || echo "--backend kvserve")
-  timeout 150 kv bench throughput --model $MODEL --device $DEV $extra --attention-backend $backend --efficiency \
+  timeout 150 $KV bench throughput --model $MODEL --device $DEV $extra --attention-backend $backend --efficiency \
     $([ "$1" = "--dry" ] && echo "--num-prompts 2 --random-input-len 16 --random-output-len 4 --dataset-name random") \
     --output-json $OUT/throughput-$backend.json 2>&1 | grep -v -E "it/s\]|s/it\]" | tail -14
 done
 echo "=== 4 offline 512 x 512/256, Triton backend"
-timeout 120 kv bench throughput --model $MODEL --device $DEV --backend kvserve --attention-backend triton \
+timeout 120 $KV bench throughput --model $MODEL --device $DEV --backend kvserve --attention-backend triton \
   --dataset-name random $([ "$1" = "--dry" ] && echo "--num-prompts 2 --random-input-len 16 --random-output-len 4" || echo "--num-prompts 512 --random-input-len 512 --random-output-len 256") \
   2>&1 | grep -E "Workload|Throughput|Attention backend"
 echo "=== 5 CUDA graphs (issue 42) vs --enforce-eager: one stream, then 128 at once (decode-heavy)"
 for eager in "" "--enforce-eager"; do
   for n in 1 128; do
-    timeout 120 kv bench throughput --model $MODEL --device $DEV --backend kvserve $eager --dataset-name random \
+    timeout 120 $KV bench throughput --model $MODEL --device $DEV --backend kvserve $eager --dataset-name random \
       $([ "$1" = "--dry" ] && echo "--num-prompts 2 --random-input-len 16 --random-output-len 4" || echo "--num-prompts $n --random-input-len 128 --random-output-len 256") \
       2>&1 | grep -E "Throughput|CUDA graphs|capture" | sed "s/^/[$n ${eager:-graphs}] /"
   done

@@ -117,13 +117,26 @@ def test_with_a_key_forged_blocks_and_a_planted_fifo_are_misses_and_outputs_stay
     for path in kv.rglob("*.kvb"):  # what the second server wrote at shutdown
         path.unlink()
         os.mkfifo(path)
+    kv.chmod(0o777)
     (tmp_path / "c").mkdir()
     third = ServerProcess.start(args, tmp_path / "c")
     try:
         assert run_workload(third) == expected
     finally:
         third.stop()
-    assert third.process.returncode == 0 and "is not a regular file" in third.log_path.read_text(), third.log()
+    log = third.log_path.read_text()
+    assert third.process.returncode == 0 and "is not a regular file" in log, third.log()
+    assert "was writable by other users (mode 777); made 0700" in log and stat.S_IMODE(kv.stat().st_mode) == 0o700
+
+    # The namespace directory swapped for a link to elsewhere: refused at start-up, in one line.
+    namespace = next(p for p in kv.iterdir() if p.is_dir())
+    elsewhere = tmp_path / "elsewhere"
+    namespace.rename(elsewhere)
+    namespace.symlink_to(elsewhere)
+    done = subprocess.run([sys.executable, "-m", "kvserve.cli", "serve", *args], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines()[-1].endswith("is a symbolic link")
 
 
 def test_a_key_file_others_can_read_stops_serve_with_one_line(tiny_llama, tmp_path):
