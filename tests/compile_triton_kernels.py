@@ -64,7 +64,7 @@ def main() -> int:
                              {**common, "window": 1, "v_row_offset": 1, "GROUP": 1, "BLOCK_M": 32,
                               "PRECISE": False})
     ok &= compile_kernel("combine", K._combine_splits,
-                         {"out_ptr": "*bf16", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32"},
+                         {"out_ptr": "*bf16", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "seq_lens_ptr": "*i64"},
                          {"D": 128})
     bf16 = {"x_ptr": "*bf16", "residual_ptr": "*bf16", "weight_ptr": "*bf16", "out_ptr": "*bf16", "sum_ptr": "*bf16",
             "gate_up_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "eps": "fp32"}

@@ -4,12 +4,16 @@ A decode step of a 1B model on a big GPU is mostly launch gaps: hundreds of smal
 Python between them. Here a step whose every sequence decodes one token (no prefill chunk, no KV
 eviction, no prompt logprobs) and that holds at most `max_batch` sequences is padded to the next
 captured batch size, its inputs copied into persistent device buffers, and the graph captured for
-that size replays the whole forward pass (every layer and the LM head) as one launch.
+that size replays the decoder stack (every layer and the final norm) as one launch; the LM head
+then runs on the real rows only, so the graphs keep hidden states ([size, hidden]), not logits
+([size, vocab], which for every captured size at once would fill gigabytes of the graphs' pool).
 
 - Persistent inputs: token ids, positions, pool slots, sequence lengths and block tables, each
   one contiguous device buffer sized for `max_batch` (tables `max_model_len / block_size` wide),
-  filled from one pinned host buffer with non-blocking copies. The step's one device-to-host copy
-  stays the sampled token ids (the sampler's).
+  filled from one pinned host buffer with non-blocking copies (of the table columns the step's
+  longest sequence uses; a kernel never reads a row past its own length). The step's one
+  device-to-host copy stays the sampled token ids (the sampler's); the next step rewrites the
+  pinned buffers only once the copies out of them are done (an event).
 - Padding rows decode token 0 at position 0 into slot 0, over a context of one token, with block
   tables of block 0: block 0 is the pool's null block, never handed out, so they write and read
   nothing a request owns.
@@ -17,7 +21,8 @@ that size replays the whole forward pass (every layer and the LM head) as one la
   Triton decode kernel with as many splits as the longest context allowed; a split past a
   sequence's end contributes nothing, so its result is the eager kernel's.
 - Graphs are captured largest first into one memory pool; the capture time and the pool's size are
-  logged (engine/pool_sizing.py reserves the largest decode's activations for it).
+  logged. engine/pool_sizing.py sets that pool aside beforehand by running the largest graph's
+  forward eagerly on a scratch pool (`profile_graph_memory`).
 
 Without CUDA, `capture=False` runs the same padded step eagerly over the same buffers: tests run
 it on CPU under Triton's interpreter (everything but the capture itself).
@@ -47,6 +52,8 @@ def graphs_unavailable(args, backend: AttentionBackend) -> str | None:
         return "--enforce-eager"
     if args.tensor_parallel_size > 1:
         return "tensor parallelism (its all-reduces are not captured yet)"
+    if args.kv_cache_dtype == "int4_kivi":
+        return "int4_kivi's key writes decide on the host how a block's channel ranges grow"
     if not backend.captures_decodes:
         return f"the {backend.name} attention backend sizes its decode metadata on the host"
     return None
@@ -95,8 +102,9 @@ class DecodeGraphs:
         # Host side: one pinned buffer per input, written in numpy, copied without blocking.
         self.staging = {name: torch.zeros(buffer.shape, dtype=torch.long, pin_memory=pinned)
                         for name, buffer in self.buffers.items()}
+        self.copied: torch.cuda.Event | None = None  # when the last step's copies out of `staging` ended
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.hidden: dict[int, torch.Tensor] = {}  # each graph's output
 
     def size_for(self, batch: int) -> int | None:
         """The captured size a batch of `batch` decodes pads to, or None (too large)."""
@@ -104,10 +112,17 @@ class DecodeGraphs:
 
     # ------------------------------------------------------------------ the padded forward
     def _forward(self, size: int) -> torch.Tensor:
+        """The final-normed hidden states [size, hidden] of the padded step in the buffers."""
         b = {name: buffer[:size] for name, buffer in self.buffers.items()}
         meta = self.backend.graph_metadata(b["slots"], b["block_tables"], b["seq_lens"], self.max_context)
-        hidden = self.model.final_hidden(b["input_ids"], b["positions"], self.kv_cache, meta, self.rows[:size])
-        return self.model.compute_logits(hidden)
+        return self.model.final_hidden(b["input_ids"], b["positions"], self.kv_cache, meta, self.rows[:size])
+
+    @torch.inference_mode()
+    def profile(self) -> None:
+        """The largest graph's forward, run eagerly over an all-padding step (what a capture
+        allocates, for the profiling pass to measure)."""
+        self._fill(GraphStep([], [], [], []), self.max_batch)
+        self._forward(self.max_batch)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -128,7 +143,7 @@ class DecodeGraphs:
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.logits[size] = self._forward(size)
+                self.hidden[size] = self._forward(size)
             pool = graph.pool()
             self.graphs[size] = graph
         torch.cuda.synchronize(self.device)
@@ -140,6 +155,8 @@ class DecodeGraphs:
     def _fill(self, step: GraphStep, size: int) -> None:
         """The step's inputs into the persistent buffers, rows past it padding."""
         batch = len(step.token_ids)
+        if self.copied is not None:
+            self.copied.synchronize()  # the previous step's copies have read the pinned buffers
         host = {name: staged.numpy() for name, staged in self.staging.items()}
         for name in self.FIELDS:
             host[name][batch:size] = 1 if name == "seq_lens" else 0
@@ -148,20 +165,27 @@ class DecodeGraphs:
         host["slots"][:batch] = step.slots
         host["seq_lens"][:batch] = np.asarray(step.positions) + 1
         tables = host["block_tables"]
-        tables[:size] = 0
+        tables[batch:size, 0] = 0  # a padding row reads the null block's first slot only
         for row, table in enumerate(step.block_tables):
             tables[row, : len(table)] = table
-        for name, buffer in self.buffers.items():
-            buffer[:size].copy_(self.staging[name][:size], non_blocking=True)
+        columns = max((len(t) for t in step.block_tables), default=1)
+        for name in self.FIELDS:
+            self.buffers[name][:size].copy_(self.staging[name][:size], non_blocking=True)
+        self.buffers["block_tables"][:size, :columns].copy_(self.staging["block_tables"][:size, :columns],
+                                                            non_blocking=True)
+        if self.device.type == "cuda":
+            self.copied = torch.cuda.Event()
+            self.copied.record()
 
     @torch.inference_mode()
     def run(self, step: GraphStep) -> torch.Tensor:
-        """Float32 logits [len(step.token_ids), vocab]: a view of the graph's output buffer, valid
-        until the next step."""
+        """Float32 logits [len(step.token_ids), vocab] of the step's sequences."""
         batch = len(step.token_ids)
         size = self.size_for(batch)
         self._fill(step, size)
         if size in self.graphs:
             self.graphs[size].replay()
-            return self.logits[size][:batch]
-        return self._forward(size)[:batch]
+            hidden = self.hidden[size]
+        else:
+            hidden = self._forward(size)
+        return self.model.compute_logits(hidden[:batch])

@@ -16,7 +16,7 @@ from kvserve.cache.block_pool import leading_block_ids
 from kvserve.cache.kv_cache import KVCache, KVCacheSpec, KVFormat
 from kvserve.cache.sizing import blocks_for_tokens, blocks_in_budget, bytes_per_block
 from kvserve.engine.args import EngineArgs
-from kvserve.engine.decode_graphs import graphs_unavailable, max_capture_size
+from kvserve.engine.decode_graphs import DecodeGraphs, graphs_unavailable, max_capture_size
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.preflight import CapacityError, fit_max_model_len, lowered_max_model_len_warning
 from kvserve.engine.request import Request
@@ -62,12 +62,13 @@ def profile_cuda_budget(args: EngineArgs, model: LlamaForCausalLM, kv_spec: KVCa
                         backend: AttentionBackend, max_model_len: int) -> int:
     """vLLM's recipe: run one forward pass of the largest step with a throw-away pool, take
     the peak memory it needed, and give the KV pool what is left of the utilisation target.
-    With CUDA graphs, the largest captured decode batch is run eagerly too: its activations are
-    what the graphs' memory pool will keep (decode_graphs.py), so they are set aside as well."""
+    With CUDA graphs, the largest graph's forward is run eagerly too (decode_graphs.py: the same
+    fixed-shape metadata, the same split buffers): what it allocates is what the graphs' memory
+    pool will keep, so it is set aside as well."""
     device = backend.device
     tokens = min(args.max_num_batched_tokens, max_model_len)
     batch = max_capture_size(args) if graphs_unavailable(args, backend) is None else 0
-    scratch = KVCache(kv_spec, kv_format, max(blocks_for_tokens(tokens, kv_spec.block_size), batch + 1), device)
+    scratch = KVCache(kv_spec, kv_format, blocks_for_tokens(tokens, kv_spec.block_size), device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     probe = Request("profile", [0] * tokens, SamplingParams(max_tokens=1))
@@ -79,12 +80,11 @@ def profile_cuda_budget(args: EngineArgs, model: LlamaForCausalLM, kv_spec: KVCa
     if batch:
         before = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
-        decodes = [Request(f"graph-profile-{i}", [0], SamplingParams(max_tokens=1)) for i in range(batch)]
-        runner.execute([ScheduledRequest(r, 1) for r in decodes], {r.request_id: [i + 1] for i, r in enumerate(decodes)})
+        DecodeGraphs(model, scratch, backend, batch, max_model_len, capture=False).profile()
         torch.cuda.synchronize(device)
         graph_reserve = torch.cuda.max_memory_allocated(device) - before
-        logger.info("CUDA graphs: %.2f GiB set aside for their memory pool (the activations of a %d-sequence "
-                    "decode step)", graph_reserve / GiB, batch)
+        logger.info("CUDA graphs: %.2f GiB set aside for their memory pool (what the %d-sequence graph's "
+                    "forward allocates)", graph_reserve / GiB, batch)
     del scratch, runner
     torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(device).total_memory

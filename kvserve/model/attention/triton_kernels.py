@@ -309,12 +309,14 @@ def _decode_kernel(q_ptr, out_ptr, part_acc_ptr, part_ml_ptr, table_ptr, seq_len
 
 
 @triton.jit
-def _combine_splits(out_ptr, part_acc_ptr, part_ml_ptr, stride_ot, stride_oh, num_heads, num_splits,
-                    D: tl.constexpr):
+def _combine_splits(out_ptr, part_acc_ptr, part_ml_ptr, seq_lens_ptr, stride_ot, stride_oh, num_heads, num_splits,
+                    split_tokens, D: tl.constexpr):
     """Merge a (sequence, head)'s split partial sums in split order, as an online softmax over the
     splits. A split past the sequence's end (m = NEG_BIG, l = 0, sums 0) leaves the running sums
     exactly as they were, and a sequence of one split comes out as the unsplit kernel writes it:
-    the result depends on the sequence alone, not on the longest context in the batch."""
+    the result depends on the sequence alone, not on the longest context in the batch. So the
+    splits past the sequence's end are not even read (a CUDA graph's decode has as many splits as
+    the longest context allowed)."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     first = (seq * num_heads + head).to(tl.int64) * num_splits
@@ -322,7 +324,8 @@ def _combine_splits(out_ptr, part_acc_ptr, part_ml_ptr, stride_ot, stride_oh, nu
     m_run = tl.full([1], NEG_BIG, tl.float32)
     l_run = tl.zeros([1], tl.float32)
     acc = tl.zeros([D], tl.float32)
-    for s in range(num_splits):
+    used = tl.cdiv(tl.load(seq_lens_ptr + seq).to(tl.int32), split_tokens)
+    for s in range(used):
         m_s = tl.load(part_ml_ptr + (first + s) * 2)
         l_s = tl.load(part_ml_ptr + (first + s) * 2 + 1)
         m_new = tl.maximum(m_run, m_s)
@@ -416,8 +419,8 @@ def paged_decode(kind: int, query: torch.Tensor, out: torch.Tensor, pool: dict[s
         KIND=kind, MANT=FP8_VARIANTS[fp8][0], BIAS=FP8_VARIANTS[fp8][1], PRECISE=precise, DOT_DTYPE=dot_dtype,
         SPLIT=num_splits > 1)
     if num_splits > 1:
-        _combine_splits[(batch, heads)](out, part_acc, part_ml, out.stride(0), out.stride(1), heads, num_splits,
-                                        D=dim)
+        _combine_splits[(batch, heads)](out, part_acc, part_ml, seq_lens, out.stride(0), out.stride(1), heads,
+                                        num_splits, split_tokens, D=dim)
 
 
 def paged_prefill(kind: int, query: torch.Tensor, out: torch.Tensor, pool: dict[str, torch.Tensor],
