@@ -33,6 +33,7 @@ from kvserve.engine.request import Request
 from kvserve.engine.sampler import SampleResult, Sampler
 from kvserve.engine.scheduler import ScheduledRequest
 from kvserve.model.attention import AttentionBackend, AttentionMetadata, StepSequence, packing_order
+from kvserve.model.attention.metadata import host_to_device
 from kvserve.model.llama import LlamaForCausalLM
 
 
@@ -130,7 +131,7 @@ class ModelRunner:
             offset += n
 
         def tensor(array, dtype=torch.long) -> torch.Tensor:
-            return torch.as_tensor(array, dtype=dtype).to(self.device, non_blocking=True)
+            return host_to_device(array, self.device, dtype)
 
         meta = self.backend.build(sequences, tensor(np.concatenate(slot_chunks)))
         eviction = {item.request.request_id: item.request.eviction for item in scheduled}
@@ -162,7 +163,7 @@ class ModelRunner:
         rows = inputs.logits_rows
         if inputs.prompt_rows:
             extra = np.concatenate([np.arange(p.first_row, p.first_row + len(p.targets)) for p in inputs.prompt_rows])
-            rows = torch.cat([rows, torch.as_tensor(extra, dtype=torch.long).to(self.device, non_blocking=True)])
+            rows = torch.cat([rows, host_to_device(extra, self.device)])
         if self.parallel is None:
             hidden = self.model.final_hidden(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta, rows)
         else:

@@ -28,6 +28,7 @@ from kvserve.engine.parallel.group import (
 from kvserve.engine.parallel.messages import Describe, Heartbeat, MoveTokens, RankStats, Setup, Shutdown, StepPlan
 from kvserve.engine.preflight import select_device
 from kvserve.model.attention import AttentionBackend, make_attention_backend
+from kvserve.model.attention.metadata import host_to_device
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import load_model, quantized_sources
 from kvserve.model.parallel import ShardLayout, shard_heads, shard_layout, shard_model
@@ -107,7 +108,7 @@ def run_step(groups: RankGroups, model: LlamaForCausalLM, kv_cache: KVCache, bac
     device = backend.device
 
     def tensor(array) -> torch.Tensor:
-        return torch.as_tensor(array, dtype=torch.long).to(device, non_blocking=True)
+        return host_to_device(array, device)
 
     meta = backend.build(plan.sequences, tensor(plan.slot_mapping))
     model.final_hidden(tensor(plan.input_ids), tensor(plan.positions), kv_cache, meta, tensor([]))

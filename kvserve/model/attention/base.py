@@ -21,7 +21,7 @@ import torch
 
 from kvserve.cache.kv_cache import KVCacheSpec, KVFormat
 from kvserve.fixed_order import fixed_order_matmul
-from kvserve.model.attention.metadata import AttentionMetadata, StepSequence
+from kvserve.model.attention.metadata import AttentionMetadata, StepSequence, host_to_device
 from kvserve.model.rope import RotaryEmbedding
 
 if TYPE_CHECKING:
@@ -106,7 +106,7 @@ class AttentionBackend:
         return self.attend(query, key, value, kv_cache.layers[layer.layer_idx], kv_cache.format, meta, layer.window)
 
     def _tensor(self, array: np.ndarray | list[int]) -> torch.Tensor:
-        return torch.as_tensor(array, dtype=torch.long).to(self.device, non_blocking=True)
+        return host_to_device(array, self.device)
 
 
 def layer_keys(layer: Attention, query: torch.Tensor, key: torch.Tensor, key_before_rope: torch.Tensor,
