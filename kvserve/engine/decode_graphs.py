@@ -10,19 +10,19 @@ then runs on the real rows only, so the graphs keep hidden states ([size, hidden
 
 - Persistent inputs: token ids, positions, pool slots, sequence lengths and block tables, each
   one contiguous device buffer sized for `max_batch` (tables `max_model_len / block_size` wide),
-  filled from one pinned host buffer with non-blocking copies (of the table columns the step's
+  filled from a pinned host buffer each with non-blocking copies (of the table columns the step's
   longest sequence uses; a kernel never reads a row past its own length). The step's one
   device-to-host copy stays the sampled token ids (the sampler's); the next step rewrites the
   pinned buffers only once the copies out of them are done (an event).
-- Padding rows decode token 0 at position 0 into slot 0, over a context of one token, with block
-  tables of block 0: block 0 is the pool's null block, never handed out, so they write and read
-  nothing a request owns.
+- Padding rows decode token 0 at position 0 into slot 0, over a context of one token whose block
+  table's first entry (the only one it reads) is block 0: the pool's null block, never handed
+  out, so they write and read nothing a request owns.
 - The attention backend builds fixed-shape metadata over these buffers (`graph_metadata`): the
   Triton decode kernel with as many splits as the longest context allowed; a split past a
   sequence's end contributes nothing, so its result is the eager kernel's.
 - Graphs are captured largest first into one memory pool; the capture time and the pool's size are
   logged. engine/pool_sizing.py sets that pool aside beforehand by running the largest graph's
-  forward eagerly on a scratch pool (`profile_graph_memory`).
+  forward eagerly on a scratch pool (`DecodeGraphs.profile`, from `profile_cuda_budget`).
 
 Without CUDA, `capture=False` runs the same padded step eagerly over the same buffers: tests run
 it on CPU under Triton's interpreter (everything but the capture itself).
