@@ -58,7 +58,7 @@ def test_decodes_through_the_graph_buffers_give_the_eager_tokens(tiny_llama_d32,
     else:
         assert runner.graphs is None  # no graphs on CPU: the same buffers, run eagerly
         runner.graphs = DecodeGraphs(llm.engine.model, llm.engine.kv_cache, runner.backend, 4,
-                                     llm.engine.max_model_len, capture=False)
+                                     llm.engine.max_model_len)
     sizes = []
     run = runner.graphs.run
     runner.graphs.run = lambda step: sizes.append(len(step.token_ids)) or run(step)
@@ -72,7 +72,7 @@ def test_prompt_logprobs_and_eviction_take_the_eager_path(tiny_llama_d32):
     runner = llm.engine.runner
     if runner.graphs is None:
         runner.graphs = DecodeGraphs(llm.engine.model, llm.engine.kv_cache, runner.backend, 4,
-                                     llm.engine.max_model_len, capture=False)
+                                     llm.engine.max_model_len)
     calls = []
     run = runner.graphs.run
     runner.graphs.run = lambda step: calls.append(step) or run(step)

@@ -24,8 +24,8 @@ then runs on the real rows only, so the graphs keep hidden states ([size, hidden
   logged. engine/pool_sizing.py sets that pool aside beforehand by running the largest graph's
   forward eagerly on a scratch pool (`DecodeGraphs.profile`, from `profile_cuda_budget`).
 
-Without CUDA, `capture=False` runs the same padded step eagerly over the same buffers: tests run
-it on CPU under Triton's interpreter (everything but the capture itself).
+Until `capture()` has run (never, without CUDA), `run` executes the same padded step eagerly over
+the same buffers: tests run it on CPU under Triton's interpreter (everything but the capture itself).
 """
 from __future__ import annotations
 
@@ -85,10 +85,9 @@ class DecodeGraphs:
     FIELDS = ("input_ids", "positions", "slots", "seq_lens")
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, backend: AttentionBackend, max_batch: int,
-                 max_model_len: int, capture: bool):
+                 max_model_len: int):
         self.model, self.kv_cache, self.backend = model, kv_cache, backend
         self.device = backend.device
-        self.capture_enabled = capture
         self.sizes = capture_sizes(max_batch)
         self.max_batch = self.sizes[-1]
         self.block_size = kv_cache.spec.block_size

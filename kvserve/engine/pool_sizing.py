@@ -80,7 +80,7 @@ def profile_cuda_budget(args: EngineArgs, model: LlamaForCausalLM, kv_spec: KVCa
     if batch:
         before = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
-        DecodeGraphs(model, scratch, backend, batch, max_model_len, capture=False).profile()
+        DecodeGraphs(model, scratch, backend, batch, max_model_len).profile()
         torch.cuda.synchronize(device)
         graph_reserve = torch.cuda.max_memory_allocated(device) - before
         logger.info("CUDA graphs: %.2f GiB set aside for their memory pool (what the %d-sequence graph's "

@@ -46,7 +46,7 @@ def connection_limits(args: argparse.Namespace, fds_per_connection: int = 1) -> 
     available = max(16, (raise_fd_limit() - RESERVED_FDS) // fds_per_connection)
     given = args.max_connections
     if given is not None and not 1 <= given <= available:
-        per = f", halved: a client connection also holds a backend connection" if fds_per_connection > 1 else ""
+        per = ", halved: a client connection also holds a backend connection" if fds_per_connection > 1 else ""
         raise UserError(f"--max-connections must be in 1..{available} (the file-descriptor limit minus "
                         f"{RESERVED_FDS} kept back{per}), got {given}")
     return ConnectionLimits(args.timeout_header, args.timeout_body, given or available)

@@ -52,8 +52,7 @@ class CudaPlatform(Platform):
         if why is not None:
             logger.info("CUDA graphs not used: %s", why)
             return
-        graphs = DecodeGraphs(runner.model, runner.kv_cache, runner.backend, max_capture_size(args), max_model_len,
-                              capture=True)
+        graphs = DecodeGraphs(runner.model, runner.kv_cache, runner.backend, max_capture_size(args), max_model_len)
         try:
             graphs.capture()
         except RuntimeError as exc:
