@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 # Logits elements per slice of prompt rows (each slice holds its float32 logits and log-softmax).
@@ -29,17 +30,16 @@ class TokenLogprobs:
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> TokenLogprobs:
     """`logits` float32 [rows, vocab], `token_ids` [rows] on the same device: row i's log-softmax
-    at token_ids[i], that token's rank, and the k largest entries (k = 0: none)."""
+    at token_ids[i], that token's rank, and the k largest entries (k = 0: none). The results reach
+    the host in one copy, packed as float64 (exact for float32 values and for token ids)."""
     logprobs = logits.log_softmax(dim=-1)
     chosen = logprobs.gather(1, token_ids.unsqueeze(1))
-    ranks = (logprobs > chosen).sum(dim=-1) + 1
-    rows = logits.shape[0]
-    if k:
-        top_vals, top_ids = logprobs.topk(min(k, logits.shape[1]), dim=-1)
-        top_ids_list, top_vals_list = top_ids.tolist(), top_vals.tolist()
-    else:
-        top_ids_list, top_vals_list = [[] for _ in range(rows)], [[] for _ in range(rows)]
-    return TokenLogprobs(chosen.squeeze(1).tolist(), ranks.tolist(), top_ids_list, top_vals_list)
+    ranks = (logprobs > chosen).sum(dim=-1, keepdim=True)
+    k = min(k, logits.shape[1])
+    top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (chosen[:, :0], ranks[:, :0])
+    packed = torch.cat((chosen.double(), ranks.double(), top_vals.double(), top_ids.double()), dim=1).cpu().numpy()
+    return TokenLogprobs(packed[:, 0].tolist(), (packed[:, 1].astype(np.int64) + 1).tolist(),
+                         packed[:, 2 + k:].astype(np.int64).tolist(), packed[:, 2:2 + k].tolist())
 
 
 def prompt_token_logprobs(hidden: torch.Tensor, targets: list[int], k: int,

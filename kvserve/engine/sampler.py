@@ -6,17 +6,24 @@ Every transformation is a tensor op over the whole batch; per-request values arr
 output does not depend on what else is in the batch), and only requests with logits processors
 (SamplingParams.logits_processors) have their row handed to Python code. Only rows under a
 grammar (SamplingParams.structured_outputs) get a token bitmask; a batch without any costs nothing.
+
+Which transformations a batch needs is decided from the requests' parameters on the host, and
+each per-row parameter reaches the device in one copy, so on a GPU a step's only wait for the
+device is the sampled token ids (`tokens.tolist()`), plus one copy of logprobs when asked.
 """
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from itertools import chain
 
+import numpy as np
 import torch
 
 from kvserve.engine.logprobs import token_logprobs
 from kvserve.engine.request import Request
 from kvserve.engine.structured_output import GrammarMasks
+from kvserve.model.attention.metadata import host_to_device
 
 logger = logging.getLogger(__name__)
 
@@ -78,19 +85,23 @@ class Sampler:
         logits = self._apply_penalties(logits, requests)
         logits = self._mask_min_tokens(logits, requests)
 
-        temperature = torch.tensor([p.temperature for p in params], device=logits.device)
-        greedy = temperature < SAMPLING_EPS
+        greedy = [p.temperature < SAMPLING_EPS for p in params]
         # torch's CPU argmax over bfloat16 takes twice as long as the float32 copy and argmax together
         tokens = row_argmax(logits if logits.dtype == torch.float32 else logits.float())
-        if not bool(greedy.all()):
-            scaled = logits / torch.where(greedy, 1.0, temperature).unsqueeze(1)
-            probs = self._truncate(scaled, params).softmax(dim=-1)
+        if not all(greedy):
+            temperature = self._per_row([1.0 if g else p.temperature for g, p in zip(greedy, params)])
+            probs = self._truncate(logits / temperature.unsqueeze(1), params).softmax(dim=-1)
             sampled = self._draw(probs, requests)
-            tokens = torch.where(greedy, tokens, sampled)
+            tokens = torch.where(self._per_row(greedy, torch.bool), tokens, sampled) if any(greedy) else sampled
 
+        logprobs = self._logprobs(raw, tokens, params)
         token_list = tokens.tolist()
         self._advance_grammars(requests, token_list)
-        return SampleResult(token_list, self._logprobs(raw, token_list, params))
+        return SampleResult(token_list, logprobs)
+
+    def _per_row(self, values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """One value per row, on the device in one copy (float32 as torch.tensor makes Python floats)."""
+        return host_to_device(values, self.device, dtype)
 
     # ------------------------------------------------------------------ transformations
     def _apply_processors(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -130,9 +141,8 @@ class Sampler:
             return logits
         if not cloned:
             logits = logits.clone()
-        device = logits.device
-        logits.index_put_((torch.tensor(rows, device=device), torch.tensor(ids, device=device)),
-                          torch.tensor(biases, dtype=logits.dtype, device=device), accumulate=True)
+        where = self._per_row([rows, ids], torch.long)
+        logits.index_put_((where[0], where[1]), self._per_row(biases, logits.dtype), accumulate=True)
         return logits
 
     def _apply_grammars(self, logits: torch.Tensor, requests: list[Request], cloned: bool) -> torch.Tensor:
@@ -166,22 +176,30 @@ class Sampler:
             return logits
         batch, vocab = logits.shape
         dev = logits.device
+        # Every (row, token) pair in one copy: output tokens (counted), then all tokens (seen).
+        outputs = [r.output_token_ids for r in requests]
+        everything = [r.token_ids for r in requests]
+        num_out = sum(len(o) for o in outputs)
+        pairs = np.empty((2, num_out + sum(len(t) for t in everything)), dtype=np.int64)
+        pairs[0] = np.concatenate([np.repeat(np.arange(batch), [len(o) for o in outputs]),
+                                   np.repeat(np.arange(batch), [len(t) for t in everything])])
+        pairs[1] = np.fromiter(chain(chain.from_iterable(outputs), chain.from_iterable(everything)),
+                               dtype=np.int64, count=pairs.shape[1])
+        pairs = self._per_row(pairs, torch.long)
         out_counts = torch.zeros(batch, vocab, device=dev)
+        out_counts.index_put_((pairs[0, :num_out], pairs[1, :num_out]), torch.ones(num_out, device=dev),
+                              accumulate=True)
         seen = torch.zeros(batch, vocab, dtype=torch.bool, device=dev)
-        for i, r in enumerate(requests):
-            out = torch.tensor(r.output_token_ids, dtype=torch.long, device=dev)
-            out_counts[i].index_add_(0, out, torch.ones(len(out), device=dev))
-            seen[i, torch.tensor(r.token_ids, dtype=torch.long, device=dev)] = True
+        seen[pairs[0, num_out:], pairs[1, num_out:]] = True
+        rep, freq, pres = self._per_row([[p.repetition_penalty for p in params], [p.frequency_penalty for p in params],
+                                         [p.presence_penalty for p in params]]).unsqueeze(2)
         # float32 turns penalties below its smallest normal number into 0 (a division by zero) and
         # huge ones into overflow; both are clamped so every accepted value stays finite.
         finite = torch.finfo(logits.dtype)
-        rep = torch.tensor([p.repetition_penalty for p in params], device=dev).unsqueeze(1)
         rep = rep.clamp(min=finite.tiny, max=finite.max)
         # Repetition penalty (Keskar et al. 2019, as in HF/vLLM) over prompt and output tokens.
         penalised = torch.where(logits > 0, logits / rep, logits * rep).clamp(min=-finite.max, max=finite.max)
         logits = torch.where(seen, penalised, logits)
-        freq = torch.tensor([p.frequency_penalty for p in params], device=dev).unsqueeze(1)
-        pres = torch.tensor([p.presence_penalty for p in params], device=dev).unsqueeze(1)
         # OpenAI's presence/frequency penalties count generated tokens only.
         return logits - freq * out_counts - pres * (out_counts > 0).float()
 
@@ -189,24 +207,26 @@ class Sampler:
         rows = [(i, r) for i, r in enumerate(requests) if r.num_output_tokens < r.params.min_tokens]
         if not rows:
             return logits
-        logits = logits.clone()
+        where = [[], []]
         for i, r in rows:
             banned = set(r.params.stop_token_ids)
             if not r.params.ignore_eos:
                 banned.update(r.eos_token_ids)
-            if banned:
-                logits[i, list(banned)] = float("-inf")
-        return logits
+            where[0] += [i] * len(banned)
+            where[1] += sorted(banned)
+        if not where[0]:
+            return logits
+        where = self._per_row(where, torch.long)
+        return logits.index_put((where[0], where[1]), logits.new_full((), float("-inf")))
 
     def _truncate(self, logits: torch.Tensor, params) -> torch.Tensor:
         """Top-k, then top-p (nucleus, Holtzman et al. 2019), then min-p, as -inf masks."""
-        dev = logits.device
-        top_k = torch.tensor([p.top_k or self.vocab_size for p in params], device=dev)
-        top_p = torch.tensor([p.top_p for p in params], device=dev)
-        min_p = torch.tensor([p.min_p for p in params], device=dev)
-        if bool((top_k < logits.shape[1]).any()) or bool((top_p < 1).any()):
+        dev, vocab = logits.device, logits.shape[1]
+        top_k = [min(p.top_k or vocab, vocab) for p in params]
+        if any(k < vocab for k in top_k) or any(p.top_p < 1 for p in params):
+            top_k, top_p = self._per_row(top_k, torch.long), self._per_row([p.top_p for p in params])
             sorted_logits, order = logits.sort(dim=-1, descending=True)
-            ranks = torch.arange(logits.shape[1], device=dev)
+            ranks = torch.arange(vocab, device=dev)
             drop = ranks[None, :] >= top_k[:, None]
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
             probs = sorted_logits.softmax(dim=-1)
@@ -214,7 +234,8 @@ class Sampler:
             mass_before = probs.cumsum(dim=-1) - probs
             sorted_logits = sorted_logits.masked_fill(mass_before >= top_p[:, None], float("-inf"))
             logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
-        if bool((min_p > 0).any()):
+        if any(p.min_p > 0 for p in params):
+            min_p = self._per_row([p.min_p for p in params])
             probs = logits.softmax(dim=-1)
             threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
             logits = logits.masked_fill(probs < threshold, float("-inf"))
@@ -228,15 +249,18 @@ class Sampler:
                 noise[i].exponential_(generator=self._generator(r))
         return row_argmax(probs / noise)
 
-    def _logprobs(self, raw: torch.Tensor, tokens: list[int], params) -> list:
+    def _logprobs(self, raw: torch.Tensor, tokens: torch.Tensor, params) -> list:
+        """Per row, None or (the sampled token's logprob, its top alternatives), from the raw logits;
+        `tokens` stay on the device (token_logprobs copies its results to the host once)."""
         wanted = [p.logprobs for p in params]
         rows = [i for i, w in enumerate(wanted) if w is not None]
         if not rows:
-            return [None] * len(tokens)
-        index = torch.tensor(rows, device=raw.device)
-        found = token_logprobs(raw.index_select(0, index), torch.tensor(tokens, device=raw.device)[index],
-                               max(wanted[i] for i in rows))
-        result: list = [None] * len(tokens)
+            return [None] * len(params)
+        if len(rows) < len(params):
+            index = self._per_row(rows, torch.long)
+            raw, tokens = raw.index_select(0, index), tokens.index_select(0, index)
+        found = token_logprobs(raw, tokens, max(wanted[i] for i in rows))
+        result: list = [None] * len(params)
         for j, i in enumerate(rows):
             w = wanted[i]
             result[i] = (found.logprobs[j], list(zip(found.top_ids[j][:w], found.top_logprobs[j][:w])))
