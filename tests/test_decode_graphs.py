@@ -59,12 +59,20 @@ def test_decodes_through_the_graph_buffers_give_the_eager_tokens(tiny_llama_d32,
         assert runner.graphs is None  # no graphs on CPU: the same buffers, run eagerly
         runner.graphs = DecodeGraphs(llm.engine.model, llm.engine.kv_cache, runner.backend, 4,
                                      llm.engine.max_model_len)
-    sizes = []
+    sizes, table_entries = [], []
     run = runner.graphs.run
-    runner.graphs.run = lambda step: sizes.append(len(step.token_ids)) or run(step)
+
+    def counted(step):
+        sizes.append(len(step.token_ids))
+        table_entries.append(sum(len(t) for t in step.block_tables))
+        return run(step)
+
+    runner.graphs.run = counted
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     assert got == expected
     assert set(sizes) >= {1, 3, 4}  # padded (3 -> 4) and unpadded steps both ran through the buffers
+    # the device tables took each request's blocks once, not every step's whole tables
+    assert 0 < runner.graphs.tables.entries_uploaded < sum(table_entries) / 2
 
 
 def test_prompt_logprobs_and_eviction_take_the_eager_path(tiny_llama_d32):

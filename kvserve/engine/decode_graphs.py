@@ -8,15 +8,16 @@ that size replays the decoder stack (every layer and the final norm) as one laun
 then runs on the real rows only, so the graphs keep hidden states ([size, hidden]), not logits
 ([size, vocab], which for every captured size at once would fill gigabytes of the graphs' pool).
 
-- Persistent inputs: token ids, positions, pool slots, sequence lengths and block tables, each
-  one contiguous device buffer sized for `max_batch` (tables `max_model_len / block_size` wide),
-  filled from a pinned host buffer each with non-blocking copies (of the table columns the step's
-  longest sequence uses; a kernel never reads a row past its own length). The step's one
-  device-to-host copy stays the sampled token ids (the sampler's); the next step rewrites the
-  pinned buffers only once the copies out of them are done (an event).
+- Persistent inputs: token ids, positions, pool slots, sequence lengths and each sequence's row
+  of the device-resident block tables (engine/device_block_tables.py: a step uploads only the
+  entries its sequences' tables gained), each one contiguous device buffer sized for
+  `max_batch`, filled from a pinned host buffer each with non-blocking copies. The graph gathers
+  the step's tables from their rows itself. The step's one device-to-host copy stays the sampled
+  token ids (the sampler's); the next step rewrites the pinned buffers only once the copies out
+  of them are done (an event).
 - Padding rows decode token 0 at position 0 into slot 0, over a context of one token whose block
-  table's first entry (the only one it reads) is block 0: the pool's null block, never handed
-  out, so they write and read nothing a request owns.
+  table (row 0 of the device tables, all zeros) holds block 0: the pool's null block, never
+  handed out, so they write and read nothing a request owns.
 - The attention backend builds fixed-shape metadata over these buffers (`graph_metadata`): the
   Triton decode kernel with as many splits as the longest context allowed; a split past a
   sequence's end contributes nothing, so its result is the eager kernel's.
@@ -37,6 +38,7 @@ import numpy as np
 import torch
 
 from kvserve.cache.kv_cache import KVCache
+from kvserve.engine.device_block_tables import DeviceBlockTables
 from kvserve.model.attention import AttentionBackend
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.units import GiB
@@ -73,16 +75,17 @@ def capture_sizes(max_batch: int) -> list[int]:
 
 @dataclass
 class GraphStep:
-    """One decode step's inputs, per sequence: plain numbers and its block table."""
+    """One decode step's inputs, per sequence: plain numbers, its request id and block table."""
 
+    request_ids: list[str]
     token_ids: list[int]
     positions: list[int]
     slots: list[int]
-    block_tables: list[np.ndarray]
+    block_tables: list[list[int]]
 
 
 class DecodeGraphs:
-    FIELDS = ("input_ids", "positions", "slots", "seq_lens")
+    FIELDS = ("input_ids", "positions", "slots", "seq_lens", "table_rows")
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, backend: AttentionBackend, max_batch: int,
                  max_model_len: int):
@@ -95,7 +98,7 @@ class DecodeGraphs:
         self.max_context = self.width * self.block_size
         long = dict(dtype=torch.long, device=self.device)
         self.buffers = {name: torch.zeros(self.max_batch, **long) for name in self.FIELDS}
-        self.buffers["block_tables"] = torch.zeros(self.max_batch, self.width, **long)
+        self.tables = DeviceBlockTables(self.max_batch, self.width, self.device)
         self.rows = torch.arange(self.max_batch, **long)
         pinned = self.device.type == "cuda"
         # Host side: one pinned buffer per input, written in numpy, copied without blocking.
@@ -113,14 +116,15 @@ class DecodeGraphs:
     def _forward(self, size: int) -> torch.Tensor:
         """The final-normed hidden states [size, hidden] of the padded step in the buffers."""
         b = {name: buffer[:size] for name, buffer in self.buffers.items()}
-        meta = self.backend.graph_metadata(b["slots"], b["block_tables"], b["seq_lens"], self.max_context)
+        block_tables = self.tables.table[b["table_rows"]]
+        meta = self.backend.graph_metadata(b["slots"], block_tables, b["seq_lens"], self.max_context)
         return self.model.final_hidden(b["input_ids"], b["positions"], self.kv_cache, meta, self.rows[:size])
 
     @torch.inference_mode()
     def profile(self) -> None:
         """The largest graph's forward, run eagerly over an all-padding step (what a capture
         allocates, for the profiling pass to measure)."""
-        self._fill(GraphStep([], [], [], []), self.max_batch)
+        self._fill(GraphStep([], [], [], [], []), self.max_batch)
         self._forward(self.max_batch)
 
     @torch.inference_mode()
@@ -129,7 +133,7 @@ class DecodeGraphs:
         start = time.perf_counter()
         torch.cuda.synchronize(self.device)
         free_before = torch.cuda.mem_get_info(self.device)[0]
-        self._fill(GraphStep([], [], [], []), self.max_batch)  # every row padding: a valid step
+        self._fill(GraphStep([], [], [], [], []), self.max_batch)  # every row padding: a valid step
         pool = None
         for size in reversed(self.sizes):
             # Warm-up outside the capture, on a side stream as torch's docs ask: Triton compiles its
@@ -163,15 +167,9 @@ class DecodeGraphs:
         host["positions"][:batch] = step.positions
         host["slots"][:batch] = step.slots
         host["seq_lens"][:batch] = np.asarray(step.positions) + 1
-        tables = host["block_tables"]
-        tables[batch:size, 0] = 0  # a padding row reads the null block's first slot only
-        for row, table in enumerate(step.block_tables):
-            tables[row, : len(table)] = table
-        columns = max((len(t) for t in step.block_tables), default=1)
+        host["table_rows"][:batch] = self.tables.rows(step.request_ids, step.block_tables)
         for name in self.FIELDS:
             self.buffers[name][:size].copy_(self.staging[name][:size], non_blocking=True)
-        self.buffers["block_tables"][:size, :columns].copy_(self.staging["block_tables"][:size, :columns],
-                                                            non_blocking=True)
         if self.device.type == "cuda":
             self.copied = torch.cuda.Event()
             self.copied.record()

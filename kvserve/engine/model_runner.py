@@ -207,7 +207,7 @@ class ModelRunner:
         chunk, a request under KV eviction or asking prompt logprobs, or too many sequences."""
         if self.graphs is None or self.graphs.size_for(len(scheduled)) is None:
             return None
-        step = GraphStep([], [], [], [])
+        step = GraphStep([], [], [], [], [])
         bs = self.kv_cache.spec.block_size
         for item in scheduled:
             r = item.request
@@ -215,10 +215,11 @@ class ModelRunner:
                 return None
             position = r.num_computed_tokens
             table = block_tables[r.request_id]
+            step.request_ids.append(r.request_id)
             step.token_ids.append(r.token_ids[position])
             step.positions.append(position)
             step.slots.append(table[position // bs] * bs + position % bs)
-            step.block_tables.append(np.asarray(table, dtype=np.int64))
+            step.block_tables.append(table)
         return step
 
     def execute(self, scheduled: list[ScheduledRequest], block_tables: dict[str, list[int]]) -> StepResult:
