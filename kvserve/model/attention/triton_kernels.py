@@ -279,6 +279,8 @@ def _decode_kernel(q_ptr, out_ptr, part_acc_ptr, part_ml_ptr, table_ptr, seq_len
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    if split * split_tokens >= seq_len:
+        return  # a split past the sequence's end (a graph's decode has many): _combine_splits never reads it
     first = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
     first = tl.maximum(first, split * split_tokens)
     end = tl.minimum(seq_len, (split + 1) * split_tokens)
@@ -312,11 +314,11 @@ def _decode_kernel(q_ptr, out_ptr, part_acc_ptr, part_ml_ptr, table_ptr, seq_len
 def _combine_splits(out_ptr, part_acc_ptr, part_ml_ptr, seq_lens_ptr, stride_ot, stride_oh, num_heads, num_splits,
                     split_tokens, D: tl.constexpr):
     """Merge a (sequence, head)'s split partial sums in split order, as an online softmax over the
-    splits. A split past the sequence's end (m = NEG_BIG, l = 0, sums 0) leaves the running sums
-    exactly as they were, and a sequence of one split comes out as the unsplit kernel writes it:
-    the result depends on the sequence alone, not on the longest context in the batch. So the
-    splits past the sequence's end are not even read (a CUDA graph's decode has as many splits as
-    the longest context allowed)."""
+    splits. A split holding no token of the window (m = NEG_BIG, l = 0, sums 0) leaves the running
+    sums exactly as they were, and a sequence of one split comes out as the unsplit kernel writes
+    it: the result depends on the sequence alone, not on the longest context in the batch. The
+    splits past the sequence's end are neither written nor read (a CUDA graph's decode has as many
+    splits as the longest context allowed)."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     first = (seq * num_heads + head).to(tl.int64) * num_splits
