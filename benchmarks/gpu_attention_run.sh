@@ -37,4 +37,7 @@ for eager in "" "--enforce-eager"; do
       2>&1 | grep -E "Throughput|CUDA graphs|capture" | sed "s/^/[$n ${eager:-graphs}] /"
   done
 done
+echo "=== 6 torch profile of 32 decode steps at 128 requests, CUDA graphs on (issue 42: GPU busy >= 85%)"
+[ "$1" = "--dry" ] && echo "(skipped in a dry run: prof.py loads /tmp/m1b on CUDA)" || \
+  timeout 120 python3 $G/prof.py 2>&1 | grep -E "out tok/s|GPU busy|CUDA graphs|Self CUDA time total|Self CPU time total"
 } 2>&1 | tee $OUT/attention-log.txt
