@@ -46,7 +46,7 @@ class LLM:
         ids: list[str] = []
         try:
             for prompt, params in zip(prompts, sampling_params):
-                ids.append(self.engine.add_request(prompt, params))
+                ids.append(self.engine.add_request(prompt, params, final_only=True))
         except Exception:
             for request_id in ids:  # all or nothing: no orphans left queued for the next call
                 self.engine.abort_request(request_id)

@@ -61,3 +61,35 @@ def test_two_sequences_report_together_and_a_stop_string_ends_one(tiny_tokenizer
     assert last.finished and last.outputs[0].finish_reason == "length"
     assert set(forgotten) == {"0_r", "1_r"}
     assert "r" not in processor and processor.output("r") is None and processor.sequences("r") == []
+
+
+def test_a_final_only_request_is_reported_once_when_it_finishes(tiny_tokenizer):
+    """What offline generation asks for (LLM.generate): no output per token, one at the end, with
+    every token and the whole text; a request beside it still gets one output per step."""
+    processor, _, _ = _processor(tiny_tokenizer)
+    prompt = tiny_tokenizer.encode("It is a truth")
+    final, streamed = (Request(rid, prompt, SamplingParams(max_tokens=8)) for rid in ("final", "streamed"))
+    processor.add("final", None, prompt, [final], final_only=True)
+    processor.add("streamed", None, prompt, [streamed])
+    tokens = tiny_tokenizer.encode(" universally acknowledged")
+    for token in tokens:
+        outputs = _step(processor, [final, streamed], [token, token])
+        assert [o.request_id for o in outputs] == ["streamed"]
+    final.status = RequestStatus.FINISHED_LENGTH
+    outputs = _step(processor, [final], [tokens[0]])
+    [out] = outputs
+    assert out.request_id == "final" and out.finished
+    assert out.outputs[0].token_ids == tokens + tokens[:1]
+    assert out.outputs[0].text == tiny_tokenizer.decode(tokens + tokens[:1])
+    assert "final" not in processor and "streamed" in processor
+
+
+def test_token_ids_reported_are_a_snapshot(tiny_tokenizer):
+    """An output keeps the tokens it was reported with while the sequence goes on."""
+    processor, _, _ = _processor(tiny_tokenizer)
+    prompt = tiny_tokenizer.encode("Hello")
+    request = Request("r", prompt, SamplingParams(max_tokens=8))
+    processor.add("r", None, prompt, [request])
+    [first] = _step(processor, [request], [5])
+    _step(processor, [request], [6])
+    assert first.outputs[0].token_ids == [5] and request.output_token_ids == [5, 6]

@@ -178,3 +178,25 @@ def test_penalties_push_away_from_seen_tokens():
     assert _sample(logits, temperature=0) == 0
     # Token 0 is in the prompt ([0, 1]); a repetition penalty of 2 halves its positive logit.
     assert _sample(logits, temperature=0, repetition_penalty=2.0) == 2
+
+
+def test_the_detokenizers_direct_decoder_matches_the_tokenizers_decode(tiny_tokenizer):
+    """engine/detokenizer.ids_decoder calls a fast tokenizer's Rust decoder directly: the same text
+    as tokenizer.decode for any ids, special tokens skipped or not; with clean-up of spaces on it
+    goes through tokenizer.decode."""
+    import copy
+    import random
+
+    from kvserve.engine.detokenizer import ids_decoder
+
+    cleaning = copy.deepcopy(tiny_tokenizer)
+    cleaning.clean_up_tokenization_spaces = True
+    rng = random.Random(0)
+    for tokenizer in (tiny_tokenizer, cleaning):
+        decode = ids_decoder(tokenizer)
+        specials = list(tokenizer.all_special_ids)
+        for _ in range(300):
+            ids = [rng.choice(specials) if rng.random() < 0.2 else rng.randrange(len(tokenizer))
+                   for _ in range(rng.randrange(1, 10))]
+            for skip in (False, True):
+                assert decode(ids, skip) == tokenizer.decode(ids, skip_special_tokens=skip)

@@ -7,11 +7,23 @@ never shows text that the final answer drops.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 # Prompt tokens decoded as left context: SentencePiece-style tokenizers render a leading space
 # differently at the start of a string than after other tokens.
 _CONTEXT_TOKENS = 6
+
+
+def ids_decoder(tokenizer: Any) -> Callable[[list[int], bool], str]:
+    """`tokenizer.decode(ids, skip_special_tokens=...)`, calling a fast tokenizer's Rust decoder
+    directly when HF's wrapper would add nothing (no clean-up of spaces): the wrapper's argument
+    conversion costs several times the decode itself, twice per token of every sequence."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if type(backend).__name__ == "Tokenizer" and hasattr(backend, "decode") \
+            and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return lambda ids, skip: backend.decode(ids, skip_special_tokens=skip)
+    return lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip)
 
 
 class IncrementalDetokenizer:
@@ -22,6 +34,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], stop: list[str],
                  include_stop_str_in_output: bool, skip_special_tokens: bool, min_tokens: int = 0):
         self.tokenizer = tokenizer
+        self._decode_ids = ids_decoder(tokenizer)
         self.tokens = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.tokens)
@@ -35,7 +48,7 @@ class IncrementalDetokenizer:
         self.generated = 0
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
+        return self._decode_ids(ids, self.skip_special)
 
     def add_token(self, token_id: int) -> None:
         """Append one generated token; sets `stop_string` if a stop string completed."""

@@ -192,8 +192,10 @@ class LLMEngine:
         return max_tokens
 
     def add_request(self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str | None = None,
-                    cache_salt: str | None = None) -> str:
-        """Queue a prompt (text, token ids or {"prompt_token_ids": [...]}). Raises ValueError for bad input."""
+                    cache_salt: str | None = None, final_only: bool = False) -> str:
+        """Queue a prompt (text, token ids or {"prompt_token_ids": [...]}). Raises ValueError for bad input.
+        `final_only`: `step()` reports the request once, when it finishes (vLLM's FINAL_ONLY output
+        kind, what offline generation reads), not after every token."""
         request_id = request_id or self.new_request_id()
         if request_id in self.output_processor:
             raise ValueError(f"duplicate request id {request_id!r}")
@@ -210,7 +212,7 @@ class LLMEngine:
             grammar = None if params.structured_outputs is None else self.grammars.matcher(params.structured_outputs)
             sequences.append(Request(child_id, token_ids, child_params, self.eos_token_ids, cache_salt,
                                      eviction=eviction, grammar=grammar))
-        self.output_processor.add(request_id, text, token_ids, sequences)
+        self.output_processor.add(request_id, text, token_ids, sequences, final_only)
         for request in sequences:
             self.scheduler.add(request)
         return request_id

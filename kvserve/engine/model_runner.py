@@ -101,6 +101,8 @@ class ModelRunner:
         bs = self.kv_cache.spec.block_size
         scheduled = sorted(scheduled, key=lambda item: packing_order(
             item.num_new_tokens == 1, item.request.eviction is not None, item.request.num_computed_tokens))
+        # Decodes (packed first) as plain ints, one array each at the end; prefill chunks as arrays.
+        decode_tokens, decode_positions, decode_slots = [], [], []
         token_chunks, position_chunks, slot_chunks, sequences = [], [], [], []
         logits_rows, sampled, prompt_rows = [], [], []
         offset = 0
@@ -108,11 +110,17 @@ class ModelRunner:
             r, n = item.request, item.num_new_tokens
             start = r.num_computed_tokens
             cache_start = start - r.num_evicted_tokens  # == start without eviction
-            positions = np.arange(cache_start, cache_start + n)
-            table = np.asarray(block_tables[r.request_id], dtype=np.int64)
-            token_chunks.append(r.token_ids[start:start + n])
-            position_chunks.append(positions)
-            slot_chunks.append(table[positions // bs] * bs + positions % bs)
+            blocks = block_tables[r.request_id]
+            table = np.asarray(blocks, dtype=np.int64)
+            if n == 1:
+                decode_tokens.append(r.token_ids[start])
+                decode_positions.append(cache_start)
+                decode_slots.append(blocks[cache_start // bs] * bs + cache_start % bs)
+            else:
+                positions = np.arange(cache_start, cache_start + n)
+                token_chunks.append(np.asarray(r.token_ids[start:start + n], dtype=np.int64))
+                position_chunks.append(positions)
+                slot_chunks.append(table[positions // bs] * bs + positions % bs)
             evicting = r.eviction is not None
             sequences.append(StepSequence(r.request_id, offset, n, cache_start + n, table, keys_before_rope=evicting,
                                           observed_rows=self.evictor.observed_rows(r.eviction, n) if evicting else None))
@@ -133,11 +141,14 @@ class ModelRunner:
         def tensor(array, dtype=torch.long) -> torch.Tensor:
             return host_to_device(array, self.device, dtype)
 
-        meta = self.backend.build(sequences, tensor(np.concatenate(slot_chunks)))
+        def packed(decodes: list[int], chunks: list[np.ndarray]) -> np.ndarray:
+            return np.concatenate([np.asarray(decodes, dtype=np.int64), *chunks])
+
+        meta = self.backend.build(sequences, tensor(packed(decode_slots, slot_chunks)))
         eviction = {item.request.request_id: item.request.eviction for item in scheduled}
         return ModelInputs(
-            input_ids=tensor(np.fromiter((t for chunk in token_chunks for t in chunk), dtype=np.int64)),
-            positions=tensor(np.concatenate(position_chunks)),
+            input_ids=tensor(packed(decode_tokens, token_chunks)),
+            positions=tensor(packed(decode_positions, position_chunks)),
             meta=meta,
             logits_rows=tensor(logits_rows),
             sampled=sampled,

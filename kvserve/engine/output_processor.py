@@ -38,6 +38,7 @@ class _Parent:
     children: list[_Child] = field(default_factory=list)
     # Entries so far (the first sequence computes them for all); None when not asked for.
     prompt_logprobs: PromptLogprobs | None = None
+    final_only: bool = False  # reported once, when finished
 
     @property
     def finished(self) -> bool:
@@ -125,9 +126,10 @@ class OutputProcessor:
         return request_id in self._parents
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-            sequences: list[Request]) -> None:
-        """Track a request and its sequences (one per sample, ids as the engine named them)."""
-        parent = _Parent(request_id, prompt, prompt_token_ids)
+            sequences: list[Request], final_only: bool = False) -> None:
+        """Track a request and its sequences (one per sample, ids as the engine named them);
+        `final_only`: `process` reports it only once it has finished."""
+        parent = _Parent(request_id, prompt, prompt_token_ids, final_only=final_only)
         if sequences and sequences[0].params.prompt_logprobs is not None:
             parent.prompt_logprobs = [None]
         for request in sequences:
@@ -150,7 +152,7 @@ class OutputProcessor:
         """After a step: each sequence's sampled token (`result`, in `sampled`'s order) detokenized,
         a stop string ending its sequence; prompt logprobs collected; `finished`: sequences the
         scheduler ended without sampling (prefill only). Returns one output per request that
-        advanced, in the order first seen."""
+        advanced (a final-only request: only once finished), in the order first seen."""
         for chunk in prompt_logprobs:
             self._add_prompt_logprobs(chunk)
         touched: dict[str, _Parent] = {}
@@ -170,7 +172,7 @@ class OutputProcessor:
             if child.detokenizer.stop_string is not None and not request.status.finished:
                 request.stop_reason = child.detokenizer.stop_string
                 self._finish(request, RequestStatus.FINISHED_STOPPED)
-        return [self._output(parent) for parent in touched.values()]
+        return [self._output(parent) for parent in touched.values() if not parent.final_only or parent.finished]
 
     def _add_prompt_logprobs(self, chunk: PromptLogprobsChunk) -> None:
         entry = self._children.get(chunk.request.request_id)

@@ -45,6 +45,7 @@ class Request:
     cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     token_ids: list[int] = field(init=False)
+    _output_ids: list[int] = field(init=False, repr=False)  # token_ids after the prompt, kept as they come
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
@@ -74,6 +75,7 @@ class Request:
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+        self._output_ids = []
         self.num_prompt_tokens = len(self.prompt_token_ids)
 
     @property
@@ -82,7 +84,8 @@ class Request:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        """The generated tokens: the sequence's own list, read without a copy each step (not to be changed)."""
+        return self._output_ids
 
     @property
     def num_output_tokens(self) -> int:
@@ -94,6 +97,7 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+        self._output_ids.append(token_id)
 
     def check_stop(self, max_model_len: int) -> RequestStatus | None:
         """After a token was appended: the finishing status, if generation must stop."""

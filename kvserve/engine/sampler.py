@@ -116,7 +116,7 @@ class Sampler:
             row = processed[i]
             for processor in r.params.logits_processors:
                 try:
-                    row = processor(r.output_token_ids, row)
+                    row = processor(list(r.output_token_ids), row)
                     if not isinstance(row, torch.Tensor) or row.shape != logits[i].shape:
                         raise TypeError(f"returned {_describe(row)}, expected a tensor of shape "
                                         f"{tuple(logits[i].shape)}")
