@@ -149,6 +149,7 @@ class KVCacheManager:
         self.namespace = namespace
         self.stats = PrefixCacheStats()
         self.req_blocks: dict[str, list[Block]] = {}
+        self._req_block_ids: dict[str, list[int]] = {}  # the same tables as block ids, kept in step
         self._req_hashes: dict[str, list[bytes]] = {}
         self._num_published: dict[str, int] = {}  # a request's leading full blocks already offered to the cache
 
@@ -281,8 +282,10 @@ class KVCacheManager:
         if self.blocks_needed(request, num_new_tokens, cached, loaded.num_blocks) > self.pool.num_free_blocks:
             return False
         blocks = self.req_blocks.setdefault(request.request_id, [])
+        block_ids = self._req_block_ids.setdefault(request.request_id, [])
         self.pool.share(list(cached))
         blocks.extend(cached)
+        block_ids.extend(b.block_id for b in cached)
         total_tokens = request.num_kv_tokens + (len(cached) + loaded.num_blocks) * self.block_size + num_new_tokens
         fresh = self.pool.allocate(max(0, -(-total_tokens // self.block_size) - len(blocks)))
         if loaded.num_blocks:
@@ -290,6 +293,7 @@ class KVCacheManager:
             self.tiers.load([b.block_id for b in fresh[:loaded.num_blocks]], loaded.data, loaded.hashes)
             self._fetched.pop(request.request_id, None)
         blocks.extend(fresh)
+        block_ids.extend(b.block_id for b in fresh)
         if self.enable_prefix_caching and request.num_evicted_tokens == 0:
             # Publish blocks that this step fills completely; their K/V are written by this step's
             # forward pass, before any later step can schedule a request that reads them.
@@ -344,6 +348,7 @@ class KVCacheManager:
         if plan is None:
             return False
         self.req_blocks[request.request_id] = plan.blocks
+        self._req_block_ids[request.request_id] = [b.block_id for b in plan.blocks]
         src, dst = self._moves.setdefault(request.request_id, ([], []))
         src.extend(plan.src_slots)
         dst.extend(plan.dst_slots)
@@ -378,6 +383,7 @@ class KVCacheManager:
         """Release the request's blocks, tail first: the shared head of a prefix outlives its tail
         in the LRU queue."""
         blocks = self.req_blocks.pop(request.request_id, [])
+        self._req_block_ids.pop(request.request_id, None)
         self.pool.release(list(reversed(blocks)))
         self._req_hashes.pop(request.request_id, None)
         self._num_published.pop(request.request_id, None)
@@ -404,4 +410,8 @@ class KVCacheManager:
         return self.tiers.flush([(b.block_id, h) for h, b in self.pool.cached.items()])
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+        return list(self.block_table(request_id))
+
+    def block_table(self, request_id: str) -> list[int]:
+        """The request's block ids, its own list (no copy, for the step being built; not to be changed)."""
+        return self._req_block_ids.get(request_id, [])

@@ -241,7 +241,7 @@ class LLMEngine:
         self.runner.move_tokens(*self.kv_manager.take_moves())  # compactions planned by schedule()
         if not scheduled:
             return []
-        tables = {s.request.request_id: self.kv_manager.block_ids(s.request.request_id) for s in scheduled}
+        tables = {s.request.request_id: self.kv_manager.block_table(s.request.request_id) for s in scheduled}
         step = self.runner.execute(scheduled, tables)
         finished = self.scheduler.update(scheduled, {item.request.request_id: token
                                                      for item, token in zip(step.sampled, step.result.token_ids)})
