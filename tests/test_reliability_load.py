@@ -78,8 +78,12 @@ def test_100_streams_with_every_10th_client_leaving_the_rest_get_exactly_their_t
     state = wait_drained(url)
     assert state.drained, state  # no block leaked by the ten aborted requests
     after = read_metrics(url)
-    assert delta(after, before, "kvserve:request_success_total{finished_reason=abort}") == 10
-    assert delta(after, before, "kvserve:request_success_total{finished_reason=length}") == 90
+    aborted = delta(after, before, "kvserve:request_success_total{finished_reason=abort}")
+    finished = delta(after, before, "kvserve:request_success_total{finished_reason=length}")
+    # Every request ends once, as abort or length. The engine may run ahead of a stream's delivery:
+    # a client leaving after its second event can leave after its request's last token was
+    # generated, and that request rightly ends "length". Those leaving before any event abort theirs.
+    assert aborted + finished == 100 and finished >= 90 and aborted >= 5, (aborted, finished)
     # The server then serves new requests normally.
     assert reference_texts(url, distinct[:1], ABORT_MAX_TOKENS) == {distinct[0]: expected[distinct[0]]}
 
