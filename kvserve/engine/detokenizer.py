@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from tokenizers import Tokenizer
+
 # Prompt tokens decoded as left context: SentencePiece-style tokenizers render a leading space
 # differently at the start of a string than after other tokens.
 _CONTEXT_TOKENS = 6
@@ -19,9 +21,8 @@ def ids_decoder(tokenizer: Any) -> Callable[[list[int], bool], str]:
     """`tokenizer.decode(ids, skip_special_tokens=...)`, calling a fast tokenizer's Rust decoder
     directly when HF's wrapper would add nothing (no clean-up of spaces): the wrapper's argument
     conversion costs several times the decode itself, twice per token of every sequence."""
-    backend = getattr(tokenizer, "_tokenizer", None)
-    if type(backend).__name__ == "Tokenizer" and hasattr(backend, "decode") \
-            and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+    backend = getattr(tokenizer, "_tokenizer", None)  # a PreTrainedTokenizerFast's own
+    if isinstance(backend, Tokenizer) and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
         return lambda ids, skip: backend.decode(ids, skip_special_tokens=skip)
     return lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip)
 
