@@ -275,10 +275,11 @@ class KVCacheManager:
         blocks `cached`, then the tier blocks `loaded`, written into fresh blocks here), first
         letting an evicting request drop tokens (`make_room`). Returns False if the pool cannot
         supply the blocks, having changed nothing but a compaction that was due anyway."""
-        if self._fits(request, num_new_tokens) and not cached and not loaded.num_blocks:
-            return True
-        if not cached and not loaded.num_blocks and not self.make_room(request, num_new_tokens):
-            return False
+        if not cached and not loaded.num_blocks:
+            if self._fits(request, num_new_tokens):
+                return True
+            if not self.make_room(request, num_new_tokens):
+                return False
         if self.blocks_needed(request, num_new_tokens, cached, loaded.num_blocks) > self.pool.num_free_blocks:
             return False
         blocks = self.req_blocks.setdefault(request.request_id, [])

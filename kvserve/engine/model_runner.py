@@ -37,6 +37,11 @@ from kvserve.model.attention.metadata import host_to_device
 from kvserve.model.llama import LlamaForCausalLM
 
 
+def pool_slot(block_table, position, block_size: int):
+    """The pool slot of cache position(s) `position` (an int, or an array with `block_table` one)."""
+    return block_table[position // block_size] * block_size + position % block_size
+
+
 @dataclass
 class PromptRows:
     """Prompt positions [start, start + len(targets)) of `request` in this step, whose next tokens
@@ -115,12 +120,12 @@ class ModelRunner:
             if n == 1:
                 decode_tokens.append(r.token_ids[start])
                 decode_positions.append(cache_start)
-                decode_slots.append(blocks[cache_start // bs] * bs + cache_start % bs)
+                decode_slots.append(pool_slot(blocks, cache_start, bs))
             else:
                 positions = np.arange(cache_start, cache_start + n)
                 token_chunks.append(np.asarray(r.token_ids[start:start + n], dtype=np.int64))
                 position_chunks.append(positions)
-                slot_chunks.append(table[positions // bs] * bs + positions % bs)
+                slot_chunks.append(pool_slot(table, positions, bs))
             evicting = r.eviction is not None
             sequences.append(StepSequence(r.request_id, offset, n, cache_start + n, table, keys_before_rope=evicting,
                                           observed_rows=self.evictor.observed_rows(r.eviction, n) if evicting else None))
@@ -229,7 +234,7 @@ class ModelRunner:
             step.request_ids.append(r.request_id)
             step.token_ids.append(r.token_ids[position])
             step.positions.append(position)
-            step.slots.append(table[position // bs] * bs + position % bs)
+            step.slots.append(pool_slot(table, position, bs))
             step.block_tables.append(table)
         return step
 
