@@ -41,17 +41,20 @@ def engine(model, **options) -> LLM:
                attention_backend="triton", device=str(DEVICE), **options)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto"])  # the buffers are the same for every KV format
-def test_decodes_through_the_graph_buffers_give_the_eager_tokens(tiny_llama_d32, kv_cache_dtype):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_decodes_through_the_graph_buffers_give_the_eager_tokens(tiny_llama_d32, async_scheduling):
     """Six prompts with max 4 sequences per graph: steps of 5-6 decodes run eagerly, later steps
-    of 1-4 through the buffers padded to 1, 2 or 4, with prefill chunks in between eager."""
+    of 1-4 through the buffers padded to 1, 2 or 4, with prefill chunks in between eager. Under
+    async scheduling the graph steps take their input tokens from the step before on the device."""
+    kv_cache_dtype = "auto"  # the buffers are the same for every KV format
     params = [SamplingParams(temperature=0, max_tokens=6 + 3 * i, ignore_eos=True) for i in range(len(PROMPTS))]
     eager = engine(tiny_llama_d32, kv_cache_dtype=kv_cache_dtype, enforce_eager=True)
     assert eager.engine.runner.graphs is None
     expected = [o.outputs[0].token_ids for o in eager.generate(PROMPTS, params, use_tqdm=False)]
     eager.close()
 
-    llm = engine(tiny_llama_d32, kv_cache_dtype=kv_cache_dtype, max_cudagraph_capture_size=4)
+    llm = engine(tiny_llama_d32, kv_cache_dtype=kv_cache_dtype, max_cudagraph_capture_size=4,
+                 async_scheduling=async_scheduling)
     runner = llm.engine.runner
     if DEVICE.type == "cuda":
         assert runner.graphs is not None and sorted(runner.graphs.graphs) == [1, 2, 4]
@@ -59,13 +62,14 @@ def test_decodes_through_the_graph_buffers_give_the_eager_tokens(tiny_llama_d32,
         assert runner.graphs is None  # no graphs on CPU: the same buffers, run eagerly
         runner.graphs = DecodeGraphs(llm.engine.model, llm.engine.kv_cache, runner.backend, 4,
                                      llm.engine.max_model_len)
-    sizes, table_entries = [], []
+    sizes, table_entries, pending_rows = [], [], []
     run = runner.graphs.run
 
-    def counted(step):
+    def counted(step, pending=None):
         sizes.append(len(step.token_ids))
         table_entries.append(sum(len(t) for t in step.block_tables))
-        return run(step)
+        pending_rows.append(len(step.pending_rows))
+        return run(step, pending)
 
     runner.graphs.run = counted
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
@@ -73,6 +77,8 @@ def test_decodes_through_the_graph_buffers_give_the_eager_tokens(tiny_llama_d32,
     assert set(sizes) >= {1, 3, 4}  # padded (3 -> 4) and unpadded steps both ran through the buffers
     # the device tables took each request's blocks once, not every step's whole tables
     assert 0 < runner.graphs.tables.entries_uploaded < sum(table_entries) / 2
+    # async: every decode's input token was sampled by the step before, still on the device
+    assert sum(pending_rows) == (sum(sizes) if async_scheduling else 0)
 
 
 def test_prompt_logprobs_and_eviction_take_the_eager_path(tiny_llama_d32):
@@ -83,7 +89,7 @@ def test_prompt_logprobs_and_eviction_take_the_eager_path(tiny_llama_d32):
                                      llm.engine.max_model_len)
     calls = []
     run = runner.graphs.run
-    runner.graphs.run = lambda step: calls.append(step) or run(step)
+    runner.graphs.run = lambda step, pending=None: calls.append(step) or run(step, pending)
     llm.generate(["Hello there"], SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=1), use_tqdm=False)
     llm.generate(["Hello there"], SamplingParams(temperature=0, max_tokens=4,
                                                  kv_eviction={"policy": "streaming", "budget": 32}),

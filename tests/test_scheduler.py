@@ -173,3 +173,83 @@ def test_max_model_len_ends_generation():
     sched.add(r)
     run_to_completion(sched)
     assert r.num_tokens == 10 and r.status == RequestStatus.FINISHED_LENGTH
+
+
+# ---------------------------------------------------------------------------- async scheduling
+def run_overlapped(sched: Scheduler, token_of=lambda request: 7, max_steps: int = 10_000) -> list[list[tuple[str, int]]]:
+    """Drive the scheduler as the engine does under --async-scheduling: step N+1 is scheduled and
+    advanced before step N's tokens are handed back."""
+    steps, in_flight = [], None
+    while sched.has_unfinished() or in_flight is not None:
+        scheduled = sched.schedule()
+        steps.append([(s.request.request_id, s.num_new_tokens) for s in scheduled])
+        for s in scheduled:  # a decode's input token is known unless the step in flight samples it
+            assert s.request.num_computed_tokens + s.num_new_tokens <= s.request.num_scheduled_tokens
+        sampled = {s.request.request_id: token_of(s.request) for s in scheduled if s.samples}
+        sched.advance(scheduled)
+        if in_flight is not None:
+            sched.update(*in_flight, advanced=True)
+        in_flight = (scheduled, sampled) if scheduled else None
+        assert len(steps) < max_steps
+    return steps
+
+
+def test_async_scheduling_counts_a_step_at_launch_and_gives_the_same_tokens():
+    sched = make_scheduler(num_blocks=64, budget=8)
+    requests = [make_request(f"r{i}", 5 + 3 * i, max_tokens=4 + i, start_token=10 * i) for i in range(4)]
+    for r in requests:
+        sched.add(r)
+    steps = run_overlapped(sched)
+    for i, r in enumerate(requests):
+        assert r.status == RequestStatus.FINISHED_LENGTH and r.output_token_ids == [7] * (4 + i)
+        assert r.num_pending_tokens == 0
+    # never past max_tokens: a request whose pending token ends it is not scheduled again
+    scheduled_decodes = sum(n for step in steps for rid, n in step if rid == "r0") - 5
+    assert scheduled_decodes == 4 - 1
+    assert sched.kv.pool.num_free_blocks == 64
+
+
+def test_async_scheduling_discards_the_token_after_a_stop():
+    """A request that stops on a token had its next decode launched already; that token is dropped."""
+    sched = make_scheduler(num_blocks=64)
+    r = Request("r", [1, 2, 3], SamplingParams(max_tokens=20, stop_token_ids=[9]))
+    sched.add(r)
+    outputs = iter([5, 6, 9, 4, 4, 4])
+    run_overlapped(sched, token_of=lambda request: next(outputs))
+    assert r.status == RequestStatus.FINISHED_STOPPED and r.output_token_ids == [5, 6, 9]
+    assert r.num_pending_tokens == 0 and sched.kv.pool.num_free_blocks == 64
+
+
+def test_async_scheduling_resumes_a_preempted_request_once_its_token_arrives():
+    sched = make_scheduler(num_blocks=6, budget=16)
+    a, b = make_request("a", 8, max_tokens=12), make_request("b", 8, max_tokens=12, start_token=50)
+    sched.add(a)
+    sched.add(b)
+    held_back = []
+    orig_schedule = sched.schedule
+
+    def schedule():
+        scheduled = orig_schedule()
+        held_back.extend(r.request_id for r in sched.waiting if r.num_pending_tokens)
+        return scheduled
+
+    sched.schedule = schedule
+    run_overlapped(sched)
+    assert sched.num_preemptions > 0 and "b" in held_back
+    for r in (a, b):
+        assert r.output_token_ids == [7] * 12 and r.num_pending_tokens == 0
+    assert sched.kv.pool.num_free_blocks == 6
+
+
+def test_requests_needing_host_tokens_are_counted_until_they_finish():
+    sched = make_scheduler(num_blocks=16)
+    plain = make_request("plain", 4, max_tokens=2)
+    with_logprobs = Request("lp", [1, 2], SamplingParams(max_tokens=2, logprobs=1))
+    penalised = Request("pen", [1, 2], SamplingParams(max_tokens=2, frequency_penalty=0.5))
+    assert not plain.needs_host_tokens and with_logprobs.needs_host_tokens and penalised.needs_host_tokens
+    for r in (plain, with_logprobs, penalised):
+        sched.add(r)
+    assert sched.num_needing_host_tokens == 2
+    sched.finish(with_logprobs, RequestStatus.FINISHED_ABORTED)
+    run_to_completion(sched)
+    assert sched.num_needing_host_tokens == 0

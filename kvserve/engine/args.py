@@ -104,6 +104,12 @@ class EngineArgs:
     max_cudagraph_capture_size: int | None = field(default=None, metadata=_opt(
         "CUDA: the largest decode batch captured in a CUDA graph (sizes 1, 2, 4, then multiples of 8 up to "
         "it); larger decode steps run eagerly. Default: --max-num-seqs, at most 512", type=int))
+    async_scheduling: bool = field(default=False, metadata=_opt(
+        "schedule and prepare the next step while the device runs this one (vLLM's flag): a decode reads "
+        "its input token on the device; the host waits for a step's tokens only after launching the next. "
+        "Steps with requests that need their tokens on the host (logprobs, penalties, grammars, logits "
+        "processors, KV eviction, prompt logprobs) run one at a time. On CPU the forward pass runs in the "
+        "engine's thread, so nothing overlaps there", action="store_true"))
     gpu_memory_utilization: float = field(default=0.9, metadata=_opt(
         "fraction of GPU memory kvserve may use (weights + activations + KV cache); CUDA only"))
     max_model_len: int | None = field(default=None, metadata=_opt(
@@ -233,6 +239,11 @@ class EngineArgs:
         if self.tensor_parallel_size > 1 and (self.kv_offloading_size or path is not None):
             raise ValueError("the KV offload tiers (--kv-offloading-size, --kv-offloading-disk-path) copy one "
                              "process's pool: they do not work with --tensor-parallel-size > 1 yet")
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be True or False, got {self.async_scheduling!r}")
+        if self.async_scheduling and self.tensor_parallel_size > 1:
+            raise ValueError("--async-scheduling does not work with --tensor-parallel-size > 1 yet: the other "
+                             "ranks take a step's input tokens from the host")
         _check_int("nnodes", self.nnodes, 1)
         _check_int("node_rank", self.node_rank, 0)
         _check_int("master_port", self.master_port, 1, optional=True)

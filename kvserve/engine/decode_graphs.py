@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -82,6 +82,8 @@ class GraphStep:
     positions: list[int]
     slots: list[int]
     block_tables: list[list[int]]
+    # (row, request id) of sequences whose input token the step in flight sampled (async scheduling)
+    pending_rows: list[tuple[int, str]] = field(default_factory=list)
 
 
 class DecodeGraphs:
@@ -175,11 +177,14 @@ class DecodeGraphs:
             self.copied.record()
 
     @torch.inference_mode()
-    def run(self, step: GraphStep) -> torch.Tensor:
-        """Float32 logits [len(step.token_ids), vocab] of the step's sequences."""
+    def run(self, step: GraphStep, pending: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Float32 logits [len(step.token_ids), vocab] of the step's sequences. `pending`: (rows,
+        tokens) on the device, input tokens not on the host yet (async scheduling)."""
         batch = len(step.token_ids)
         size = self.size_for(batch)
         self._fill(step, size)
+        if pending is not None:
+            self.buffers["input_ids"][pending[0]] = pending[1]
         if size in self.graphs:
             self.graphs[size].replay()
             hidden = self.hidden[size]

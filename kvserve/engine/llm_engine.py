@@ -4,6 +4,12 @@
     step: Scheduler.schedule ──> ModelRunner.execute ──> Scheduler.update ──> OutputProcessor.process
                                                                              (detokenize, stop strings, logprobs)
 
+With --async-scheduling (vLLM v1's async scheduling), step N+1 is scheduled and launched before
+step N's tokens are waited for, so on a GPU the host's part of a step (scheduling, inputs,
+detokenizing, stop checks) runs while the device computes:
+
+    step: schedule N+1 ──> ModelRunner.launch N+1 ──> Scheduler.advance ──> wait for N ──> update, process N
+
 Start-up is three functions of its own: loading.py (options checked, model built, KV format
 and attention backend chosen), pool_sizing.py (blocks for the budget, or the CUDA profiling pass) and
 key_transforms.py (the calibration the KV format asks for, run through the runner). Scoring
@@ -31,7 +37,7 @@ from kvserve.engine.args import EngineArgs
 from kvserve.engine.key_transforms import calibrate_key_transforms
 from kvserve.engine.kv_identity import kv_namespace
 from kvserve.engine.loading import load_engine_model, select_attention
-from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.model_runner import InFlightStep, ModelRunner
 from kvserve.engine.parallel.executor import TensorParallelExecutor
 from kvserve.engine.parallel.rank_zero import start_rank_zero
 from kvserve.engine.output_processor import OutputProcessor, apply_chat_template, tokenize
@@ -41,7 +47,8 @@ from kvserve.engine.preflight import preflight
 from kvserve.engine.platforms import platform_for
 from kvserve.engine.pool_sizing import size_kv_pool
 from kvserve.engine.request import Request, RequestStatus
-from kvserve.engine.scheduler import Scheduler, SchedulerConfig
+from kvserve.engine.sampler import SampleResult
+from kvserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
 from kvserve.engine.structured_output import GrammarCompiler
 from kvserve.model.batch_invariant import make_batch_invariant
 from kvserve.model.loader import LoadedModel
@@ -129,6 +136,9 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler.finish, self.runner.sampler.forget)
         self._ids = itertools.count()
+        self._in_flight: InFlightStep | None = None  # async scheduling: the launched step not waited for yet
+        if args.async_scheduling and self.device.type == "cpu":
+            logger.info("--async-scheduling: on CPU the forward pass runs in this thread, so steps do not overlap")
 
     # ------------------------------------------------------------------ requests
     def new_request_id(self) -> str:
@@ -232,21 +242,79 @@ class LLMEngine:
         return bool(sequences) and all(r.status == RequestStatus.WAITING for r in sequences)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling step; return the state of every request that advanced or finished."""
+        """Run one scheduling step; return the state of every request that advanced or finished
+        (under --async-scheduling: that the step before advanced)."""
+        if self.args.async_scheduling:
+            try:
+                return self._overlapped_step()
+            except BaseException:
+                self._drop_in_flight()
+                raise
+        return self._step()
+
+    def _scheduled(self) -> tuple[list[ScheduledRequest], dict[str, list[int]]]:
         scheduled = self.scheduler.schedule()
         self.runner.move_tokens(*self.kv_manager.take_moves())  # compactions planned by schedule()
+        return scheduled, {s.request.request_id: self.kv_manager.block_table(s.request.request_id) for s in scheduled}
+
+    def _step(self) -> list[RequestOutput]:
+        scheduled, tables = self._scheduled()
         if not scheduled:
             return []
-        tables = {s.request.request_id: self.kv_manager.block_table(s.request.request_id) for s in scheduled}
         step = self.runner.execute(scheduled, tables)
         finished = self.scheduler.update(scheduled, {item.request.request_id: token
                                                      for item, token in zip(step.sampled, step.result.token_ids)})
         prefill_only = [r for r in finished if r.max_tokens == 0]
         return self.output_processor.process(step.sampled, step.result, step.prompt_logprobs, prefill_only)
+
+    def _overlapped_step(self) -> list[RequestOutput]:
+        """Launch the next step, then wait for the one in flight (module docstring). While any
+        request needs its tokens on the host (Request.needs_host_tokens), steps run one at a time."""
+        outputs = []
+        if self.scheduler.num_needing_host_tokens:
+            if self._in_flight is not None:
+                outputs = self._complete(self._in_flight)
+                self._in_flight = None
+            return outputs + self._step()
+        scheduled, tables = self._scheduled()
+        previous, launched = self._in_flight, None
+        if scheduled:
+            launched = self.runner.launch(scheduled, tables, previous)
+            self.scheduler.advance(scheduled)
+        self._in_flight = launched
+        if previous is not None:
+            outputs = self._complete(previous)
+        return outputs
+
+    def _complete(self, launched: InFlightStep) -> list[RequestOutput]:
+        """Wait for a launched step's tokens; update the requests it advanced and report them.
+        A request that finished meanwhile (aborted, or stopped by the step before) is not reported."""
+        live = [not item.request.status.finished for item in launched.sampled]
+        step = self.runner.wait(launched)
+        finished = self.scheduler.update(launched.scheduled, {item.request.request_id: token for item, token
+                                                              in zip(step.sampled, step.result.token_ids)},
+                                         advanced=True)
+        if not all(live):
+            kept = [i for i, alive in enumerate(live) if alive]
+            step.sampled = [step.sampled[i] for i in kept]
+            step.result = SampleResult([step.result.token_ids[i] for i in kept],
+                                       [step.result.logprobs[i] for i in kept])
+        prefill_only = [r for r in finished if r.max_tokens == 0]
+        return self.output_processor.process(step.sampled, step.result, step.prompt_logprobs, prefill_only)
+
+    def _drop_in_flight(self) -> None:
+        """After a failed step: forget the step in flight. Pending tokens are lost, so a running
+        request that had one goes back to computing its last known token."""
+        self._in_flight = None
+        for request in [*self.scheduler.running, *self.scheduler.waiting]:
+            if request.num_pending_tokens:
+                request.num_pending_tokens = 0
+                if request.status == RequestStatus.RUNNING:
+                    request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
 
     # ------------------------------------------------------------------ scoring
     def score(self, token_ids: list[int], chunk_size: int | None = None) -> torch.Tensor:

@@ -14,6 +14,11 @@ the next prompt token from them a slice of rows at a time (kvserve/engine/logpro
 
 With decode graphs (CUDA, kvserve/engine/decode_graphs.py), a step of plain decodes only goes
 through them instead: the same tokens, positions and slots, replayed rather than launched.
+
+A step is launched (`launch`: inputs, forward, sampling, all queued on the device) and then waited
+for (`wait`: the sampled ids reach the host). Under async scheduling the engine launches the next
+step before waiting for this one; a decode whose input token this one sampled reads it from the
+device (`InFlightStep.tokens`), filled into its row of the inputs by one indexed copy.
 """
 from __future__ import annotations
 
@@ -71,6 +76,40 @@ class StepResult:
 
 
 @dataclass
+class InFlightStep:
+    """A launched step. Its sampled ids stay on the device for the next step's inputs (`tokens`);
+    their copy to the host starts at launch, without blocking, and `token_list` waits for it."""
+
+    scheduled: list[ScheduledRequest]
+    sampled: list[ScheduledRequest]  # requests that get a token, in `tokens`' order
+    tokens: torch.Tensor | None  # [len(sampled)] on the device; None when nothing is sampled
+    logprobs: list
+    prompt_logprobs: list[PromptLogprobsChunk]
+    _host: torch.Tensor | None = None
+    _copied: torch.cuda.Event | None = None
+    _rows: dict[str, int] | None = None
+
+    def __post_init__(self) -> None:
+        self._host = self.tokens
+        if self.tokens is not None and self.tokens.device.type == "cuda":
+            self._host = torch.empty(self.tokens.shape, dtype=self.tokens.dtype, pin_memory=True)
+            self._host.copy_(self.tokens, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def row(self, request_id: str) -> int:
+        """The index of the request's token in `tokens`."""
+        if self._rows is None:
+            self._rows = {item.request.request_id: i for i, item in enumerate(self.sampled)}
+        return self._rows[request_id]
+
+    def token_list(self) -> list[int]:
+        if self._copied is not None:
+            self._copied.synchronize()
+        return self._host.tolist()
+
+
+@dataclass
 class ModelInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -82,6 +121,9 @@ class ModelInputs:
     observed_attention: list[tuple[str, EvictionConfig, torch.Tensor]] = field(default_factory=list)
     prompt_rows: list[PromptRows] = field(default_factory=list)
     sequences: list[StepSequence] = field(default_factory=list)  # what the metadata was built from
+    # (row, request id) of decodes whose input token is still on the device (async scheduling);
+    # their input_ids hold 0 until `ModelRunner.launch` copies the token in.
+    pending_rows: list[tuple[int, str]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -109,7 +151,7 @@ class ModelRunner:
         # Decodes (packed first) as plain ints, one array each at the end; prefill chunks as arrays.
         decode_tokens, decode_positions, decode_slots = [], [], []
         token_chunks, position_chunks, slot_chunks, sequences = [], [], [], []
-        logits_rows, sampled, prompt_rows = [], [], []
+        logits_rows, sampled, prompt_rows, pending_rows = [], [], [], []
         offset = 0
         for item in scheduled:
             r, n = item.request, item.num_new_tokens
@@ -118,7 +160,11 @@ class ModelRunner:
             blocks = block_tables[r.request_id]
             table = np.asarray(blocks, dtype=np.int64)
             if n == 1:
-                decode_tokens.append(r.token_ids[start])
+                if start < len(r.token_ids):
+                    decode_tokens.append(r.token_ids[start])
+                else:  # sampled by the step still in flight
+                    pending_rows.append((len(decode_tokens), r.request_id))
+                    decode_tokens.append(0)
                 decode_positions.append(cache_start)
                 decode_slots.append(pool_slot(blocks, cache_start, bs))
             else:
@@ -160,6 +206,7 @@ class ModelRunner:
             observed_attention=[(rid, eviction[rid], rows) for rid, rows in meta.observed_attention],
             prompt_rows=prompt_rows,
             sequences=sequences,
+            pending_rows=pending_rows,
         )
 
     def hidden_states(self, inputs: ModelInputs) -> torch.Tensor:
@@ -231,21 +278,52 @@ class ModelRunner:
                 return None
             position = r.num_computed_tokens
             table = block_tables[r.request_id]
+            if position < len(r.token_ids):
+                step.token_ids.append(r.token_ids[position])
+            else:  # sampled by the step still in flight
+                step.pending_rows.append((len(step.token_ids), r.request_id))
+                step.token_ids.append(0)
             step.request_ids.append(r.request_id)
-            step.token_ids.append(r.token_ids[position])
             step.positions.append(position)
             step.slots.append(pool_slot(table, position, bs))
             step.block_tables.append(table)
         return step
 
     def execute(self, scheduled: list[ScheduledRequest], block_tables: dict[str, list[int]]) -> StepResult:
+        """Run a step and wait for it."""
+        return self.wait(self.launch(scheduled, block_tables))
+
+    def launch(self, scheduled: list[ScheduledRequest], block_tables: dict[str, list[int]],
+               previous: InFlightStep | None = None) -> InFlightStep:
+        """Queue the step's forward pass and sampling on the device. `previous`: the step still in
+        flight whose sampled tokens some of these decodes take as input (async scheduling)."""
         step = self.graph_step(scheduled, block_tables)
         if step is not None:
-            logits = self.graphs.run(step)
-            return StepResult(list(scheduled), self.sampler(logits, [item.request for item in scheduled]))
-        inputs = self.prepare(scheduled, block_tables)
-        logits, prompt_logprobs = self.run(inputs)
-        if not inputs.sampled:
-            return StepResult([], SampleResult([], []), prompt_logprobs)
-        return StepResult(inputs.sampled, self.sampler(logits, [item.request for item in inputs.sampled]),
-                          prompt_logprobs)
+            logits = self.graphs.run(step, self._pending_tokens(step.pending_rows, previous))
+            sampled, prompt_logprobs = list(scheduled), []
+        else:
+            inputs = self.prepare(scheduled, block_tables)
+            pending = self._pending_tokens(inputs.pending_rows, previous)
+            if pending is not None:
+                inputs.input_ids[pending[0]] = pending[1]
+            logits, prompt_logprobs = self.run(inputs)
+            sampled = inputs.sampled
+        if not sampled:
+            return InFlightStep(scheduled, [], None, [], prompt_logprobs)
+        tokens, logprobs = self.sampler.sample_on_device(logits, [item.request for item in sampled])
+        return InFlightStep(scheduled, sampled, tokens, logprobs, prompt_logprobs)
+
+    def wait(self, step: InFlightStep) -> StepResult:
+        """The launched step's result on the host (the step's one wait for the device)."""
+        if not step.sampled:
+            return StepResult([], SampleResult([], []), step.prompt_logprobs)
+        result = self.sampler.finish([item.request for item in step.sampled], step.token_list(), step.logprobs)
+        return StepResult(step.sampled, result, step.prompt_logprobs)
+
+    def _pending_tokens(self, rows: list[tuple[int, str]],
+                        previous: InFlightStep | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows, their input tokens) on the device, for decodes whose token `previous` sampled."""
+        if not rows:
+            return None
+        index = host_to_device([[row for row, _ in rows], [previous.row(rid) for _, rid in rows]], self.device)
+        return index[0], previous.tokens[index[1]]

@@ -58,6 +58,9 @@ class Request:
     # With params.prompt_logprobs: prompt positions [0, this) have had the logprob of the token
     # after them computed (kept across preemption, so a recompute does not report them twice).
     prompt_logprobs_done: int = 0
+    # Async scheduling: tokens sampled by a launched step whose ids have not reached the host yet
+    # (not in token_ids; num_computed_tokens already counts the step that samples them).
+    num_pending_tokens: int = 0
 
     @property
     def needs_prompt_logprobs(self) -> bool:
@@ -77,10 +80,33 @@ class Request:
         self.token_ids = list(self.prompt_token_ids)
         self._output_ids = []
         self.num_prompt_tokens = len(self.prompt_token_ids)
+        p = self.params
+        # Whether its next step needs its last token's id on the host (so async scheduling waits for
+        # it): logits processors, a grammar and penalties read the output so far, logprobs are copied
+        # each step, prompt logprobs and KV eviction plan on the host, a prefill-only request
+        # (max_tokens 0) finishes when the step computing its prompt's end reports.
+        self.needs_host_tokens = bool(
+            p.logits_processors or self.grammar is not None or self.eviction is not None
+            or p.logprobs is not None or p.prompt_logprobs is not None or p.max_tokens == 0
+            or p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0)
 
     @property
     def num_tokens(self) -> int:
+        """Tokens whose ids the host knows (pending ones not counted)."""
         return len(self.token_ids)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Tokens the scheduler counts with: the known ones and the pending ones."""
+        return len(self.token_ids) + self.num_pending_tokens
+
+    def stops_with_pending(self, max_model_len: int) -> bool:
+        """True when its pending tokens certainly end it (max_tokens or the context limit), so it
+        is not scheduled again: the step that receives them finishes it."""
+        if not self.num_pending_tokens:
+            return False
+        return (self.num_output_tokens + self.num_pending_tokens >= self.max_tokens
+                or (self.eviction is None and self.num_scheduled_tokens >= max_model_len))
 
     @property
     def output_token_ids(self) -> list[int]:

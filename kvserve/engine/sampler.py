@@ -77,6 +77,17 @@ class Sampler:
         """logits: float32 [batch, vocab] (vocab may exceed the tokenizer's; padded rows are real
         logits of the checkpoint and stay eligible only if the model gives them mass).
         A request whose logits processor fails gets `error` set; its token is to be discarded."""
+        tokens, logprobs = self.sample_on_device(logits, requests)
+        return self.finish(requests, tokens.tolist(), logprobs)
+
+    def finish(self, requests: list[Request], token_list: list[int], logprobs: list) -> SampleResult:
+        """The host's part, once the sampled ids are there: grammars take their tokens."""
+        self._advance_grammars(requests, token_list)
+        return SampleResult(token_list, logprobs)
+
+    def sample_on_device(self, logits: torch.Tensor, requests: list[Request]) -> tuple[torch.Tensor, list]:
+        """The sampled ids as a device tensor [batch] (not copied to the host), and the logprobs
+        (on the host: asking for them copies once)."""
         params = [r.params for r in requests]
         raw = logits
         logits = self._apply_processors(logits, requests)
@@ -94,10 +105,7 @@ class Sampler:
             sampled = self._draw(probs, requests)
             tokens = torch.where(self._per_row(greedy, torch.bool), tokens, sampled) if any(greedy) else sampled
 
-        logprobs = self._logprobs(raw, tokens, params)
-        token_list = tokens.tolist()
-        self._advance_grammars(requests, token_list)
-        return SampleResult(token_list, logprobs)
+        return tokens, self._logprobs(raw, tokens, params)
 
     def _per_row(self, values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """One value per row, on the device in one copy (float32 as torch.tensor makes Python floats)."""
@@ -204,7 +212,9 @@ class Sampler:
         return logits - freq * out_counts - pres * (out_counts > 0).float()
 
     def _mask_min_tokens(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        rows = [(i, r) for i, r in enumerate(requests) if r.num_output_tokens < r.params.min_tokens]
+        # (async scheduling: a token still on its way to the host counts as generated)
+        rows = [(i, r) for i, r in enumerate(requests)
+                if r.num_output_tokens + r.num_pending_tokens < r.params.min_tokens]
         if not rows:
             return logits
         where = [[], []]

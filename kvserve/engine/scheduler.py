@@ -18,6 +18,13 @@ between chunks, which need not reproduce the uninterrupted run bit for bit.
 
 With KV tiers, a waiting request's prefix lookup continues below the pool; one whose blocks are
 still being read from disk is passed over until they are in, unless nothing else can run.
+
+Async scheduling (vLLM v1's; the engine drives it): step N+1 is scheduled while step N runs, so a
+request's token from N is still on the device. `advance` counts a launched step at once: its
+computed tokens, and one pending token per request it samples; the next decode reads that token
+on the device. `update(..., advanced=True)` later turns pending tokens into known ones. A request
+whose pending tokens certainly end it is not scheduled again; one that stops on a token (EOS, a
+stop string) has computed one token too many, which is discarded.
 """
 from __future__ import annotations
 
@@ -45,7 +52,7 @@ class ScheduledRequest:
         """True if this step reaches the end of the request's known tokens (a token is sampled);
         never for a prefill-only request (max_tokens 0)."""
         r = self.request
-        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens and r.max_tokens != 0
+        return r.num_computed_tokens + self.num_new_tokens == r.num_scheduled_tokens and r.max_tokens != 0
 
 
 class Scheduler:
@@ -55,10 +62,12 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_needing_host_tokens = 0  # unfinished requests with `needs_host_tokens` (no overlap while any)
 
     # ------------------------------------------------------------------ queue management
     def add(self, request: Request) -> None:
         self.waiting.append(request)
+        self.num_needing_host_tokens += request.needs_host_tokens
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -72,6 +81,7 @@ class Scheduler:
         else:
             self.waiting.remove(request)
         request.status = status
+        self.num_needing_host_tokens -= request.needs_host_tokens
         self.kv.free(request)
 
     def _preempt(self, request: Request) -> None:
@@ -95,7 +105,10 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget, self.kv.max_new_tokens(request))
+            remaining = request.num_scheduled_tokens - request.num_computed_tokens
+            if remaining == 0 or request.stops_with_pending(self.config.max_model_len):
+                continue  # (async scheduling) all in flight, or its pending token ends it
+            num_new = min(remaining, budget, self.kv.max_new_tokens(request))
             while not self.kv.allocate(request, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -113,6 +126,9 @@ class Scheduler:
         while (index < len(self.waiting) and not preempted and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[index]
+            if request.num_pending_tokens:  # preempted with a token in flight: resumes once it arrives
+                index += 1
+                continue
             # A request that still needs prompt logprobs recomputes its whole prompt; the blocks it
             # writes are still published for others.
             cached = [] if request.needs_prompt_logprobs else self.kv.find_cached_prefix(request)
@@ -140,15 +156,31 @@ class Scheduler:
             return self.schedule()  # nothing else to run: wait for the disk instead of spinning
         return scheduled
 
-    def update(self, scheduled: list[ScheduledRequest], sampled: dict[str, int]) -> list[Request]:
-        """Advance requests after the forward pass; append sampled tokens; return the requests
-        that finished (their blocks are already back in the pool). A request the sampler failed
-        (`error` set) finishes with status error and without the token."""
+    def advance(self, scheduled: list[ScheduledRequest]) -> None:
+        """Async scheduling: count a launched step before its tokens are known (module docstring)."""
+        for item in scheduled:
+            request = item.request
+            if item.samples:
+                request.num_pending_tokens += 1
+            request.num_computed_tokens += item.num_new_tokens
+
+    def update(self, scheduled: list[ScheduledRequest], sampled: dict[str, int],
+               advanced: bool = False) -> list[Request]:
+        """Advance requests after the forward pass (unless `advance` counted the step at launch);
+        append sampled tokens; return the requests that finished (their blocks are already back
+        in the pool). A request the sampler failed (`error` set) finishes with status error and
+        without the token; one that finished meanwhile (aborted, or stopped by the step before)
+        gets nothing."""
         finished = []
         for item in scheduled:
             request = item.request
-            request.num_computed_tokens += item.num_new_tokens
             token = sampled.get(request.request_id)
+            if not advanced:
+                request.num_computed_tokens += item.num_new_tokens
+            elif token is not None:
+                request.num_pending_tokens -= 1
+            if request.status.finished:
+                continue
             if token is None:
                 if request.max_tokens == 0 and request.num_computed_tokens == request.num_tokens:
                     self.finish(request, RequestStatus.FINISHED_LENGTH)  # prefill only: the prompt is computed
