@@ -1,9 +1,10 @@
 #!/bin/bash
-# Issues 41 and 42's GPU measurements in one device call (../shared/gpu/README.md sets up .gpu/ and .whl/;
-# call the device tool with carry [".whl", ".gpu"] and this script as the command, timeout ~560 s).
+# Issues 41 and 42's GPU measurements (../shared/gpu/README.md sets up .gpu/ and .whl/; call the
+# device tool with carry [".whl", ".gpu"] and this script as the command).
 # Every step writes under $OUT through tee, so a run cut short still returns what it measured.
 # Dry run on CPU first: DEV=cpu TRITON_INTERPRET=1 OUT=/tmp/out bash benchmarks/gpu_attention_run.sh --dry
-# STEPS="1 2 3" runs only those steps (all seven take about as long as one call may: split them if needed).
+# A session has 15 minutes of device time in all, start-up included: two calls, the figures that
+# matter most first:  STEPS="1 2 5 6" (timeout_s ~540), then STEPS="4 7 3 8" with what is left.
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 G=$PWD/.gpu
 DEV=${DEV:-cuda}
@@ -13,13 +14,14 @@ if [ "$1" != "--dry" ]; then
   export PYTHONPATH=/tmp/site:$PWD
 fi
 KV="python3 -m kvserve.cli"  # a command, not a shell function: `timeout` runs commands only
-want() { [[ " ${STEPS:-1 2 3 4 5 6 7} " == *" $1 "* ]]; }
+want() { [[ " ${STEPS:-1 2 5 6 4 7 3 8} " == *" $1 "* ]]; }
 DRY=$([ "$1" = "--dry" ] && echo 1)
 {
-(cd $G && DEV=$DEV timeout 60 python3 make_model.py $(basename $MODEL) 2>&1 | grep made)
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null; date -u
+[ -d $MODEL ] || (cd $G && DEV=$DEV timeout 60 python3 make_model.py $(basename $MODEL) 2>&1 | grep made)
 if want 1; then
-echo "=== 1 float32 greedy parity with HF on CUDA, Triton backend (auto), CUDA graphs on (the default)"
-DEV=$DEV timeout 120 python3 $G/parity.py $MODEL float32 2>&1 | grep -E "PARITY|Error|Attention backend|CUDA graph" | tail -5
+echo "=== 1 float32 greedy parity with HF on CUDA, Triton backend (auto): CUDA graphs, --enforce-eager, --async-scheduling"
+timeout 150 python3 benchmarks/gpu_parity.py $MODEL --device $DEV 2>&1 | grep -E "PARITY|Error|Attention backend|CUDA graph" | tail -8
 fi; if want 2; then
 echo "=== 2 decode attention kernels: K/V bandwidth vs copy, fp8 vs bfloat16"
 timeout 150 python3 benchmarks/triton_attention.py $([ -n "$DRY" ] && echo --smoke) 2>&1 | tail -12
@@ -32,34 +34,52 @@ for backend in triton torch; do
     --output-json $OUT/throughput-$backend.json 2>&1 | grep -v -E "it/s\]|s/it\]" | tail -14
 done
 fi; if want 4; then
-echo "=== 4 offline 512 x 512/256, Triton backend"
-timeout 120 $KV bench throughput --model $MODEL --device $DEV --backend kvserve --attention-backend triton \
-  --dataset-name random $([ -n "$DRY" ] && echo "--num-prompts 2 --random-input-len 16 --random-output-len 4" || echo "--num-prompts 512 --random-input-len 512 --random-output-len 256") \
-  2>&1 | grep -E "Workload|Throughput|Attention backend"
+echo "=== 4 offline 512 x 512/256, Triton backend: CUDA graphs, then + --async-scheduling"
+for mode in "" "--async-scheduling"; do
+  timeout 120 $KV bench throughput --model $MODEL --device $DEV --backend kvserve --attention-backend triton $mode \
+    --dataset-name random $([ -n "$DRY" ] && echo "--num-prompts 2 --random-input-len 16 --random-output-len 4" || echo "--num-prompts 512 --random-input-len 512 --random-output-len 256") \
+    2>&1 | grep -E "Workload|Throughput|Attention backend" | sed "s/^/[${mode:-graphs}] /"
+done
 fi; if want 5; then
-echo "=== 5 CUDA graphs (issue 42) vs --enforce-eager: one stream, then 128 at once (decode-heavy)"
-for eager in "" "--enforce-eager"; do
+echo "=== 5 one stream, then 128 at once (decode-heavy): CUDA graphs, + --async-scheduling, --enforce-eager"
+for mode in "" "--async-scheduling" "--enforce-eager"; do
   for n in 1 128; do
-    timeout 120 $KV bench throughput --model $MODEL --device $DEV --backend kvserve $eager --dataset-name random \
+    timeout 90 $KV bench throughput --model $MODEL --device $DEV --backend kvserve $mode --dataset-name random \
       $([ -n "$DRY" ] && echo "--num-prompts 2 --random-input-len 16 --random-output-len 4" || echo "--num-prompts $n --random-input-len 128 --random-output-len 256") \
-      2>&1 | grep -E "Throughput|CUDA graphs|capture" | sed "s/^/[$n ${eager:-graphs}] /"
+      2>&1 | grep -E "Throughput|CUDA graphs|capture" | sed "s/^/[$n ${mode:-graphs}] /"
   done
 done
 fi; if want 6; then
-echo "=== 6 torch profile of 32 decode steps at 128 requests, CUDA graphs on (issue 42: GPU busy >= 85%)"
-[ -n "$DRY" ] && echo "(skipped in a dry run: prof.py loads /tmp/m1b on CUDA)" || \
-  timeout 120 python3 $G/prof.py 2>&1 | grep -E "out tok/s|GPU busy|CUDA graphs|Self CUDA time total|Self CPU time total"
+echo "=== 6 torch profile of decode steps at 128 requests (issue 42: GPU busy >= 85%): graphs, then + async scheduling"
+for mode in "" "--async-scheduling"; do
+  timeout 100 python3 benchmarks/gpu_decode_profile.py --model $MODEL --device $DEV $mode \
+    $([ -n "$DRY" ] && echo "--batch 4 --prompt-len 16 --max-tokens 8") 2>&1 | grep -E "^\[|Self CUDA time total|Error"
+done
 fi; if want 7; then
-echo "=== 7 kvserve serve + kvserve bench serve, 256 x 512/128 at once: CUDA graphs, then --enforce-eager"
-for eager in "" "--enforce-eager"; do
-  $KV serve --model $MODEL --device $DEV --port 8011 $eager > $OUT/serve${eager}.log 2>&1 &
+echo "=== 7 kvserve serve + kvserve bench serve, 256 x 512/128 at once: CUDA graphs, + --async-scheduling, --enforce-eager"
+for mode in "" "--async-scheduling" "--enforce-eager"; do
+  $KV serve --model $MODEL --device $DEV --port 8011 $mode > $OUT/serve${mode}.log 2>&1 &
   sp=$!
   for i in $(seq 1 120); do curl -sf localhost:8011/health >/dev/null && break; sleep 1; done
-  timeout 150 $KV bench serve --base-url http://127.0.0.1:8011 --tokenizer $MODEL --dataset-name random --request-rate inf \
+  timeout 100 $KV bench serve --base-url http://127.0.0.1:8011 --tokenizer $MODEL --dataset-name random --request-rate inf \
     --ignore-eos $([ -n "$DRY" ] && echo "--num-prompts 4 --random-input-len 16 --random-output-len 4" || echo "--num-prompts 256 --random-input-len 512 --random-output-len 128") \
-    2>&1 | grep -E "throughput|TTFT|TPOT|Successful" | sed "s/^/[${eager:-graphs}] /"
-  kill $sp; wait $sp 2>/dev/null; grep -E "CUDA graphs|Attention backend" $OUT/serve${eager}.log | head -2
-  grep -E -i "traceback" $OUT/serve${eager}.log | head -3
+    2>&1 | grep -E "throughput|TTFT|TPOT|Successful" | sed "s/^/[${mode:-graphs}] /"
+  kill $sp; wait $sp 2>/dev/null; grep -E "CUDA graphs|Attention backend" $OUT/serve${mode}.log | head -2
+  grep -E -i "traceback" $OUT/serve${mode}.log | head -3
 done
+fi; if want 8; then
+echo "=== 8 the 8B-shaped model (Llama-3.1-8B's shape, bf16): offline 512 x 512/256 and served 256 x 512/128, graphs + async"
+M8=/tmp/m8b; [ -n "$DRY" ] && M8=$MODEL
+[ -d $M8 ] || (cd $G && DEV=$DEV timeout 150 python3 make_model.py m8b 2>&1 | grep made)
+timeout 150 $KV bench throughput --model $M8 --device $DEV --backend kvserve --async-scheduling --dataset-name random \
+  $([ -n "$DRY" ] && echo "--num-prompts 2 --random-input-len 16 --random-output-len 4" || echo "--num-prompts 512 --random-input-len 512 --random-output-len 256") \
+  2>&1 | grep -E "Workload|Throughput|CUDA graphs" | sed "s/^/[8b offline] /"
+$KV serve --model $M8 --device $DEV --port 8012 --async-scheduling > $OUT/serve-8b.log 2>&1 &
+sp=$!
+for i in $(seq 1 150); do curl -sf localhost:8012/health >/dev/null && break; sleep 1; done
+timeout 100 $KV bench serve --base-url http://127.0.0.1:8012 --tokenizer $M8 --dataset-name random --request-rate inf \
+  --ignore-eos $([ -n "$DRY" ] && echo "--num-prompts 4 --random-input-len 16 --random-output-len 4" || echo "--num-prompts 256 --random-input-len 512 --random-output-len 128") \
+  2>&1 | grep -E "throughput|TTFT|TPOT|Successful" | sed "s/^/[8b served] /"
+kill $sp; wait $sp 2>/dev/null; grep -E -i "traceback" $OUT/serve-8b.log | head -3
 fi
-} 2>&1 | tee $OUT/attention-log.txt
+} 2>&1 | tee -a $OUT/attention-log.txt

@@ -1,0 +1,79 @@
+"""How busy the GPU is during decode steps: `--batch` requests of `--prompt-len` tokens decode
+greedily; the throughput of a first run is printed, then torch.profiler records decode-only
+steps of a second batch (once every prompt is computed) and the GPU busy time (the sum of kernel
+time) is compared with their wall time, with the kernels launched per step. Issue 42's criterion is the busy share at 128 requests.
+
+    python benchmarks/gpu_decode_profile.py --model /tmp/m1b [--async-scheduling] [--enforce-eager]
+
+On CPU (a dry run of the script) only the throughput and the profiler's op count are printed.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--async-scheduling", action="store_true")
+    parser.add_argument("--enforce-eager", action="store_true")
+    args = parser.parse_args()
+
+    from kvserve import LLM, SamplingParams
+
+    options = dict(device=args.device, max_model_len=args.prompt_len + args.max_tokens + 64,
+                   async_scheduling=args.async_scheduling, enforce_eager=args.enforce_eager)
+    if args.device != "cpu":
+        options["gpu_memory_utilization"] = 0.5
+    llm = LLM(args.model, **options)
+    prompts = [{"prompt_token_ids": list(range(100 + i, 100 + i + args.prompt_len))} for i in range(args.batch)]
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    llm.generate(prompts[:8], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    label = ("async " if args.async_scheduling else "") + ("eager" if args.enforce_eager else "graphs")
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    print(f"[{label}] {args.batch} x {args.prompt_len}/{args.max_tokens}: {elapsed:.2f} s, "
+          f"{args.batch * args.max_tokens / elapsed:.0f} out tok/s", flush=True)
+
+    cuda = args.device.startswith("cuda")
+    # The profiled part: `steps` engine steps once every request has its prompt computed (decodes only).
+    engine, steps = llm.engine, args.max_tokens // 2
+    for prompt in prompts:
+        engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True))
+    while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
+        engine.step()
+    engine.step()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    while engine.has_unfinished_requests():
+        engine.step()
+    averages = prof.key_averages()
+    if not cuda:
+        print(f"[{label}] profiled {steps} steps in {wall:.2f} s; {sum(e.count for e in averages)} torch ops")
+        return
+    print(averages.table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60))
+    busy = sum(e.self_device_time_total for e in averages) / 1e6
+    kernels = sum(e.count for e in averages if e.device_type == torch.autograd.DeviceType.CUDA)
+    print(f"[{label}] {args.batch} decodes per step: GPU busy {busy:.3f} s of {wall:.3f} s = {100 * busy / wall:.0f}%, "
+          f"{1e3 * wall / steps:.2f} ms per step, {kernels / steps:.0f} kernels per step ({steps} steps)")
+
+
+if __name__ == "__main__":
+    main()
