@@ -2,8 +2,8 @@
 for, a decode reading its input token on the device. A request's tokens, texts and finish reasons
 are the ones the one-step-at-a-time engine gives, through chunked prefill, preemptions, stops on a
 token or a string (the token computed after a stop is dropped), seeded sampling with n > 1,
-min_tokens, requests that need their tokens on the host (they make the engine wait), aborts and
-a failed step. Both engines run --deterministic, so any difference is the scheduling's, not
+min_tokens, logprobs, requests that need their tokens on the host (they make the engine wait),
+aborts and a failed step. Both engines run --deterministic, so any difference is the scheduling's, not
 batch-dependent rounding."""
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ def engine(model, async_scheduling: bool, **options) -> LLM:
 
 
 def outputs(llm: LLM, prompts, params) -> list[list[tuple]]:
-    return [[(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in o.outputs]
+    return [[(c.token_ids, c.text, c.finish_reason, c.stop_reason,
+              [(lp.logprob, lp.top) for lp in c.logprobs or []]) for c in o.outputs]
             for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
@@ -41,7 +42,7 @@ def workload(stop_token: int, stop_text: str) -> list[SamplingParams]:
         SamplingParams(temperature=0, max_tokens=20, stop=[stop_text]),
         SamplingParams(temperature=1.0, top_k=20, seed=11, max_tokens=15, min_tokens=10,
                        stop_token_ids=[stop_token]),
-        SamplingParams(temperature=0, max_tokens=7, logprobs=2),  # needs its tokens on the host
+        SamplingParams(temperature=0, max_tokens=7, logprobs=2),
         SamplingParams(temperature=0.5, min_p=0.1, seed=5, max_tokens=16),
     ]
 
@@ -74,25 +75,27 @@ def test_async_scheduling_gives_the_one_step_at_a_time_outputs(tiny_llama, stops
     assert results[True] == results[False]
     reasons = [[c[2] for c in o] for o in results[True]]
     assert reasons[2] == reasons[4] == ["stop"] and reasons[0] == ["length"]
+    assert len(results[True][6][0][4]) == 7 and all(len(top) == 2 for _, top in results[True][6][0][4])
     if kv_cache_memory == "96KiB":
         assert preemptions > 0
 
 
 def test_a_request_needing_host_tokens_makes_the_engine_wait_then_overlap_resumes(tiny_llama):
-    """A logprobs request arriving mid-run: steps run one at a time while it lives, its logprobs
-    are there, and the others' tokens are unchanged."""
+    """A request with a frequency penalty (it needs its tokens on the host) arriving mid-run: steps
+    run one at a time while it lives, and everyone's tokens and logprobs are unchanged."""
     def run(async_scheduling: bool) -> tuple[dict, list]:
         llm = engine(tiny_llama, async_scheduling)
         core = llm.engine
         for i, prompt in enumerate(PROMPTS[:4]):
-            core.add_request(prompt, SamplingParams(temperature=0, max_tokens=10), request_id=f"r{i}")
+            core.add_request(prompt, SamplingParams(temperature=0, max_tokens=10, logprobs=1), request_id=f"r{i}")
         launched = []
         real_launch = core.runner.launch
         core.runner.launch = lambda *args: launched.append(core._in_flight is not None) or real_launch(*args)
         finals, step = {}, 0
         while core.has_unfinished_requests():
             if step == 3:
-                core.add_request(PROMPTS[4], SamplingParams(temperature=0, max_tokens=3, logprobs=1), request_id="lp")
+                core.add_request(PROMPTS[4], SamplingParams(temperature=0, max_tokens=3, logprobs=1,
+                                                                 frequency_penalty=1.5), request_id="lp")
             for out in core.step():
                 if out.finished:
                     finals[out.request_id] = out.outputs[0]

@@ -244,7 +244,7 @@ def test_async_scheduling_resumes_a_preempted_request_once_its_token_arrives():
 def test_requests_needing_host_tokens_are_counted_until_they_finish():
     sched = make_scheduler(num_blocks=16)
     plain = make_request("plain", 4, max_tokens=2)
-    with_logprobs = Request("lp", [1, 2], SamplingParams(max_tokens=2, logprobs=1))
+    with_logprobs = Request("lp", [1, 2], SamplingParams(max_tokens=2, prompt_logprobs=1))
     penalised = Request("pen", [1, 2], SamplingParams(max_tokens=2, frequency_penalty=0.5))
     assert not plain.needs_host_tokens and with_logprobs.needs_host_tokens and penalised.needs_host_tokens
     for r in (plain, with_logprobs, penalised):

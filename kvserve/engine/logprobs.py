@@ -28,18 +28,28 @@ class TokenLogprobs:
     top_logprobs: list[list[float]]
 
 
-def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> TokenLogprobs:
+def packed_token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> torch.Tensor:
     """`logits` float32 [rows, vocab], `token_ids` [rows] on the same device: row i's log-softmax
-    at token_ids[i], that token's rank, and the k largest entries (k = 0: none). The results reach
-    the host in one copy, packed as float64 (exact for float32 values and for token ids)."""
+    at token_ids[i], that token's rank, and the k largest entries (k = 0: none), packed on the
+    device as float64 [rows, 2 + 2k] (exact for float32 values and for token ids), so that the
+    results reach the host in one copy (`unpack_token_logprobs`)."""
     logprobs = logits.log_softmax(dim=-1)
     chosen = logprobs.gather(1, token_ids.unsqueeze(1))
     ranks = (logprobs > chosen).sum(dim=-1, keepdim=True)
     k = min(k, logits.shape[1])
     top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (chosen[:, :0], ranks[:, :0])
-    packed = torch.cat((chosen.double(), ranks.double(), top_vals.double(), top_ids.double()), dim=1).cpu().numpy()
+    return torch.cat((chosen.double(), ranks.double(), top_vals.double(), top_ids.double()), dim=1)
+
+
+def unpack_token_logprobs(packed: np.ndarray) -> TokenLogprobs:
+    k = (packed.shape[1] - 2) // 2
     return TokenLogprobs(packed[:, 0].tolist(), (packed[:, 1].astype(np.int64) + 1).tolist(),
                          packed[:, 2 + k:].astype(np.int64).tolist(), packed[:, 2:2 + k].tolist())
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> TokenLogprobs:
+    """`packed_token_logprobs`, on the host."""
+    return unpack_token_logprobs(packed_token_logprobs(logits, token_ids, k).cpu().numpy())
 
 
 def prompt_token_logprobs(hidden: torch.Tensor, targets: list[int], k: int,

@@ -35,7 +35,7 @@ from kvserve.engine.decode_graphs import DecodeGraphs, GraphStep
 from kvserve.engine.logprobs import TokenLogprobs, prompt_token_logprobs
 from kvserve.engine.parallel.executor import TensorParallelExecutor
 from kvserve.engine.request import Request
-from kvserve.engine.sampler import SampleResult, Sampler
+from kvserve.engine.sampler import LogprobsOnDevice, SampleResult, Sampler
 from kvserve.engine.scheduler import ScheduledRequest
 from kvserve.model.attention import AttentionBackend, AttentionMetadata, StepSequence, packing_order
 from kvserve.model.attention.metadata import host_to_device
@@ -78,22 +78,27 @@ class StepResult:
 @dataclass
 class InFlightStep:
     """A launched step. Its sampled ids stay on the device for the next step's inputs (`tokens`);
-    their copy to the host starts at launch, without blocking, and `token_list` waits for it."""
+    their copy to the host, and the logprobs', starts at launch without blocking, and
+    `token_list` waits for it."""
 
     scheduled: list[ScheduledRequest]
     sampled: list[ScheduledRequest]  # requests that get a token, in `tokens`' order
     tokens: torch.Tensor | None  # [len(sampled)] on the device; None when nothing is sampled
-    logprobs: list
+    logprobs: LogprobsOnDevice | None
     prompt_logprobs: list[PromptLogprobsChunk]
-    _host: torch.Tensor | None = None
+    _host: dict[str, torch.Tensor] = field(default_factory=dict)
     _copied: torch.cuda.Event | None = None
     _rows: dict[str, int] | None = None
 
     def __post_init__(self) -> None:
-        self._host = self.tokens
-        if self.tokens is not None and self.tokens.device.type == "cuda":
-            self._host = torch.empty(self.tokens.shape, dtype=self.tokens.dtype, pin_memory=True)
-            self._host.copy_(self.tokens, non_blocking=True)
+        on_device = {"tokens": self.tokens, "logprobs": self.logprobs.packed if self.logprobs else None}
+        for name, tensor in on_device.items():
+            if tensor is not None and tensor.device.type == "cuda":
+                self._host[name] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+                self._host[name].copy_(tensor, non_blocking=True)
+            elif tensor is not None:
+                self._host[name] = tensor
+        if self._host and self.tokens.device.type == "cuda":
             self._copied = torch.cuda.Event()
             self._copied.record()
 
@@ -106,7 +111,13 @@ class InFlightStep:
     def token_list(self) -> list[int]:
         if self._copied is not None:
             self._copied.synchronize()
-        return self._host.tolist()
+        return self._host["tokens"].tolist()
+
+    def logprob_list(self) -> list:
+        """Per sampled request, None or (the token's logprob, its top alternatives); after `token_list`."""
+        if self.logprobs is None:
+            return [None] * len(self.sampled)
+        return self.logprobs.on_host(self._host["logprobs"].numpy())
 
 
 @dataclass
@@ -309,7 +320,7 @@ class ModelRunner:
             logits, prompt_logprobs = self.run(inputs)
             sampled = inputs.sampled
         if not sampled:
-            return InFlightStep(scheduled, [], None, [], prompt_logprobs)
+            return InFlightStep(scheduled, [], None, None, prompt_logprobs)
         tokens, logprobs = self.sampler.sample_on_device(logits, [item.request for item in sampled])
         return InFlightStep(scheduled, sampled, tokens, logprobs, prompt_logprobs)
 
@@ -317,7 +328,8 @@ class ModelRunner:
         """The launched step's result on the host (the step's one wait for the device)."""
         if not step.sampled:
             return StepResult([], SampleResult([], []), step.prompt_logprobs)
-        result = self.sampler.finish([item.request for item in step.sampled], step.token_list(), step.logprobs)
+        tokens = step.token_list()
+        result = self.sampler.finish([item.request for item in step.sampled], tokens, step.logprob_list())
         return StepResult(step.sampled, result, step.prompt_logprobs)
 
     def _pending_tokens(self, rows: list[tuple[int, str]],

@@ -8,8 +8,9 @@ output does not depend on what else is in the batch), and only requests with log
 grammar (SamplingParams.structured_outputs) get a token bitmask; a batch without any costs nothing.
 
 Which transformations a batch needs is decided from the requests' parameters on the host, and
-each per-row parameter reaches the device in one copy, so on a GPU a step's only wait for the
-device is the sampled token ids (`tokens.tolist()`), plus one copy of logprobs when asked.
+each per-row parameter reaches the device in one copy. The sampled ids and the logprobs asked for
+stay on the device (`sample_on_device`): the model runner copies them to the host without
+blocking, so on a GPU a step's only wait for the device is for that copy.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from kvserve.engine.logprobs import token_logprobs
+from kvserve.engine.logprobs import packed_token_logprobs, unpack_token_logprobs
 from kvserve.engine.request import Request
 from kvserve.engine.structured_output import GrammarMasks
 from kvserve.model.attention.metadata import host_to_device
@@ -55,6 +56,25 @@ class SampleResult:
     logprobs: list[tuple[float, list[tuple[int, float]]] | None]
 
 
+@dataclass
+class LogprobsOnDevice:
+    """The logprobs a batch asked for, still on the device: rows `rows` packed as
+    `packed_token_logprobs` makes them; `wanted[i]`: the alternatives row i asked for (None: no
+    logprobs). `on_host` unpacks them once they are copied."""
+
+    packed: torch.Tensor
+    rows: list[int]
+    wanted: list[int | None]
+
+    def on_host(self, packed: np.ndarray) -> list[tuple[float, list[tuple[int, float]]] | None]:
+        found = unpack_token_logprobs(packed)
+        result: list = [None] * len(self.wanted)
+        for j, i in enumerate(self.rows):
+            w = self.wanted[i]
+            result[i] = (found.logprobs[j], list(zip(found.top_ids[j][:w], found.top_logprobs[j][:w])))
+        return result
+
+
 class Sampler:
     def __init__(self, vocab_size: int, device: torch.device):
         self.vocab_size = vocab_size
@@ -78,16 +98,18 @@ class Sampler:
         logits of the checkpoint and stay eligible only if the model gives them mass).
         A request whose logits processor fails gets `error` set; its token is to be discarded."""
         tokens, logprobs = self.sample_on_device(logits, requests)
-        return self.finish(requests, tokens.tolist(), logprobs)
+        found = logprobs.on_host(logprobs.packed.cpu().numpy()) if logprobs is not None else [None] * len(requests)
+        return self.finish(requests, tokens.tolist(), found)
 
     def finish(self, requests: list[Request], token_list: list[int], logprobs: list) -> SampleResult:
         """The host's part, once the sampled ids are there: grammars take their tokens."""
         self._advance_grammars(requests, token_list)
         return SampleResult(token_list, logprobs)
 
-    def sample_on_device(self, logits: torch.Tensor, requests: list[Request]) -> tuple[torch.Tensor, list]:
-        """The sampled ids as a device tensor [batch] (not copied to the host), and the logprobs
-        (on the host: asking for them copies once)."""
+    def sample_on_device(self, logits: torch.Tensor,
+                         requests: list[Request]) -> tuple[torch.Tensor, LogprobsOnDevice | None]:
+        """The sampled ids as a device tensor [batch] and the logprobs asked for (None: none), both
+        left on the device: the caller copies them to the host when it chooses."""
         params = [r.params for r in requests]
         raw = logits
         logits = self._apply_processors(logits, requests)
@@ -259,22 +281,17 @@ class Sampler:
                 noise[i].exponential_(generator=self._generator(r))
         return row_argmax(probs / noise)
 
-    def _logprobs(self, raw: torch.Tensor, tokens: torch.Tensor, params) -> list:
-        """Per row, None or (the sampled token's logprob, its top alternatives), from the raw logits;
-        `tokens` stay on the device (token_logprobs copies its results to the host once)."""
+    def _logprobs(self, raw: torch.Tensor, tokens: torch.Tensor, params) -> LogprobsOnDevice | None:
+        """The rows that asked for logprobs: the sampled token's logprob and the top alternatives,
+        from the raw logits, packed on the device."""
         wanted = [p.logprobs for p in params]
         rows = [i for i, w in enumerate(wanted) if w is not None]
         if not rows:
-            return [None] * len(params)
+            return None
         if len(rows) < len(params):
             index = self._per_row(rows, torch.long)
             raw, tokens = raw.index_select(0, index), tokens.index_select(0, index)
-        found = token_logprobs(raw, tokens, max(wanted[i] for i in rows))
-        result: list = [None] * len(params)
-        for j, i in enumerate(rows):
-            w = wanted[i]
-            result[i] = (found.logprobs[j], list(zip(found.top_ids[j][:w], found.top_logprobs[j][:w])))
-        return result
+        return LogprobsOnDevice(packed_token_logprobs(raw, tokens, max(wanted[i] for i in rows)), rows, wanted)
 
 
 def _name(processor) -> str:
