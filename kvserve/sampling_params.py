@@ -196,6 +196,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def has_penalties(self) -> bool:
+        """Any of the repetition, presence and frequency penalties set."""
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
     def for_child(self, index: int) -> "SamplingParams":
         """The parameters of the index-th of n samples: one sample each, seeds kept distinct, and
         with n > 1 a copy of the logits processors of its own (they may keep per-sequence state)."""

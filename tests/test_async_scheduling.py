@@ -2,7 +2,7 @@
 for, a decode reading its input token on the device. A request's tokens, texts and finish reasons
 are the ones the one-step-at-a-time engine gives, through chunked prefill, preemptions, stops on a
 token or a string (the token computed after a stop is dropped), seeded sampling with n > 1,
-min_tokens, logprobs, requests that need their tokens on the host (they make the engine wait),
+min_tokens, logprobs, penalties, requests that need their tokens on the host (they make the engine wait),
 aborts and a failed step. Both engines run --deterministic, so any difference is the scheduling's, not
 batch-dependent rounding."""
 from __future__ import annotations
@@ -18,7 +18,8 @@ from kvserve.engine.request import RequestStatus
 
 PROMPTS = ["It is a truth universally acknowledged", "Hello", "Mr. Bennet was so odd a mixture of quick parts",
            "The", "However little known the feelings or views of such a man may be", "My dear Mr. Bennet",
-           "Netherfield is taken at last", "You want to tell me, and I have no objection to hearing it"]
+           "Netherfield is taken at last", "You want to tell me, and I have no objection to hearing it",
+           "She is tolerable, but not handsome enough", "It is a truth universally acknowledged"]
 
 
 def engine(model, async_scheduling: bool, **options) -> LLM:
@@ -44,6 +45,10 @@ def workload(stop_token: int, stop_text: str) -> list[SamplingParams]:
                        stop_token_ids=[stop_token]),
         SamplingParams(temperature=0, max_tokens=7, logprobs=2),
         SamplingParams(temperature=0.5, min_p=0.1, seed=5, max_tokens=16),
+        SamplingParams(temperature=0.9, seed=8, max_tokens=14, frequency_penalty=1.5, presence_penalty=0.5,
+                       repetition_penalty=1.3),
+        # a favoured token repeats until its penalty outweighs the bias: off by one if the latest is not counted
+        SamplingParams(temperature=0, max_tokens=14, logit_bias={300: 8.0}, frequency_penalty=2.0),
     ]
 
 
@@ -80,8 +85,13 @@ def test_async_scheduling_gives_the_one_step_at_a_time_outputs(tiny_llama, stops
         assert preemptions > 0
 
 
+def ban_token_7(output_token_ids: list[int], row):
+    row[7] = float("-inf")
+    return row
+
+
 def test_a_request_needing_host_tokens_makes_the_engine_wait_then_overlap_resumes(tiny_llama):
-    """A request with a frequency penalty (it needs its tokens on the host) arriving mid-run: steps
+    """A request with a logits processor (it needs its tokens on the host) arriving mid-run: steps
     run one at a time while it lives, and everyone's tokens and logprobs are unchanged."""
     def run(async_scheduling: bool) -> tuple[dict, list]:
         llm = engine(tiny_llama, async_scheduling)
@@ -95,7 +105,7 @@ def test_a_request_needing_host_tokens_makes_the_engine_wait_then_overlap_resume
         while core.has_unfinished_requests():
             if step == 3:
                 core.add_request(PROMPTS[4], SamplingParams(temperature=0, max_tokens=3, logprobs=1,
-                                                                 frequency_penalty=1.5), request_id="lp")
+                                                                 logits_processors=[ban_token_7]), request_id="lp")
             for out in core.step():
                 if out.finished:
                     finals[out.request_id] = out.outputs[0]

@@ -244,12 +244,14 @@ def test_async_scheduling_resumes_a_preempted_request_once_its_token_arrives():
 def test_requests_needing_host_tokens_are_counted_until_they_finish():
     sched = make_scheduler(num_blocks=16)
     plain = make_request("plain", 4, max_tokens=2)
-    with_logprobs = Request("lp", [1, 2], SamplingParams(max_tokens=2, prompt_logprobs=1))
-    penalised = Request("pen", [1, 2], SamplingParams(max_tokens=2, frequency_penalty=0.5))
-    assert not plain.needs_host_tokens and with_logprobs.needs_host_tokens and penalised.needs_host_tokens
-    for r in (plain, with_logprobs, penalised):
+    prompt_logprobs = Request("plp", [1, 2], SamplingParams(max_tokens=2, prompt_logprobs=1))
+    processed = Request("proc", [1, 2], SamplingParams(max_tokens=2, logits_processors=[lambda ids, row: row]))
+    penalised = Request("pen", [1, 2], SamplingParams(max_tokens=2, frequency_penalty=0.5, logprobs=2))
+    assert prompt_logprobs.needs_host_tokens and processed.needs_host_tokens
+    assert not plain.needs_host_tokens and not penalised.needs_host_tokens  # the device has what they need
+    for r in (plain, prompt_logprobs, processed, penalised):
         sched.add(r)
     assert sched.num_needing_host_tokens == 2
-    sched.finish(with_logprobs, RequestStatus.FINISHED_ABORTED)
+    sched.finish(prompt_logprobs, RequestStatus.FINISHED_ABORTED)
     run_to_completion(sched)
     assert sched.num_needing_host_tokens == 0

@@ -321,7 +321,13 @@ class ModelRunner:
             sampled = inputs.sampled
         if not sampled:
             return InFlightStep(scheduled, [], None, None, prompt_logprobs)
-        tokens, logprobs = self.sampler.sample_on_device(logits, [item.request for item in sampled])
+        requests = [item.request for item in sampled]
+        last = None
+        if previous is not None and any(r.params.has_penalties for r in requests):
+            # the penalties count each request's latest token, which only the device has yet
+            last = self._pending_tokens([(i, r.request_id) for i, r in enumerate(requests)
+                                         if r.num_computed_tokens >= r.num_tokens], previous)
+        tokens, logprobs = self.sampler.sample_on_device(logits, requests, last)
         return InFlightStep(scheduled, sampled, tokens, logprobs, prompt_logprobs)
 
     def wait(self, step: InFlightStep) -> StepResult:
@@ -334,7 +340,8 @@ class ModelRunner:
 
     def _pending_tokens(self, rows: list[tuple[int, str]],
                         previous: InFlightStep | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(rows, their input tokens) on the device, for decodes whose token `previous` sampled."""
+        """(rows, tokens) on the device: for each (row, request id), the token `previous` sampled
+        for that request."""
         if not rows:
             return None
         index = host_to_device([[row for row, _ in rows], [previous.row(rid) for _, rid in rows]], self.device)

@@ -106,16 +106,19 @@ class Sampler:
         self._advance_grammars(requests, token_list)
         return SampleResult(token_list, logprobs)
 
-    def sample_on_device(self, logits: torch.Tensor,
-                         requests: list[Request]) -> tuple[torch.Tensor, LogprobsOnDevice | None]:
+    def sample_on_device(self, logits: torch.Tensor, requests: list[Request],
+                         last_tokens: tuple[torch.Tensor, torch.Tensor] | None = None,
+                         ) -> tuple[torch.Tensor, LogprobsOnDevice | None]:
         """The sampled ids as a device tensor [batch] and the logprobs asked for (None: none), both
-        left on the device: the caller copies them to the host when it chooses."""
+        left on the device: the caller copies them to the host when it chooses. `last_tokens`:
+        (rows, tokens) on the device, each row's latest generated token when the host does not
+        have it yet (async scheduling); the penalties count it."""
         params = [r.params for r in requests]
         raw = logits
         logits = self._apply_processors(logits, requests)
         logits = self._apply_logit_bias(logits, requests, cloned=logits is not raw)
         logits = self._apply_grammars(logits, requests, cloned=logits is not raw)
-        logits = self._apply_penalties(logits, requests)
+        logits = self._apply_penalties(logits, requests, last_tokens)
         logits = self._mask_min_tokens(logits, requests)
 
         greedy = [p.temperature < SAMPLING_EPS for p in params]
@@ -199,10 +202,10 @@ class Sampler:
                     r.error = f"structured output: {refused}"
                     logger.warning("request %s: %s", r.request_id, r.error)
 
-    def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def _apply_penalties(self, logits: torch.Tensor, requests: list[Request],
+                         last_tokens: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         params = [r.params for r in requests]
-        if all(p.repetition_penalty == 1 and p.presence_penalty == 0 and p.frequency_penalty == 0
-               for p in params):
+        if not any(p.has_penalties for p in params):
             return logits
         batch, vocab = logits.shape
         dev = logits.device
@@ -221,6 +224,10 @@ class Sampler:
                               accumulate=True)
         seen = torch.zeros(batch, vocab, dtype=torch.bool, device=dev)
         seen[pairs[0, num_out:], pairs[1, num_out:]] = True
+        if last_tokens is not None:  # generated, still on the device
+            rows, tokens = last_tokens
+            out_counts.index_put_((rows, tokens), torch.ones(rows.shape[0], device=dev), accumulate=True)
+            seen[rows, tokens] = True
         rep, freq, pres = self._per_row([[p.repetition_penalty for p in params], [p.frequency_penalty for p in params],
                                          [p.presence_penalty for p in params]]).unsqueeze(2)
         # float32 turns penalties below its smallest normal number into 0 (a division by zero) and
