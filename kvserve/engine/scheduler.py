@@ -52,7 +52,9 @@ class ScheduledRequest:
         """True if this step reaches the end of the request's known tokens (a token is sampled);
         never for a prefill-only request (max_tokens 0)."""
         r = self.request
-        return r.num_computed_tokens + self.num_new_tokens == r.num_scheduled_tokens and r.max_tokens != 0
+        # (Request.num_scheduled_tokens and max_tokens, spelled out: this runs for every request every step)
+        return (r.num_computed_tokens + self.num_new_tokens == len(r.token_ids) + r.num_pending_tokens
+                and r.params.max_tokens != 0)
 
 
 class Scheduler:
@@ -105,7 +107,7 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            remaining = request.num_scheduled_tokens - request.num_computed_tokens
+            remaining = len(request.token_ids) + request.num_pending_tokens - request.num_computed_tokens
             if remaining == 0 or (request.num_pending_tokens and request.stops_with_pending(self.config.max_model_len)):
                 continue  # (async scheduling) all in flight, or its pending token ends it
             num_new = min(remaining, budget, self.kv.max_new_tokens(request))
@@ -177,10 +179,11 @@ class Scheduler:
             token = sampled.get(request.request_id)
             if not advanced:
                 request.num_computed_tokens += item.num_new_tokens
-            elif token is not None:
-                request.num_pending_tokens -= 1
-            if request.status.finished:
-                continue
+            else:
+                if token is not None:
+                    request.num_pending_tokens -= 1
+                if request.status.finished:
+                    continue
             if token is None:
                 if request.max_tokens == 0 and request.num_computed_tokens == request.num_tokens:
                     self.finish(request, RequestStatus.FINISHED_LENGTH)  # prefill only: the prompt is computed
