@@ -2,24 +2,26 @@
 for, a decode reading its input token on the device. A request's tokens, texts and finish reasons
 are the ones the one-step-at-a-time engine gives, through chunked prefill, preemptions, stops on a
 token or a string (the token computed after a stop is dropped), seeded sampling with n > 1,
-min_tokens, logprobs, penalties, requests that need their tokens on the host (they make the engine wait),
+min_tokens, logprobs, penalties, a logits processor, a grammar, requests that need their tokens on the host (they make the engine wait),
 aborts and a failed step. Both engines run --deterministic, so any difference is the scheduling's, not
 batch-dependent rounding."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 
 import httpx
 import pytest
 
-from kvserve import LLM, SamplingParams
+from kvserve import LLM, SamplingParams, StructuredOutputsParams
 from kvserve.engine.request import RequestStatus
 
 PROMPTS = ["It is a truth universally acknowledged", "Hello", "Mr. Bennet was so odd a mixture of quick parts",
            "The", "However little known the feelings or views of such a man may be", "My dear Mr. Bennet",
            "Netherfield is taken at last", "You want to tell me, and I have no objection to hearing it",
-           "She is tolerable, but not handsome enough", "It is a truth universally acknowledged"]
+           "She is tolerable, but not handsome enough", "It is a truth universally acknowledged", "Hello there",
+           "Write it"]
 
 
 def engine(model, async_scheduling: bool, **options) -> LLM:
@@ -49,7 +51,17 @@ def workload(stop_token: int, stop_text: str) -> list[SamplingParams]:
                        repetition_penalty=1.3),
         # a favoured token repeats until its penalty outweighs the bias: off by one if the latest is not counted
         SamplingParams(temperature=0, max_tokens=14, logit_bias={300: 8.0}, frequency_penalty=2.0),
+        SamplingParams(temperature=0, max_tokens=12, logits_processors=[ban_previous_token]),
+        SamplingParams(temperature=0.7, seed=4, max_tokens=16,
+                       structured_outputs=StructuredOutputsParams(regex="(ab|cd)+[0-9]{2}")),
     ]
+
+
+def ban_previous_token(output_token_ids: list[int], row):
+    """A logits processor that reads the output so far: never the same token twice in a row."""
+    if output_token_ids:
+        row[output_token_ids[-1]] = float("-inf")
+    return row
 
 
 PROMPT_MIX = [[t % 400 + 5 for t in range(i, i + 4 + 9 * i)] if i % 3 == 0 else p for i, p in enumerate(PROMPTS)]
@@ -81,18 +93,16 @@ def test_async_scheduling_gives_the_one_step_at_a_time_outputs(tiny_llama, stops
     reasons = [[c[2] for c in o] for o in results[True]]
     assert reasons[2] == reasons[4] == ["stop"] and reasons[0] == ["length"]
     assert len(results[True][6][0][4]) == 7 and all(len(top) == 2 for _, top in results[True][6][0][4])
+    processed = results[True][10][0][0]
+    assert all(a != b for a, b in zip(processed, processed[1:]))
+    assert re.fullmatch("(ab|cd)+[0-9]{2}", results[True][11][0][1]) and results[True][11][0][2] == "stop"
     if kv_cache_memory == "96KiB":
         assert preemptions > 0
 
 
-def ban_token_7(output_token_ids: list[int], row):
-    row[7] = float("-inf")
-    return row
-
-
 def test_a_request_needing_host_tokens_makes_the_engine_wait_then_overlap_resumes(tiny_llama):
-    """A request with a logits processor (it needs its tokens on the host) arriving mid-run: steps
-    run one at a time while it lives, and everyone's tokens and logprobs are unchanged."""
+    """A request asking for prompt logprobs (planned on the host) arriving mid-run: steps run one at
+    a time while it lives, and everyone's tokens and logprobs are unchanged."""
     def run(async_scheduling: bool) -> tuple[dict, list]:
         llm = engine(tiny_llama, async_scheduling)
         core = llm.engine
@@ -105,7 +115,7 @@ def test_a_request_needing_host_tokens_makes_the_engine_wait_then_overlap_resume
         while core.has_unfinished_requests():
             if step == 3:
                 core.add_request(PROMPTS[4], SamplingParams(temperature=0, max_tokens=3, logprobs=1,
-                                                                 logits_processors=[ban_token_7]), request_id="lp")
+                                                                 prompt_logprobs=1), request_id="lp")
             for out in core.step():
                 if out.finished:
                     finals[out.request_id] = out.outputs[0]

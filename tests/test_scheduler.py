@@ -245,11 +245,12 @@ def test_requests_needing_host_tokens_are_counted_until_they_finish():
     sched = make_scheduler(num_blocks=16)
     plain = make_request("plain", 4, max_tokens=2)
     prompt_logprobs = Request("plp", [1, 2], SamplingParams(max_tokens=2, prompt_logprobs=1))
-    processed = Request("proc", [1, 2], SamplingParams(max_tokens=2, logits_processors=[lambda ids, row: row]))
-    penalised = Request("pen", [1, 2], SamplingParams(max_tokens=2, frequency_penalty=0.5, logprobs=2))
-    assert prompt_logprobs.needs_host_tokens and processed.needs_host_tokens
-    assert not plain.needs_host_tokens and not penalised.needs_host_tokens  # the device has what they need
-    for r in (plain, prompt_logprobs, processed, penalised):
+    prefill_only = Request("pre", [1, 2], SamplingParams(max_tokens=0))
+    processed = Request("proc", [1, 2], SamplingParams(max_tokens=2, logits_processors=[lambda ids, row: row],
+                                                       frequency_penalty=0.5, logprobs=2))
+    assert prompt_logprobs.needs_host_tokens and prefill_only.needs_host_tokens
+    assert not plain.needs_host_tokens and not processed.needs_host_tokens  # sampled after the step before
+    for r in (plain, prompt_logprobs, prefill_only, processed):
         sched.add(r)
     assert sched.num_needing_host_tokens == 2
     sched.finish(prompt_logprobs, RequestStatus.FINISHED_ABORTED)

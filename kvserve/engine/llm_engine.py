@@ -8,7 +8,8 @@ With --async-scheduling (vLLM v1's async scheduling), step N+1 is scheduled and 
 step N's tokens are waited for, so on a GPU the host's part of a step (scheduling, inputs,
 detokenizing, stop checks) runs while the device computes:
 
-    step: schedule N+1 ──> ModelRunner.launch N+1 ──> Scheduler.advance ──> wait for N ──> update, process N
+    step: schedule N+1 ──> ModelRunner.launch N+1 (forward) ──> wait for N ──> update, process N
+          ──> ModelRunner.sample N+1 ──> Scheduler.advance
 
 Start-up is three functions of its own: loading.py (options checked, model built, KV format
 and attention backend chosen), pool_sizing.py (blocks for the budget, or the CUDA profiling pass) and
@@ -281,13 +282,16 @@ class LLMEngine:
                 self._in_flight = None
             return outputs + self._step()
         scheduled, tables = self._scheduled()
-        previous, launched = self._in_flight, None
-        if scheduled:
-            launched = self.runner.launch(scheduled, tables, previous)
-            self.scheduler.advance(scheduled)
-        self._in_flight = launched
+        previous = self._in_flight
+        forward = self.runner.launch(scheduled, tables, previous) if scheduled else None
         if previous is not None:
+            self._in_flight = None
             outputs = self._complete(previous)
+        if forward is not None:
+            # Sampled once the step before is reported: penalties, logits processors and grammars
+            # see every earlier token, as they do one step at a time.
+            self._in_flight = self.runner.sample(forward)
+            self.scheduler.advance(scheduled)
         return outputs
 
     def _complete(self, launched: InFlightStep) -> list[RequestOutput]:

@@ -15,10 +15,11 @@ the next prompt token from them a slice of rows at a time (kvserve/engine/logpro
 With decode graphs (CUDA, kvserve/engine/decode_graphs.py), a step of plain decodes only goes
 through them instead: the same tokens, positions and slots, replayed rather than launched.
 
-A step is launched (`launch`: inputs, forward, sampling, all queued on the device) and then waited
-for (`wait`: the sampled ids reach the host). Under async scheduling the engine launches the next
-step before waiting for this one; a decode whose input token this one sampled reads it from the
-device (`InFlightStep.tokens`), filled into its row of the inputs by one indexed copy.
+A step is launched (`launch`: inputs and forward pass queued on the device), sampled (`sample`:
+queued too) and then waited for (`wait`: the sampled ids reach the host). Under async scheduling
+the engine launches the next step's forward pass before waiting for this one; a decode whose
+input token this one sampled reads it from the device (`InFlightStep.tokens`), filled into its
+row of the inputs by one indexed copy.
 """
 from __future__ import annotations
 
@@ -73,6 +74,16 @@ class StepResult:
     sampled: list[ScheduledRequest]  # requests that got a token, in `result`'s order
     result: SampleResult
     prompt_logprobs: list[PromptLogprobsChunk] = field(default_factory=list)
+
+
+@dataclass
+class LaunchedForward:
+    """A forward pass queued on the device; its logits [len(sampled), vocab] wait to be sampled."""
+
+    scheduled: list[ScheduledRequest]
+    sampled: list[ScheduledRequest]  # requests that get a token, in logits-row order
+    logits: torch.Tensor
+    prompt_logprobs: list[PromptLogprobsChunk]
 
 
 @dataclass
@@ -302,36 +313,34 @@ class ModelRunner:
 
     def execute(self, scheduled: list[ScheduledRequest], block_tables: dict[str, list[int]]) -> StepResult:
         """Run a step and wait for it."""
-        return self.wait(self.launch(scheduled, block_tables))
+        return self.wait(self.sample(self.launch(scheduled, block_tables)))
 
     def launch(self, scheduled: list[ScheduledRequest], block_tables: dict[str, list[int]],
-               previous: InFlightStep | None = None) -> InFlightStep:
-        """Queue the step's forward pass and sampling on the device. `previous`: the step still in
-        flight whose sampled tokens some of these decodes take as input (async scheduling)."""
+               previous: InFlightStep | None = None) -> LaunchedForward:
+        """Queue the step's forward pass on the device. `previous`: the step in flight whose
+        sampled tokens some of these decodes take as input (async scheduling)."""
         step = self.graph_step(scheduled, block_tables)
         if step is not None:
             logits = self.graphs.run(step, self._pending_tokens(step.pending_rows, previous))
-            sampled, prompt_logprobs = list(scheduled), []
-        else:
-            inputs = self.prepare(scheduled, block_tables)
-            pending = self._pending_tokens(inputs.pending_rows, previous)
-            if pending is not None:
-                inputs.input_ids[pending[0]] = pending[1]
-            logits, prompt_logprobs = self.run(inputs)
-            sampled = inputs.sampled
-        if not sampled:
-            return InFlightStep(scheduled, [], None, None, prompt_logprobs)
-        requests = [item.request for item in sampled]
-        last = None
-        if previous is not None and any(r.params.has_penalties for r in requests):
-            # the penalties count each request's latest token, which only the device has yet
-            last = self._pending_tokens([(i, r.request_id) for i, r in enumerate(requests)
-                                         if r.num_computed_tokens >= r.num_tokens], previous)
-        tokens, logprobs = self.sampler.sample_on_device(logits, requests, last)
-        return InFlightStep(scheduled, sampled, tokens, logprobs, prompt_logprobs)
+            return LaunchedForward(scheduled, list(scheduled), logits, [])
+        inputs = self.prepare(scheduled, block_tables)
+        pending = self._pending_tokens(inputs.pending_rows, previous)
+        if pending is not None:
+            inputs.input_ids[pending[0]] = pending[1]
+        logits, prompt_logprobs = self.run(inputs)
+        return LaunchedForward(scheduled, inputs.sampled, logits, prompt_logprobs)
+
+    def sample(self, forward: LaunchedForward) -> InFlightStep:
+        """Queue the sampling of a launched forward pass; its tokens start for the host at once.
+        Under async scheduling this runs once the step before is reported, so logits processors,
+        grammars and penalties see every earlier token."""
+        if not forward.sampled:
+            return InFlightStep(forward.scheduled, [], None, None, forward.prompt_logprobs)
+        tokens, logprobs = self.sampler.sample_on_device(forward.logits, [item.request for item in forward.sampled])
+        return InFlightStep(forward.scheduled, forward.sampled, tokens, logprobs, forward.prompt_logprobs)
 
     def wait(self, step: InFlightStep) -> StepResult:
-        """The launched step's result on the host (the step's one wait for the device)."""
+        """The sampled step's result on the host (the step's one wait for the device)."""
         if not step.sampled:
             return StepResult([], SampleResult([], []), step.prompt_logprobs)
         tokens = step.token_list()
@@ -340,8 +349,7 @@ class ModelRunner:
 
     def _pending_tokens(self, rows: list[tuple[int, str]],
                         previous: InFlightStep | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(rows, tokens) on the device: for each (row, request id), the token `previous` sampled
-        for that request."""
+        """(rows, their input tokens) on the device, for decodes whose token `previous` sampled."""
         if not rows:
             return None
         index = host_to_device([[row for row, _ in rows], [previous.row(rid) for _, rid in rows]], self.device)

@@ -81,13 +81,10 @@ class Request:
         self._output_ids = []
         self.num_prompt_tokens = len(self.prompt_token_ids)
         p = self.params
-        # Whether its next step needs its last token's id on the host (so async scheduling waits for
-        # it): logits processors and a grammar read the output so far in Python, prompt logprobs and
-        # KV eviction plan on the host, a prefill-only request (max_tokens 0) finishes when the step
-        # computing its prompt's end reports.
-        self.needs_host_tokens = bool(
-            p.logits_processors or self.grammar is not None or self.eviction is not None
-            or p.prompt_logprobs is not None or p.max_tokens == 0)
+        # Whether async scheduling must wait for its tokens before launching its next step: prompt
+        # logprobs and KV eviction plan on the host, and a prefill-only request (max_tokens 0)
+        # finishes when the step computing its prompt's end reports.
+        self.needs_host_tokens = bool(self.eviction is not None or p.prompt_logprobs is not None or p.max_tokens == 0)
 
     @property
     def num_tokens(self) -> int:

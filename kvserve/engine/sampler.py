@@ -106,19 +106,18 @@ class Sampler:
         self._advance_grammars(requests, token_list)
         return SampleResult(token_list, logprobs)
 
-    def sample_on_device(self, logits: torch.Tensor, requests: list[Request],
-                         last_tokens: tuple[torch.Tensor, torch.Tensor] | None = None,
-                         ) -> tuple[torch.Tensor, LogprobsOnDevice | None]:
+    def sample_on_device(self, logits: torch.Tensor,
+                         requests: list[Request]) -> tuple[torch.Tensor, LogprobsOnDevice | None]:
         """The sampled ids as a device tensor [batch] and the logprobs asked for (None: none), both
-        left on the device: the caller copies them to the host when it chooses. `last_tokens`:
-        (rows, tokens) on the device, each row's latest generated token when the host does not
-        have it yet (async scheduling); the penalties count it."""
+        left on the device: the caller copies them to the host when it chooses. A request that
+        finished meanwhile (async scheduling: its token will be dropped) gets no logits processor,
+        grammar or seeded draw."""
         params = [r.params for r in requests]
         raw = logits
         logits = self._apply_processors(logits, requests)
         logits = self._apply_logit_bias(logits, requests, cloned=logits is not raw)
         logits = self._apply_grammars(logits, requests, cloned=logits is not raw)
-        logits = self._apply_penalties(logits, requests, last_tokens)
+        logits = self._apply_penalties(logits, requests)
         logits = self._mask_min_tokens(logits, requests)
 
         greedy = [p.temperature < SAMPLING_EPS for p in params]
@@ -141,7 +140,7 @@ class Sampler:
         """Each request's logits processors, in order, on a copy of its row (the model's logits
         stay as they were, for logprobs). A processor that raises or returns something else than
         a row fails only its request: `request.error` says why and its row is left unprocessed."""
-        rows = [(i, r) for i, r in enumerate(requests) if r.params.logits_processors]
+        rows = [(i, r) for i, r in enumerate(requests) if r.params.logits_processors and not r.status.finished]
         if not rows:
             return logits
         processed = logits.clone()
@@ -181,7 +180,8 @@ class Sampler:
     def _apply_grammars(self, logits: torch.Tensor, requests: list[Request], cloned: bool) -> torch.Tensor:
         """Tokens a request's grammar does not allow next become -inf (on a copy unless `cloned`:
         the raw logits stay as they are, for logprobs)."""
-        rows = [i for i, r in enumerate(requests) if r.grammar is not None and r.error is None]
+        rows = [i for i, r in enumerate(requests) if r.grammar is not None and r.error is None
+                and not r.status.finished]
         if not rows:
             return logits
         if self._grammar_masks is None:
@@ -196,14 +196,13 @@ class Sampler:
         """Each constrained request's matcher takes its sampled token; one it refuses (only possible
         when every token was masked) fails that request."""
         for r, token in zip(requests, tokens):
-            if r.grammar is not None and r.error is None:
+            if r.grammar is not None and r.error is None and not r.status.finished:
                 refused = r.grammar.accept(token)
                 if refused is not None:
                     r.error = f"structured output: {refused}"
                     logger.warning("request %s: %s", r.request_id, r.error)
 
-    def _apply_penalties(self, logits: torch.Tensor, requests: list[Request],
-                         last_tokens: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         params = [r.params for r in requests]
         if not any(p.has_penalties for p in params):
             return logits
@@ -224,10 +223,6 @@ class Sampler:
                               accumulate=True)
         seen = torch.zeros(batch, vocab, dtype=torch.bool, device=dev)
         seen[pairs[0, num_out:], pairs[1, num_out:]] = True
-        if last_tokens is not None:  # generated, still on the device
-            rows, tokens = last_tokens
-            out_counts.index_put_((rows, tokens), torch.ones(rows.shape[0], device=dev), accumulate=True)
-            seen[rows, tokens] = True
         rep, freq, pres = self._per_row([[p.repetition_penalty for p in params], [p.frequency_penalty for p in params],
                                          [p.presence_penalty for p in params]]).unsqueeze(2)
         # float32 turns penalties below its smallest normal number into 0 (a division by zero) and
@@ -241,9 +236,7 @@ class Sampler:
         return logits - freq * out_counts - pres * (out_counts > 0).float()
 
     def _mask_min_tokens(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        # (async scheduling: a token still on its way to the host counts as generated)
-        rows = [(i, r) for i, r in enumerate(requests)
-                if r.num_output_tokens + r.num_pending_tokens < r.params.min_tokens]
+        rows = [(i, r) for i, r in enumerate(requests) if r.num_output_tokens < r.params.min_tokens]
         if not rows:
             return logits
         where = [[], []]
@@ -284,7 +277,7 @@ class Sampler:
         """Sample via the exponential race: argmax(p / E) with E ~ Exp(1) picks i with prob p_i."""
         noise = torch.empty_like(probs).exponential_()
         for i, r in enumerate(requests):
-            if r.params.seed is not None:
+            if r.params.seed is not None and not r.status.finished:
                 noise[i].exponential_(generator=self._generator(r))
         return row_argmax(probs / noise)
 
