@@ -1,10 +1,10 @@
 """--async-scheduling: the next step is scheduled and launched before the step in flight is waited
-for, a decode reading its input token on the device. A request's tokens, texts and finish reasons
-are the ones the one-step-at-a-time engine gives, through chunked prefill, preemptions, stops on a
-token or a string (the token computed after a stop is dropped), seeded sampling with n > 1,
-min_tokens, logprobs, penalties, a logits processor, a grammar, requests that need their tokens on the host (they make the engine wait),
-aborts and a failed step. Both engines run --deterministic, so any difference is the scheduling's, not
-batch-dependent rounding."""
+for, a decode reading its input token on the device. A request's tokens, texts, finish reasons and
+logprobs are the ones the one-step-at-a-time engine gives, through chunked prefill, preemptions,
+stops on a token or a string (the token computed after a stop is dropped), seeded sampling with
+n > 1, min_tokens, penalties, a logits processor, a grammar, requests that make the engine wait
+(prompt logprobs), aborts and a failed step. Both engines run --deterministic, so any difference
+is the scheduling's, not batch-dependent rounding."""
 from __future__ import annotations
 
 import json

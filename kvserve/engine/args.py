@@ -107,8 +107,8 @@ class EngineArgs:
     async_scheduling: bool = field(default=False, metadata=_opt(
         "schedule and prepare the next step while the device runs this one (vLLM's flag): a decode reads "
         "its input token on the device; the host waits for a step's tokens only after launching the next. "
-        "Steps with requests under KV eviction or asking for prompt logprobs run one at a time. On CPU the forward pass runs in the "
-        "engine's thread, so nothing overlaps there", action="store_true"))
+        "Steps with requests under KV eviction or asking for prompt logprobs run one at a time. On CPU the "
+        "forward pass runs in the engine's thread, so nothing overlaps there", action="store_true"))
     gpu_memory_utilization: float = field(default=0.9, metadata=_opt(
         "fraction of GPU memory kvserve may use (weights + activations + KV cache); CUDA only"))
     max_model_len: int | None = field(default=None, metadata=_opt(
