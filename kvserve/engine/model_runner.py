@@ -88,9 +88,9 @@ class LaunchedForward:
 
 @dataclass
 class InFlightStep:
-    """A launched step. Its sampled ids stay on the device for the next step's inputs (`tokens`);
-    their copy to the host, and the logprobs', starts at launch without blocking, and
-    `token_list` waits for it."""
+    """A sampled step. Its sampled ids stay on the device for the next step's inputs (`tokens`);
+    their copy to the host, and the logprobs', starts when they are sampled, without blocking,
+    and `token_list` waits for it."""
 
     scheduled: list[ScheduledRequest]
     sampled: list[ScheduledRequest]  # requests that get a token, in `tokens`' order
@@ -102,14 +102,17 @@ class InFlightStep:
     _rows: dict[str, int] | None = None
 
     def __post_init__(self) -> None:
+        if self.tokens is None:
+            return
         on_device = {"tokens": self.tokens, "logprobs": self.logprobs.packed if self.logprobs else None}
+        cuda = self.tokens.device.type == "cuda"
         for name, tensor in on_device.items():
-            if tensor is not None and tensor.device.type == "cuda":
-                self._host[name] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            if tensor is None:
+                continue
+            self._host[name] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True) if cuda else tensor
+            if cuda:
                 self._host[name].copy_(tensor, non_blocking=True)
-            elif tensor is not None:
-                self._host[name] = tensor
-        if self._host and self.tokens.device.type == "cuda":
+        if cuda:
             self._copied = torch.cuda.Event()
             self._copied.record()
 
