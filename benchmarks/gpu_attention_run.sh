@@ -10,10 +10,19 @@ G=$PWD/.gpu
 DEV=${DEV:-cuda}
 MODEL=/tmp/m1b; [ "$1" = "--dry" ] && MODEL=/tmp/mtiny
 if [ "$1" != "--dry" ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1 || { echo "wheel install failed"; exit 1; }
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1 || { echo "wheel install failed" | tee -a $OUT/attention-log.txt; exit 1; }
   export PYTHONPATH=/tmp/site:$PWD
 fi
 KV="python3 -m kvserve.cli"  # a command, not a shell function: `timeout` runs commands only
+# Wait for a server's /health; give up at once if its process died (its log's tail says why).
+healthy() {  # port pid seconds log
+  for i in $(seq 1 $3); do
+    curl -sf localhost:$1/health >/dev/null && return 0
+    kill -0 $2 2>/dev/null || break
+    sleep 1
+  done
+  echo "server on port $1 did not come up:"; tail -5 $4; return 1
+}
 want() { [[ " ${STEPS:-1 2 5 6 4 7 3 8} " == *" $1 "* ]]; }
 DRY=$([ "$1" = "--dry" ] && echo 1)
 {
@@ -60,8 +69,7 @@ echo "=== 7 kvserve serve + kvserve bench serve, 256 x 512/128 at once: CUDA gra
 for mode in "" "--async-scheduling" "--enforce-eager"; do
   $KV serve --model $MODEL --device $DEV --port 8011 $mode > $OUT/serve${mode}.log 2>&1 &
   sp=$!
-  for i in $(seq 1 120); do curl -sf localhost:8011/health >/dev/null && break; sleep 1; done
-  timeout 100 $KV bench serve --base-url http://127.0.0.1:8011 --tokenizer $MODEL --dataset-name random --request-rate inf \
+  healthy 8011 $sp 120 $OUT/serve${mode}.log && timeout 100 $KV bench serve --base-url http://127.0.0.1:8011 --tokenizer $MODEL --dataset-name random --request-rate inf \
     --ignore-eos $([ -n "$DRY" ] && echo "--num-prompts 4 --random-input-len 16 --random-output-len 4" || echo "--num-prompts 256 --random-input-len 512 --random-output-len 128") \
     2>&1 | grep -E "throughput|TTFT|TPOT|Successful" | sed "s/^/[${mode:-graphs}] /"
   kill $sp; wait $sp 2>/dev/null; grep -E "CUDA graphs|Attention backend" $OUT/serve${mode}.log | head -2
@@ -76,8 +84,7 @@ timeout 150 $KV bench throughput --model $M8 --device $DEV --backend kvserve --a
   2>&1 | grep -E "Workload|Throughput|CUDA graphs" | sed "s/^/[8b offline] /"
 $KV serve --model $M8 --device $DEV --port 8012 --async-scheduling > $OUT/serve-8b.log 2>&1 &
 sp=$!
-for i in $(seq 1 150); do curl -sf localhost:8012/health >/dev/null && break; sleep 1; done
-timeout 100 $KV bench serve --base-url http://127.0.0.1:8012 --tokenizer $M8 --dataset-name random --request-rate inf \
+healthy 8012 $sp 150 $OUT/serve-8b.log && timeout 100 $KV bench serve --base-url http://127.0.0.1:8012 --tokenizer $M8 --dataset-name random --request-rate inf \
   --ignore-eos $([ -n "$DRY" ] && echo "--num-prompts 4 --random-input-len 16 --random-output-len 4" || echo "--num-prompts 256 --random-input-len 512 --random-output-len 128") \
   2>&1 | grep -E "throughput|TTFT|TPOT|Successful" | sed "s/^/[8b served] /"
 kill $sp; wait $sp 2>/dev/null; grep -E -i "traceback" $OUT/serve-8b.log | head -3

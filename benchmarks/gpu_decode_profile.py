@@ -69,8 +69,10 @@ def main() -> None:
         print(f"[{label}] profiled {steps} steps in {wall:.2f} s; {sum(e.count for e in averages)} torch ops")
         return
     print(averages.table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60))
-    busy = sum(e.self_device_time_total for e in averages) / 1e6
-    kernels = sum(e.count for e in averages if e.device_type == torch.autograd.DeviceType.CUDA)
+    # Only the device's own events: an operator's row also carries its kernels' time, which would count them twice.
+    on_device = [e for e in averages if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(e.self_device_time_total for e in on_device) / 1e6
+    kernels = sum(e.count for e in on_device)
     print(f"[{label}] {args.batch} decodes per step: GPU busy {busy:.3f} s of {wall:.3f} s = {100 * busy / wall:.0f}%, "
           f"{1e3 * wall / steps:.2f} ms per step, {kernels / steps:.0f} kernels per step ({steps} steps)")
 
