@@ -202,6 +202,24 @@ def test_a_decode_does_not_depend_on_the_longest_context_in_its_batch():
     assert torch.equal(alone[("a", 20)], beside[("a", 20)])
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_programs_taking_several_splits_give_the_same_bits(monkeypatch, kv_cache_dtype):
+    """Past DECODE_PROGRAMS a decode launch has fewer programs than splits, each taking every n-th
+    split (a CUDA graph's decode, sized for the longest context allowed): same bits as a program
+    per split, with a window too."""
+    from kvserve.model.attention import triton_kernels
+
+    shape = Shape(torch.float32, 16, 4, 2, 64, window=70)
+    steps = [[("a", 0, 20), ("d", 0, 150)], [("a", 20, 1), ("d", 150, 1)]]
+    one_each = attend_rows("triton", kv_cache_dtype, shape, steps, deterministic=False)
+    assert triton_kernels.split_programs(5, 2, 2) == 5
+    monkeypatch.setattr(triton_kernels, "DECODE_PROGRAMS", 8)  # 2 sequences x 2 KV heads: 2 programs for 5 splits
+    assert triton_kernels.split_programs(5, 2, 2) == 2
+    shared = attend_rows("triton", kv_cache_dtype, shape, steps, deterministic=False)
+    for key in [("a", 20), ("d", 150)]:
+        assert torch.equal(one_each[key], shared[key]), key
+
+
 @pytest.mark.parametrize("kv_cache_dtype,shape", [("auto", SHAPES[0]), ("int4", SHAPES[0]), ("fp8_e5m2", SHAPES[1])],
                          ids=lambda x: str(x))
 def test_deterministic_rows_do_not_depend_on_chunks_batch_or_prefill_versus_decode(kv_cache_dtype, shape):

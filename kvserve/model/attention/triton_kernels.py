@@ -38,6 +38,9 @@ LOG2E = 1.4426950408889634
 # Adding and subtracting 1.5 * 2^23 rounds a float32 of magnitude < 2^22 to the nearest integer,
 # ties to even (torch.round's rule), with no libdevice call (the interpreter has none).
 ROUNDER = tl.constexpr(12582912.0)
+# Programs a decode launch has before a sequence's splits share programs (split_programs): enough
+# to fill an H100's or H200's 132 SMs many times over.
+DECODE_PROGRAMS = 2048
 NEG_BIG = tl.constexpr(-1.0e30)  # the running maximum's start: finite, so exp2(m_old - m_new) is never NaN
 
 
@@ -111,7 +114,9 @@ def _f16_step(x, UP: tl.constexpr):
 def _quantize_row(lo, hi, kv_ptr, aux_ptr, row, HALF: tl.constexpr, KIND: tl.constexpr,
                   MANT: tl.constexpr, BIAS: tl.constexpr, FMAX: tl.constexpr):
     """Store one (token, head) row, channel halves lo/hi [HALF] in float32, at pool row `row`
-    (head * blocks * block_size + slot), with its scale(s) in aux; fp8 as MANT/BIAS/FMAX say."""
+    (head * blocks * block_size + slot), with its scale(s) in aux; fp8 as MANT/BIAS/FMAX say.
+    Divisions round to nearest (div_rn), as torch's do: Triton's `/` is an approximate division on
+    NVIDIA GPUs, which would move codes at rounding ties."""
     D: tl.constexpr = 2 * HALF
     c = tl.arange(0, HALF)
     if KIND == K_FLOAT:
@@ -119,16 +124,16 @@ def _quantize_row(lo, hi, kv_ptr, aux_ptr, row, HALF: tl.constexpr, KIND: tl.con
         tl.store(kv_ptr + row * D + HALF + c, round_to(hi, kv_ptr.dtype.element_ty))
     elif KIND == K_INT8:
         amax = tl.maximum(tl.max(tl.abs(lo), axis=0), tl.max(tl.abs(hi), axis=0))
-        scale16 = tl.maximum(amax / 127.0, 2.0 ** -14).to(tl.float16)
+        scale16 = tl.maximum(tl.math.div_rn(amax, 127.0), 2.0 ** -14).to(tl.float16)
         scale = scale16.to(tl.float32)
-        lo_code = tl.minimum(tl.maximum(_rint(lo / scale), -127.0), 127.0).to(tl.int8)
-        hi_code = tl.minimum(tl.maximum(_rint(hi / scale), -127.0), 127.0).to(tl.int8)
+        lo_code = tl.minimum(tl.maximum(_rint(tl.math.div_rn(lo, scale)), -127.0), 127.0).to(tl.int8)
+        hi_code = tl.minimum(tl.maximum(_rint(tl.math.div_rn(hi, scale)), -127.0), 127.0).to(tl.int8)
         tl.store(kv_ptr + row * D + c, lo_code)
         tl.store(kv_ptr + row * D + HALF + c, hi_code)
         tl.store(aux_ptr + row, scale16)
     elif KIND == K_FP8:
         amax = tl.maximum(tl.max(tl.abs(lo), axis=0), tl.max(tl.abs(hi), axis=0))
-        ratio = tl.maximum(amax, 1e-6) / FMAX
+        ratio = tl.math.div_rn(tl.maximum(amax, 1e-6), FMAX)
         # ceil(log2(ratio)) exactly, from the float32's bits: its exponent, plus one unless a power of two.
         rbits = ratio.to(tl.int32, bitcast=True)
         exponent = ((rbits >> 23) & 0xFF) - 127 + ((rbits & 0x7FFFFF) != 0).to(tl.int32)
@@ -147,11 +152,11 @@ def _quantize_row(lo, hi, kv_ptr, aux_ptr, row, HALF: tl.constexpr, KIND: tl.con
         zero16 = low.to(tl.float16)
         zero16 = tl.where(zero16.to(tl.float32) > low, _f16_step(zero16, False), zero16)
         zero = zero16.to(tl.float32)
-        scale16 = ((high - zero) / 15.0).to(tl.float16)
+        scale16 = tl.math.div_rn(high - zero, 15.0).to(tl.float16)
         scale16 = tl.where(scale16.to(tl.float32) * 15.0 + zero < high, _f16_step(scale16, True), scale16)
         scale = tl.maximum(scale16.to(tl.float32), 1e-12)
-        lo_code = tl.minimum(tl.maximum(_rint((lo - zero) / scale), 0.0), 15.0).to(tl.int32)
-        hi_code = tl.minimum(tl.maximum(_rint((hi - zero) / scale), 0.0), 15.0).to(tl.int32)
+        lo_code = tl.minimum(tl.maximum(_rint(tl.math.div_rn(lo - zero, scale)), 0.0), 15.0).to(tl.int32)
+        hi_code = tl.minimum(tl.maximum(_rint(tl.math.div_rn(hi - zero, scale)), 0.0), 15.0).to(tl.int32)
         tl.store(kv_ptr + row * HALF + c, (lo_code | (hi_code << 4)).to(tl.uint8))
         tl.store(aux_ptr + row * 2, scale16)
         tl.store(aux_ptr + row * 2 + 1, zero16)
@@ -277,13 +282,7 @@ def _decode_kernel(q_ptr, out_ptr, part_acc_ptr, part_ml_ptr, table_ptr, seq_len
                    DOT_DTYPE: tl.constexpr, SPLIT: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
-    split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
-    if split * split_tokens >= seq_len:
-        return  # a split past the sequence's end (a graph's decode has many): _combine_splits never reads it
-    first = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
-    first = tl.maximum(first, split * split_tokens)
-    end = tl.minimum(seq_len, (split + 1) * split_tokens)
     g = tl.arange(0, GROUP_PAD)
     heads = kv_head * GROUP + g
     row_ok = g < GROUP
@@ -292,22 +291,29 @@ def _decode_kernel(q_ptr, out_ptr, part_acc_ptr, part_ml_ptr, table_ptr, seq_len
     q_lo = tl.load(q_base + c[None, :], mask=row_ok[:, None], other=0.0)
     q_hi = tl.load(q_base + HALF + c[None, :], mask=row_ok[:, None], other=0.0)
     q_pos = tl.full([GROUP_PAD], 0, tl.int32) + (seq_len - 1)
-    acc_lo, acc_hi, m_i, l_i = _attend_blocks(
-        q_lo, q_hi, q_pos, table_ptr + seq.to(tl.int64) * stride_table, first, end, window,
-        k_ptr, k_aux_ptr, kp_ptr, v_ptr, v_aux_ptr, kv_head.to(tl.int64), kv_head.to(tl.int64) + v_row_offset,
-        num_blocks, qk_scale, GROUP_PAD, BLOCK_SIZE, HALF, KIND, MANT, BIAS, PRECISE, DOT_DTYPE)
-    if SPLIT:  # partial sums [seq, head, split, D] and (m, l) [seq, head, split, 2]
-        part = (seq * num_heads + heads).to(tl.int64) * num_splits + split
-        tl.store(part_acc_ptr + part[:, None] * (2 * HALF) + c[None, :], acc_lo, mask=row_ok[:, None])
-        tl.store(part_acc_ptr + part[:, None] * (2 * HALF) + HALF + c[None, :], acc_hi, mask=row_ok[:, None])
-        tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
-        tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
-    else:
-        denom = tl.where(l_i > 0, l_i, 1.0)[:, None]
-        o_base = out_ptr + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
-        tl.store(o_base + c[None, :], round_to(acc_lo / denom, out_ptr.dtype.element_ty), mask=row_ok[:, None])
-        tl.store(o_base + HALF + c[None, :], round_to(acc_hi / denom, out_ptr.dtype.element_ty),
-                 mask=row_ok[:, None])
+    # This program's splits: its index, then every num_programs(2)-th. A split past the sequence's
+    # end is not computed (a graph's decode has as many as the longest context allowed), and
+    # _combine_splits never reads it.
+    for split in range(tl.program_id(2), tl.cdiv(seq_len, split_tokens), tl.num_programs(2)):
+        first = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+        first = tl.maximum(first, split * split_tokens)
+        end = tl.minimum(seq_len, (split + 1) * split_tokens)
+        acc_lo, acc_hi, m_i, l_i = _attend_blocks(
+            q_lo, q_hi, q_pos, table_ptr + seq.to(tl.int64) * stride_table, first, end, window,
+            k_ptr, k_aux_ptr, kp_ptr, v_ptr, v_aux_ptr, kv_head.to(tl.int64), kv_head.to(tl.int64) + v_row_offset,
+            num_blocks, qk_scale, GROUP_PAD, BLOCK_SIZE, HALF, KIND, MANT, BIAS, PRECISE, DOT_DTYPE)
+        if SPLIT:  # partial sums [seq, head, split, D] and (m, l) [seq, head, split, 2]
+            part = (seq * num_heads + heads).to(tl.int64) * num_splits + split
+            tl.store(part_acc_ptr + part[:, None] * (2 * HALF) + c[None, :], acc_lo, mask=row_ok[:, None])
+            tl.store(part_acc_ptr + part[:, None] * (2 * HALF) + HALF + c[None, :], acc_hi, mask=row_ok[:, None])
+            tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
+            tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
+        else:
+            denom = tl.where(l_i > 0, l_i, 1.0)[:, None]
+            o_base = out_ptr + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
+            tl.store(o_base + c[None, :], round_to(acc_lo / denom, out_ptr.dtype.element_ty), mask=row_ok[:, None])
+            tl.store(o_base + HALF + c[None, :], round_to(acc_hi / denom, out_ptr.dtype.element_ty),
+                     mask=row_ok[:, None])
 
 
 @triton.jit
@@ -395,6 +401,15 @@ def _dot_dtype(query: torch.Tensor, interpreting: bool) -> tuple[bool, object]:
     return precise, tl.float16 if query.dtype == torch.float16 else tl.bfloat16
 
 
+def split_programs(num_splits: int, batch: int, kv_heads: int) -> int:
+    """Programs per (sequence, KV head) of a decode launch: one per split until the launch has
+    DECODE_PROGRAMS, then fewer, each taking every n-th split. A CUDA graph's decode has as many
+    splits as the longest context allowed (256 at 131,072 tokens) and its sequences mostly need
+    far fewer: a program per split would mostly start and stop. Each split is computed the same way
+    whichever program takes it, so the result does not depend on this."""
+    return min(num_splits, max(1, -(-DECODE_PROGRAMS // (batch * kv_heads))))
+
+
 def paged_decode(kind: int, query: torch.Tensor, out: torch.Tensor, pool: dict[str, torch.Tensor],
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int, window: int | None,
                  split_tokens: int, interpreting: bool, fp8: str = "e4m3") -> None:
@@ -413,7 +428,7 @@ def paged_decode(kind: int, query: torch.Tensor, out: torch.Tensor, pool: dict[s
         part_ml = torch.empty(batch, heads, num_splits, 2, dtype=torch.float32, device=query.device)
     else:
         part_acc = part_ml = out
-    _decode_kernel[(batch, kv_heads, num_splits)](
+    _decode_kernel[(batch, kv_heads, split_programs(num_splits, batch, kv_heads))](
         query, out, part_acc, part_ml, block_tables, seq_lens, k, k_aux, kp, v, v_aux,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), heads, kv_heads,
         num_blocks, v_row, window or 0, qk_scale, num_splits, split_tokens,
