@@ -15,7 +15,7 @@ import kvserve
 
 PACKAGE = Path(kvserve.__file__).parent
 LAYERS = {"cache": 0, "model": 1, "engine": 2}
-PLAIN_MODULES = {"hardware", "disk_cache", "torch_threads", "units", "sampling_params", "outputs"}  # use `cache` at most
+PLAIN_MODULES = {"hardware", "disk_cache", "torch_threads", "transfers", "units", "sampling_params", "outputs"}  # use `cache` at most
 
 KNOWN: set[tuple[str, str]] = set()  # every import follows the rule
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.fixed_order import fixed_order_matmul
+from kvserve.transfers import host_to_device
 
 
 @dataclass(frozen=True)
@@ -207,7 +208,7 @@ class KVCache:
     def read_blocks(self, block_ids: list[int], out_device: torch.device | None = None) -> torch.Tensor:
         """The bytes of `block_ids` as a uint8 tensor [len(block_ids), block_nbytes] on
         `out_device` (default: the pool's device)."""
-        ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        ids = host_to_device(block_ids, self.device)
         n = len(block_ids)
         parts = self._block_parts()
         data = torch.empty(n, sum(nbytes for _, nbytes in parts), dtype=torch.uint8, device=self.device)
@@ -220,7 +221,7 @@ class KVCache:
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         """Store `data` [len(block_ids), block_nbytes] (uint8, any device) into `block_ids`."""
-        ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        ids = host_to_device(block_ids, self.device)
         n = len(block_ids)
         data = data.to(self.device, non_blocking=True)
         offset = 0

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvserve.model.attention.metadata import host_to_device
+from kvserve.transfers import host_to_device
 
 
 class DeviceBlockTables:

@@ -86,6 +86,7 @@ class LLMEngine:
         self.args = args
         self.parallel: TensorParallelExecutor | None = None
         self.tiers: TieredStore | None = None
+        self._cuda_index: int | None = None
         tp = args.tensor_parallel_size
         if tp > 1:  # the workers load while this process does; a bad option fails before they start
             plan = preflight(args, ModelShape.of(loaded_model.config) if loaded_model else None)
@@ -99,6 +100,8 @@ class LLMEngine:
     def _start(self, args: EngineArgs, loaded_model: LoadedModel | None) -> None:
         built = load_engine_model(args, loaded_model, prepack=self.parallel is None)
         self.device, self.dtype = built.plan.device, built.plan.dtype
+        self._cuda_index = self.device.index if self.device.type == "cuda" else None
+        self._bind_cuda_device()
         self.model, self.model_config, self.model_path = built.model, built.config, built.path
         if args.deterministic:
             make_batch_invariant(self.model)
@@ -246,9 +249,17 @@ class LLMEngine:
         return self.scheduler.has_unfinished() or self._in_flight is not None
 
     # ------------------------------------------------------------------ the loop
+    def _bind_cuda_device(self) -> None:
+        """Make `--device cuda:N` this thread's current CUDA device. Triton kernels and CUDA events
+        go to the current device, not to their tensors' one, and the current device is per thread
+        (the server steps the engine in a thread of its own)."""
+        if self._cuda_index is not None and torch.cuda.current_device() != self._cuda_index:
+            torch.cuda.set_device(self._cuda_index)
+
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; return the state of every request that advanced or finished
         (under --async-scheduling: that the step before advanced)."""
+        self._bind_cuda_device()
         if self.args.async_scheduling:
             try:
                 return self._overlapped_step()

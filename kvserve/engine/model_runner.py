@@ -39,7 +39,7 @@ from kvserve.engine.request import Request
 from kvserve.engine.sampler import LogprobsOnDevice, SampleResult, Sampler
 from kvserve.engine.scheduler import ScheduledRequest
 from kvserve.model.attention import AttentionBackend, AttentionMetadata, StepSequence, packing_order
-from kvserve.model.attention.metadata import host_to_device
+from kvserve.transfers import host_to_device
 from kvserve.model.llama import LlamaForCausalLM
 
 

@@ -24,7 +24,7 @@ import torch
 from kvserve.engine.logprobs import packed_token_logprobs, unpack_token_logprobs
 from kvserve.engine.request import Request
 from kvserve.engine.structured_output import GrammarMasks
-from kvserve.model.attention.metadata import host_to_device
+from kvserve.transfers import host_to_device
 
 logger = logging.getLogger(__name__)
 

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from kvserve.sampling_params import StructuredOutputsParams
+from kvserve.transfers import host_to_device
 
 # JSON separators when free whitespace is off: one space after ":" and "," (json.dumps' defaults,
 # the way models saw JSON written), never more.
@@ -265,5 +266,5 @@ class GrammarMasks:
             for i, row in enumerate(rows):
                 np.copyto(values[row], -np.inf, where=masks[i])
             return
-        index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        index = host_to_device(rows, logits.device)
         logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(banned, float("-inf")))

@@ -121,8 +121,8 @@ class TieredStore:
         """Queue one block for the disk tier (host overflow, or offload without a host tier)."""
         if self.disk is None or self.disk.disabled is not None or self._on_disk(block_hash):
             return
-        if data.is_pinned() and torch.cuda.is_available():
-            torch.cuda.current_stream().synchronize()  # the copy into pinned memory has landed
+        if data.is_pinned():
+            self._wait_for_copies()
         with self._lock:
             self._pending[block_hash] = data
         if not self.writer.submit(lambda: self._write(block_hash, data)):
@@ -227,14 +227,23 @@ class TieredStore:
         for start in range(0, len(todo), 64):
             chunk = todo[start:start + 64]
             data = self.kv_cache.read_blocks([block_id for block_id, _ in chunk], torch.device("cpu"))
+            self._wait_for_copies()
             for i, (_, block_hash) in enumerate(chunk):
                 self.disk.put(block_hash, data[i])
                 written += 1
+        self._wait_for_copies()  # the host tier's latest copies too
         for block_hash, data in self.host.items() if self.host is not None else ():
             if not self.disk.contains(block_hash):
                 self.disk.put(block_hash, data)
                 written += 1
         return written
+
+    def _wait_for_copies(self) -> None:
+        """Block until the device's queued copies have run: on CUDA, blocks reach host memory
+        (read_blocks to the host, the host tier's copies) without blocking, so their bytes may be
+        read only after this."""
+        if self.kv_cache.device.type == "cuda":
+            torch.cuda.current_stream(self.kv_cache.device).synchronize()
 
     def attach_events(self, log: KVEventLog) -> None:
         """Publish each tier's stored / removed blocks in `log` (kv_events.py), for routers."""

@@ -38,16 +38,6 @@ class StepSequence:
         return self.num_queries == 1
 
 
-def host_to_device(array: np.ndarray | list, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """A step's host-side numbers as a tensor on `device`. On CUDA through pinned memory, so the copy
-    does not block the host (torch's caching host allocator keeps the pinned block until the copy
-    is done); on CPU the array itself, no copy."""
-    host = torch.as_tensor(array, dtype=dtype)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
-
-
 def rows_as_decodes(sequences: list[StepSequence]) -> list[StepSequence]:
     """Every query row of the step as a decode of its own, in packed-row order: row i of a chunk of
     q queries attends to the first seq_len - q + i + 1 tokens of its context. Under
