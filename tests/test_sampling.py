@@ -200,3 +200,19 @@ def test_the_detokenizers_direct_decoder_matches_the_tokenizers_decode(tiny_toke
                    for _ in range(rng.randrange(1, 10))]
             for skip in (False, True):
                 assert decode(ids, skip) == tokenizer.decode(ids, skip_special_tokens=skip)
+
+
+def test_the_cuda_profiling_step_samples_max_num_seqs_rows_with_every_option(tiny_llama):
+    """The CUDA budget's profiling pass (pool_sizing.profile_cuda_budget) measures the sampler at
+    its widest: a step of --max-num-seqs rows, penalties, top-k/p, min-p and logprobs on. The step
+    is valid input for the runner (here on CPU) and samples every row, with logprobs."""
+    from kvserve.engine.pool_sizing import widest_sampling_step
+
+    engine = LLM(str(tiny_llama), kv_cache_memory="8MiB", max_num_seqs=12, max_logprobs=-1).engine
+    scheduled, tables = widest_sampling_step(engine.args)
+    assert len(scheduled) == 12
+    params = scheduled[0].request.params
+    assert params.has_penalties and params.top_k and params.top_p < 1 and params.min_p > 0 and params.logprobs == 20
+    step = engine.runner.execute(scheduled, tables)
+    assert len(step.result.token_ids) == 12
+    assert all(entry is not None and len(entry[1]) == 20 for entry in step.result.logprobs)

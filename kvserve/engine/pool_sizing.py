@@ -58,10 +58,24 @@ def size_kv_pool(args: EngineArgs, model: LlamaForCausalLM, kv_spec: KVCacheSpec
     return PoolSize(num_blocks, max_model_len)
 
 
+def widest_sampling_step(args: EngineArgs) -> tuple[list[ScheduledRequest], dict[str, list[int]]]:
+    """A step of --max-num-seqs one-token requests, each asking for everything the sampler does
+    per row on the device (penalties, top-k, top-p, min-p, logprobs): the sampler's peak memory,
+    [rows, vocab] several times over, which a one-row profiling step does not reach (vLLM's
+    profile run samples --max-num-seqs rows too). They share one block: the pool is thrown away."""
+    top_logprobs = 20 if args.max_logprobs < 0 else min(args.max_logprobs, 20)
+    params = SamplingParams(max_tokens=1, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
+                            presence_penalty=0.5, frequency_penalty=0.5, logprobs=top_logprobs or None)
+    requests = [Request(f"profile-sampling-{i}", [0], params) for i in range(args.max_num_seqs)]
+    block = leading_block_ids(1)
+    return [ScheduledRequest(r, 1) for r in requests], {r.request_id: block for r in requests}
+
+
 def profile_cuda_budget(args: EngineArgs, model: LlamaForCausalLM, kv_spec: KVCacheSpec, kv_format: KVFormat,
                         backend: AttentionBackend, max_model_len: int) -> int:
-    """vLLM's recipe: run one forward pass of the largest step with a throw-away pool, take
-    the peak memory it needed, and give the KV pool what is left of the utilisation target.
+    """vLLM's recipe: run one forward pass of the largest step with a throw-away pool, and a step
+    that samples --max-num-seqs rows, take the peak memory they needed, and give the KV pool what
+    is left of the utilisation target.
     With CUDA graphs, the largest graph's forward is run eagerly too (decode_graphs.py: the same
     fixed-shape metadata, the same split buffers): what it allocates is what the graphs' memory
     pool will keep, so it is set aside as well."""
@@ -74,6 +88,7 @@ def profile_cuda_budget(args: EngineArgs, model: LlamaForCausalLM, kv_spec: KVCa
     probe = Request("profile", [0] * tokens, SamplingParams(max_tokens=1))
     runner = ModelRunner(model, scratch, backend)
     runner.execute([ScheduledRequest(probe, tokens)], {"profile": leading_block_ids(scratch.num_blocks)})
+    runner.execute(*widest_sampling_step(args))
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - scratch.nbytes
     graph_reserve = 0
