@@ -101,7 +101,8 @@ class LLMEngine:
         built = load_engine_model(args, loaded_model, prepack=self.parallel is None)
         self.device, self.dtype = built.plan.device, built.plan.dtype
         self._cuda_index = self.device.index if self.device.type == "cuda" else None
-        self._bind_cuda_device()
+        if self._cuda_index is not None:
+            self._bind_cuda_device()
         self.model, self.model_config, self.model_path = built.model, built.config, built.path
         if args.deterministic:
             make_batch_invariant(self.model)
@@ -253,13 +254,14 @@ class LLMEngine:
         """Make `--device cuda:N` this thread's current CUDA device. Triton kernels and CUDA events
         go to the current device, not to their tensors' one, and the current device is per thread
         (the server steps the engine in a thread of its own)."""
-        if self._cuda_index is not None and torch.cuda.current_device() != self._cuda_index:
+        if torch.cuda.current_device() != self._cuda_index:
             torch.cuda.set_device(self._cuda_index)
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; return the state of every request that advanced or finished
         (under --async-scheduling: that the step before advanced)."""
-        self._bind_cuda_device()
+        if self._cuda_index is not None:
+            self._bind_cuda_device()
         if self.args.async_scheduling:
             try:
                 return self._overlapped_step()
