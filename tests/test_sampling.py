@@ -135,7 +135,8 @@ def test_logprobs_are_raw_model_log_probabilities(llm):
 # ---------------------------------------------------------------------------- sampler unit tests
 def _sample(logits: torch.Tensor, **kwargs) -> int:
     request = Request("r", [0, 1], SamplingParams(**kwargs))
-    return Sampler(logits.shape[-1], torch.device("cpu"))(logits[None].clone(), [request]).token_ids[0]
+    tokens, _ = Sampler(logits.shape[-1], torch.device("cpu")).sample_on_device(logits[None].clone(), [request])
+    return int(tokens[0])
 
 
 @pytest.mark.parametrize("width", [49152, 1024, 1000, 300])

@@ -93,14 +93,6 @@ class Sampler:
             self._generators[request.request_id] = gen
         return gen
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
-        """logits: float32 [batch, vocab] (vocab may exceed the tokenizer's; padded rows are real
-        logits of the checkpoint and stay eligible only if the model gives them mass).
-        A request whose logits processor fails gets `error` set; its token is to be discarded."""
-        tokens, logprobs = self.sample_on_device(logits, requests)
-        found = logprobs.on_host(logprobs.packed.cpu().numpy()) if logprobs is not None else [None] * len(requests)
-        return self.finish(requests, tokens.tolist(), found)
-
     def finish(self, requests: list[Request], token_list: list[int], logprobs: list) -> SampleResult:
         """The host's part, once the sampled ids are there: grammars take their tokens."""
         self._advance_grammars(requests, token_list)
@@ -109,9 +101,12 @@ class Sampler:
     def sample_on_device(self, logits: torch.Tensor,
                          requests: list[Request]) -> tuple[torch.Tensor, LogprobsOnDevice | None]:
         """The sampled ids as a device tensor [batch] and the logprobs asked for (None: none), both
-        left on the device: the caller copies them to the host when it chooses. A request that
-        finished meanwhile (async scheduling: its token will be dropped) gets no logits processor,
-        grammar or seeded draw."""
+        left on the device: the caller copies them to the host when it chooses, then calls
+        `finish`. logits: float32 [batch, vocab] (vocab may exceed the tokenizer's; padded rows are
+        real logits of the checkpoint and stay eligible only if the model gives them mass). A
+        request whose logits processor fails gets `error` set; its token is to be discarded. A
+        request that finished meanwhile (async scheduling: its token will be dropped) gets no
+        logits processor, grammar or seeded draw."""
         params = [r.params for r in requests]
         raw = logits
         logits = self._apply_processors(logits, requests)
