@@ -23,6 +23,8 @@ healthy() {  # port pid seconds log
   done
   echo "server on port $1 did not come up:"; tail -5 $4; return 1
 }
+# What the start-up log says of CUDA graphs: captured, failed, or why not used.
+GRAPHS="CUDA graphs: |graph capture failed|CUDA graphs not used"
 want() { [[ " ${STEPS:-1 2 5 6 4 7 3 8} " == *" $1 "* ]]; }
 DRY=$([ "$1" = "--dry" ] && echo 1)
 {
@@ -43,11 +45,12 @@ for backend in triton torch; do
     --output-json $OUT/throughput-$backend.json 2>&1 | grep -v -E "it/s\]|s/it\]" | tail -14
 done
 fi; if want 4; then
-echo "=== 4 offline 512 x 512/256, Triton backend: CUDA graphs, then + --async-scheduling"
-for mode in "" "--async-scheduling"; do
-  timeout 120 $KV bench throughput --model $MODEL --device $DEV --backend kvserve --attention-backend triton $mode \
+echo "=== 4 offline 512 x 512/256, Triton backend: CUDA graphs, + --async-scheduling, --enforce-eager (HF beside the last)"
+for mode in "" "--async-scheduling" "--enforce-eager"; do
+  backends=$([ "$mode" = "--enforce-eager" ] && echo "kvserve,hf" || echo "kvserve")
+  timeout 150 $KV bench throughput --model $MODEL --device $DEV --backend $backends --attention-backend triton $mode \
     --dataset-name random $([ -n "$DRY" ] && echo "--num-prompts 2 --random-input-len 16 --random-output-len 4" || echo "--num-prompts 512 --random-input-len 512 --random-output-len 256") \
-    2>&1 | grep -E "Workload|Throughput|Attention backend" | sed "s/^/[${mode:-graphs}] /"
+    2>&1 | grep -E "Workload|Throughput|Attention backend|$GRAPHS" | sed "s/^/[${mode:-graphs}] /"
 done
 fi; if want 5; then
 echo "=== 5 one stream, then 128 at once (decode-heavy): CUDA graphs, + --async-scheduling, --enforce-eager"
@@ -55,12 +58,12 @@ for mode in "" "--async-scheduling" "--enforce-eager"; do
   for n in 1 128; do
     timeout 90 $KV bench throughput --model $MODEL --device $DEV --backend kvserve $mode --dataset-name random \
       $([ -n "$DRY" ] && echo "--num-prompts 2 --random-input-len 16 --random-output-len 4" || echo "--num-prompts $n --random-input-len 128 --random-output-len 256") \
-      2>&1 | grep -E "Throughput|CUDA graphs|capture" | sed "s/^/[$n ${mode:-graphs}] /"
+      2>&1 | grep -E "Throughput|$GRAPHS" | sed "s/^/[$n ${mode:-graphs}] /"
   done
 done
 fi; if want 6; then
-echo "=== 6 torch profile of decode steps at 128 requests (issue 42: GPU busy >= 85%): graphs, then + async scheduling"
-for mode in "" "--async-scheduling"; do
+echo "=== 6 decode-only steps at 128 requests, timed then profiled (issue 42: GPU busy >= 85%, >= 25,000 tok/s): graphs, + async scheduling, --enforce-eager"
+for mode in "" "--async-scheduling" "--enforce-eager"; do
   timeout 100 python3 benchmarks/gpu_decode_profile.py --model $MODEL --device $DEV $mode \
     $([ -n "$DRY" ] && echo "--batch 4 --prompt-len 16 --max-tokens 8") 2>&1 | grep -E "^\[|Self CUDA time total|Error"
 done
@@ -72,7 +75,7 @@ for mode in "" "--async-scheduling" "--enforce-eager"; do
   healthy 8011 $sp 120 $OUT/serve${mode}.log && timeout 100 $KV bench serve --base-url http://127.0.0.1:8011 --tokenizer $MODEL --dataset-name random --request-rate inf \
     --ignore-eos $([ -n "$DRY" ] && echo "--num-prompts 4 --random-input-len 16 --random-output-len 4" || echo "--num-prompts 256 --random-input-len 512 --random-output-len 128") \
     2>&1 | grep -E "throughput|TTFT|TPOT|Successful" | sed "s/^/[${mode:-graphs}] /"
-  kill $sp; wait $sp 2>/dev/null; grep -E "CUDA graphs|Attention backend" $OUT/serve${mode}.log | head -2
+  kill $sp; wait $sp 2>/dev/null; grep -E "Attention backend|$GRAPHS" $OUT/serve${mode}.log | head -3
   grep -E -i "traceback" $OUT/serve${mode}.log | head -3
 done
 fi; if want 8; then
@@ -81,7 +84,7 @@ M8=/tmp/m8b; [ -n "$DRY" ] && M8=$MODEL
 [ -d $M8 ] || (cd $G && DEV=$DEV timeout 150 python3 make_model.py m8b 2>&1 | grep made)
 timeout 150 $KV bench throughput --model $M8 --device $DEV --backend kvserve --async-scheduling --dataset-name random \
   $([ -n "$DRY" ] && echo "--num-prompts 2 --random-input-len 16 --random-output-len 4" || echo "--num-prompts 512 --random-input-len 512 --random-output-len 256") \
-  2>&1 | grep -E "Workload|Throughput|CUDA graphs" | sed "s/^/[8b offline] /"
+  2>&1 | grep -E "Workload|Throughput|$GRAPHS" | sed "s/^/[8b offline] /"
 $KV serve --model $M8 --device $DEV --port 8012 --async-scheduling > $OUT/serve-8b.log 2>&1 &
 sp=$!
 healthy 8012 $sp 150 $OUT/serve-8b.log && timeout 100 $KV bench serve --base-url http://127.0.0.1:8012 --tokenizer $M8 --dataset-name random --request-rate inf \

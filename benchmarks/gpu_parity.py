@@ -45,6 +45,9 @@ def main() -> None:
         extra = {"gpu_memory_utilization": 0.4} if args.device.startswith("cuda") else {}
         llm = LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=2048, **extra, **options)
         ready = time.perf_counter() - start
+        graphs = llm.engine.runner.graphs
+        captured = f"graphs for batches up to {graphs.max_batch}" if graphs is not None else "no CUDA graphs"
+        backend = llm.engine.attention_backend.name
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
         llm.close()
         del llm
@@ -55,7 +58,8 @@ def main() -> None:
         first = [next((i for i, (a, b) in enumerate(zip(g, e)) if a != b), args.max_tokens)
                  for g, e in zip(got, expected)]
         print(f"PARITY {args.dtype} [{mode}]: {same}/{len(PROMPTS)} identical to HF over {args.max_tokens} greedy "
-              f"tokens; first divergence per prompt {first}; engine ready in {ready:.1f} s", flush=True)
+              f"tokens; first divergence per prompt {first}; {backend} backend, {captured}; engine ready in "
+              f"{ready:.1f} s", flush=True)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,10 @@ blocks scattered through the pool as a busy server leaves them.
 
 K/V bytes are those a decode must read (codes and scales of every context token), whatever the
 backend really moves (the torch backend also writes and re-reads its gathered copy). The copy
-bandwidth is (read + written bytes) / time of a 1 GiB device-to-device copy.
+bandwidth is (read + written bytes) / time of a 1 GiB device-to-device copy. The Triton figure
+times the decode kernels alone (`paged_decode`: the decode kernel and the split merge); the torch
+figure, the backend's whole attention step. Device time between CUDA events, L2 evicted before
+each run (`timed`).
 """
 from __future__ import annotations
 
@@ -28,22 +31,29 @@ from kvserve.model.attention import StepSequence, make_attention_backend
 
 
 def timed(fn, device: torch.device, repeats: int) -> float:
-    """Median seconds of `fn()` over `repeats` runs (CUDA events on a GPU)."""
+    """Median seconds of `fn()` over `repeats` runs. On a GPU, device time between CUDA events, as
+    triton.testing.do_bench takes it: before each run a 1 GiB memset evicts the L2 cache (so K/V
+    come from memory, not from the previous run) and keeps the GPU busy while the host queues
+    `fn`'s launches, so the host's own time stays outside the window; one synchronisation at the
+    end."""
     fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
+    if device.type != "cuda":
+        times = []
+        for _ in range(repeats):
             t = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t)
-    return statistics.median(times)
+        return statistics.median(times)
+    flush = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
+    torch.cuda.synchronize()
+    for start, end in events:
+        flush.zero_()
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in events) / 1e3
 
 
 def copy_bandwidth(device: torch.device, nbytes: int, repeats: int) -> float:
@@ -74,7 +84,13 @@ def decode_case(backend_name: str, kv_cache_dtype: str, batch: int, context: int
     k = torch.randn(batch, kv_heads, head_dim, device=device, dtype=dtype)
     v = torch.randn(batch, kv_heads, head_dim, device=device, dtype=dtype)
     meta = backend.build(sequences, slots)
-    seconds = timed(lambda: backend.attend(q, k, v, cache.layers[0], fmt, meta, None), device, repeats)
+    if backend_name == "triton":  # the decode kernels alone (and their split merge), as the target says
+        d, out = meta.decode, torch.empty_like(q)
+        seconds = timed(lambda: backend.kernels.paged_decode(
+            backend.kind, q, out, cache.layers[0], d.block_tables, d.seq_lens, d.max_seq_len, None,
+            backend.split_tokens, backend.interpreting, backend.fp8), device, repeats)
+    else:  # torch ops: the layer's attention step (its small store included; the gather is the cost)
+        seconds = timed(lambda: backend.attend(q, k, v, cache.layers[0], fmt, meta, None), device, repeats)
     kv_bytes = batch * (context + 1) * fmt.bytes_per_block(spec) // block_size
     return seconds, kv_bytes
 

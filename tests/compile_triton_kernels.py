@@ -57,7 +57,7 @@ def main() -> int:
         ok &= compile_kernel(f"prefill kind {kind}", K._prefill_kernel, pool,
                              {**common, "GROUP": 4, "BLOCK_M": 32, "PRECISE": True})
         # Integer arguments equal to 1 become constants at launch (Triton's specialisation).
-        ones = {"window": 1, "num_splits": 1, "num_kv_heads": 1, "v_row_offset": 1, "num_heads": 1}
+        ones = {"window": 1, "num_kv_heads": 1, "v_row_offset": 1, "num_heads": 1}
         ok &= compile_kernel(f"decode kind {kind}, integers 1", K._decode_kernel, pool,
                              {**common, **ones, "GROUP": 1, "GROUP_PAD": 16, "PRECISE": True, "SPLIT": False})
         ok &= compile_kernel(f"prefill kind {kind}, integers 1", K._prefill_kernel, pool,

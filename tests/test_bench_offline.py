@@ -115,3 +115,25 @@ def test_efficiency_report(tiny_llm, tiny_llama):
     assert all(0 < c["share_of_peak"] == c["flops_per_s"] / report.matmul_peak_flops for c in report.concurrent)
     assert report.to_dict()["bandwidth_ceiling_tokens_per_s"] == pytest.approx(
         report.memory_bandwidth / report.weight_bytes_per_token)
+
+
+def test_kvserve_decode_times_only_steps_that_hold_every_sequence(tiny_llama):
+    """A prefill budget smaller than the prompts admits them over several steps, so they finish
+    over several steps too: the timed tokens are those of the steps in which every sequence
+    decoded (not the tail after the first one finishes)."""
+    llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory="8MiB", max_model_len=64, max_num_batched_tokens=16)
+    engine, step = llm.engine, llm.engine.step
+    counts: dict[str, int] = {}
+    full_steps = []
+
+    def observed_step():
+        outputs = step()
+        decoded = [o for o in outputs if counts.get(o.request_id, 0) >= 1]
+        full_steps.append(len(decoded) == 4)
+        counts.update((o.request_id, len(o.outputs[0].token_ids)) for o in outputs)
+        return outputs
+
+    engine.step = observed_step
+    run = kvserve_decode(llm, concurrency=4, prompt_len=10, steps=6, seed=1)
+    assert not all(full_steps[-2:])  # the sequences did finish over several steps
+    assert run.tokens == 4 * sum(full_steps), (run.tokens, full_steps)

@@ -95,8 +95,11 @@ def random_prompts(vocab_size: int, n: int, length: int, seed: int) -> list[list
 
 
 def kvserve_decode(llm: Any, concurrency: int, prompt_len: int, steps: int, seed: int = 0) -> DecodeRun:
-    """Time `steps` pure decode steps of `concurrency` sequences in kvserve's engine. Prefill
-    steps are not timed: timing starts once every sequence has its first token."""
+    """Time the pure decode steps of `concurrency` sequences (each asks for `steps` + 1 tokens) in
+    kvserve's engine: from the step after every sequence has its first token (prefill steps are not
+    timed) to the step that finishes the first of them. Chunked prefill admits a large batch over
+    several steps, so they finish over several steps too: that tail runs fewer than
+    `concurrency` sequences and is not timed either."""
     engine = llm.engine
     cfg = engine.model_config
     params = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
@@ -104,7 +107,7 @@ def kvserve_decode(llm: Any, concurrency: int, prompt_len: int, steps: int, seed
     produced = dict.fromkeys(ids, 0)
     tokens, flops, seconds = 0, 0.0, 0.0
     while engine.has_unfinished_requests():
-        decoding = all(produced[i] >= 1 for i in ids)
+        decoding = all(1 <= produced[i] <= steps for i in ids)
         before = dict(produced)
         start = time.perf_counter()
         outputs = engine.step()

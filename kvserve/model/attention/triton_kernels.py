@@ -38,6 +38,9 @@ LOG2E = 1.4426950408889634
 # Adding and subtracting 1.5 * 2^23 rounds a float32 of magnitude < 2^22 to the nearest integer,
 # ties to even (torch.round's rule), with no libdevice call (the interpreter has none).
 ROUNDER = tl.constexpr(12582912.0)
+# The kernels' integer arguments that change from step to step (a block table's width, a decode's
+# splits) are not specialised on their value: Triton would compile a variant for 1, for multiples of
+# 16 and for the rest, the first time each shows up, in the middle of serving.
 # Programs a decode launch has before a sequence's splits share programs (split_programs): enough
 # to fill an H100's or H200's 132 SMs many times over.
 DECODE_PROGRAMS = 2048
@@ -272,7 +275,7 @@ def _attend_blocks(q_lo, q_hi, q_pos, table_ptr, first_token, end_token, window,
     return acc_lo, acc_hi, m_i, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_table", "num_splits"])
 def _decode_kernel(q_ptr, out_ptr, part_acc_ptr, part_ml_ptr, table_ptr, seq_lens_ptr,
                    k_ptr, k_aux_ptr, kp_ptr, v_ptr, v_aux_ptr,
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_table, num_heads, num_kv_heads, num_blocks,
@@ -316,7 +319,7 @@ def _decode_kernel(q_ptr, out_ptr, part_acc_ptr, part_ml_ptr, table_ptr, seq_len
                      mask=row_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _combine_splits(out_ptr, part_acc_ptr, part_ml_ptr, seq_lens_ptr, stride_ot, stride_oh, num_heads, num_splits,
                     split_tokens, D: tl.constexpr):
     """Merge a (sequence, head)'s split partial sums in split order, as an online softmax over the
@@ -346,7 +349,7 @@ def _combine_splits(out_ptr, part_acc_ptr, part_ml_ptr, seq_lens_ptr, stride_ot,
     tl.store(out_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + d, round_to(out, out_ptr.dtype.element_ty))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_table"])
 def _prefill_kernel(q_ptr, out_ptr, table_ptr, tile_chunk_ptr, tile_start_ptr, chunk_row_ptr, chunk_queries_ptr,
                     chunk_context_ptr, k_ptr, k_aux_ptr, kp_ptr, v_ptr, v_aux_ptr,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_table, num_blocks, v_row_offset,
