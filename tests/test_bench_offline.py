@@ -137,3 +137,11 @@ def test_kvserve_decode_times_only_steps_that_hold_every_sequence(tiny_llama):
     run = kvserve_decode(llm, concurrency=4, prompt_len=10, steps=6, seed=1)
     assert not all(full_steps[-2:])  # the sequences did finish over several steps
     assert run.tokens == 4 * sum(full_steps), (run.tokens, full_steps)
+
+
+def test_kvserve_decode_with_fewer_slots_than_sequences_times_the_steps_after_the_last_prefill(tiny_llama):
+    """--max-num-seqs 2 for 4 sequences: they run in two waves and never decode all at once, so
+    the steps after the last first token are timed (not nothing, not a division by zero)."""
+    llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory="8MiB", max_model_len=64, max_num_seqs=2)
+    run = kvserve_decode(llm, concurrency=4, prompt_len=10, steps=6, seed=1)
+    assert 0 < run.tokens < 4 * 6 and run.seconds > 0 and run.tokens_per_s > 0

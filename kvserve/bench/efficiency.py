@@ -99,29 +99,33 @@ def kvserve_decode(llm: Any, concurrency: int, prompt_len: int, steps: int, seed
     kvserve's engine: from the step after every sequence has its first token (prefill steps are not
     timed) to the step that finishes the first of them. Chunked prefill admits a large batch over
     several steps, so they finish over several steps too: that tail runs fewer than
-    `concurrency` sequences and is not timed either."""
+    `concurrency` sequences and is not timed either. Where the sequences never all decode at once
+    (fewer --max-num-seqs than sequences, or a prefill budget that admits them more slowly than
+    they finish), every step after the last first token is timed instead."""
     engine = llm.engine
     cfg = engine.model_config
     params = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in random_prompts(cfg.vocab_size, concurrency, prompt_len, seed)]
     produced = dict.fromkeys(ids, 0)
-    tokens, flops, seconds = 0, 0.0, 0.0
+    full, after_prefill = DecodeRun(concurrency, 0, 0.0, 0.0), DecodeRun(concurrency, 0, 0.0, 0.0)
     while engine.has_unfinished_requests():
-        decoding = all(1 <= produced[i] <= steps for i in ids)
+        started = all(produced[i] >= 1 for i in ids)
+        every_one = started and all(produced[i] <= steps for i in ids)
         before = dict(produced)
         start = time.perf_counter()
         outputs = engine.step()
         elapsed = time.perf_counter() - start
         for out in outputs:
             produced[out.request_id] = len(out.outputs[0].token_ids)
-        if decoding:
-            seconds += elapsed
-            for rid in ids:
-                new = produced[rid] - before[rid]
-                # the token fed this step sits at prompt_len + before - 1 and sees prompt_len + before positions
-                flops += new * decode_flops(cfg, prompt_len + before[rid])
-                tokens += new
-    return DecodeRun(concurrency, tokens, seconds, flops)
+        for run, timed in ((full, every_one), (after_prefill, started)):
+            if timed:
+                run.seconds += elapsed
+                for rid in ids:
+                    new = produced[rid] - before[rid]
+                    # the token fed this step sits at prompt_len + before - 1 and sees prompt_len + before positions
+                    run.flops += new * decode_flops(cfg, prompt_len + before[rid])
+                    run.tokens += new
+    return full if full.tokens else after_prefill
 
 
 def hf_single_stream(generator: HFGenerator, vocab_size: int, prompt_len: int, steps: int, seed: int = 0) -> float:

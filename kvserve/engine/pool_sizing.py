@@ -2,8 +2,9 @@
 
 A known budget (--kv-cache-memory, or the CPU default preflight.py computed) is divided into
 blocks. On CUDA without one, the budget is measured the way vLLM does it: one forward pass of
-the largest step through the model runner, with a throw-away pool, gives the peak memory the
-model and its activations need; the pool gets what is left of --gpu-memory-utilization.
+the largest step through the model runner, with a throw-away pool, and one step sampling as many
+rows as a step can, give the peak memory the model, its activations and the sampler need; the
+pool gets what is left of --gpu-memory-utilization.
 """
 from __future__ import annotations
 
@@ -59,14 +60,16 @@ def size_kv_pool(args: EngineArgs, model: LlamaForCausalLM, kv_spec: KVCacheSpec
 
 
 def widest_sampling_step(args: EngineArgs) -> tuple[list[ScheduledRequest], dict[str, list[int]]]:
-    """A step of --max-num-seqs one-token requests, each asking for everything the sampler does
-    per row on the device (penalties, top-k, top-p, min-p, logprobs): the sampler's peak memory,
-    [rows, vocab] several times over, which a one-row profiling step does not reach (vLLM's
-    profile run samples --max-num-seqs rows too). They share one block: the pool is thrown away."""
+    """A step of one-token requests, as many as a step can sample (--max-num-seqs, at most
+    --max-num-batched-tokens), each asking for everything the sampler does per row on the device
+    (penalties, top-k, top-p, min-p, logprobs): the sampler's peak memory, [rows, vocab] several
+    times over, which a one-row profiling step does not reach (vLLM's profile run samples
+    --max-num-seqs rows too). They share one block: the pool is thrown away."""
     top_logprobs = 20 if args.max_logprobs < 0 else min(args.max_logprobs, 20)
     params = SamplingParams(max_tokens=1, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
                             presence_penalty=0.5, frequency_penalty=0.5, logprobs=top_logprobs or None)
-    requests = [Request(f"profile-sampling-{i}", [0], params) for i in range(args.max_num_seqs)]
+    rows = min(args.max_num_seqs, args.max_num_batched_tokens)
+    requests = [Request(f"profile-sampling-{i}", [0], params) for i in range(rows)]
     block = leading_block_ids(1)
     return [ScheduledRequest(r, 1) for r in requests], {r.request_id: block for r in requests}
 

@@ -4,7 +4,7 @@
   power-of-two scale per token, int8 with a float16 scale, int4 with a float16 scale and zero),
   one program per (token, KV head), bit for bit what the formats' torch writes store.
 * `paged_decode`: one query per sequence; one program per (sequence, KV head, split) covers the
-  whole GQA query group (the group's rows are the rows of its dots), walking the block table and
+  whole GQA query group (past DECODE_PROGRAMS a program takes every n-th split) (the group's rows are the rows of its dots), walking the block table and
   dequantizing K/V in registers. Long contexts are cut into fixed-size splits (flash-decoding,
   Dao et al. 2023) whose partial softmax sums `_combine_splits` merges.
 * `paged_prefill`: chunks of queries over paged K/V, causal aligned to the end of the context, so
