@@ -39,8 +39,8 @@ from kvserve.engine.request import Request
 from kvserve.engine.sampler import LogprobsOnDevice, SampleResult, Sampler
 from kvserve.engine.scheduler import ScheduledRequest
 from kvserve.model.attention import AttentionBackend, AttentionMetadata, StepSequence, packing_order
-from kvserve.transfers import host_to_device
 from kvserve.model.llama import LlamaForCausalLM
+from kvserve.transfers import host_to_device
 
 
 def pool_slot(block_table, position, block_size: int):

@@ -77,8 +77,8 @@ def widest_sampling_step(args: EngineArgs) -> tuple[list[ScheduledRequest], dict
 def profile_cuda_budget(args: EngineArgs, model: LlamaForCausalLM, kv_spec: KVCacheSpec, kv_format: KVFormat,
                         backend: AttentionBackend, max_model_len: int) -> int:
     """vLLM's recipe: run one forward pass of the largest step with a throw-away pool, and a step
-    that samples --max-num-seqs rows, take the peak memory they needed, and give the KV pool what
-    is left of the utilisation target.
+    that samples as many rows as a step can (`widest_sampling_step`), take the peak memory they
+    needed, and give the KV pool what is left of the utilisation target.
     With CUDA graphs, the largest graph's forward is run eagerly too (decode_graphs.py: the same
     fixed-shape metadata, the same split buffers): what it allocates is what the graphs' memory
     pool will keep, so it is set aside as well."""

@@ -28,7 +28,6 @@ from kvserve.engine.parallel.group import (
 from kvserve.engine.parallel.messages import Describe, Heartbeat, MoveTokens, RankStats, Setup, Shutdown, StepPlan
 from kvserve.engine.preflight import select_device
 from kvserve.model.attention import AttentionBackend, make_attention_backend
-from kvserve.transfers import host_to_device
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import load_model, quantized_sources
 from kvserve.model.parallel import ShardLayout, shard_heads, shard_layout, shard_model
@@ -36,6 +35,7 @@ from kvserve.model.shape import read_model_shape
 from kvserve.model.quant_linear import (
     QuantizationReport, install_quantized, quantization_targets, quantized_bytes, resident_weight_bytes)
 from kvserve.model.quantized import QuantizedMatrix
+from kvserve.transfers import host_to_device
 
 logger = logging.getLogger("kvserve")
 

@@ -22,8 +22,8 @@ import torch
 from kvserve.cache.kv_cache import KVCacheSpec, KVFormat
 from kvserve.fixed_order import fixed_order_matmul
 from kvserve.model.attention.metadata import AttentionMetadata, StepSequence
-from kvserve.transfers import host_to_device
 from kvserve.model.rope import RotaryEmbedding
+from kvserve.transfers import host_to_device
 
 if TYPE_CHECKING:
     from kvserve.cache.kv_cache import KVCache

@@ -4,9 +4,10 @@
   power-of-two scale per token, int8 with a float16 scale, int4 with a float16 scale and zero),
   one program per (token, KV head), bit for bit what the formats' torch writes store.
 * `paged_decode`: one query per sequence; one program per (sequence, KV head, split) covers the
-  whole GQA query group (past DECODE_PROGRAMS a program takes every n-th split) (the group's rows are the rows of its dots), walking the block table and
+  whole GQA query group (the group's rows are the rows of its dots), walking the block table and
   dequantizing K/V in registers. Long contexts are cut into fixed-size splits (flash-decoding,
-  Dao et al. 2023) whose partial softmax sums `_combine_splits` merges.
+  Dao et al. 2023) whose partial softmax sums `_combine_splits` merges. Past DECODE_PROGRAMS
+  programs, each takes every n-th split (`split_programs`).
 * `paged_prefill`: chunks of queries over paged K/V, causal aligned to the end of the context, so
   a chunk after a prefix-cache hit reads the cached blocks in place (FlashAttention-2's online
   softmax, Dao 2023, over blocks found through the block table).
@@ -38,9 +39,6 @@ LOG2E = 1.4426950408889634
 # Adding and subtracting 1.5 * 2^23 rounds a float32 of magnitude < 2^22 to the nearest integer,
 # ties to even (torch.round's rule), with no libdevice call (the interpreter has none).
 ROUNDER = tl.constexpr(12582912.0)
-# The kernels' integer arguments that change from step to step (a block table's width, a decode's
-# splits) are not specialised on their value: Triton would compile a variant for 1, for multiples of
-# 16 and for the rest, the first time each shows up, in the middle of serving.
 # Programs a decode launch has before a sequence's splits share programs (split_programs): enough
 # to fill an H100's or H200's 132 SMs many times over.
 DECODE_PROGRAMS = 2048
@@ -275,6 +273,9 @@ def _attend_blocks(q_lo, q_hi, q_pos, table_ptr, first_token, end_token, window,
     return acc_lo, acc_hi, m_i, l_i
 
 
+# The kernels' integer arguments that change from step to step (a block table's width, a decode's
+# splits) are not specialised on their value (do_not_specialize): Triton would compile a variant
+# for 1, for multiples of 16 and for the rest, the first time each shows up, mid-serving.
 @triton.jit(do_not_specialize=["stride_table", "num_splits"])
 def _decode_kernel(q_ptr, out_ptr, part_acc_ptr, part_ml_ptr, table_ptr, seq_lens_ptr,
                    k_ptr, k_aux_ptr, kp_ptr, v_ptr, v_aux_ptr,
