@@ -19,6 +19,18 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 
+def timed_steps(engine, steps: int, cuda: bool) -> float:
+    """Wall seconds of `steps` engine steps, the device idle at both ends."""
+    if cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", required=True)
@@ -59,26 +71,12 @@ def main() -> None:
     while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
         engine.step()
     engine.step()
-    if cuda:
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    if cuda:
-        torch.cuda.synchronize()
-    wall = time.perf_counter() - start
+    wall = timed_steps(engine, steps, cuda)
     print(f"[{label}] decode only, {args.batch} sequences: {args.batch * steps / wall:,.0f} tok/s "
           f"({1e3 * wall / steps:.2f} ms per step, {steps} steps, no profiler)", flush=True)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
-        if cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        if cuda:
-            torch.cuda.synchronize()
-        wall = time.perf_counter() - start
+        wall = timed_steps(engine, steps, cuda)
     while engine.has_unfinished_requests():
         engine.step()
     averages = prof.key_averages()
