@@ -117,14 +117,15 @@ def kvserve_decode(llm: Any, concurrency: int, prompt_len: int, steps: int, seed
         elapsed = time.perf_counter() - start
         for out in outputs:
             produced[out.request_id] = len(out.outputs[0].token_ids)
-        for run, timed in ((full, every_one), (after_prefill, started)):
-            if timed:
-                run.seconds += elapsed
-                for rid in ids:
-                    new = produced[rid] - before[rid]
-                    # the token fed this step sits at prompt_len + before - 1 and sees prompt_len + before positions
-                    run.flops += new * decode_flops(cfg, prompt_len + before[rid])
-                    run.tokens += new
+        if not started:
+            continue
+        new = [produced[rid] - before[rid] for rid in ids]
+        # the token fed this step sits at prompt_len + before - 1 and sees prompt_len + before positions
+        flops = sum(n * decode_flops(cfg, prompt_len + before[rid]) for n, rid in zip(new, ids))
+        for run in (full, after_prefill) if every_one else (after_prefill,):
+            run.seconds += elapsed
+            run.flops += flops
+            run.tokens += sum(new)
     return full if full.tokens else after_prefill
 
 

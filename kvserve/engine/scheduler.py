@@ -107,7 +107,7 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            remaining = len(request.token_ids) + request.num_pending_tokens - request.num_computed_tokens
+            remaining = request.num_scheduled_tokens - request.num_computed_tokens
             if remaining == 0 or (request.num_pending_tokens and request.stops_with_pending(self.config.max_model_len)):
                 continue  # (async scheduling) all in flight, or its pending token ends it
             num_new = min(remaining, budget, self.kv.max_new_tokens(request))
