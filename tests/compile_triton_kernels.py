@@ -51,6 +51,10 @@ def main() -> int:
                                  {"key_ptr": "*bf16", "value_ptr": "*bf16", "slot_ptr": "*i64", "kv_ptr": codes,
                                   "aux_ptr": scales},
                                  {"HALF": 64, "KIND": kind, "MANT": 3, "BIAS": 7, "FMAX": 448.0})
+            ok &= compile_kernel(f"rope_store kind {kind}", K._rope_store_kernel,
+                                 {"heads_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "q_ptr": "*bf16",
+                                  "slot_ptr": "*i64", "kv_ptr": codes, "aux_ptr": scales},
+                                 {"HALF": 64, "KIND": kind, "MANT": 3, "BIAS": 7, "FMAX": 448.0})
         for split in (False, True):
             ok &= compile_kernel(f"decode kind {kind} split {split}", K._decode_kernel, pool,
                                  {**common, "GROUP": 4, "GROUP_PAD": 16, "PRECISE": False, "SPLIT": split})

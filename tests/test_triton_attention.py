@@ -159,6 +159,36 @@ def test_store_kernel_writes_what_the_format_writes(kv_cache_dtype):
         assert torch.equal(pools[0][name].view(torch.uint8), pools[1][name].view(torch.uint8)), name
 
 
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "float32", "int8", "fp8_e4m3", "fp8_e5m2", "int4"])
+def test_rope_applied_with_the_store_is_rotary_then_the_store_bit_for_bit(kv_cache_dtype, model_dtype):
+    """`rope_store` (one launch) against fused_ops.rotary followed by the store kernel: the same
+    rotated queries and the same pool, bit for bit, from packed q/k/v heads (GQA 3, scattered slots)."""
+    from kvserve.model import fused_ops
+    from kvserve.model.attention import triton_kernels as kernels
+
+    heads, kv_heads, dim, tokens = 6, 2, 64, 21
+    spec = KVCacheSpec(1, kv_heads, dim, 16)
+    fmt = make_kv_format(kv_cache_dtype, model_dtype)
+    backend = make_attention_backend("triton", fmt, spec, model_dtype, None, DEVICE)
+    gen = torch.Generator().manual_seed(3)
+    packed = (torch.randn(tokens, heads + 2 * kv_heads, dim, generator=gen) * 3).to(DEVICE, model_dtype)
+    angles = torch.rand(tokens, 1, dim // 2, generator=gen) * 6
+    cos = torch.cat((angles.cos(), angles.cos()), -1).to(DEVICE, model_dtype)
+    signed_sin = torch.cat((-angles.sin(), angles.sin()), -1).to(DEVICE, model_dtype)
+    slots = (torch.randperm(16 * 7, generator=gen)[:tokens] + 16).to(DEVICE)
+    fp8 = kv_cache_dtype.removeprefix("fp8_") if kv_cache_dtype.startswith("fp8") else "e4m3"
+    apart, together = KVCache(spec, fmt, 8, DEVICE), KVCache(spec, fmt, 8, DEVICE)
+    query, key = fused_ops.rotary(packed[:, : heads + kv_heads], cos, signed_sin).split((heads, kv_heads), dim=1)
+    kernels.store_kv(backend.kind, key, packed[:, heads + kv_heads:], slots, *backend._pool_tensors(apart.layers[0]),
+                     fp8)
+    fused_query = kernels.rope_store(backend.kind, packed, heads, cos, signed_sin, slots,
+                                     *backend._pool_tensors(together.layers[0]), fp8)
+    assert torch.equal(fused_query.view(torch.uint8), query.contiguous().view(torch.uint8))
+    for name, want in apart.layers[0].items():
+        assert torch.equal(together.layers[0][name].view(torch.uint8), want.view(torch.uint8)), name
+
+
 def attend_rows(backend_name: str, kv_cache_dtype: str, shape: Shape, steps: list[list[tuple[str, int, int]]],
                 deterministic: bool, split_tokens: int = SPLIT_TOKENS) -> dict[tuple[str, int], torch.Tensor]:
     """Each (request, position)'s attention output over `steps` of (request, cached, new) in a fresh
@@ -320,6 +350,45 @@ def test_sequences_under_eviction_share_a_batch_with_the_kernels(tiny_llama_d32)
         outputs = llm.generate(PROMPTS, [evicting, plain, evicting, plain], use_tqdm=False)
         tokens[backend] = [o.outputs[0].token_ids for o in outputs]
     assert tokens["triton"] == tokens["torch"]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_an_engine_with_rope_applied_with_the_store_gives_the_torch_backends_tokens(tiny_llama_d32, kv_cache_dtype,
+                                                                                     monkeypatch):
+    """With the CUDA fused ops installed (as CudaPlatform does), the Triton backend rotates keys as
+    it stores them (rope_store) through chunked prefill, prefix hits, decodes and requests under
+    H2O in the same steps (their keys kept before RoPE: the unfused path for those steps). Greedy
+    tokens equal the torch backend's."""
+    from kvserve.model import fused_ops
+    from kvserve.model.attention import triton_kernels
+
+    launches = []
+    rope_store = triton_kernels.rope_store
+    monkeypatch.setattr(triton_kernels, "rope_store", lambda *a, **k: launches.append(1) or rope_store(*a, **k))
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    evicting = SamplingParams(temperature=0, max_tokens=8, kv_eviction={"policy": "h2o", "budget": 32})
+    tokens = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(str(tiny_llama_d32), dtype="float32", kv_cache_memory="4MiB", max_num_batched_tokens=16,
+                  kv_cache_dtype=kv_cache_dtype, attention_backend=backend, device=str(DEVICE))
+        llm.engine.model.use_fused_ops(fused_ops)
+        llm.generate(PROMPTS[:1], greedy, use_tqdm=False)  # its blocks are then prefix-cache hits
+        outputs = llm.generate(PROMPTS, [greedy, greedy, evicting, greedy], use_tqdm=False)
+        assert outputs[1].num_cached_tokens > 0
+        tokens[backend] = [o.outputs[0].token_ids for o in outputs]
+    assert tokens["triton"] == tokens["torch"]
+    assert launches
+
+
+def test_formats_with_a_basis_between_rope_and_the_pool_do_not_store_with_rope():
+    """fp8_e5m2 and int4 rotate K/V (Hadamard) before they are stored, and int4_kivi's keys are
+    written by torch ops: their keys are rotated by RoPE apart from the store."""
+    spec = KVCacheSpec(1, 2, 64, 16)
+    stores = {name: make_attention_backend("triton", make_kv_format(name, torch.float32), spec, torch.float32, None,
+                                           DEVICE).stores_with_rope
+              for name in ("auto", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2", "int4", "int4_kivi")}
+    assert stores == {"auto": True, "bfloat16": True, "int8": True, "fp8_e4m3": True, "fp8_e5m2": False,
+                      "int4": False, "int4_kivi": False}
 
 
 # ------------------------------------------------------------------------------------------ GPU build

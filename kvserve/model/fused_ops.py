@@ -8,7 +8,9 @@ of a 1B model is mostly launch gaps (issue 42's profile). Each of these is one l
   weight, as llama.RMSNorm does;
 * `silu_mul`: SiLU(gate) * up over the gate/up projection's output, rounding SiLU's result to the
   model dtype before the product, as `F.silu(gate) * up` does;
-* `rotary`: RoPE on the q and k heads (rotate-half convention, rope.apply_rotary's arithmetic).
+* `rotary`: RoPE on the q and k heads (rotate-half convention, rope.apply_rotary's arithmetic);
+  the Triton attention backend applies the same `rotate_halves` as it stores keys, where it can
+  (attention/triton_kernels.rope_store).
 
 They run on CUDA, and under Triton's interpreter on CPU for tests (tests/test_fused_ops.py).
 """
@@ -77,25 +79,31 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def rotate_halves(x1, x2, cos1, cos2, sin1, sin2, DTYPE: tl.constexpr):
+    """One head's RoPE (rotate-half convention) from its channel halves x1, x2 and the token's cos
+    and signed sin halves, all float32: x * cos + [x2, x1] * signed_sin, each product and the sum
+    rounded to DTYPE as torch ops round them (rope.apply_rotary). Returns the halves in DTYPE."""
+    first = round_to(x1 * cos1, DTYPE).to(tl.float32) + round_to(x2 * sin1, DTYPE).to(tl.float32)
+    second = round_to(x2 * cos2, DTYPE).to(tl.float32) + round_to(x1 * sin2, DTYPE).to(tl.float32)
+    return round_to(first, DTYPE), round_to(second, DTYPE)
+
+
+@triton.jit
 def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, stride_xh, stride_ct, stride_ot, stride_oh,
                    HALF: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     c = tl.arange(0, HALF)
     base = x_ptr + token * stride_xt + head * stride_xh
-    x1 = tl.load(base + c).to(tl.float32)
-    x2 = tl.load(base + HALF + c).to(tl.float32)
-    cos1 = tl.load(cos_ptr + token * stride_ct + c).to(tl.float32)
-    cos2 = tl.load(cos_ptr + token * stride_ct + HALF + c).to(tl.float32)
-    sin1 = tl.load(sin_ptr + token * stride_ct + c).to(tl.float32)  # signed: the first half negated
-    sin2 = tl.load(sin_ptr + token * stride_ct + HALF + c).to(tl.float32)
-    dtype = out_ptr.dtype.element_ty
-    # x * cos + [x2, x1] * signed_sin, each product rounded to the model dtype as in torch ops
-    first = round_to(x1 * cos1, dtype).to(tl.float32) + round_to(x2 * sin1, dtype).to(tl.float32)
-    second = round_to(x2 * cos2, dtype).to(tl.float32) + round_to(x1 * sin2, dtype).to(tl.float32)
+    cos = cos_ptr + token * stride_ct
+    sin = sin_ptr + token * stride_ct  # signed: the first half negated
+    first, second = rotate_halves(tl.load(base + c).to(tl.float32), tl.load(base + HALF + c).to(tl.float32),
+                                  tl.load(cos + c).to(tl.float32), tl.load(cos + HALF + c).to(tl.float32),
+                                  tl.load(sin + c).to(tl.float32), tl.load(sin + HALF + c).to(tl.float32),
+                                  out_ptr.dtype.element_ty)
     out = out_ptr + token * stride_ot + head * stride_oh
-    tl.store(out + c, round_to(first, dtype))
-    tl.store(out + HALF + c, round_to(second, dtype))
+    tl.store(out + c, first)
+    tl.store(out + HALF + c, second)
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

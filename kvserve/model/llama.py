@@ -17,7 +17,7 @@ from kvserve.model.attention import AttentionMetadata
 from kvserve.model.config import ModelConfig
 from kvserve.model.cpu_linear import prepack_linears, prepacking_available
 from kvserve.model.lean_decode import LeanDecoder
-from kvserve.model.rope import RotaryEmbedding, apply_rotary
+from kvserve.model.rope import RotaryEmbedding
 
 
 class RMSNorm(nn.Module):
@@ -63,15 +63,9 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
-        """qkv -> RoPE -> the attention backend (model/attention/) -> o_proj."""
+        """qkv -> the attention backend (RoPE, the store, attention: model/attention/) -> o_proj."""
         heads = self.qkv_proj(x).view(x.shape[0], self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-        # q and k heads are rotated together in one pass (one launch with the fused ops).
-        rotate = apply_rotary if self.fused is None else self.fused.rotary
-        qk = rotate(heads[:, : self.num_heads + self.num_kv_heads], *rope)
-        q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
-        v = heads[:, self.num_heads + self.num_kv_heads:]
-        key_before_rope = heads[:, self.num_heads: self.num_heads + self.num_kv_heads]
-        out = self.o_proj(meta.backend.forward(self, q, k, v, key_before_rope, kv_cache, meta))
+        out = self.o_proj(meta.backend.forward(self, heads, rope, kv_cache, meta))
         return out if self.reduce is None else self.reduce(out)
 
 

@@ -6,7 +6,8 @@ that configuration (`unsupported`), builds each step's metadata from the runner'
 `StepSequence` data (`build`), and computes attention for the packed batch: it writes the step's
 new K/V into the pool and attends decodes and prefill chunks, prefix hits included (`attend`).
 
-The model's attention layer stops at q, k, v after RoPE and hands them over (`forward`); the
+The model's attention layer stops at its packed q, k, v heads and hands them over with the
+tokens' RoPE tables (`forward`), so that a backend may rotate keys as it stores them; RoPE, the
 key transforms a KV format asks for (centering, a fitted key basis: engine/key_centering.py,
 engine/key_basis.py) and the unrotated keys of sequences under KV eviction are applied here,
 once, for every backend. The same split as vLLM's `AttentionBackend` / `AttentionImpl`.
@@ -22,7 +23,7 @@ import torch
 from kvserve.cache.kv_cache import KVCacheSpec, KVFormat
 from kvserve.fixed_order import fixed_order_matmul
 from kvserve.model.attention.metadata import AttentionMetadata, StepSequence
-from kvserve.model.rope import RotaryEmbedding
+from kvserve.model.rope import RotaryEmbedding, apply_rotary
 from kvserve.transfers import host_to_device
 
 if TYPE_CHECKING:
@@ -98,10 +99,17 @@ class AttentionBackend:
         [tokens, heads, d] -> [tokens, heads * d], rows in packed order."""
         raise NotImplementedError
 
-    def forward(self, layer: Attention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                key_before_rope: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        """A decoder layer's attention from its q/k/v: the layer's key transforms, the keys stored
-        before RoPE for sequences under eviction, then `attend` over the layer's pool."""
+    def forward(self, layer: Attention, heads: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        """A decoder layer's attention from its packed q/k/v heads [tokens, heads + 2 kv_heads, d]
+        and the tokens' RoPE tables: q and k rotated (one launch with the CUDA fused ops), the
+        layer's key transforms, the keys stored before RoPE for sequences under eviction, then
+        `attend` over the layer's pool. A backend may override it to rotate the keys as it stores
+        them (the Triton backend's `rope_store`)."""
+        q_heads, kv_heads = layer.num_heads, layer.num_kv_heads
+        rotate = apply_rotary if layer.fused is None else layer.fused.rotary
+        query, key = rotate(heads[:, : q_heads + kv_heads], *rope).split((q_heads, kv_heads), dim=1)
+        value, key_before_rope = heads[:, q_heads + kv_heads:], heads[:, q_heads: q_heads + kv_heads]
         query, key = layer_keys(layer, query, key, key_before_rope, meta.unrotated_key_rows,
                                 self.config.deterministic)
         return self.attend(query, key, value, kv_cache.layers[layer.layer_idx], kv_cache.format, meta, layer.window)

@@ -1,8 +1,8 @@
 """The Triton backend (`--attention-backend triton`; `auto` on CUDA): paged attention whose kernels
 (triton_kernels.py) read every KV format where it lies, with no gather.
 
-Per layer and step: one store launch writes the step's K/V into the pool (quantizing on the way),
-one decode launch covers every decode of the step (plus a split-merge launch when a context is
+Per layer and step: one store launch writes the step's K/V into the pool (quantizing on the way;
+with the CUDA fused ops it also applies RoPE to q and k, `rope_store`), one decode launch covers every decode of the step (plus a split-merge launch when a context is
 longer than one split), one prefill launch covers every prefill chunk, prefix hits included.
 Sequences under KV eviction store their keys before RoPE and may have their attention observed:
 the torch backend's code serves those (gathered), and the start-up log says so. int4_kivi's keys,
@@ -102,6 +102,11 @@ class TritonBackend(TorchBackend):
         self.interpreting = config.device.type == "cpu"
         self.split_tokens = SPLIT_TOKENS
         self.prefill_block_m = PREFILL_BLOCK_M
+        # Whether the step's keys may be rotated as they are stored (`forward`): the kernels write
+        # them, and the format turns no basis between RoPE and the pool.
+        cpu = torch.device("cpu")
+        self.stores_with_rope = (self.kind != self.kernels.INT4_KIVI
+                                 and config.kv_format.rotation(config.spec.head_dim, torch.float32, cpu) is None)
 
     @classmethod
     def unsupported(cls, config: BackendConfig) -> str | None:
@@ -162,10 +167,29 @@ class TritonBackend(TorchBackend):
         return self._tensor(padded_block_tables(members, self.block_size))
 
     # ------------------------------------------------------------------ attention
+    def forward(self, layer, heads, rope, kv_cache, meta):
+        """With the CUDA fused ops installed, RoPE is applied with the store (`rope_store`: one
+        launch rotates the queries and writes the rotated keys and the values) wherever nothing
+        comes between the rotation and the store: no key centre or fitted basis on the layer, no
+        Hadamard rotation or torch-written keys in the format, no keys kept before RoPE this step.
+        Otherwise the interface's path: RoPE, the key transforms, then `attend`."""
+        if (layer.fused is None or not self.stores_with_rope or layer.key_center is not None
+                or layer.key_basis is not None or meta.unrotated_key_rows is not None):
+            return super().forward(layer, heads, rope, kv_cache, meta)
+        pool = kv_cache.layers[layer.layer_idx]
+        query = self.kernels.rope_store(self.kind, heads, layer.num_heads, *rope, meta.slot_mapping,
+                                        *self._pool_tensors(pool), self.fp8)
+        return self._attend_stored(query, pool, kv_cache.format, meta, layer.window)
+
     def attend(self, query, key, value, pool, kv_format, meta, window):
+        self._write(key, value, pool, kv_format, meta.slot_mapping)
+        return self._attend_stored(query, pool, kv_format, meta, window)
+
+    def _attend_stored(self, query: torch.Tensor, pool: dict[str, torch.Tensor], kv_format: KVFormat,
+                       meta: TritonMetadata, window: int | None) -> torch.Tensor:
+        """Attention for the packed batch over a pool that already holds the step's K/V."""
         k = self.kernels
         rotation = kv_format.rotation(query.shape[-1], query.dtype, query.device)
-        self._write(key, value, pool, kv_format, meta.slot_mapping)
         if rotation is not None:  # the pool holds K·R and V·R: (qR)·(kR) = q·k
             query = kv_format.rotate_rows(query, rotation)
         tokens, heads, dim = query.shape
@@ -204,6 +228,11 @@ class TritonBackend(TorchBackend):
             both = kv_format.rotate_rows(torch.cat((key, value), dim=1).float(), rotation)
             key, value = both[:, : key.shape[1]], both[:, key.shape[1]:]
         key, value = (x if x.stride(-1) == 1 else x.contiguous() for x in (key, value))
+        k.store_kv(self.kind, key, value, slot_mapping, *self._pool_tensors(pool), self.fp8)
+
+    def _pool_tensors(self, pool: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(codes, per-token scales or None) as the store kernels take them."""
+        k = self.kernels
         aux = {k.FLOAT: None, k.INT8: "kv_scale", k.FP8: "kv_scale", k.INT4: "kv_params"}[self.kind]
         kv = pool["kv"].view(torch.int8) if self.kind in (k.INT8, k.FP8) else pool["kv"]
-        k.store_kv(self.kind, key, value, slot_mapping, kv, None if aux is None else pool[aux], self.fp8)
+        return kv, None if aux is None else pool[aux]

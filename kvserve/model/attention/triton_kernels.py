@@ -3,6 +3,8 @@
 * `store_kv`: a step's new K/V into their pool slots, quantized on the way (fp8 e4m3/e5m2 with a
   power-of-two scale per token, int8 with a float16 scale, int4 with a float16 scale and zero),
   one program per (token, KV head), bit for bit what the formats' torch writes store.
+  `rope_store` does it from the unrotated q/k/v heads, rotating the keys on the way (RoPE applied
+  with the store) and the queries beside them: one launch where RoPE and the store took two.
 * `paged_decode`: one query per sequence; one program per (sequence, KV head, split) covers the
   whole GQA query group (the group's rows are the rows of its dots), walking the block table and
   dequantizing K/V in registers. Long contexts are cut into fixed-size splits (flash-decoding,
@@ -27,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvserve.model.fused_ops import rotate_halves
 from kvserve.model.triton_rounding import round_to
 
 # Layout kinds (KIND, a constexpr of every kernel): the Python values, and the same as constants
@@ -192,6 +195,57 @@ def store_kv(kind: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: to
     _store_kernel[(tokens, kv_heads)](key, value, slot_mapping, kv, kv if aux is None else aux,
                                       key.stride(0), key.stride(1), value.stride(0), value.stride(1),
                                       kv_heads, pool_slots, HALF=dim // 2, KIND=kind, MANT=mant, BIAS=bias, FMAX=fmax)
+
+
+@triton.jit
+def _rope_store_kernel(heads_ptr, cos_ptr, sin_ptr, q_ptr, slot_ptr, kv_ptr, aux_ptr, stride_t, stride_ct,
+                       stride_qt, num_heads, num_kv_heads, pool_slots, HALF: tl.constexpr, KIND: tl.constexpr,
+                       MANT: tl.constexpr, BIAS: tl.constexpr, FMAX: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    c = tl.arange(0, HALF)
+    row = heads_ptr + token * stride_t + head * (2 * HALF)
+    cos = cos_ptr + token * stride_ct
+    sin = sin_ptr + token * stride_ct
+    first, second = rotate_halves(tl.load(row + c).to(tl.float32), tl.load(row + HALF + c).to(tl.float32),
+                                  tl.load(cos + c).to(tl.float32), tl.load(cos + HALF + c).to(tl.float32),
+                                  tl.load(sin + c).to(tl.float32), tl.load(sin + HALF + c).to(tl.float32),
+                                  q_ptr.dtype.element_ty)
+    if head < num_heads:  # a query head: rotated, for the attention kernels
+        out = q_ptr + token * stride_qt + head * (2 * HALF)
+        tl.store(out + c, first)
+        tl.store(out + HALF + c, second)
+    else:  # a key head: rotated and stored, with its value head (num_kv_heads heads further on)
+        kv_head = (head - num_heads).to(tl.int64)
+        slot = tl.load(slot_ptr + token).to(tl.int64)
+        _quantize_row(first.to(tl.float32), second.to(tl.float32), kv_ptr, aux_ptr, kv_head * pool_slots + slot,
+                      HALF, KIND, MANT, BIAS, FMAX)
+        value = row + num_kv_heads * (2 * HALF)
+        _quantize_row(tl.load(value + c).to(tl.float32), tl.load(value + HALF + c).to(tl.float32), kv_ptr, aux_ptr,
+                      (kv_head + num_kv_heads) * pool_slots + slot, HALF, KIND, MANT, BIAS, FMAX)
+
+
+def rope_store(kind: int, heads: torch.Tensor, num_heads: int, cos: torch.Tensor, signed_sin: torch.Tensor,
+               slot_mapping: torch.Tensor, kv: torch.Tensor, aux: torch.Tensor | None,
+               fp8: str = "e4m3") -> torch.Tensor:
+    """RoPE applied with the store, in one launch: from a step's packed q/k/v heads
+    [tokens, num_heads + 2 kv_heads, D] (rows of the qkv projection, heads contiguous) and the
+    tokens' cos / signed sin [tokens, 1, D], the keys are rotated and written with the values at
+    their slots as `store_kv` writes them, and the rotated queries [tokens, num_heads, D] are
+    returned: what fused_ops.rotary followed by store_kv computes, bit for bit."""
+    tokens, total, dim = heads.shape
+    num_kv_heads = (total - num_heads) // 2
+    query = torch.empty(tokens, num_heads, dim, dtype=heads.dtype, device=heads.device)
+    if tokens == 0:
+        return query
+    assert heads.stride(2) == 1 and heads.stride(1) == dim
+    cos, signed_sin = cos.reshape(tokens, dim), signed_sin.reshape(tokens, dim)
+    mant, bias, fmax = FP8_VARIANTS[fp8]
+    _rope_store_kernel[(tokens, num_heads + num_kv_heads)](
+        heads, cos, signed_sin, query, slot_mapping, kv, kv if aux is None else aux, heads.stride(0), cos.stride(0),
+        query.stride(0), num_heads, num_kv_heads, kv.shape[1] * kv.shape[2], HALF=dim // 2, KIND=kind, MANT=mant,
+        BIAS=bias, FMAX=fmax)
+    return query
 
 
 # ---------------------------------------------------------------------------------------- read
