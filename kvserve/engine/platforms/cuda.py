@@ -33,7 +33,8 @@ class CudaPlatform(Platform):
         return budget
 
     def prepare_model(self, model, backend, tensor_parallel):
-        """Residual add + RMSNorm, SiLU x up and RoPE as one Triton launch each, unless
+        """Residual add + RMSNorm, SiLU x up and RoPE as one Triton launch each (on the Triton
+        backend RoPE with the KV store, triton_kernels.rope_store), unless
         KVSERVE_DISABLE_FUSED_OPS=1 keeps the torch ops (these kernels are not yet measured on a GPU)."""
         if os.environ.get(DISABLE_FUSED_OPS_ENV, "0") not in ("", "0"):
             logger.info("Fused Triton ops not used: %s is set", DISABLE_FUSED_OPS_ENV)
@@ -42,7 +43,8 @@ class CudaPlatform(Platform):
             logger.info("Fused Triton ops not used: triton is not installed")
             return
         model.use_fused_ops(importlib.import_module("kvserve.model.fused_ops"))
-        logger.info("Residual add + RMSNorm, SiLU x up and RoPE run as fused Triton kernels")
+        rope = ("RoPE (applied with the KV store where the format allows)" if backend.name == "triton" else "RoPE")
+        logger.info("Residual add + RMSNorm, SiLU x up and %s run as fused Triton kernels", rope)
 
     def capture_decode_graphs(self, runner, args, max_model_len):
         """Decode steps of up to --max-cudagraph-capture-size sequences replayed from CUDA graphs
