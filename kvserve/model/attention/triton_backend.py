@@ -2,8 +2,9 @@
 (triton_kernels.py) read every KV format where it lies, with no gather.
 
 Per layer and step: one store launch writes the step's K/V into the pool (quantizing on the way;
-with the CUDA fused ops it also applies RoPE to q and k, `rope_store`), one decode launch covers every decode of the step (plus a split-merge launch when a context is
-longer than one split), one prefill launch covers every prefill chunk, prefix hits included.
+with the CUDA fused ops it also applies RoPE to q and k, `rope_store`), one decode launch covers
+every decode of the step (plus a split-merge launch when a context is longer than one split), one
+prefill launch covers every prefill chunk, prefix hits included.
 Sequences under KV eviction store their keys before RoPE and may have their attention observed:
 the torch backend's code serves those (gathered), and the start-up log says so. int4_kivi's keys,
 whose block-wide channel ranges grow as a block fills, are written by the format's torch ops.
