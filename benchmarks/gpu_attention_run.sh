@@ -34,8 +34,8 @@ if want 1; then
 echo "=== 1 float32 greedy parity with HF on CUDA, Triton backend (auto): CUDA graphs, --enforce-eager, --async-scheduling"
 timeout 150 python3 benchmarks/gpu_parity.py $MODEL --device $DEV 2>&1 | grep -E "PARITY|Error|Attention backend|CUDA graph" | tail -8
 fi; if want 2; then
-echo "=== 2 decode attention kernels: K/V bandwidth vs copy, fp8 vs bfloat16"
-timeout 150 python3 benchmarks/triton_attention.py $([ -n "$DRY" ] && echo --smoke) 2>&1 | tail -12
+echo "=== 2 decode attention kernels: K/V bandwidth vs copy, fp8 vs bfloat16; RoPE + store vs rope_store"
+timeout 150 python3 benchmarks/triton_attention.py $([ -n "$DRY" ] && echo --smoke) 2>&1 | tail -13
 fi; if want 3; then
 for backend in triton torch; do
   echo "=== 3 offline default workload, --attention-backend $backend (with HF on the first)"

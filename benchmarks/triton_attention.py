@@ -14,7 +14,8 @@ backend really moves (the torch backend also writes and re-reads its gathered co
 bandwidth is (read + written bytes) / time of a 1 GiB device-to-device copy. The Triton figure
 times the decode kernels alone (`paged_decode`: the decode kernel and the split merge); the torch
 figure, the backend's whole attention step. Device time between CUDA events, L2 evicted before
-each run (`timed`).
+each run (`timed`). Last, RoPE and the KV store of a decode step as two launches against
+`rope_store`'s one (issue 42).
 """
 from __future__ import annotations
 
@@ -95,6 +96,32 @@ def decode_case(backend_name: str, kv_cache_dtype: str, batch: int, context: int
     return seconds, kv_bytes
 
 
+def rope_store_case(tokens: int, device: torch.device, repeats: int, heads: int = 32, kv_heads: int = 8,
+                    head_dim: int = 64, block_size: int = 16) -> tuple[float, float]:
+    """(seconds of RoPE then the store as two launches, seconds of `rope_store`'s one) for a decode
+    step of `tokens` sequences, one layer, bfloat16 model and KV: issue 42's "RoPE applied with the
+    store"."""
+    from kvserve.model import fused_ops
+
+    dtype = torch.bfloat16
+    spec = KVCacheSpec(1, kv_heads, head_dim, block_size)
+    fmt = make_kv_format("auto", dtype)
+    cache = KVCache(spec, fmt, tokens + 1, device)
+    backend = make_attention_backend("triton", fmt, spec, dtype, None, device)
+    kv, aux = backend._pool_tensors(cache.layers[0])
+    k = backend.kernels
+    packed = torch.randn(tokens, heads + 2 * kv_heads, head_dim, device=device, dtype=dtype)
+    cos, sin = (torch.rand(tokens, 1, head_dim, device=device, dtype=dtype) for _ in range(2))
+    slots = torch.arange(block_size, block_size + tokens, device=device)
+
+    def apart():
+        query, key = fused_ops.rotary(packed[:, : heads + kv_heads], cos, sin).split((heads, kv_heads), dim=1)
+        k.store_kv(backend.kind, key, packed[:, heads + kv_heads:], slots, kv, aux)
+
+    together = lambda: k.rope_store(backend.kind, packed, heads, cos, sin, slots, kv, aux)  # noqa: E731
+    return timed(apart, device, repeats), timed(together, device, repeats)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (a CPU dry run under TRITON_INTERPRET=1)")
@@ -117,6 +144,9 @@ def main() -> None:
     for backend in ("triton", "torch"):
         ratio = results[backend, "auto", long_] / results[backend, "fp8", long_]
         print(f"{backend}: fp8 vs bfloat16 at context {long_}: {ratio:.2f}x faster")
+    apart, together = rope_store_case(batch, device, repeats)
+    print(f"RoPE + store, decode of {batch}, one layer: two launches {apart * 1e6:.1f} us, "
+          f"rope_store {together * 1e6:.1f} us")
 
 
 if __name__ == "__main__":
