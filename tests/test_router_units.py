@@ -188,6 +188,7 @@ def test_bad_flags_are_one_line_errors(capsys):
 
     cases = [(["serve", "--routing-policy", "round_robin"], "--routing-policy needs --data-parallel-size > 1"),
              (["serve", "--data-parallel-size", "0"], "--data-parallel-size must be at least 1"),
+             (["serve", "--stream-interval", "0"], "--stream-interval must be at least 1"),
              (["serve", "--data-parallel-size", "2", "--nnodes", "2"], "does not take --nnodes"),
              (["router", "--backend", "ftp://host:1"], "is not an http(s) URL"),
              (["router", "--backend", "http://a:1", "--backend", "http://a:1/"], "a --backend is given twice")]

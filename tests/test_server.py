@@ -52,6 +52,27 @@ def wait_for(condition, timeout_s: float = 20.0):
         time.sleep(0.05)
 
 
+def test_stream_interval_sends_every_nth_token_and_the_same_text(server_factory, tiny_llama, tiny_server):
+    """`--stream-interval 4`: each event ends on the first token, every 4th after it or the last
+    (an event may carry more when the reader falls behind, never cut elsewhere), and the text is
+    what the server sends unstreamed."""
+    from server_process import TINY_SERVER_ARGS
+
+    server = server_factory(str(tiny_llama), *TINY_SERVER_ARGS, "--stream-interval", "4")
+    body = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 10, "ignore_eos": True, "logprobs": 0, **GREEDY}
+    plain = httpx.post(f"{tiny_server.base_url}/v1/completions", json=body, timeout=60).json()["choices"][0]
+    streamed = httpx.post(f"{server.base_url}/v1/completions", json={**body, "stream": True}, timeout=60)
+    events = [json.loads(e) for e in sse_events(streamed)[:-1]]
+    counts, texts = [], []
+    for event in events:
+        choice = event["choices"][0]
+        counts.append((counts[-1] if counts else 0) + len(choice["logprobs"]["tokens"]))
+        texts.append(choice["text"])
+    assert counts[-1] == 10 and set(counts) <= {1, 5, 9, 10}, counts
+    assert "".join(texts) == plain["text"]
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+
+
 def test_models_health_version(tiny_server, client):
     assert [m.id for m in client.models.list().data] == ["tiny", "tiny-alias"]
     body = httpx.get(f"{tiny_server.base_url}/v1/models").json()

@@ -117,3 +117,19 @@ def test_metrics_follow_a_request_and_log_once_per_interval(caplog):
                    'kvserve:num_preemptions_total{model_name="m"} 1.0',
                    'kvserve:kv_cache_usage_perc{model_name="m"} 0.0'):
         assert sample in text, sample
+
+
+def test_a_stream_is_handed_its_first_token_then_every_n_and_the_last():
+    """--stream-interval N (RequestStream._due): the first token at once, then each time N more per
+    choice, and the finished output; 1 hands every step's; 0 (a response that is not streamed) only
+    the finished one."""
+    from kvserve.server.engine_loop import RequestStream
+
+    async def handed(every: int, last: int) -> list[int]:
+        stream = RequestStream(None, ["r"], every)
+        return [n for n in range(last + 1) if stream._due(_output("r", n, "length" if n == last else None))]
+
+    assert asyncio.run(handed(4, 10)) == [1, 5, 9, 10]
+    assert asyncio.run(handed(4, 5)) == [1, 5]
+    assert asyncio.run(handed(1, 3)) == [0, 1, 2, 3]
+    assert asyncio.run(handed(0, 10)) == [10]

@@ -57,6 +57,7 @@ class ServerConfig:
     fault_injection: bool = False  # POST /debug/faults (kvserve/server/faults.py); tests only
     tool_call_parser: str | None = None  # reads `tool_choice: "auto"` replies (--enable-auto-tool-choice)
     kv_events_capacity: int = 65536  # prefix-cache events kept for routers (kv_events_api.py)
+    stream_interval: int = 1  # --stream-interval (serving.ServingContext)
 
 
 def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
@@ -66,7 +67,8 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     metrics = ServerMetrics(config.served_model_names[0], config.log_interval_s)
     async_engine = AsyncEngine(engine, metrics)
     tokens = Tokenization(engine)
-    ctx = ServingContext(async_engine, tokens, list(config.served_model_names), engine.max_model_len)
+    ctx = ServingContext(async_engine, tokens, list(config.served_model_names), engine.max_model_len,
+                         config.stream_interval)
     completions, chat = CompletionServing(ctx), ChatServing(ctx, config.tool_call_parser)
     embeddings = EmbeddingServing(ctx, tokens, engine.model_config.hidden_size)
     responses = ResponsesServing(chat)

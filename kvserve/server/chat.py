@@ -87,7 +87,7 @@ class ChatServing:
             body.continue_final_message, body.chat_template_kwargs), request)
         echoed = echoed_content(body, messages)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = await ctx.submit([PromptSpec(prompt_ids, params, body.cache_salt)], request_id)
+        stream = await ctx.submit([PromptSpec(prompt_ids, params, body.cache_salt)], request_id, streaming=body.stream)
         created = int(time.time())
         if body.stream:
             return EventStreamResponse(self._events(body, plan, len(prompt_ids), stream, request_id, created,

@@ -86,7 +86,8 @@ class CompletionServing:
                 if prompt.text is None:
                     prompt.text = await ctx.tokens.decode(prompt.token_ids)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        stream = await ctx.submit([PromptSpec(p.token_ids, params, body.cache_salt) for p in prompts], request_id)
+        stream = await ctx.submit([PromptSpec(p.token_ids, params, body.cache_salt) for p in prompts], request_id,
+                                  streaming=body.stream)
         created = int(time.time())
         if body.stream:
             return EventStreamResponse(self._events(body, prompts, stream, request_id, created), stream.close)

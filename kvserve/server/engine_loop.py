@@ -5,6 +5,7 @@
     close()  ──_Abort┼──> commands (SimpleQueue) ┼──> LLMEngine.abort_request (blocks freed now)
                      └───────────────────────────┘    LLMEngine.step() ──> outputs
     RequestStream <──── loop.call_soon_threadsafe(deliver) <──────────────────┘
+                  (the outputs its reader wants: every token, every N, or the last)
     fresh_state() ──_Snapshot──> (after the commands, before the next step) engine_state ──> .state
 
 The dashboard's state (kvserve/server/dashboard.py) is copied by the engine thread itself, when a
@@ -82,6 +83,12 @@ class PromptSpec:
 class RequestStream:
     """The outputs of one HTTP request (one engine request per prompt), read on the event loop.
 
+    `every` says which outputs the engine thread hands over (`_due`): 1, each step's; N > 1, a
+    prompt's first token at once, then each time N more tokens have come (`--stream-interval`,
+    SGLang's option of that name: fewer, larger SSE events); 0, only the finished outputs (a
+    response that is not streamed reads nothing else). Finished outputs always come. Outputs are
+    cumulative, so skipping some loses no token. Metrics see every step's outputs regardless.
+
     Iterating yields batches `[(prompt_index, RequestOutput)]`: the latest cumulative output of
     each prompt that advanced since the previous batch (a slow reader skips intermediate states,
     never tokens). Iteration ends when every prompt has finished, raises `EngineError` if the
@@ -89,9 +96,11 @@ class RequestStream:
     call it in a `finally`.
     """
 
-    def __init__(self, engine: "AsyncEngine", request_ids: list[str]):
+    def __init__(self, engine: "AsyncEngine", request_ids: list[str], every: int = 1):
         self._engine = engine
         self.request_ids = request_ids
+        self.every = every
+        self._handed_tokens: dict[str, int] = {}  # engine thread only: tokens of the last output handed over
         self._index = {rid: i for i, rid in enumerate(request_ids)}
         self._unfinished = set(request_ids)
         self._pending: dict[int, RequestOutput] = {}
@@ -99,6 +108,20 @@ class RequestStream:
         self._wakeup = asyncio.Event()
         self._accepted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._closed = False
+
+    # -- called on the engine thread
+    def _due(self, output: RequestOutput) -> bool:
+        """Whether this output goes to the reader (see the class docstring)."""
+        if output.finished or self.every == 1:
+            return True
+        if self.every == 0:
+            return False
+        tokens = max(len(c.token_ids) for c in output.outputs)  # per choice, whatever `n`
+        handed = self._handed_tokens.get(output.request_id)
+        if tokens == 0 or (handed is not None and tokens - handed < self.every):
+            return False
+        self._handed_tokens[output.request_id] = tokens
+        return True
 
     # -- called on the event loop by the engine thread (through call_soon_threadsafe)
     def _accept(self) -> None:
@@ -264,11 +287,11 @@ class AsyncEngine:
     def healthy(self) -> bool:
         return self.dead is None and self._thread is not None and self._thread.is_alive()
 
-    async def submit(self, specs: list[PromptSpec], request_ids: list[str]) -> RequestStream:
+    async def submit(self, specs: list[PromptSpec], request_ids: list[str], every: int = 1) -> RequestStream:
         """Queue one engine request per prompt. Returns once the engine has accepted them all;
         raises the engine's ValueError (bad input, context too long) if it refused any, in which
-        case none of them runs."""
-        stream = RequestStream(self, request_ids)
+        case none of them runs. `every`: which outputs the stream is handed (RequestStream)."""
+        stream = RequestStream(self, request_ids, every)
         with self._lock:
             if self.dead is not None:
                 raise EngineDeadError("the engine has stopped")
@@ -432,7 +455,8 @@ class AsyncEngine:
                 continue
             if output.finished:
                 del self._streams[output.request_id]
-            by_stream[stream].append(output)
+            if stream._due(output):
+                by_stream[stream].append(output)
         if by_stream:
             self._post(_deliver, by_stream)
 

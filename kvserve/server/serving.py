@@ -29,6 +29,7 @@ class ServingContext:
     tokens: Tokenization
     model_names: list[str]
     max_model_len: int
+    stream_interval: int = 1  # --stream-interval: a streamed request gets its output every N tokens
 
     @property
     def model_name(self) -> str:
@@ -70,7 +71,9 @@ class ServingContext:
         self.tokens.check_token_ids(list(params.logit_bias or {}), "logit_bias")
         return params
 
-    async def submit(self, specs: list[PromptSpec], request_id: str) -> RequestStream:
+    async def submit(self, specs: list[PromptSpec], request_id: str, streaming: bool) -> RequestStream:
+        """The engine requests of one HTTP request. A streamed one is handed its outputs every
+        --stream-interval tokens; one that is not, only its finished outputs (RequestStream)."""
         ids = [request_id] if len(specs) == 1 else [f"{request_id}-{i}" for i in range(len(specs))]
         try:
             # A new grammar compiles in a worker thread (a bad one is refused here), so the engine
@@ -78,7 +81,7 @@ class ServingContext:
             for constraint in {id(s.params.structured_outputs): s.params.structured_outputs for s in specs
                                if s.params.structured_outputs is not None}.values():
                 await asyncio.to_thread(self.engine.engine.grammars.compile, constraint)
-            return await self.engine.submit(specs, ids)
+            return await self.engine.submit(specs, ids, self.stream_interval if streaming else 0)
         except ValueError as exc:
             message = str(exc)
             code = "context_length_exceeded" if message.startswith(CONTEXT_LENGTH_PREFIX) else None
