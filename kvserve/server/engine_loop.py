@@ -116,7 +116,7 @@ class RequestStream:
             return True
         if self.every == 0:
             return False
-        tokens = max(len(c.token_ids) for c in output.outputs)  # per choice, whatever `n`
+        tokens = max((len(c.token_ids) for c in output.outputs), default=0)  # per choice, whatever `n`
         handed = self._handed_tokens.get(output.request_id)
         if tokens == 0 or (handed is not None and tokens - handed < self.every):
             return False
