@@ -9,7 +9,7 @@ of a 1B model is mostly launch gaps (issue 42's profile). Each of these is one l
 * `silu_mul`: SiLU(gate) * up over the gate/up projection's output, rounding SiLU's result to the
   model dtype before the product, as `F.silu(gate) * up` does;
 * `rotary`: RoPE on the q and k heads (rotate-half convention, rope.apply_rotary's arithmetic);
-  the Triton attention backend applies the same `rotate_halves` as it stores keys, where it can
+  the Triton attention backend applies the same `rotate_row` as it stores keys, where it can
   (attention/triton_kernels.rope_store).
 
 They run on CUDA, and under Triton's interpreter on CPU for tests (tests/test_fused_ops.py).
@@ -79,10 +79,17 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def rotate_halves(x1, x2, cos1, cos2, sin1, sin2, DTYPE: tl.constexpr):
-    """One head's RoPE (rotate-half convention) from its channel halves x1, x2 and the token's cos
-    and signed sin halves, all float32: x * cos + [x2, x1] * signed_sin, each product and the sum
-    rounded to DTYPE as torch ops round them (rope.apply_rotary). Returns the halves in DTYPE."""
+def rotate_row(x_ptr, cos_ptr, sin_ptr, HALF: tl.constexpr, DTYPE: tl.constexpr):
+    """One head's RoPE (rotate-half convention): the row at x_ptr rotated by the token's cos and
+    signed sin rows, x * cos + [x2, x1] * signed_sin, each product and the sum rounded to DTYPE as
+    torch ops round them (rope.apply_rotary). Returns the two channel halves in DTYPE."""
+    c = tl.arange(0, HALF)
+    x1 = tl.load(x_ptr + c).to(tl.float32)
+    x2 = tl.load(x_ptr + HALF + c).to(tl.float32)
+    cos1 = tl.load(cos_ptr + c).to(tl.float32)
+    cos2 = tl.load(cos_ptr + HALF + c).to(tl.float32)
+    sin1 = tl.load(sin_ptr + c).to(tl.float32)  # signed: the first half negated
+    sin2 = tl.load(sin_ptr + HALF + c).to(tl.float32)
     first = round_to(x1 * cos1, DTYPE).to(tl.float32) + round_to(x2 * sin1, DTYPE).to(tl.float32)
     second = round_to(x2 * cos2, DTYPE).to(tl.float32) + round_to(x1 * sin2, DTYPE).to(tl.float32)
     return round_to(first, DTYPE), round_to(second, DTYPE)
@@ -94,13 +101,8 @@ def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, stride_xh, strid
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     c = tl.arange(0, HALF)
-    base = x_ptr + token * stride_xt + head * stride_xh
-    cos = cos_ptr + token * stride_ct
-    sin = sin_ptr + token * stride_ct  # signed: the first half negated
-    first, second = rotate_halves(tl.load(base + c).to(tl.float32), tl.load(base + HALF + c).to(tl.float32),
-                                  tl.load(cos + c).to(tl.float32), tl.load(cos + HALF + c).to(tl.float32),
-                                  tl.load(sin + c).to(tl.float32), tl.load(sin + HALF + c).to(tl.float32),
-                                  out_ptr.dtype.element_ty)
+    first, second = rotate_row(x_ptr + token * stride_xt + head * stride_xh, cos_ptr + token * stride_ct,
+                               sin_ptr + token * stride_ct, HALF, out_ptr.dtype.element_ty)
     out = out_ptr + token * stride_ot + head * stride_oh
     tl.store(out + c, first)
     tl.store(out + HALF + c, second)

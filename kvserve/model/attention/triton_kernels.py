@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.model.fused_ops import rotate_halves
+from kvserve.model.fused_ops import rotate_row
 from kvserve.model.triton_rounding import round_to
 
 # Layout kinds (KIND, a constexpr of every kernel): the Python values, and the same as constants
@@ -205,12 +205,8 @@ def _rope_store_kernel(heads_ptr, cos_ptr, sin_ptr, q_ptr, slot_ptr, kv_ptr, aux
     head = tl.program_id(1)
     c = tl.arange(0, HALF)
     row = heads_ptr + token * stride_t + head * (2 * HALF)
-    cos = cos_ptr + token * stride_ct
-    sin = sin_ptr + token * stride_ct
-    first, second = rotate_halves(tl.load(row + c).to(tl.float32), tl.load(row + HALF + c).to(tl.float32),
-                                  tl.load(cos + c).to(tl.float32), tl.load(cos + HALF + c).to(tl.float32),
-                                  tl.load(sin + c).to(tl.float32), tl.load(sin + HALF + c).to(tl.float32),
-                                  q_ptr.dtype.element_ty)
+    first, second = rotate_row(row, cos_ptr + token * stride_ct, sin_ptr + token * stride_ct, HALF,
+                               q_ptr.dtype.element_ty)
     if head < num_heads:  # a query head: rotated, for the attention kernels
         out = q_ptr + token * stride_qt + head * (2 * HALF)
         tl.store(out + c, first)
