@@ -133,3 +133,17 @@ def test_a_stream_is_handed_its_first_token_then_every_n_and_the_last():
     assert asyncio.run(handed(4, 5)) == [1, 5]
     assert asyncio.run(handed(1, 3)) == [0, 1, 2, 3]
     assert asyncio.run(handed(0, 10)) == [10]
+
+
+def test_the_server_freezes_its_start_up_heap_before_serving():
+    """`kvserve serve` calls settle_heap() once the engine and app are built: the start-up objects
+    leave the collector's full passes (gc.freeze) and the youngest generation's threshold rises.
+    Run in a child process: freezing this test session's heap would outlive the test."""
+    import subprocess
+    import sys
+
+    code = ("import gc; from kvserve.entrypoints.serve import settle_heap, GC_GENERATION0_THRESHOLD as T; "
+            "assert gc.get_freeze_count() == 0; settle_heap(); "
+            "assert gc.get_freeze_count() > 1000, gc.get_freeze_count(); assert gc.get_threshold()[0] == T > 700")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr

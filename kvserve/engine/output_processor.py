@@ -199,26 +199,22 @@ class OutputProcessor:
         return None if parent is None else self._output(parent)
 
     def _output(self, parent: _Parent) -> RequestOutput:
-        outputs = []
+        # Built for every request that advanced, every step: one pass over its sequences.
+        outputs, finished, error = [], True, None
         for index, child in enumerate(parent.children):
             request = child.request
             done = request.status.finished
             if done:
                 self._forget(request.request_id)
-            outputs.append(CompletionOutput(
-                index=index,
-                text=child.detokenizer.visible_text(done),
-                token_ids=list(request.output_token_ids),
-                finish_reason=request.status.value if done else None,
-                stop_reason=request.stop_reason,
-                logprobs=list(child.logprobs) if child.logprobs is not None else None,
-            ))
-        finished = parent.finished
+            else:
+                finished = False
+            error = error or request.error
+            outputs.append(CompletionOutput(index, child.detokenizer.visible_text(done), list(request.output_token_ids),
+                                            request.status.value if done else None, request.stop_reason,
+                                            None if child.logprobs is None else list(child.logprobs)))
         if finished:
             del self._parents[parent.request_id]
             for child in parent.children:
                 self._children.pop(child.request.request_id, None)
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outputs, finished,
-                             num_cached_tokens=parent.children[0].request.num_cached_tokens,
-                             error=next((c.request.error for c in parent.children if c.request.error), None),
-                             prompt_logprobs=parent.complete_prompt_logprobs)
+                             parent.children[0].request.num_cached_tokens, error, parent.complete_prompt_logprobs)

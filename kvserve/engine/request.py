@@ -21,9 +21,9 @@ class RequestStatus(enum.Enum):
     FINISHED_ABORTED = "abort"
     FINISHED_ERROR = "error"
 
-    @property
-    def finished(self) -> bool:
-        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+    def __init__(self, value: str) -> None:
+        # A plain attribute, not a property: read for every sequence every step.
+        self.finished = value not in ("waiting", "running")
 
 
 @dataclass(eq=False)

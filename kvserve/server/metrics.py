@@ -124,6 +124,7 @@ class ServerMetrics:
         self._mark_active(arrival_time)
 
     def on_outputs(self, outputs: list[RequestOutput], now: float) -> None:
+        generated = 0  # counted once per step, not per request
         for out in outputs:
             times = self._times.get(out.request_id)
             if times is None:
@@ -137,9 +138,7 @@ class ServerMetrics:
                     self._count_prompt(len(out.prompt_token_ids))
                 else:
                     self.itl.observe(now - times.last_token)
-                self.generation_tokens.inc(new)
-                self._generation_tokens_total += new
-                self._interval.generation_tokens += new
+                generated += new
                 times.num_tokens, times.last_token = num_tokens, now
             if out.finished and times.first_token is None and all(c.finish_reason == "length" for c in out.outputs):
                 # Prefill only (max_tokens 0): its prompt was computed though no token came.
@@ -149,6 +148,10 @@ class ServerMetrics:
                 for completion in out.outputs:
                     self._success.labels(self.model_name, completion.finish_reason or "abort").inc()
                 del self._times[out.request_id]
+        if generated:
+            self.generation_tokens.inc(generated)
+            self._generation_tokens_total += generated
+            self._interval.generation_tokens += generated
 
     def _count_prompt(self, tokens: int) -> None:
         """A request's prompt was computed: /metrics' counter, the dashboard's total and the log line's."""
