@@ -105,8 +105,11 @@ class RequestStream:
         self._unfinished = set(request_ids)
         self._pending: dict[int, RequestOutput] = {}
         self._error: BaseException | None = None
-        self._wakeup = asyncio.Event()
-        self._accepted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._loop = asyncio.get_running_loop()
+        # The reader's wait for more, a bare future: an asyncio.Event costs a look-up of the
+        # running loop (a getpid system call) each time it waits, once per token of every stream.
+        self._waiter: asyncio.Future[None] | None = None
+        self._accepted: asyncio.Future[None] = self._loop.create_future()
         self._closed = False
 
     # -- called on the engine thread
@@ -139,13 +142,17 @@ class RequestStream:
         self._pending[self._index[output.request_id]] = output
         if output.finished:
             self._unfinished.discard(output.request_id)
-        self._wakeup.set()
+        self._wake()
 
     def _fail(self, exc: BaseException) -> None:
         self._unfinished.clear()
         self._error = exc
         self._reject(exc)
-        self._wakeup.set()
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     # -- the reader's side
     def __aiter__(self) -> "RequestStream":
@@ -155,8 +162,8 @@ class RequestStream:
         while not self._pending and self._error is None:
             if self._closed or not self._unfinished:
                 raise StopAsyncIteration
-            self._wakeup.clear()
-            await self._wakeup.wait()
+            self._waiter = self._loop.create_future()
+            await self._waiter
         if self._error is not None:
             raise self._error
         batch = sorted(self._pending.items())
@@ -171,7 +178,7 @@ class RequestStream:
         if self._unfinished:
             self._engine.abort(sorted(self._unfinished))
             self._unfinished.clear()
-        self._wakeup.set()
+        self._wake()
 
 
 @dataclass
