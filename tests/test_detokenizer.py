@@ -1,7 +1,8 @@
 """The incremental detokenizer (kvserve/engine/detokenizer.py): with a fast tokenizer it reads
 tokens through the tokenizers library's DecodeStream; its text must be the Python window's, token
 for token, whatever the ids (special tokens, bytes that never complete a character, a prompt that
-ends inside one), and the Python window must take over where the stream raises."""
+ends inside one), for byte-level BPE (GPT-2's, SmolLM2's) and SentencePiece-style byte fallback
+(Llama-2's), and the Python window must take over where the stream raises."""
 from __future__ import annotations
 
 import random
@@ -38,9 +39,18 @@ def default_tokenizer():
     return load_tokenizer(None)
 
 
-@pytest.mark.parametrize("which", ["tiny", "default"])
-def test_the_stream_gives_the_python_windows_text_token_for_token(which, tiny_tokenizer, request):
-    tokenizer = tiny_tokenizer if which == "tiny" else request.getfixturevalue("default_tokenizer")
+@pytest.fixture(scope="module")
+def sentencepiece_tokenizer():
+    from tiny_models import build_sentencepiece_tokenizer
+
+    return build_sentencepiece_tokenizer()
+
+
+@pytest.mark.parametrize("which", ["tiny_tokenizer", "default_tokenizer", "sentencepiece_tokenizer"])
+def test_the_stream_gives_the_python_windows_text_token_for_token(which, request):
+    """(With byte fallback the library can refuse a prompt's own tokens while the stream is primed
+    with them: the Python window then serves that request.)"""
+    tokenizer = request.getfixturevalue(which)
     assert IncrementalDetokenizer(tokenizer, [], [], False, True)._stream is not None  # the fast path is taken
     rng = random.Random(0)
     used_stream = 0

@@ -32,6 +32,23 @@ def build_tokenizer(vocab_size: int = 512):
                                    chat_template=CHAT_TEMPLATE)
 
 
+def build_sentencepiece_tokenizer(vocab_size: int = 600):
+    """Llama-2's tokenizer layout, trained in a second on the bundled novel: spaces as "▁" with one
+    prepended, BPE with byte fallback (<0x..> tokens), and the decoder chain that turns "▁" back
+    into spaces, fuses the bytes and strips the one leading space."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    specials = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    tok.train_from_iterator([BOOK.read_text()[:100_000]], trainers.BpeTrainer(vocab_size=vocab_size,
+                                                                              special_tokens=specials))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
 def build_tiny_model(path: Path, arch: str = "llama", tokenizer=None, seed: int = 0, **overrides) -> Path:
     """Write a random `arch` (llama, mistral, qwen2) checkpoint with its tokenizer to `path`."""
     from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,

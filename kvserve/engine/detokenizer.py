@@ -68,8 +68,11 @@ class IncrementalDetokenizer:
         # would then give that character's bytes to the output, where the Python one drops them.
         if self._rust is not None and not self._decode(self.tokens).endswith("\ufffd"):
             self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
-            for token_id in self.tokens:
-                self._stream.step(self._rust, token_id)
+            try:
+                for token_id in self.tokens:
+                    self._stream.step(self._rust, token_id)
+            except Exception:  # the prompt's own text is rewritten as it goes (see _stream_text)
+                self._stream = None
 
     def _decode(self, ids: list[int]) -> str:
         return self._decode_ids(ids, self.skip_special)
