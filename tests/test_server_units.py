@@ -136,13 +136,13 @@ def test_a_stream_is_handed_its_first_token_then_every_n_and_the_last():
 
 
 def test_the_server_freezes_its_start_up_heap_before_serving():
-    """`kvserve serve` calls settle_heap() once the engine and app are built: the start-up objects
+    """`kvserve serve` (and a tensor-parallel worker) calls settle_heap() once start-up is done: its objects
     leave the collector's full passes (gc.freeze) and the youngest generation's threshold rises.
     Run in a child process: freezing this test session's heap would outlive the test."""
     import subprocess
     import sys
 
-    code = ("import gc; from kvserve.entrypoints.serve import settle_heap, GC_GENERATION0_THRESHOLD as T; "
+    code = ("import gc; from kvserve.process_heap import settle_heap, GC_GENERATION0_THRESHOLD as T; "
             "assert gc.get_freeze_count() == 0; settle_heap(); "
             "assert gc.get_freeze_count() > 1000, gc.get_freeze_count(); assert gc.get_threshold()[0] == T > 700")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -7,7 +7,6 @@ shutdown grace period, a dead engine) is in kvserve/server/lifecycle.py.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import socket
 import sys
@@ -162,21 +161,9 @@ def run_serve(args: argparse.Namespace) -> int:
     server = ServingServer(config, args.shutdown_timeout, on_grace_expired=on_grace_expired)
     app.state.stopping = lambda: server.should_exit  # ends routers' event streams at shutdown
     async_engine.on_dead = lambda exc: server.stop(EXIT_ENGINE_DEAD)
+    from kvserve.process_heap import settle_heap
+
     settle_heap()
     server.run(sockets=[sock])
     return server.exit_code
 
-
-# Allocations between the collector's youngest-generation passes (CPython's default: 700).
-GC_GENERATION0_THRESHOLD = 50_000
-
-
-def settle_heap() -> None:
-    """Before serving: what start-up built (model, tokenizer, app) lives as long as the process, so
-    it is frozen out of the collector's full passes, which would otherwise stall a step for its
-    whole size (vLLM freezes it too); and the youngest generation is collected every 50,000
-    allocations instead of 700, so that a step's short-lived outputs die before a pass promotes
-    them. Measured in BENCHMARKS.md ("The served path's host ceiling")."""
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(GC_GENERATION0_THRESHOLD, *gc.get_threshold()[1:])

@@ -35,6 +35,7 @@ from kvserve.model.shape import read_model_shape
 from kvserve.model.quant_linear import (
     QuantizationReport, install_quantized, quantization_targets, quantized_bytes, resident_weight_bytes)
 from kvserve.model.quantized import QuantizedMatrix
+from kvserve.process_heap import settle_heap
 from kvserve.transfers import host_to_device
 
 logger = logging.getLogger("kvserve")
@@ -80,6 +81,7 @@ def run_worker(rank: int, config: DistributedConfig, args: EngineArgs) -> None:
                 layout.q_start + layout.q_heads, layout.kv_start, layout.kv_start + layout.kv_heads,
                 mib(weights), linears, mib(kv_cache.nbytes))
     stats = RankStats(rank, weights, sharded, kv_cache.nbytes, layout.q_heads, layout.kv_heads, linears)
+    settle_heap()  # a collection's stall here would stall every rank
     dist.barrier()  # ready (on the start-up group): rank 0 starts stepping
     serve(groups, model, kv_cache, backend, stats)
     leave()
