@@ -5,7 +5,13 @@ This is the part of a step a GPU does not take off the host (BENCHMARKS.md, "The
 host ceiling"). Every request decodes `--output-len` tokens (EOS ignored), `--num-prompts` at once,
 and is reported every step as a streaming server's would be (not final-only).
 
+`--graph-path` sends the decode steps down the CUDA graphs' path (`DecodeGraphs.run`: the
+persistent buffers filled from the host, the device block tables updated) with the replay itself
+stubbed out (zero hidden states): the host work a CUDA decode step does around its graph, timed
+on CPU. `--async-scheduling` is the engine option of that name.
+
     python benchmarks/host_overhead.py [--num-prompts 256] [--input-len 16] [--output-len 256] [--rounds 5]
+    python benchmarks/host_overhead.py --graph-path [--async-scheduling]
     PYTHONPATH=/path/to/other/checkout python benchmarks/host_overhead.py   # the same on another revision
 """
 from __future__ import annotations
@@ -28,6 +34,9 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--model", help="a checkpoint directory (default: the near-zero model, built in a temp dir)")
+    parser.add_argument("--graph-path", action="store_true", help="decodes through the CUDA graphs' host path, "
+                        "the replay stubbed out")
+    parser.add_argument("--async-scheduling", action="store_true")
     args = parser.parse_args()
 
     from kvserve.engine.args import EngineArgs
@@ -42,7 +51,9 @@ def main() -> None:
             model = str(build_tiny_model(Path(tmp), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                                          max_position_embeddings=2048))
         engine = LLMEngine(EngineArgs(model=model, max_num_seqs=args.num_prompts, kv_cache_memory="1GiB",
-                                      max_num_batched_tokens=8192))
+                                      max_num_batched_tokens=8192, async_scheduling=args.async_scheduling))
+        if args.graph_path:
+            stub_graph_replay(engine, args.num_prompts)
         vocab = engine.model_config.vocab_size
         rng = random.Random(0)
 
@@ -67,6 +78,19 @@ def main() -> None:
         median = statistics.median(rates)
         print(f"median {median:,.0f} tok/s = {1e6 / median:.1f} us of host time per generated token "
               f"({args.num_prompts} at once, {args.input_len} in / {args.output_len} out)")
+
+
+def stub_graph_replay(engine, max_batch: int) -> None:
+    """Give the runner CUDA graphs' decode path on CPU, each replay replaced by zero hidden states."""
+    import torch
+
+    from kvserve.engine.decode_graphs import DecodeGraphs
+
+    runner = engine.runner
+    graphs = DecodeGraphs(engine.model, engine.kv_cache, runner.backend, max_batch, engine.max_model_len)
+    hidden = torch.zeros(graphs.max_batch, engine.model_config.hidden_size, dtype=engine.dtype)
+    graphs._forward = lambda size: hidden[:size]
+    runner.graphs = graphs
 
 
 if __name__ == "__main__":

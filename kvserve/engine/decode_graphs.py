@@ -10,8 +10,8 @@ then runs on the real rows only, so the graphs keep hidden states ([size, hidden
 
 - Persistent inputs: token ids, positions, pool slots, sequence lengths and each sequence's row
   of the device-resident block tables (engine/device_block_tables.py: a step uploads only the
-  entries its sequences' tables gained), each one contiguous device buffer sized for
-  `max_batch`, filled from a pinned host buffer each with non-blocking copies. The graph gathers
+  entries its sequences' tables gained), the rows of one device matrix sized for `max_batch`,
+  filled from one pinned host matrix with one non-blocking copy a step. The graph gathers
   the step's tables from their rows itself. The step's one device-to-host copy stays the sampled
   token ids (the sampler's); the next step rewrites the pinned buffers only once the copies out
   of them are done (an event).
@@ -34,7 +34,6 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from kvserve.cache.kv_cache import KVCache
@@ -99,14 +98,16 @@ class DecodeGraphs:
         self.width = -(-max_model_len // self.block_size)
         self.max_context = self.width * self.block_size
         long = dict(dtype=torch.long, device=self.device)
-        self.buffers = {name: torch.zeros(self.max_batch, **long) for name in self.FIELDS}
+        # One row per input, so that a step's inputs go to the device in one copy.
+        self.inputs = torch.zeros(len(self.FIELDS), self.max_batch, **long)
+        self.buffers = {name: self.inputs[i] for i, name in enumerate(self.FIELDS)}
         self.tables = DeviceBlockTables(self.max_batch, self.width, self.device)
         self.rows = torch.arange(self.max_batch, **long)
-        pinned = self.device.type == "cuda"
-        # Host side: one pinned buffer per input, written in numpy, copied without blocking.
-        self.staging = {name: torch.zeros(buffer.shape, dtype=torch.long, pin_memory=pinned)
-                        for name, buffer in self.buffers.items()}
-        self.copied: torch.cuda.Event | None = None  # when the last step's copies out of `staging` ended
+        # Host side: the same matrix pinned, written in numpy, copied without blocking.
+        self.staging = torch.zeros(self.inputs.shape, dtype=torch.long, pin_memory=self.device.type == "cuda")
+        self.host_matrix = self.staging.numpy()
+        self.host = dict(zip(self.FIELDS, self.host_matrix))
+        self.copied: torch.cuda.Event | None = None  # when the last step's copy out of `staging` ended
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.hidden: dict[int, torch.Tensor] = {}  # each graph's output
 
@@ -161,17 +162,17 @@ class DecodeGraphs:
         """The step's inputs into the persistent buffers, rows past it padding."""
         batch = len(step.token_ids)
         if self.copied is not None:
-            self.copied.synchronize()  # the previous step's copies have read the pinned buffers
-        host = {name: staged.numpy() for name, staged in self.staging.items()}
-        for name in self.FIELDS:
-            host[name][batch:size] = 1 if name == "seq_lens" else 0
+            self.copied.synchronize()  # the previous step's copy has read the pinned matrix
+        host = self.host
+        self.host_matrix[:, batch:size] = 0
+        host["seq_lens"][batch:size] = 1
         host["input_ids"][:batch] = step.token_ids
         host["positions"][:batch] = step.positions
         host["slots"][:batch] = step.slots
-        host["seq_lens"][:batch] = np.asarray(step.positions) + 1
+        host["seq_lens"][:batch] = host["positions"][:batch] + 1
         host["table_rows"][:batch] = self.tables.rows(step.request_ids, step.block_tables)
-        for name in self.FIELDS:
-            self.buffers[name][:size].copy_(self.staging[name][:size], non_blocking=True)
+        # The whole matrix (5 x max_batch longs) in one contiguous copy; columns past `size` go unread.
+        self.inputs.copy_(self.staging, non_blocking=True)
         if self.device.type == "cuda":
             self.copied = torch.cuda.Event()
             self.copied.record()
