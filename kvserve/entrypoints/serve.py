@@ -166,4 +166,3 @@ def run_serve(args: argparse.Namespace) -> int:
     settle_heap()
     server.run(sockets=[sock])
     return server.exit_code
-
