@@ -171,7 +171,7 @@ class DecodeGraphs:
         host["slots"][:batch] = step.slots
         host["seq_lens"][:batch] = host["positions"][:batch] + 1
         host["table_rows"][:batch] = self.tables.rows(step.request_ids, step.block_tables)
-        # The whole matrix (5 x max_batch longs) in one contiguous copy; columns past `size` go unread.
+        # The whole matrix (5 x max_batch longs) in one contiguous copy; entries past `size` go unread.
         self.inputs.copy_(self.staging, non_blocking=True)
         if self.device.type == "cuda":
             self.copied = torch.cuda.Event()

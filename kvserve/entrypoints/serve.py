@@ -99,6 +99,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from kvserve.engine.llm_engine import LLMEngine
     from kvserve.engine.preflight import preflight
+    from kvserve.process_heap import settle_heap
     from kvserve.server.api import ServerConfig, build_app
     from kvserve.server.connections import guarded_protocol
     from kvserve.server.engine_loop import ShuttingDownError
@@ -161,8 +162,6 @@ def run_serve(args: argparse.Namespace) -> int:
     server = ServingServer(config, args.shutdown_timeout, on_grace_expired=on_grace_expired)
     app.state.stopping = lambda: server.should_exit  # ends routers' event streams at shutdown
     async_engine.on_dead = lambda exc: server.stop(EXIT_ENGINE_DEAD)
-    from kvserve.process_heap import settle_heap
-
     settle_heap()
     server.run(sockets=[sock])
     return server.exit_code
