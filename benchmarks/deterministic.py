@@ -127,6 +127,10 @@ def _run_conditions(deterministic: bool, max_tokens: int, engine_options: dict) 
     runs: dict[str, list[tuple]] = {}
     with LLM(enable_prefix_caching=False, **common) as llm:
         prompts, fillers = _prompts(llm.get_tokenizer())
+        # The pool of the preemption run: 28 MiB (1,274 tokens of the default model in bfloat16),
+        # or 1,100 tokens of a model with more KV bytes per token (one 1,024-token sequence fits).
+        cache = llm.engine.kv_cache
+        small_pool = max(28 << 20, 1100 * cache.block_nbytes // cache.spec.block_size)
         runs["reference (alone, no prefix caching)"] = alone(llm, prompts)
         order = [("p", i) for i in range(32)] + [("f", i) for i in range(32)]
         random.Random(1).shuffle(order)
@@ -144,7 +148,7 @@ def _run_conditions(deterministic: bool, max_tokens: int, engine_options: dict) 
         runs[f"prefix-cache hits (alone; {llm.engine.kv_manager.stats.hits} prompt tokens hit)"] = results
     with LLM(enable_prefix_caching=False, max_num_batched_tokens=64, **common) as llm:
         runs["--max-num-batched-tokens 64 (alone)"] = alone(llm, prompts)
-    small = {**common, "kv_cache_memory": "28MiB"}
+    small = {**common, "kv_cache_memory": small_pool}
     with LLM(enable_prefix_caching=False, **small) as llm:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                                [_params(i, max_tokens) for i in range(32)], use_tqdm=False)

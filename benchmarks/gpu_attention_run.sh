@@ -4,7 +4,7 @@
 # Every step writes under $OUT through tee, so a run cut short still returns what it measured.
 # Dry run on CPU first: DEV=cpu TRITON_INTERPRET=1 OUT=/tmp/out bash benchmarks/gpu_attention_run.sh --dry
 # A session has 15 minutes of device time in all, start-up included: two calls, the figures that
-# matter most first:  STEPS="1 2 5 6" (timeout_s ~540), then STEPS="4 7 3 8" with what is left.
+# matter most first:  STEPS="1 2 5 6" (timeout_s ~540), then STEPS="4 7 3 8 9" with what is left.
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 G=$PWD/.gpu
 DEV=${DEV:-cuda}
@@ -25,7 +25,7 @@ healthy() {  # port pid seconds log
 }
 # What the start-up log says of CUDA graphs: captured, failed, or why not used.
 GRAPHS="CUDA graphs: |graph capture failed|CUDA graphs not used"
-want() { [[ " ${STEPS:-1 2 5 6 4 7 3 8} " == *" $1 "* ]]; }
+want() { [[ " ${STEPS:-1 2 5 6 4 7 3 8 9} " == *" $1 "* ]]; }
 DRY=$([ "$1" = "--dry" ] && echo 1)
 {
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null; date -u
@@ -90,5 +90,9 @@ healthy 8012 $sp 150 $OUT/serve-8b.log && timeout 100 $KV bench serve --base-url
   --ignore-eos $([ -n "$DRY" ] && echo "--num-prompts 4 --random-input-len 16 --random-output-len 4" || echo "--num-prompts 256 --random-input-len 512 --random-output-len 128") \
   2>&1 | grep -E "throughput|TTFT|TPOT|Successful" | sed "s/^/[8b served] /"
 kill $sp; wait $sp 2>/dev/null; grep -E -i "traceback" $OUT/serve-8b.log | head -3
+fi; if want 9; then
+echo "=== 9 --deterministic on CUDA (Triton GEMM, attention, fused ops), bf16: 32 prompts vs each alone, with and without"
+timeout 300 python3 benchmarks/deterministic.py outputs --max-tokens $([ -n "$DRY" ] && echo 4 || echo 16) \
+  --model $MODEL --device $DEV --dtype $([ -n "$DRY" ] && echo float32 || echo bfloat16) --max-cudagraph-capture-size 32 2>&1 | grep -E "^\||Error" | tail -9
 fi
 } 2>&1 | tee -a $OUT/attention-log.txt

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from kvserve.hardware import triton_runs_on
+
 
 def at_least_two_rows(x: torch.Tensor) -> torch.Tensor:
     """x [rows, K] as given, or a single row repeated to [2, K] (take the first row of the result)."""
@@ -44,9 +46,12 @@ def _packed_transpose(matrix: torch.Tensor) -> torch.Tensor:
 
 def fixed_order_matmul(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ matrix [K, N] in float32, each row's result independent of the row count
-    (oneDNN's prepacked kernel, at least two rows); returned in x's dtype. Off CPU (no oneDNN) a
-    plain matmul: the CUDA path makes no batch-invariance claim (args.py refuses it there)."""
+    (oneDNN's prepacked kernel, at least two rows; on CUDA the fixed-blocking Triton GEMM of
+    fixed_order_triton.py); returned in x's dtype. Elsewhere a plain matmul, with no such claim."""
     if not onednn_packing_available(x.device):
+        if triton_runs_on(x.device.type):
+            from kvserve.fixed_order_triton import fixed_order_linear  # imports triton: only where it runs
+            return fixed_order_linear(x.float(), matrix.float().T).to(x.dtype)
         return (x.float() @ matrix.float()).to(x.dtype)
     k = x.shape[-1]
     flat = x.reshape(-1, k).float()

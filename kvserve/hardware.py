@@ -1,4 +1,5 @@
-"""What this machine can do: CPU instruction sets, native bfloat16, memory available now.
+"""What this machine can do: CPU instruction sets, native bfloat16, memory available now, where
+Triton kernels run.
 
 A plain helper module (it imports nothing from kvserve) so that every layer may ask it: the model
 for its linears and kernels, the engine for dtype and pool sizing, `kvserve plan` for defaults.
@@ -6,6 +7,7 @@ for its linears and kernels, the engine for dtype and pool sizing, `kvserve plan
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import platform
 
@@ -25,6 +27,20 @@ def cpu_flags() -> frozenset[str]:
     except OSError:
         pass
     return frozenset()
+
+
+def triton_interpreting() -> bool:
+    """Whether Triton kernels run under Triton's interpreter (TRITON_INTERPRET=1): on CPU tensors,
+    slowly, which is how CI tests kvserve's Triton kernels."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def triton_runs_on(device_type: str) -> bool:
+    """Whether kvserve's Triton kernels can run on tensors of this device type here: CUDA with the
+    triton package, or CPU under the interpreter."""
+    if device_type not in ("cuda", "cpu") or (device_type == "cpu" and not triton_interpreting()):
+        return False
+    return importlib.util.find_spec("triton") is not None
 
 
 def machine() -> str:

@@ -1,4 +1,4 @@
-"""Compile kvserve's Triton kernels (attention and fused ops) for sm_90 (H100/H200) without a GPU, with the ptxas that ships
+"""Compile kvserve's Triton kernels (attention, fused ops, the fixed-order GEMM) for sm_90 (H100/H200) without a GPU, with the ptxas that ships
 with triton: what the interpreter does not check (constexpr globals, branch types, dot shapes).
 Run by tests/test_triton_attention.py in a process without TRITON_INTERPRET; exits 1 on a failure."""
 from __future__ import annotations
@@ -13,6 +13,7 @@ import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from kvserve import fixed_order_triton as G  # noqa: E402
 from kvserve.model import fused_ops as F  # noqa: E402
 from kvserve.model.attention import triton_kernels as K  # noqa: E402
 
@@ -77,6 +78,13 @@ def main() -> int:
                              {"HAS_RESIDUAL": residual, "BLOCK": 2048})
     ok &= compile_kernel("silu_mul", F._silu_mul_kernel, bf16, {"BLOCK": 1024})
     ok &= compile_kernel("rotary", F._rotary_kernel, bf16, {"HALF": 32})
+    for dtype, ieee in (("bf16", False), ("fp16", False), ("fp32", True)):
+        for bias in (False, True):
+            ok &= compile_kernel(f"fixed-order GEMM {dtype} bias {bias}", G._gemm_kernel,
+                                 {"x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "bias_ptr": f"*{dtype}",
+                                  "out_ptr": f"*{dtype}"},
+                                 {"HAS_BIAS": bias, "IEEE": ieee, "BLOCK_M": G.BLOCK_M, "BLOCK_N": 64,
+                                  "BLOCK_K": G.BLOCK_K})
     return 0 if ok else 1
 
 

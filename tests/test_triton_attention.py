@@ -325,11 +325,11 @@ def test_an_engine_on_the_triton_backend_gives_the_torch_backends_tokens(tiny_ll
 
 
 def test_an_engine_on_the_triton_backend_under_deterministic_gives_the_same_bits_alone_and_batched(tiny_llama_d32):
-    if DEVICE.type == "cuda":
-        pytest.skip("--deterministic is refused on CUDA (cuBLAS GEMMs are not batch-invariant)")
+    """On CPU the linears are the CPU's fixed-order ones; with every kernel Triton's (CUDA's
+    configuration): tests/test_fixed_order_triton.py."""
     params = SamplingParams(temperature=0, max_tokens=6, logprobs=0)
     llm = LLM(str(tiny_llama_d32), dtype="float32", kv_cache_memory="4MiB", max_num_batched_tokens=16,
-              attention_backend="triton", deterministic=True)
+              attention_backend="triton", deterministic=True, device=str(DEVICE))
 
     def results(outputs):
         return [(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in outputs]

@@ -147,7 +147,8 @@ class EngineArgs:
     deterministic: bool = field(default=False, metadata=_opt(
         "batch-invariant inference: a request's tokens (greedy, or sampled with a seed) depend on the request "
         "alone, not on batching, chunked prefill, prefix-cache hits, KV tiers, preemption or the thread count "
-        "(CPU; README, 'Deterministic inference'). Alias: --enable-deterministic-inference (SGLang's name)",
+        "(CPU; CUDA through Triton kernels; README, 'Deterministic inference'). "
+        "Alias: --enable-deterministic-inference (SGLang's name)",
         action=argparse.BooleanOptionalAction, aliases=("--enable-deterministic-inference",)))
     kv_offloading_size: float | None = field(default=None, metadata=_opt(
         "GiB of host memory for the KV offload tier (vLLM's flag): published prefix-cache blocks the pool "
@@ -268,8 +269,6 @@ class EngineArgs:
             (self.kv_eviction != NO_EVICTION, "--kv-eviction (what is evicted depends on the attention scores)"),
             (self.attention_backend == "torch", "--attention-backend torch (its padded matmuls and SDPA change "
                                                 "their order with the batch)"),
-            (_device_type(self.device) == "cuda", "CUDA (its cuBLAS GEMMs are not batch-invariant; the Triton "
-                                                  "attention kernels are)"),
         ]
         for applies, what in refused:
             if applies:

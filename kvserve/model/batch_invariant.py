@@ -11,16 +11,23 @@ one row could depend on the row count onto fixed-order paths:
 - bf16 linears on kvserve's AVX512-BF16 kernel (csrc/bf16_gemm.h): fixed order already;
 - linears on oneDNN's prepacked GEMM: a single row is multiplied as two (kvserve/fixed_order.py),
   checked here at start-up on this CPU, since oneDNN documents no such guarantee;
-- RMSNorm: the batched rms_norm for one row too (its one-row layer_norm trick sums in another order).
+- on CUDA (and on CPU tensors under Triton's interpreter, for tests), plain and dequantized
+  linears through a Triton GEMM with one blocking for every row count (fixed_order_triton.py),
+  where cuBLAS changes its kernel with the shape;
+- RMSNorm: the batched rms_norm for one row too (its one-row layer_norm trick sums in another
+  order); on CUDA the fused add + RMSNorm kernel is one program per row already.
 Attention is the backend's business (BackendConfig.deterministic). The lean decode step, which
 fuses the same math in another order, then runs every step of a quantized model or none
 (lean_decode.py), so no token is computed one way in one step and the other way in another.
 """
 from __future__ import annotations
 
+import importlib
+
 import torch
 from torch import nn
 
+from kvserve.hardware import triton_runs_on
 from kvserve.model.cpu_linear import PrepackedLinear
 from kvserve.model.llama import LlamaForCausalLM, RMSNorm
 from kvserve.model.quant_linear import QuantizedLinear
@@ -37,7 +44,7 @@ def make_batch_invariant(model: LlamaForCausalLM) -> None:
         if isinstance(module, RMSNorm):
             module.fixed_order = True
         elif isinstance(module, QuantizedLinear):
-            if module.gemv is None and not module.dense_on_bf16_kernel:
+            if module.gemv is None and not module.dense_on_bf16_kernel and not _on_triton(module):
                 raise ValueError(f"--deterministic: {name} is quantized but kvserve's CPU kernel does not serve it "
                                  f"(torch's int4 kernel's rows depend on the batch); run `kvserve build-kernel`, "
                                  f"or --quantization none")
@@ -50,10 +57,19 @@ def make_batch_invariant(model: LlamaForCausalLM) -> None:
                     _check_rows_independent(name, module)
                     checked.add(shape)
         elif isinstance(module, nn.Linear):
-            raise ValueError(f"--deterministic: {name} multiplies through torch's {str(module.weight.dtype)[6:]} "
-                             f"GEMM on {module.weight.device.type}, whose rows depend on the batch; on CPU "
-                             f"--dtype float32 (or bfloat16 where oneDNN runs it) takes a fixed-order path")
+            if not triton_runs_on(module.weight.device.type):
+                raise ValueError(f"--deterministic: {name} multiplies through torch's {str(module.weight.dtype)[6:]} "
+                                 f"GEMM on {module.weight.device.type}, whose rows depend on the batch; on CPU "
+                                 f"--dtype float32 (or bfloat16 where oneDNN runs it) takes a fixed-order path, "
+                                 f"on CUDA the triton package's")
+            module.__class__ = importlib.import_module("kvserve.model.fixed_order_linear").FixedOrderLinear
     model.batch_invariant = True
+
+
+def _on_triton(linear: QuantizedLinear) -> bool:
+    """Whether a quantized linear dequantizes its weight on each call (CUDA) where the
+    fixed-blocking Triton GEMM runs: its fixed-order path then multiplies through that."""
+    return linear.matrix is not None and triton_runs_on(linear.matrix.q.device.type)
 
 
 def _check_rows_independent(name: str, linear: PrepackedLinear) -> None:

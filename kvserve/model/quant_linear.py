@@ -18,6 +18,7 @@ memory saving holds, but no faster than dense weights.
 """
 from __future__ import annotations
 
+import importlib
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -165,7 +166,7 @@ class QuantizedLinear(nn.Module):
             device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
             and self.in_features % _KERNEL_GROUP == 0 and matrix.group_size % _KERNEL_GROUP == 0)
         self.max_kernel_rows = kernel_max_rows(dtype, self.bits if self.gemv is not None else None)
-        self.fixed_order = False  # --deterministic (batch_invariant.py): kvserve's kernel at every row count
+        self.fixed_order = False  # --deterministic (batch_invariant.py): one path at every row count
         self.matrix: QuantizedMatrix | None = None
         if self.gemv is not None:
             pass  # the codes live in gemv_operands
@@ -214,7 +215,10 @@ class QuantizedLinear(nn.Module):
                 return F.linear(x, self.dense, self.bias)
             y = self.dense(x)
             return y if self.bias is None else y + self.bias
-        return F.linear(x, self.matrix.dequantize().to(x.dtype), self.bias)
+        weight = self.matrix.dequantize().to(x.dtype)
+        if self.fixed_order:  # CUDA under --deterministic (batch_invariant.py)
+            return importlib.import_module("kvserve.fixed_order_triton").fixed_order_linear(x, weight, self.bias)
+        return F.linear(x, weight, self.bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, int{self.bits}, "

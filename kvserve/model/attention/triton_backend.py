@@ -15,7 +15,6 @@ proves these kernels against the torch backend without a GPU.
 from __future__ import annotations
 
 import importlib.util
-import os
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +25,7 @@ from kvserve.cache.formats.int4 import Int4Format
 from kvserve.cache.formats.int4_kivi import Int4KiviFormat
 from kvserve.cache.formats.int8 import Int8Format
 from kvserve.cache.kv_cache import KVFormat
+from kvserve.hardware import triton_interpreting
 from kvserve.model.attention.base import BackendConfig
 from kvserve.model.attention.metadata import AttentionMetadata, StepSequence, rows_as_decodes
 from kvserve.model.attention.torch_backend import TorchBackend, padded_block_tables
@@ -37,15 +37,11 @@ SPLIT_TOKENS = 512
 PREFILL_BLOCK_M = 32  # query rows per prefill program
 
 
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def triton_unavailable(device_type: str) -> str | None:
     """Why the Triton backend cannot run on this device type here, or None."""
     if device_type not in ("cpu", "cuda"):
         return f"the Triton backend runs on CUDA, not {device_type}"
-    if device_type == "cpu" and not interpreting():
+    if device_type == "cpu" and not triton_interpreting():
         return ("the Triton backend needs CUDA, or TRITON_INTERPRET=1 to run its kernels under Triton's "
                 "interpreter on CPU (slow: for tests)")
     if importlib.util.find_spec("triton") is None:
