@@ -6,8 +6,9 @@ LLM Inference", 2025; SGLang's deterministic inference and vLLM's batch-invarian
 GEMM the same way). Here every output tile is one program that walks K in fixed BLOCK_K steps, in
 order, with no split-K, and the tile shape and launch configuration depend on N and K (the
 weight's) only: a row's result is the same bits whatever M is and wherever the row falls in its
-tile. The row count is never specialised on (`do_not_specialize`), so no compiled variant per M
-either.
+tile. The row count is never specialised on (`do_not_specialize`); the variants Triton compiles
+for other arguments (alignment, divisibility by 16) change how operands load, not the order of
+any sum.
 
 Float32 operands multiply in IEEE float32 (no TF32), 16-bit ones on the tensor cores. It runs on
 CUDA, and under Triton's interpreter on CPU tensors for tests (tests/test_fixed_order_triton.py),
@@ -22,7 +23,7 @@ import triton.language as tl
 
 from kvserve.hardware import triton_interpreting
 
-BLOCK_M = 32
+BLOCK_M = 64  # a multiple of 64: Hopper's wgmma instructions take such tiles
 BLOCK_K = 64
 
 
@@ -32,7 +33,7 @@ def _gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
                  BLOCK_K: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = tl.arange(0, BLOCK_K)
+    ks = tl.arange(0, BLOCK_K).to(tl.int64)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + ks

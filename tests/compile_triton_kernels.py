@@ -28,9 +28,11 @@ def signature(fn, types: dict[str, str], constants: dict) -> dict[str, str]:
     return {name: "constexpr" if name in constants else types.get(name, "i32") for name in fn.arg_names}
 
 
-def compile_kernel(label: str, fn, types: dict[str, str], constants: dict) -> bool:
+def compile_kernel(label: str, fn, types: dict[str, str], constants: dict, divisible: tuple[str, ...] = ()) -> bool:
+    """`divisible`: arguments marked divisible by 16, as Triton marks pointers and integers at launch."""
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible}
     try:
-        triton.compile(ASTSource(fn, signature(fn, types, constants), constants), target=TARGET)
+        triton.compile(ASTSource(fn, signature(fn, types, constants), constants, attrs), target=TARGET)
         print(label, "ok")
         return True
     except Exception as exc:  # report every kernel, then fail
@@ -78,13 +80,19 @@ def main() -> int:
                              {"HAS_RESIDUAL": residual, "BLOCK": 2048})
     ok &= compile_kernel("silu_mul", F._silu_mul_kernel, bf16, {"BLOCK": 1024})
     ok &= compile_kernel("rotary", F._rotary_kernel, bf16, {"HALF": 32})
+    # The GEMM as a model's linears launch it (contiguous weight: stride_wk 1; aligned pointers and
+    # shapes divisible by 16), at both tile widths, and with nothing specialised.
+    aligned = ("x_ptr", "w_ptr", "bias_ptr", "out_ptr", "N", "K", "stride_xm", "stride_wn", "stride_om")
     for dtype, ieee in (("bf16", False), ("fp16", False), ("fp32", True)):
         for bias in (False, True):
-            ok &= compile_kernel(f"fixed-order GEMM {dtype} bias {bias}", G._gemm_kernel,
-                                 {"x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "bias_ptr": f"*{dtype}",
-                                  "out_ptr": f"*{dtype}"},
-                                 {"HAS_BIAS": bias, "IEEE": ieee, "BLOCK_M": G.BLOCK_M, "BLOCK_N": 64,
-                                  "BLOCK_K": G.BLOCK_K})
+            for block_n in (32, 64):
+                gemm = {"HAS_BIAS": bias, "IEEE": ieee, "BLOCK_M": G.BLOCK_M, "BLOCK_N": block_n,
+                        "BLOCK_K": G.BLOCK_K}
+                pointers = {name: f"*{dtype}" for name in ("x_ptr", "w_ptr", "bias_ptr", "out_ptr")}
+                ok &= compile_kernel(f"fixed-order GEMM {dtype} bias {bias} BLOCK_N {block_n}", G._gemm_kernel,
+                                     pointers, {**gemm, "stride_wk": 1}, divisible=aligned)
+            ok &= compile_kernel(f"fixed-order GEMM {dtype} bias {bias}, unspecialised", G._gemm_kernel,
+                                 pointers, gemm)
     return 0 if ok else 1
 
 

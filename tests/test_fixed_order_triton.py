@@ -17,7 +17,7 @@ pytest.importorskip("triton", reason="the triton package is not installed (pip i
 
 from torch import nn  # noqa: E402
 
-from kvserve import LLM, SamplingParams  # noqa: E402
+from kvserve import LLM, SamplingParams, fixed_order  # noqa: E402
 from kvserve.engine import llm_engine  # noqa: E402
 from kvserve.fixed_order_triton import fixed_order_linear  # noqa: E402
 from kvserve.model import quant_linear  # noqa: E402
@@ -60,6 +60,31 @@ def test_a_transposed_weight_and_leading_dimensions():
     assert torch.equal(out[1, 2:3], fixed_order_linear(x[1, 2:3], matrix.T))
 
 
+def test_fixed_order_matmul_off_onednn_takes_the_gemm(monkeypatch):
+    """Where oneDNN is not (CUDA), the KV rotations' and key basis' products take the Triton GEMM:
+    rows the same bits at any row count."""
+    monkeypatch.setattr(fixed_order, "onednn_packing_available", lambda device: False)
+    x, matrix = _randn(45, 32, seed=8, dtype=torch.bfloat16), _randn(32, 32, seed=9, dtype=torch.float32)
+    whole = fixed_order.fixed_order_matmul(x, matrix)
+    assert whole.dtype == torch.bfloat16
+    assert torch.equal(torch.cat([fixed_order.fixed_order_matmul(x[i: i + 3], matrix) for i in range(0, 45, 3)]), whole)
+    assert torch.allclose(whole.float(), x.float() @ matrix, rtol=1e-2, atol=1e-2)
+
+
+def test_cuda_refuses_it_without_the_fused_rms_norm(monkeypatch):
+    """On CUDA RMSNorm is batch-invariant as the fused kernel's one program per row; with the fused
+    ops turned off, start-up says so in one line rather than run torch's rms_norm."""
+    from kvserve.engine.platforms.cuda import DISABLE_FUSED_OPS_ENV, CudaPlatform
+
+    monkeypatch.setenv(DISABLE_FUSED_OPS_ENV, "1")
+    model = nn.Module()
+    model.batch_invariant = True
+    with pytest.raises(ValueError, match=f"--deterministic on CUDA needs the fused Triton ops .* "
+                                         f"{DISABLE_FUSED_OPS_ENV} is set") as error:
+        CudaPlatform().prepare_model(model, None, False)
+    assert "\n" not in str(error.value)
+
+
 def test_the_models_linears_take_it(monkeypatch):
     """make_batch_invariant: a plain nn.Linear becomes a FixedOrderLinear (same parameters); a
     quantized linear that dequantizes on each call (as on CUDA) multiplies through it too."""
@@ -96,9 +121,11 @@ def _prompts() -> list[list[int]]:
     return [prefixes[i // 2] + torch.randint(5, 500, (1 + i,), generator=generator).tolist() for i in range(6)]
 
 
-def test_an_all_triton_engine_gives_a_request_the_same_bits_alone_and_among_others(tiny_model_factory, monkeypatch):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e5m2"])
+def test_an_all_triton_engine_gives_a_request_the_same_bits_alone_and_among_others(tiny_model_factory, monkeypatch,
+                                                                                  kv_cache_dtype):
     """The CUDA configuration of --deterministic: plain linears (not CPU-prepacked) on the Triton
-    GEMM, Triton attention, the fused Triton ops. Each prompt alone, then all six among six
+    GEMM, Triton attention, the fused Triton ops; fp8_e5m2's K/V rotation through the GEMM too. Each prompt alone, then all six among six
     others with 8-token chunks and prefix caching, then three of them again on prefix hits: the same
     tokens and logprobs, bit for bit; greedy and seeded sampling."""
     from kvserve.model import fused_ops
@@ -108,6 +135,7 @@ def test_an_all_triton_engine_gives_a_request_the_same_bits_alone_and_among_othe
     load = llm_engine.load_engine_model
     monkeypatch.setattr(llm_engine, "load_engine_model",
                         lambda args, loaded=None, prepack=True: load(args, loaded, prepack=False))
+    monkeypatch.setattr(fixed_order, "onednn_packing_available", lambda device: False)  # as on CUDA
     prompts = _prompts()
     fillers = [p[::-1][:12 + i] for i, p in enumerate(prompts)]
     params = [SamplingParams(temperature=0, max_tokens=4, logprobs=0, ignore_eos=True) if i % 2 == 0 else
@@ -120,7 +148,7 @@ def test_an_all_triton_engine_gives_a_request_the_same_bits_alone_and_among_othe
 
     def engine(**options) -> LLM:
         llm = LLM(str(model), deterministic=True, dtype="float32", attention_backend="triton",
-                  device=str(DEVICE), kv_cache_memory="4MiB", **options)
+                  device=str(DEVICE), kv_cache_memory="4MiB", kv_cache_dtype=kv_cache_dtype, **options)
         llm.engine.model.use_fused_ops(fused_ops)
         linears = [m for m in llm.engine.model.modules() if isinstance(m, nn.Linear)]
         assert linears and all(isinstance(m, FixedOrderLinear) for m in linears)

@@ -15,7 +15,8 @@ one row could depend on the row count onto fixed-order paths:
   linears through a Triton GEMM with one blocking for every row count (fixed_order_triton.py),
   where cuBLAS changes its kernel with the shape;
 - RMSNorm: the batched rms_norm for one row too (its one-row layer_norm trick sums in another
-  order); on CUDA the fused add + RMSNorm kernel is one program per row already.
+  order); on CUDA the fused add + RMSNorm kernel is one program per row already (the CUDA
+  platform refuses the option where the fused ops are off).
 Attention is the backend's business (BackendConfig.deterministic). The lean decode step, which
 fuses the same math in another order, then runs every step of a quantized model or none
 (lean_decode.py), so no token is computed one way in one step and the other way in another.

@@ -35,12 +35,15 @@ class CudaPlatform(Platform):
     def prepare_model(self, model, backend, tensor_parallel):
         """Residual add + RMSNorm, SiLU x up and RoPE as one Triton launch each (on the Triton
         backend RoPE with the KV store, triton_kernels.rope_store), unless
-        KVSERVE_DISABLE_FUSED_OPS=1 keeps the torch ops (these kernels are not yet measured on a GPU)."""
-        if os.environ.get(DISABLE_FUSED_OPS_ENV, "0") not in ("", "0"):
-            logger.info("Fused Triton ops not used: %s is set", DISABLE_FUSED_OPS_ENV)
-            return
-        if importlib.util.find_spec("triton") is None:
-            logger.info("Fused Triton ops not used: triton is not installed")
+        KVSERVE_DISABLE_FUSED_OPS=1 keeps the torch ops (these kernels are not yet measured on a GPU);
+        --deterministic needs them (ValueError without)."""
+        why_not = (f"{DISABLE_FUSED_OPS_ENV} is set" if os.environ.get(DISABLE_FUSED_OPS_ENV, "0") not in ("", "0")
+                   else "triton is not installed" if importlib.util.find_spec("triton") is None else None)
+        if why_not is not None:
+            if model.batch_invariant:  # torch's rms_norm on CUDA makes no promise for a row whatever the batch
+                raise ValueError(f"--deterministic on CUDA needs the fused Triton ops (their RMSNorm is one "
+                                 f"program per row), but {why_not}")
+            logger.info("Fused Triton ops not used: %s", why_not)
             return
         model.use_fused_ops(importlib.import_module("kvserve.model.fused_ops"))
         rope = ("RoPE (applied with the KV store where the format allows)" if backend.name == "triton" else "RoPE")
