@@ -12,8 +12,8 @@ any sum.
 
 Float32 operands multiply in IEEE float32 (no TF32), 16-bit ones on the tensor cores. It runs on
 CUDA, and under Triton's interpreter on CPU tensors for tests (tests/test_fixed_order_triton.py),
-where 16-bit operands are widened to float32 first (the interpreter's 16-bit dot is not torch's). This module sits at the
-bottom with fixed_order.py, which imports it only where Triton runs.
+where 16-bit operands are widened to float32 first (the interpreter's 16-bit dot is not torch's).
+This module sits at the bottom with fixed_order.py, which imports it only where Triton runs.
 """
 from __future__ import annotations
 

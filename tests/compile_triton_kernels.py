@@ -1,5 +1,6 @@
-"""Compile kvserve's Triton kernels (attention, fused ops, the fixed-order GEMM) for sm_90 (H100/H200) without a GPU, with the ptxas that ships
-with triton: what the interpreter does not check (constexpr globals, branch types, dot shapes).
+"""Compile kvserve's Triton kernels (attention, fused ops, the fixed-order GEMM) for sm_90
+(H100/H200) without a GPU, with the ptxas that ships with triton: what the interpreter does not
+check (constexpr globals, branch types, dot shapes).
 Run by tests/test_triton_attention.py in a process without TRITON_INTERPRET; exits 1 on a failure."""
 from __future__ import annotations
 

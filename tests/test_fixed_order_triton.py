@@ -125,9 +125,10 @@ def _prompts() -> list[list[int]]:
 def test_an_all_triton_engine_gives_a_request_the_same_bits_alone_and_among_others(tiny_model_factory, monkeypatch,
                                                                                   kv_cache_dtype):
     """The CUDA configuration of --deterministic: plain linears (not CPU-prepacked) on the Triton
-    GEMM, Triton attention, the fused Triton ops; fp8_e5m2's K/V rotation through the GEMM too. Each prompt alone, then all six among six
-    others with 8-token chunks and prefix caching, then three of them again on prefix hits: the same
-    tokens and logprobs, bit for bit; greedy and seeded sampling."""
+    GEMM, Triton attention, the fused Triton ops; fp8_e5m2's K/V rotation through the GEMM too.
+    Each prompt alone, then all six among six others with 8-token chunks and prefix caching, then
+    three of them again on prefix hits: the same tokens and logprobs, bit for bit; greedy and
+    seeded sampling."""
     from kvserve.model import fused_ops
 
     model = tiny_model_factory("llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
@@ -159,7 +160,8 @@ def test_an_all_triton_engine_gives_a_request_the_same_bits_alone_and_among_othe
                  for i, p in enumerate(prompts)]
     with engine(enable_prefix_caching=True, max_num_batched_tokens=8) as llm:
         requests = [{"prompt_token_ids": p} for pair in zip(prompts, fillers) for p in pair]
-        mixed_params = [p for pair in zip(params, [SamplingParams(temperature=0, max_tokens=2)] * len(fillers)) for p in pair]
+        filler_params = [SamplingParams(temperature=0, max_tokens=2)] * len(fillers)
+        mixed_params = [p for pair in zip(params, filler_params) for p in pair]
         mixed = [result(o) for o in llm.generate(requests, mixed_params, use_tqdm=False)[::2]]
         again = llm.generate([{"prompt_token_ids": p} for p in prompts[1::2]], params[1::2], use_tqdm=False)
         assert all(o.num_cached_tokens > 0 for o in again)
