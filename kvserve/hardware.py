@@ -35,12 +35,22 @@ def triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def triton_unavailable(device_type: str) -> str | None:
+    """Why kvserve's Triton kernels (the Triton attention backend, the fused ops, the fixed-order
+    GEMM) cannot run on tensors of this device type here, or None: they run on CUDA with the
+    triton package, or on CPU under the interpreter."""
+    if device_type not in ("cpu", "cuda"):
+        return f"the Triton backend runs on CUDA, not {device_type}"
+    if device_type == "cpu" and not triton_interpreting():
+        return ("the Triton backend needs CUDA, or TRITON_INTERPRET=1 to run its kernels under Triton's "
+                "interpreter on CPU (slow: for tests)")
+    if importlib.util.find_spec("triton") is None:
+        return "the Triton backend needs the triton package (CUDA builds of torch ship it; pip install triton)"
+    return None
+
+
 def triton_runs_on(device_type: str) -> bool:
-    """Whether kvserve's Triton kernels can run on tensors of this device type here: CUDA with the
-    triton package, or CPU under the interpreter."""
-    if device_type not in ("cuda", "cpu") or (device_type == "cpu" and not triton_interpreting()):
-        return False
-    return importlib.util.find_spec("triton") is not None
+    return triton_unavailable(device_type) is None
 
 
 def machine() -> str:

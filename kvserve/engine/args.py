@@ -12,8 +12,8 @@ import torch
 from kvserve.cache.eviction import NO_EVICTION, POLICY_CHOICES
 from kvserve.cache.formats import KV_CACHE_DTYPES
 from kvserve.units import parse_size
+from kvserve.hardware import triton_unavailable
 from kvserve.model.attention import attention_backend_names
-from kvserve.model.attention.triton_backend import triton_unavailable
 from kvserve.model.quant_linear import QUANTIZATION_MODES
 
 # A --kv-cache-memory above this (1 PiB) is a typo, not a machine.

@@ -14,7 +14,6 @@ proves these kernels against the torch backend without a GPU.
 """
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +24,7 @@ from kvserve.cache.formats.int4 import Int4Format
 from kvserve.cache.formats.int4_kivi import Int4KiviFormat
 from kvserve.cache.formats.int8 import Int8Format
 from kvserve.cache.kv_cache import KVFormat
-from kvserve.hardware import triton_interpreting
+from kvserve.hardware import triton_unavailable
 from kvserve.model.attention.base import BackendConfig
 from kvserve.model.attention.metadata import AttentionMetadata, StepSequence, rows_as_decodes
 from kvserve.model.attention.torch_backend import TorchBackend, padded_block_tables
@@ -35,18 +34,6 @@ from kvserve.model.attention.torch_ops import decode_gathered, prefills_gathered
 # order depends on its own length only.
 SPLIT_TOKENS = 512
 PREFILL_BLOCK_M = 32  # query rows per prefill program
-
-
-def triton_unavailable(device_type: str) -> str | None:
-    """Why the Triton backend cannot run on this device type here, or None."""
-    if device_type not in ("cpu", "cuda"):
-        return f"the Triton backend runs on CUDA, not {device_type}"
-    if device_type == "cpu" and not triton_interpreting():
-        return ("the Triton backend needs CUDA, or TRITON_INTERPRET=1 to run its kernels under Triton's "
-                "interpreter on CPU (slow: for tests)")
-    if importlib.util.find_spec("triton") is None:
-        return "the Triton backend needs the triton package (CUDA builds of torch ship it; pip install triton)"
-    return None
 
 
 def layout_kind(kv_format: KVFormat) -> int | None:
