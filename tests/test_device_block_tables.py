@@ -54,3 +54,55 @@ def test_too_many_requests_or_too_wide_a_table_is_refused():
         tables.rows(["a", "b"], [[1], [2]])
     with pytest.raises(ValueError, match="wider than 2"):
         tables.rows(["c"], [[1, 2, 3]])
+
+
+def test_a_table_list_grown_in_place_uploads_only_its_new_entries():
+    tables = DeviceBlockTables(num_rows=2, width=8, device=torch.device("cpu"))
+    table = [4, 5]
+    (row,) = tables.rows(["a"], [table])
+    table.append(6)  # the same list, one block longer: no compare, one entry copied
+    assert tables.rows(["a"], [table]) == [row] and tables.entries_uploaded == 3
+    assert read(tables, row, 3) == [4, 5, 6]
+    shorter = table[:1] + [9]  # another list: compared, and rewritten since it differs
+    assert tables.rows(["a"], [shorter]) == [row] and read(tables, row, 2) == [4, 9]
+    assert tables.entries_uploaded == 5
+
+
+def test_device_rows_follow_the_cache_managers_tables_through_decode_preemption_and_reuse():
+    """The manager's table lists are append-only while they are a request's (what the fast path
+    relies on): the device rows equal the tables after every step, a preempted request's new
+    table included."""
+    from kvserve.cache.kv_cache_manager import KVCacheManager
+    from kvserve.engine.request import Request
+    from kvserve.sampling_params import SamplingParams
+
+    block_size = 4
+    manager = KVCacheManager(12, block_size, True, "float32")
+    tables = DeviceBlockTables(num_rows=3, width=8, device=torch.device("cpu"))
+    requests = [Request(f"r{i}", list(range(i, i + 6)), SamplingParams(max_tokens=16)) for i in range(3)]
+
+    def step(running: list[Request], new_tokens: int) -> None:
+        for request in running:
+            assert manager.allocate(request, new_tokens)
+            request.num_computed_tokens += new_tokens
+            request.token_ids.append(7)  # the token this step sampled
+        ids = [r.request_id for r in running]
+        rows = tables.rows(ids, [manager.block_table(i) for i in ids])
+        for row, request_id in zip(rows, ids):
+            table = manager.block_table(request_id)
+            assert read(tables, row, len(table)) == table
+
+    for request in requests:  # prompts
+        assert manager.allocate(request, 6)
+        request.num_computed_tokens = 6
+    for _ in range(5):  # decodes: tables grow by a block every 4 tokens
+        step(requests, 1)
+    before = manager.block_table("r1")
+    manager.free(requests[1])  # preempted: recomputed later into whatever blocks are free
+    requests[1].num_computed_tokens = 0
+    step(requests[::2], 1)
+    assert manager.allocate(requests[1], requests[1].num_tokens - 1)
+    requests[1].num_computed_tokens = requests[1].num_tokens - 1
+    assert manager.block_table("r1") is not before
+    for _ in range(3):
+        step(requests, 1)
