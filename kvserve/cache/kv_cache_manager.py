@@ -414,5 +414,7 @@ class KVCacheManager:
         return list(self.block_table(request_id))
 
     def block_table(self, request_id: str) -> list[int]:
-        """The request's block ids, its own list (no copy, for the step being built; not to be changed)."""
+        """The request's block ids, its own list (no copy, for the step being built; not to be changed).
+        The list only grows while it is the request's: a compaction or a new allocation after the
+        request was freed gives it a new list (the device block tables rely on this)."""
         return self._req_block_ids.get(request_id, [])
