@@ -8,7 +8,7 @@ that sizes something for the engine (offline.py's pool for one prompt) runs it t
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -55,6 +55,18 @@ def select_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def resolve_batch_budget(args: EngineArgs, serving: bool) -> EngineArgs:
+    """`args` with --max-num-batched-tokens set: as given, or the platform's default for the
+    device (vLLM's on CUDA, which depends on the GPU and on serving or offline use), logged."""
+    if args.max_num_batched_tokens is not None:
+        return args
+    args.validate()
+    device = select_device(args.device)
+    budget, why = platform_for(device).default_max_num_batched_tokens(device, serving)
+    logger.info("--max-num-batched-tokens %d (%s)", budget, why)
+    return replace(args, max_num_batched_tokens=budget)
 
 
 def resolve_dtype(name: str, device: torch.device) -> tuple[torch.dtype, str]:

@@ -145,7 +145,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return run_data_parallel(args, serve_argv, sock, {"log_level": args.log_level.lower(), "timeout_keep_alive": 5,
                                                           "http": guarded_protocol(limits)},
                                  (max_body, in_flight), limits.max_connections)
-    engine = LLMEngine(engine_args)
+    engine = LLMEngine(engine_args, serving=True)
     names = args.served_model_name or [args.model or Path(engine.model_path).name.removesuffix(".gguf")]
     app = build_app(engine, ServerConfig(names, args.api_key, max_body, max_body_bytes_in_flight=in_flight,
                                          fault_injection=fault_injection_enabled(), tool_call_parser=parser_name,

@@ -1,6 +1,7 @@
 """What differs between CPU and CUDA, behind one small interface (vLLM's `vllm/platforms`): the
-`auto` dtype, the KV budget, and how a loaded model is prepared to run (the CPU's lean decode
-step; CUDA's fused Triton ops). `platform_for(device)` gives the one for a device."""
+`auto` dtype, the KV budget, the default step budget (--max-num-batched-tokens), and how a loaded
+model is prepared to run (the CPU's lean decode step; CUDA's fused Triton ops).
+`platform_for(device)` gives the one for a device."""
 from __future__ import annotations
 
 import torch

@@ -19,6 +19,11 @@ class Platform:
         """The model dtype `--dtype auto` means here, and why (for the start-up log)."""
         raise NotImplementedError
 
+    def default_max_num_batched_tokens(self, device: torch.device, serving: bool) -> tuple[int, str]:
+        """The step's token budget when --max-num-batched-tokens is not given, and why (for the
+        start-up log); `serving`: for `kvserve serve` rather than offline use."""
+        raise NotImplementedError
+
     def kv_budget_before_load(self, args: EngineArgs, budget: int | None, device: torch.device) -> int | None:
         """The KV budget in bytes known before the weights load: `budget` (--kv-cache-memory,
         parsed) checked against the device, or the platform's default; None when only a

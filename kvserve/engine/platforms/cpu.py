@@ -28,6 +28,11 @@ class CpuPlatform(Platform):
         flags = ", ".join(sorted({"avx512_bf16", "amx_bf16"} & cpu_flags())) or "oneDNN"
         return torch.bfloat16, f"native bf16 matmul ({flags})"
 
+    def default_max_num_batched_tokens(self, device, serving):
+        """2048 served or offline: a CPU step's time grows with its tokens, and a decode waits for
+        the prefill chunks beside it."""
+        return 2048, "the CPU default"
+
     def kv_budget_before_load(self, args, budget, device):
         if budget is None:
             return default_cpu_budget()
