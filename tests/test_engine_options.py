@@ -141,13 +141,13 @@ def test_kvserve_cpu_bf16_0_makes_auto_float32_and_says_why(monkeypatch, caplog,
     assert "dtype auto -> float32: KVSERVE_CPU_BF16=0 is set" in caplog.messages
 
 
-@pytest.mark.parametrize("total_memory, name, served, offline", [  # what torch reports for each card
-    (150_106_652_672, "NVIDIA H200", 8192, 16384),
-    (85_029_158_912, "NVIDIA H100 80GB HBM3", 8192, 16384),
-    (85_097_971_712, "NVIDIA A100-SXM4-80GB", 2048, 8192),  # vLLM measured larger steps slower there
-    (23_580_639_232, "NVIDIA L4", 2048, 8192),
+@pytest.mark.parametrize("total_memory, name, seqs, served, offline", [  # what torch reports for each card
+    (150_106_652_672, "NVIDIA H200", 1024, 8192, 16384),
+    (85_029_158_912, "NVIDIA H100 80GB HBM3", 1024, 8192, 16384),
+    (85_097_971_712, "NVIDIA A100-SXM4-80GB", 256, 2048, 8192),  # vLLM measured larger steps slower there
+    (23_580_639_232, "NVIDIA L4", 256, 2048, 8192),
 ])
-def test_cuda_step_budget_defaults_are_vllms(monkeypatch, total_memory, name, served, offline):
+def test_cuda_batch_limits_default_to_vllms(monkeypatch, total_memory, name, seqs, served, offline):
     from types import SimpleNamespace
 
     from kvserve.engine.platforms import CudaPlatform
@@ -155,19 +155,24 @@ def test_cuda_step_budget_defaults_are_vllms(monkeypatch, total_memory, name, se
     properties = SimpleNamespace(total_memory=total_memory, name=name)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: properties)
     platform = CudaPlatform()
-    assert platform.default_max_num_batched_tokens(torch.device("cuda"), serving=True)[0] == served
-    budget, why = platform.default_max_num_batched_tokens(torch.device("cuda"), serving=False)
-    assert budget == offline and name in why
+    limits = platform.batch_limits(torch.device("cuda"), serving=True)
+    assert (limits.max_num_seqs, limits.max_num_batched_tokens) == (seqs, served)
+    limits = platform.batch_limits(torch.device("cuda"), serving=False)
+    assert (limits.max_num_seqs, limits.max_num_batched_tokens) == (seqs, offline) and name in limits.why
 
 
-def test_step_budget_defaults_to_2048_on_cpu_and_a_given_one_is_kept(tiny_llama, caplog):
+def test_batch_limits_default_to_the_cpus_and_given_ones_are_kept(tiny_llama, caplog):
     with caplog.at_level(logging.INFO, logger="kvserve"):
         llm = LLM(str(tiny_llama), kv_cache_memory="1MiB")
-    assert llm.engine.args.max_num_batched_tokens == 2048
-    assert llm.engine.scheduler.config.max_num_batched_tokens == 2048
-    assert "--max-num-batched-tokens 2048 (the CPU default)" in caplog.messages
-    given = LLM(str(tiny_llama), kv_cache_memory="1MiB", max_num_batched_tokens=96)
-    assert given.engine.scheduler.config.max_num_batched_tokens == 96
+    config = llm.engine.scheduler.config
+    assert (config.max_num_seqs, config.max_num_batched_tokens) == (256, 2048)
+    assert (llm.engine.args.max_num_seqs, llm.engine.args.max_num_batched_tokens) == (256, 2048)
+    assert ("--max-num-seqs 256, --max-num-batched-tokens 2048 (the CPU's defaults, where not given)"
+            in caplog.messages)
+    config = LLM(str(tiny_llama), kv_cache_memory="1MiB", max_num_batched_tokens=96).engine.scheduler.config
+    assert (config.max_num_seqs, config.max_num_batched_tokens) == (256, 96)
+    config = LLM(str(tiny_llama), kv_cache_memory="1MiB", max_num_seqs=3).engine.scheduler.config
+    assert (config.max_num_seqs, config.max_num_batched_tokens) == (3, 2048)
 
 
 def test_explicit_bfloat16_on_an_avx2_cpu_runs_with_one_warning(tiny_llama):

@@ -115,7 +115,9 @@ class EngineArgs:
         "longest sequence (prompt + output) in tokens; default: the model's max_position_embeddings, "
         "lowered to what the KV budget holds",
         type=int))
-    max_num_seqs: int = field(default=256, metadata=_opt("maximum sequences in one batch"))
+    max_num_seqs: int | None = field(default=None, metadata=_opt(
+        "maximum sequences in one batch. Default: 256 on CPU; on CUDA vLLM's, 1024 on a GPU of 70 GiB or more "
+        "other than an A100, else 256", type=int))
     max_num_batched_tokens: int | None = field(default=None, metadata=_opt(
         "token budget per step (decodes + prefill chunks); longer prompts are prefilled in chunks. "
         "Default: 2048 on CPU; on CUDA vLLM's, 8192 served and 16384 offline on a GPU of 70 GiB or more "
@@ -210,7 +212,7 @@ class EngineArgs:
         if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0 < utilization <= 1:
             raise ValueError(f"--gpu-memory-utilization must be a number in (0, 1], got {utilization!r}")
         _check_int("max_model_len", self.max_model_len, 1, optional=True)
-        _check_int("max_num_seqs", self.max_num_seqs, 1)
+        _check_int("max_num_seqs", self.max_num_seqs, 1, optional=True)
         _check_int("max_cudagraph_capture_size", self.max_cudagraph_capture_size, 1, optional=True)
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, optional=True)
         for name in ("kv_budget", "sink_tokens", "recent_tokens"):

@@ -44,7 +44,7 @@ from kvserve.engine.parallel.rank_zero import start_rank_zero
 from kvserve.engine.output_processor import OutputProcessor, apply_chat_template, tokenize
 # CapacityError, select_device and select_dtype are imported from here by the CLI, plan and benchmarks.
 from kvserve.engine.preflight import CapacityError, select_device, select_dtype  # noqa: F401
-from kvserve.engine.preflight import preflight, resolve_batch_budget
+from kvserve.engine.preflight import preflight, resolve_batch_limits
 from kvserve.engine.platforms import platform_for
 from kvserve.engine.pool_sizing import size_kv_pool
 from kvserve.engine.request import Request, RequestStatus
@@ -83,7 +83,7 @@ class LLMEngine:
         """`loaded_model`: a checkpoint already read by `load_model(args.model)`, so that several
         engines (e.g. one per KV-cache dtype in `kvserve eval`) share one load; its tensors are
         only read. `serving`: built by `kvserve serve` (some defaults differ, as in vLLM)."""
-        self.args = args = resolve_batch_budget(args, serving)
+        self.args = args = resolve_batch_limits(args, serving)
         self.parallel: TensorParallelExecutor | None = None
         self.tiers: TieredStore | None = None
         self._cuda_index: int | None = None

@@ -57,16 +57,19 @@ def select_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_batch_budget(args: EngineArgs, serving: bool) -> EngineArgs:
-    """`args` with --max-num-batched-tokens set: as given, or the platform's default for the
-    device (vLLM's on CUDA, which depends on the GPU and on serving or offline use), logged."""
-    if args.max_num_batched_tokens is not None:
+def resolve_batch_limits(args: EngineArgs, serving: bool) -> EngineArgs:
+    """`args` with --max-num-seqs and --max-num-batched-tokens set: as given, or the platform's
+    defaults for the device (vLLM's on CUDA, which depend on the GPU and on serving or offline
+    use), logged."""
+    if args.max_num_seqs is not None and args.max_num_batched_tokens is not None:
         return args
     args.validate()
     device = select_device(args.device)
-    budget, why = platform_for(device).default_max_num_batched_tokens(device, serving)
-    logger.info("--max-num-batched-tokens %d (%s)", budget, why)
-    return replace(args, max_num_batched_tokens=budget)
+    limits = platform_for(device).batch_limits(device, serving)
+    seqs = limits.max_num_seqs if args.max_num_seqs is None else args.max_num_seqs
+    tokens = limits.max_num_batched_tokens if args.max_num_batched_tokens is None else args.max_num_batched_tokens
+    logger.info("--max-num-seqs %d, --max-num-batched-tokens %d (%s, where not given)", seqs, tokens, limits.why)
+    return replace(args, max_num_seqs=seqs, max_num_batched_tokens=tokens)
 
 
 def resolve_dtype(name: str, device: torch.device) -> tuple[torch.dtype, str]:

@@ -1,6 +1,7 @@
 """The platform interface: the start-up decisions that depend on the device type."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -12,6 +13,14 @@ if TYPE_CHECKING:
     from kvserve.model.llama import LlamaForCausalLM
 
 
+@dataclass(frozen=True)
+class BatchLimits:
+    """A platform's default step limits, and why (for the start-up log)."""
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    why: str
+
+
 class Platform:
     name: str = "abstract"
 
@@ -19,9 +28,9 @@ class Platform:
         """The model dtype `--dtype auto` means here, and why (for the start-up log)."""
         raise NotImplementedError
 
-    def default_max_num_batched_tokens(self, device: torch.device, serving: bool) -> tuple[int, str]:
-        """The step's token budget when --max-num-batched-tokens is not given, and why (for the
-        start-up log); `serving`: for `kvserve serve` rather than offline use."""
+    def batch_limits(self, device: torch.device, serving: bool) -> BatchLimits:
+        """--max-num-seqs and --max-num-batched-tokens where they are not given; `serving`: for
+        `kvserve serve` rather than offline use."""
         raise NotImplementedError
 
     def kv_budget_before_load(self, args: EngineArgs, budget: int | None, device: torch.device) -> int | None:

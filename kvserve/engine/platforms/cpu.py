@@ -7,7 +7,7 @@ import logging
 import torch
 
 from kvserve.cache.sizing import default_cpu_budget
-from kvserve.engine.platforms.base import Platform
+from kvserve.engine.platforms.base import BatchLimits, Platform
 from kvserve.hardware import available_ram_bytes, cpu_flags, native_bf16_missing
 from kvserve.model.lean_decode import LeanDecoder
 from kvserve.model.quant_linear import QuantizedLinear
@@ -28,10 +28,10 @@ class CpuPlatform(Platform):
         flags = ", ".join(sorted({"avx512_bf16", "amx_bf16"} & cpu_flags())) or "oneDNN"
         return torch.bfloat16, f"native bf16 matmul ({flags})"
 
-    def default_max_num_batched_tokens(self, device, serving):
-        """2048 served or offline: a CPU step's time grows with its tokens, and a decode waits for
-        the prefill chunks beside it."""
-        return 2048, "the CPU default"
+    def batch_limits(self, device, serving):
+        """256 sequences and 2048 tokens a step, served or offline: a CPU step's time grows with
+        its tokens, and a decode waits for the prefill chunks beside it."""
+        return BatchLimits(256, 2048, "the CPU's defaults")
 
     def kv_budget_before_load(self, args, budget, device):
         if budget is None:

@@ -11,7 +11,7 @@ import os
 import torch
 
 from kvserve.engine.decode_graphs import DecodeGraphs, graphs_unavailable, max_capture_size
-from kvserve.engine.platforms.base import Platform
+from kvserve.engine.platforms.base import BatchLimits, Platform
 from kvserve.units import GiB
 
 logger = logging.getLogger("kvserve")
@@ -26,10 +26,9 @@ class CudaPlatform(Platform):
             return torch.bfloat16, "this GPU supports bfloat16"
         return torch.float16, "this GPU has no bfloat16"
 
-    def default_max_num_batched_tokens(self, device, serving):
+    def batch_limits(self, device, serving):
         properties = torch.cuda.get_device_properties(device)
-        budget = cuda_batch_budget(properties.total_memory, properties.name, serving)
-        return budget, f"vLLM's default {'served' if serving else 'offline'} on a {properties.name}"
+        return cuda_batch_limits(properties.total_memory, properties.name, serving)
 
     def kv_budget_before_load(self, args, budget, device):
         if budget is not None and budget > (total := torch.cuda.get_device_properties(device).total_memory):
@@ -71,11 +70,12 @@ class CudaPlatform(Platform):
         runner.graphs = graphs
 
 
-def cuda_batch_budget(total_memory: int, device_name: str, serving: bool) -> int:
-    """vLLM's default step budget on CUDA: a GPU of 70 GiB or more other than an A100 (H100, H200,
-    MI300X) takes 8192 tokens a step served and 16384 offline, where a larger step fills the
-    device; any other takes 2048 and 8192 (vLLM measured larger steps slower on the A100)."""
-    large = total_memory >= 70 * GiB and "a100" not in device_name.lower()
-    if large:
-        return 8192 if serving else 16384
-    return 2048 if serving else 8192
+def cuda_batch_limits(total_memory: int, device_name: str, serving: bool) -> BatchLimits:
+    """vLLM's default step limits on CUDA: a GPU of 70 GiB or more other than an A100 (H100, H200,
+    MI300X) takes 1024 sequences and 8192 tokens a step served, 16384 offline, where larger steps
+    fill the device; any other takes 256 sequences and 2048 tokens served, 8192 offline (vLLM
+    measured larger steps slower on the A100)."""
+    use = "served" if serving else "offline"
+    if total_memory >= 70 * GiB and "a100" not in device_name.lower():
+        return BatchLimits(1024, 8192 if serving else 16384, f"vLLM's defaults {use} on a {device_name}")
+    return BatchLimits(256, 2048 if serving else 8192, f"vLLM's defaults {use} on a {device_name}")
