@@ -56,6 +56,54 @@ def test_server_errors_are_counted_with_their_message():
     assert all(r.error == "HTTP 400: fake failure requested" for r in failed)
 
 
+def test_a_stalled_stream_fails_after_the_request_timeout():
+    with FakeServer(delay=2.0) as url:
+        config = ClientConfig(url, "/v1/completions", "fake-model")
+        load = LoadConfig(progress=False, metrics_interval=0, request_timeout=0.3)
+        run = asyncio.run(run_load(config, samples(1, out=3), load))
+    [result] = run.results
+    assert not result.success and result.error.startswith("timed out (no reply for 0.3 s) waiting for " + url)
+
+
+def test_events_split_across_reads_and_longer_than_a_read_buffer_are_read_whole():
+    """A server may write an event in pieces, and an event may be larger than the client's read
+    buffer (64 KiB): each is one chunk of text, timed when its last byte arrives."""
+    long_text = "x" * 200_000
+    events = [{"choices": [{"text": "a", "index": 0}]}, {"choices": [{"text": long_text, "index": 0}]},
+              {"choices": [{"text": "b", "index": 0}]},
+              {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 3}}]
+    body = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+    pieces = [body[:9], body[9:40], body[40:70_000], body[70_000:]]  # cuts inside events and inside a line
+
+    async def handle(reader, writer):
+        length = 0
+        while line := (await reader.readline()).strip():  # the request line and headers
+            name, _, value = line.partition(b":")
+            if name.lower() == b"content-length":
+                length = int(value)
+        await reader.readexactly(length)  # the JSON body, ignored
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        for piece in pieces:
+            writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            await writer.drain()
+            await asyncio.sleep(0.02)
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    async def run():
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        async with server:
+            config = ClientConfig(url, "/v1/completions", "fake-model")
+            return await run_load(config, samples(1, out=3), LoadConfig(progress=False, metrics_interval=0))
+
+    [result] = asyncio.run(run()).results
+    assert result.success, result.error
+    assert result.generated_text == "a" + long_text + "b"
+    assert result.output_tokens == 3 and len(result.token_times) == 3 and len(result.itl) == 2
+
+
 def test_error_message_from_openai_body():
     assert error_message(400, b'{"error": {"message": "bad things", "type": "x"}}') == "HTTP 400: bad things"
     assert error_message(502, b"<html>gateway</html>") == "HTTP 502: <html>gateway</html>"
@@ -80,6 +128,7 @@ def test_cli_end_to_end_writes_vllm_json_and_plots(tiny_llama, tmp_path, capsys)
     for key in ("mean_ttft_ms", "p99_itl_ms", "p50_tpot_ms", "median_e2el_ms", "output_throughput"):
         assert data[key] > 0
     assert data["server_metrics"]["num_samples"] >= 1
+    assert "Client CPU (% of one core):" in printed and data["client_cpu_seconds"] > 0
     assert {p.name for p in (tmp_path / "plots").iterdir()} == {"latency_cdf.png", "throughput.png",
                                                                 "server_timeline.png"}
 
@@ -112,7 +161,7 @@ def test_cli_server_down(tiny_llama, capsys):
     captured = capsys.readouterr()
     assert rc == 1
     assert "Failed requests:                         3" in captured.out
-    assert "3 of 3 requests failed (3x: ConnectError" in captured.err
+    assert f"3 of 3 requests failed (3x: ClientConnectorError: Cannot connect to host {url[7:]}" in captured.err
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -1,21 +1,23 @@
 """A streaming client for any OpenAI-compatible server (kvserve, vLLM, SGLang, llama.cpp): one
-request per call, timed chunk by chunk from the server-sent events."""
+request per call, timed chunk by chunk from the server-sent events.
+
+On aiohttp, as vLLM's and SGLang's benchmark clients are: a client that reads every token's event
+must cost far less per event than the server's own work, or a fast server is measured at the
+client's speed (BENCHMARKS.md, "The benchmark client's own cost")."""
 from __future__ import annotations
 
+import asyncio
 import json
-import logging
 import time
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
+import aiohttp
 
 from kvserve.bench.datasets import SampleRequest
 from kvserve.bench.metrics import RequestResult
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
-# httpx logs every request at INFO; a benchmark sends thousands.
-logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 @dataclass
@@ -85,91 +87,136 @@ def _chunk_text(chunk: dict[str, Any], chat: bool) -> str:
     return choice.get("text") or ""
 
 
-async def send_request(client: httpx.AsyncClient, config: ClientConfig, sample: SampleRequest,
+def http_session(request_timeout: float | None = None) -> aiohttp.ClientSession:
+    """One session for a run: unlimited connections, kept alive; `request_timeout` seconds at
+    most between two reads of a response (None: no limit), 30 s to connect. Call it inside the
+    event loop that uses it."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=30.0,
+                                                               sock_read=request_timeout))
+
+
+async def send_request(session: aiohttp.ClientSession, config: ClientConfig, sample: SampleRequest,
                        t0: float) -> RequestResult:
     """Send one streamed request and time it. Never raises for server or network failures: they
     come back as `success=False` with the error text."""
     result = RequestResult(prompt_len=sample.prompt_len, expected_output_len=sample.expected_output_len)
     start = time.perf_counter()
     result.start = start - t0
-    last = start
-    pieces: list[str] = []
+    stream = _Stream(result, config.chat, start, t0)
     try:
-        async with client.stream("POST", config.url, json=payload(config, sample), headers=config.headers()) as response:
-            if response.status_code != 200:
-                result.error = error_message(response.status_code, await response.aread())
+        async with session.post(config.url, json=payload(config, sample), headers=config.headers()) as response:
+            if response.status != 200:
+                result.error = error_message(response.status, await response.read())
                 return result
-            async for line in response.aiter_lines():
-                line = line.strip()
-                if not line.startswith("data:"):
-                    continue  # blank separators, comments, `event:` lines
-                data = line[len("data:"):].strip()
-                if data == "[DONE]":
+            pending = b""
+            async for block in response.content.iter_any():
+                if b"\n" not in block:
+                    pending += block
+                    continue
+                *lines, pending = (pending + block).split(b"\n")
+                if not stream.read(lines):
                     break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    err = chunk["error"]
-                    result.error = str(err.get("message", err) if isinstance(err, dict) else err)
-                    return result
-                now = time.perf_counter()
-                text = _chunk_text(chunk, config.chat)
-                if text:
-                    if not pieces:
-                        result.ttft = now - start
-                    else:
-                        result.itl.append(now - last)
-                    last = now
-                    pieces.append(text)
-                    result.token_times.append(now - t0)
-                usage = chunk.get("usage")
-                if usage:
-                    result.output_tokens = usage.get("completion_tokens", result.output_tokens)
-                    result.prompt_len = usage.get("prompt_tokens") or result.prompt_len
-                    details = usage.get("prompt_tokens_details")
-                    if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
-                        result.cached_tokens = details["cached_tokens"]
-    except httpx.TimeoutException as exc:
-        result.error = f"timed out ({type(exc).__name__}) waiting for {config.url}"
+            else:
+                stream.read([pending])
+            if result.error:  # an error event ended the stream
+                return result
+    except asyncio.TimeoutError:
+        result.error = f"timed out (no reply for {session.timeout.sock_read} s) waiting for {config.url}"
         return result
-    except httpx.HTTPError as exc:
+    except aiohttp.ClientError as exc:
         result.error = f"{type(exc).__name__}: {exc or 'request failed'} ({config.url})"
         return result
     except ValueError as exc:  # a data line that is not JSON
         result.error = f"malformed event stream: {exc}"
         return result
     result.latency = time.perf_counter() - start
-    if not pieces:  # e.g. an immediate end-of-sequence: the only "token" is the end
+    if not stream.pieces:  # e.g. an immediate end-of-sequence: the only "token" is the end
         result.ttft = result.latency
-    result.generated_text = "".join(pieces)
+    result.generated_text = "".join(stream.pieces)
     result.success = True
     return result
 
 
-async def list_models(client: httpx.AsyncClient, base_url: str, api_key: str | None) -> list[str]:
+class _Stream:
+    """A streamed response's events as they arrive: each chunk's text timed (TTFT, ITL), usage
+    read, an error event kept."""
+
+    def __init__(self, result: RequestResult, chat: bool, start: float, t0: float):
+        self.result, self.chat, self.start, self.t0 = result, chat, start, t0
+        self.last = start
+        self.pieces: list[str] = []
+
+    def read(self, lines: list[bytes]) -> bool:
+        """Handle complete lines; False once the stream is over ([DONE] or an error event)."""
+        result = self.result
+        for line in lines:
+            line = line.strip()
+            if not line.startswith(b"data:"):
+                continue  # blank separators, comments, `event:` lines
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                return False
+            chunk = json.loads(data)
+            if "error" in chunk:
+                err = chunk["error"]
+                result.error = str(err.get("message", err) if isinstance(err, dict) else err)
+                return False
+            now = time.perf_counter()
+            text = _chunk_text(chunk, self.chat)
+            if text:
+                if not self.pieces:
+                    result.ttft = now - self.start
+                else:
+                    result.itl.append(now - self.last)
+                self.last = now
+                self.pieces.append(text)
+                result.token_times.append(now - self.t0)
+            usage = chunk.get("usage")
+            if usage:
+                result.output_tokens = usage.get("completion_tokens", result.output_tokens)
+                result.prompt_len = usage.get("prompt_tokens") or result.prompt_len
+                details = usage.get("prompt_tokens_details")
+                if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+                    result.cached_tokens = details["cached_tokens"]
+        return True
+
+
+async def list_models(session: aiohttp.ClientSession, base_url: str, api_key: str | None) -> list[str]:
     """Model ids from GET /v1/models. Raises ValueError with a one-line reason when unreachable."""
     url = base_url.rstrip("/") + "/v1/models"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        response = await client.get(url, headers=headers, timeout=30.0)
-    except httpx.HTTPError as exc:
+        async with session.get(url, headers=headers, timeout=aiohttp.ClientTimeout(total=30.0)) as response:
+            status, body = response.status, await response.read()
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         raise ValueError(f"cannot reach the server at {base_url} ({type(exc).__name__}: {exc or 'no answer'}); "
                          "is it running? (check --base-url)") from None
-    if response.status_code != 200:
-        raise ValueError(f"GET {url} failed: {error_message(response.status_code, response.content)}")
+    if status != 200:
+        raise ValueError(f"GET {url} failed: {error_message(status, body)}")
     try:
-        return [m["id"] for m in response.json().get("data", [])]
+        return [m["id"] for m in json.loads(body).get("data", [])]
     except (ValueError, KeyError, TypeError, AttributeError):
         raise ValueError(f"GET {url} did not return an OpenAI model list") from None
 
 
-async def served_max_model_len(client: httpx.AsyncClient, config: ClientConfig) -> int | None:
+def served_models(base_url: str, api_key: str | None) -> list[str]:
+    """list_models from outside an event loop (a CLI's start)."""
+    async def listed() -> list[str]:
+        async with http_session() as session:
+            return await list_models(session, base_url, api_key)
+
+    return asyncio.run(listed())
+
+
+async def served_max_model_len(session: aiohttp.ClientSession, config: ClientConfig) -> int | None:
     """The model's `max_model_len` from GET /v1/models (vLLM and kvserve list it); None when the
     server does not say or cannot be asked."""
     url = config.base_url.rstrip("/") + "/v1/models"
     try:
-        response = await client.get(url, headers=config.headers(), timeout=30.0)
-        entries = response.json().get("data", []) if response.status_code == 200 else []
+        async with session.get(url, headers=config.headers(), timeout=aiohttp.ClientTimeout(total=30.0)) as response:
+            entries = (await response.json(content_type=None)).get("data", []) if response.status == 200 else []
         lengths = [m.get("max_model_len") for m in entries if m.get("id") == config.model]
-    except (httpx.HTTPError, ValueError, AttributeError):
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError):
         return None
     return lengths[0] if lengths and isinstance(lengths[0], int) else None

@@ -262,17 +262,9 @@ def workload_shape(samples: list | MultiTurnWorkload) -> dict[str, Any]:
 
 
 def _served_model(base_url: str, api_key: str | None) -> str:
-    import asyncio
+    from kvserve.bench.client import served_models
 
-    import httpx
-
-    from kvserve.bench.client import list_models
-
-    async def first() -> list[str]:
-        async with httpx.AsyncClient() as client:
-            return await list_models(client, base_url, api_key)
-
-    models = asyncio.run(first())
+    models = served_models(base_url, api_key)
     if not models:
         raise ServerStartError(f"{base_url}/v1/models lists no model")
     return models[0]

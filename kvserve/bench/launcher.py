@@ -1,6 +1,7 @@
 """Start a server process on 127.0.0.1, wait until /health answers, stop it afterwards."""
 from __future__ import annotations
 
+import logging
 import signal
 import socket
 import subprocess
@@ -11,6 +12,9 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import httpx
+
+# httpx logs every request at INFO; the health check polls.
+logging.getLogger("httpx").setLevel(logging.WARNING)
 
 # (port, extra args) -> argv of a server listening on 127.0.0.1:port
 ServerCommand = Callable[[int, list[str]], list[str]]

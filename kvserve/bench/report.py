@@ -21,9 +21,11 @@ def _rule(title: str = "", char: str = "-") -> str:
 
 
 def format_serving_table(m: BenchmarkMetrics, selected: list[str], request_rate: float,
-                         max_concurrency: int | None, server: dict[str, Any] | None = None) -> str:
-    """The table vLLM's `bench serve` prints, line for line, plus a section for the server's
-    sampled KV-cache metrics when there were any."""
+                         max_concurrency: int | None, server: dict[str, Any] | None = None,
+                         client_busy: float | None = None) -> str:
+    """The table vLLM's `bench serve` prints, line for line, plus how busy the client itself was
+    (its CPU time over the run's duration, when measured) and a section for the server's sampled
+    KV-cache metrics when there were any."""
     lines = [_rule(" Serving Benchmark Result ", "="),
              _line("Successful requests:", m.completed),
              _line("Failed requests:", m.failed)]
@@ -41,6 +43,8 @@ def format_serving_table(m: BenchmarkMetrics, selected: list[str], request_rate:
               _line("Peak output token throughput (tok/s):", m.max_output_tokens_per_s, ".2f"),
               _line("Peak concurrent requests:", m.max_concurrent_requests, ".2f"),
               _line("Total Token throughput (tok/s):", m.total_token_throughput, ".2f")]
+    if client_busy is not None:
+        lines.append(_line("Client CPU (% of one core):", 100 * client_busy, ".2f"))
     for name in selected:
         short, title = METRIC_TITLES[name]
         d = m.distributions[name]

@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-import httpx
+import aiohttp
 import numpy as np
 from tqdm import tqdm
 
-from kvserve.bench.client import ClientConfig, check_endpoint, list_models, send_request
+from kvserve.bench.client import ClientConfig, check_endpoint, http_session, send_request, served_models
 from kvserve.bench.datasets import MULTI_TURN, SampleRequest, add_dataset_args, build_dataset, load_tokenizer
 from kvserve.bench.metrics import RequestResult, compute_metrics, metrics_to_dict, parse_goodput, parse_percentile_args
 from kvserve.bench.multi_turn import MultiTurnWorkload, build_multi_turn, options_from_args
@@ -62,6 +62,12 @@ class RunOutput:
     results: list[RequestResult]
     duration: float
     server_samples: list[ServerSample] = field(default_factory=list)
+    client_cpu: float | None = None  # seconds of this process's CPU time while the requests ran
+
+
+# A client busy this much of one core may have slowed the run it measured (it reads every event in
+# one Python thread).
+CLIENT_CPU_WARNING = 0.8
 
 
 def send_times(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
@@ -73,12 +79,11 @@ def send_times(n: int, rate: float, burstiness: float, seed: int) -> list[float]
     return [0.0, *np.cumsum(gaps).tolist()][:n]
 
 
-def http_client(load: LoadConfig) -> httpx.AsyncClient:
-    return httpx.AsyncClient(timeout=httpx.Timeout(load.request_timeout, connect=30.0),
-                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
+def http_client(load: LoadConfig) -> aiohttp.ClientSession:
+    return http_session(load.request_timeout)
 
 
-async def warm_up(client: httpx.AsyncClient, config: ClientConfig, samples: list[SampleRequest], n: int,
+async def warm_up(client: aiohttp.ClientSession, config: ClientConfig, samples: list[SampleRequest], n: int,
                   limit: asyncio.Semaphore | None) -> None:
     async def one(i: int) -> RequestResult:
         if limit is None:
@@ -100,7 +105,7 @@ async def run_load(config: ClientConfig, samples: list[SampleRequest], load: Loa
     async with http_client(load) as client:
         if load.num_warmups:
             await warm_up(client, config, samples, load.num_warmups, limit)
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         sampler = None
         sampler_task = None
         if metrics_url and load.metrics_interval > 0:
@@ -120,14 +125,14 @@ async def run_load(config: ClientConfig, samples: list[SampleRequest], load: Loa
 
         times = send_times(len(samples), load.request_rate, load.burstiness, load.seed)
         results = await asyncio.gather(*(one(s, at) for s, at in zip(samples, times)))
-        duration = time.perf_counter() - t0
+        duration, client_cpu = time.perf_counter() - t0, time.process_time() - cpu0
         bar.close()
         if sampler is not None:
             sampler.stop()
             await sampler_task
             if sampler.samples:
                 await sampler.sample_once()  # the state right after the last request
-        return RunOutput(list(results), duration, sampler.samples if sampler else [])
+        return RunOutput(list(results), duration, sampler.samples if sampler else [], client_cpu)
 
 
 def add_client_args(parser: argparse.ArgumentParser, with_target: bool = True) -> None:
@@ -247,8 +252,13 @@ def benchmark(args: argparse.Namespace, config: ClientConfig, samples: list[Samp
     count = lambda text: len(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
     metrics = compute_metrics(run.results, run.duration, count, percentiles, goodput)
     server = summarize(run.server_samples)
-    table = format_serving_table(metrics, selected, load.request_rate, load.max_concurrency, server)
+    busy = run.client_cpu / run.duration if run.duration > 0 else 0.0
+    table = format_serving_table(metrics, selected, load.request_rate, load.max_concurrency, server, busy)
+    if busy > CLIENT_CPU_WARNING:
+        logger.warning("the client was busy %.0f%% of one core while the requests ran: its own speed may have "
+                       "limited this measurement (give it a core the server does not use)", 100 * busy)
     result = {**run_info(args, config, load), **metrics_to_dict(metrics, selected),
+              "client_cpu_seconds": run.client_cpu,
               "server_metrics": {**server, "samples": samples_to_dicts(run.server_samples)}}
     return result, run, table
 
@@ -273,11 +283,7 @@ def run_serve_cli(args: argparse.Namespace) -> int:
         options_from_args(args)  # fail before any work
     model = args.model
     if model is None:
-        async def first_model() -> list[str]:
-            async with httpx.AsyncClient() as client:
-                return await list_models(client, args.base_url, args.api_key)
-
-        models = asyncio.run(first_model())
+        models = served_models(args.base_url, args.api_key)
         if not models:
             raise ValueError(f"{args.base_url}/v1/models lists no model; pass --model")
         model = models[0]

@@ -19,7 +19,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import httpx
+import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 logger = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ class MetricsSampler:
     first poll fails (no /metrics, not Prometheus text, none of the known names) sampling ends
     quietly; a later failure (a slow reply under load) only loses that sample."""
 
-    def __init__(self, client: httpx.AsyncClient, url: str, interval: float, t0: float):
+    def __init__(self, client: aiohttp.ClientSession, url: str, interval: float, t0: float):
         self.client, self.url, self.interval, self.t0 = client, url, interval, t0
         self.samples: list[ServerSample] = []
         self.unavailable: str | None = None
@@ -95,9 +95,10 @@ class MetricsSampler:
 
     async def sample_once(self) -> bool:
         try:
-            response = await self.client.get(self.url, timeout=10.0)
-            response.raise_for_status()
-            sample = parse_metrics(response.text, time.perf_counter() - self.t0)
+            async with self.client.get(self.url, timeout=aiohttp.ClientTimeout(total=10.0)) as response:
+                response.raise_for_status()
+                text = await response.text()
+            sample = parse_metrics(text, time.perf_counter() - self.t0)
         except Exception as exc:  # any failure just means: no server metrics for this run
             self.unavailable = f"{type(exc).__name__}: {exc}"
             return False
