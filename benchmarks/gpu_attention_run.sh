@@ -1,6 +1,8 @@
 #!/bin/bash
 # Issues 41 and 42's GPU measurements (../shared/gpu/README.md sets up .gpu/ and .whl/; call the
-# device tool with carry [".whl", ".gpu"] and this script as the command).
+# device tool with carry [".whl", ".gpu"] and this script as the command). Besides the README's
+# wheels, .whl/ needs `kvserve bench serve`'s client: add aiohttp aiohappyeyeballs aiosignal
+# frozenlist multidict propcache yarl attrs to its `pip download` line (about 3 MB).
 # Every step writes under $OUT through tee, so a run cut short still returns what it measured.
 # Dry run on CPU first: DEV=cpu TRITON_INTERPRET=1 OUT=/tmp/out bash benchmarks/gpu_attention_run.sh --dry
 # A session has 15 minutes of device time in all, start-up included: two calls, the figures that
@@ -12,6 +14,8 @@ MODEL=/tmp/m1b; [ "$1" = "--dry" ] && MODEL=/tmp/mtiny
 if [ "$1" != "--dry" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1 || { echo "wheel install failed" | tee -a $OUT/attention-log.txt; exit 1; }
   export PYTHONPATH=/tmp/site:$PWD
+  missing=$(python3 -c "import importlib.util as u; print(' '.join(m for m in ('fastapi', 'uvicorn', 'pydantic', 'llguidance', 'gguf', 'aiohttp', 'httpx') if u.find_spec(m) is None))")
+  [ -z "$missing" ] || echo "missing on the device (add their wheels to .whl/): $missing" | tee -a $OUT/attention-log.txt
 fi
 KV="python3 -m kvserve.cli"  # a command, not a shell function: `timeout` runs commands only
 # Wait for a server's /health; give up at once if its process died (its log's tail says why).
@@ -73,7 +77,7 @@ for mode in "" "--async-scheduling" "--enforce-eager"; do
   sp=$!
   healthy 8011 $sp 120 $OUT/serve${mode}.log && timeout 100 $KV bench serve --base-url http://127.0.0.1:8011 --tokenizer $MODEL --dataset-name random --request-rate inf \
     --ignore-eos $([ -n "$DRY" ] && echo "--num-prompts 4 --random-input-len 16 --random-output-len 4" || echo "--num-prompts 256 --random-input-len 512 --random-output-len 128") \
-    2>&1 | grep -E "throughput|TTFT|TPOT|Successful" | sed "s/^/[${mode:-graphs}] /"
+    2>&1 | grep -E "throughput|TTFT|TPOT|Successful|Client CPU" | sed "s/^/[${mode:-graphs}] /"
   kill $sp; wait $sp 2>/dev/null; grep -E "Attention backend|$GRAPHS" $OUT/serve${mode}.log | head -3
   grep -E -i "traceback" $OUT/serve${mode}.log | head -3
 done
@@ -88,7 +92,7 @@ $KV serve --model $M8 --device $DEV --port 8012 --async-scheduling > $OUT/serve-
 sp=$!
 healthy 8012 $sp 150 $OUT/serve-8b.log && timeout 100 $KV bench serve --base-url http://127.0.0.1:8012 --tokenizer $M8 --dataset-name random --request-rate inf \
   --ignore-eos $([ -n "$DRY" ] && echo "--num-prompts 4 --random-input-len 16 --random-output-len 4" || echo "--num-prompts 256 --random-input-len 512 --random-output-len 128") \
-  2>&1 | grep -E "throughput|TTFT|TPOT|Successful" | sed "s/^/[8b served] /"
+  2>&1 | grep -E "throughput|TTFT|TPOT|Successful|Client CPU" | sed "s/^/[8b served] /"
 kill $sp; wait $sp 2>/dev/null; grep -E -i "traceback" $OUT/serve-8b.log | head -3
 fi; if want 9; then
 echo "=== 9 --deterministic on CUDA (Triton GEMM, attention, fused ops), bf16: 32 prompts vs each alone, with and without"
