@@ -22,13 +22,13 @@ from typing import Any, Callable
 import numpy as np
 from tqdm import tqdm
 
-from kvserve.bench.client import ClientConfig, send_request, served_max_model_len
+from kvserve.bench.client import ClientConfig, http_session, send_request, served_max_model_len
 from kvserve.bench.datasets import SampleRequest
 from kvserve.bench.metrics import (METRIC_TITLES, RequestResult, compute_metrics, distributions_to_dict,
                                    metrics_to_dict, parse_goodput, parse_percentile_args, percentile_key)
 from kvserve.bench.multi_turn import MultiTurnWorkload, count_prompt_tokens
 from kvserve.bench.report import format_serving_table
-from kvserve.bench.serve import LoadConfig, RunOutput, http_client, run_info, send_times, warm_up
+from kvserve.bench.serve import LoadConfig, RunOutput, run_info, send_times, warm_up
 from kvserve.bench.server_metrics import MetricsSampler, ServerSample, samples_to_dicts, summarize
 
 
@@ -61,7 +61,7 @@ async def run_sessions(config: ClientConfig, workload: MultiTurnWorkload, load: 
     load.validate()
     opts = workload.options
     limit = asyncio.Semaphore(load.max_concurrency) if load.max_concurrency else None
-    async with http_client(load) as client:
+    async with http_session(load.request_timeout) as client:
         max_model_len = await served_max_model_len(client, config)
         if max_model_len is not None:  # fail before any turn rather than cut every session short
             opts.check_fits(max_model_len)

@@ -79,10 +79,6 @@ def send_times(n: int, rate: float, burstiness: float, seed: int) -> list[float]
     return [0.0, *np.cumsum(gaps).tolist()][:n]
 
 
-def http_client(load: LoadConfig) -> aiohttp.ClientSession:
-    return http_session(load.request_timeout)
-
-
 async def warm_up(client: aiohttp.ClientSession, config: ClientConfig, samples: list[SampleRequest], n: int,
                   limit: asyncio.Semaphore | None) -> None:
     async def one(i: int) -> RequestResult:
@@ -102,7 +98,7 @@ async def run_load(config: ClientConfig, samples: list[SampleRequest], load: Loa
     server's /metrics meanwhile."""
     load.validate()
     limit = asyncio.Semaphore(load.max_concurrency) if load.max_concurrency else None
-    async with http_client(load) as client:
+    async with http_session(load.request_timeout) as client:
         if load.num_warmups:
             await warm_up(client, config, samples, load.num_warmups, limit)
         t0, cpu0 = time.perf_counter(), time.process_time()
