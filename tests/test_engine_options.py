@@ -167,7 +167,7 @@ def test_batch_limits_default_to_the_cpus_and_given_ones_are_kept(tiny_llama, ca
     config = llm.engine.scheduler.config
     assert (config.max_num_seqs, config.max_num_batched_tokens) == (256, 2048)
     assert (llm.engine.args.max_num_seqs, llm.engine.args.max_num_batched_tokens) == (256, 2048)
-    assert ("--max-num-seqs 256, --max-num-batched-tokens 2048 (the CPU's defaults, where not given)"
+    assert ("Step limits: --max-num-seqs 256, --max-num-batched-tokens 2048 (the CPU's defaults, where not given)"
             in caplog.messages)
     config = LLM(str(tiny_llama), kv_cache_memory="1MiB", max_num_batched_tokens=96).engine.scheduler.config
     assert (config.max_num_seqs, config.max_num_batched_tokens) == (256, 96)

@@ -12,7 +12,8 @@ out least recently used first among the requests not in the step; row 0 stays al
 null block, for padding rows.
 
 Checking that a table still starts with what was uploaded costs a compare of the whole table per
-request per step (128 tables of 256 entries: about 90 us of Python a step). The KV cache
+request per step, which grows with the context (BENCHMARKS.md, "The device block tables'
+bookkeeping"). The KV cache
 manager's tables are append-only for as long as they are the request's: a compaction or a fresh
 allocation after preemption gives the request a new list (`KVCacheManager.block_table`). So a
 step that passes the very list object uploaded last time needs no compare; any other list is

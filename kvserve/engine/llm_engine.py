@@ -83,7 +83,8 @@ class LLMEngine:
         """`loaded_model`: a checkpoint already read by `load_model(args.model)`, so that several
         engines (e.g. one per KV-cache dtype in `kvserve eval`) share one load; its tensors are
         only read. `serving`: built by `kvserve serve` (some defaults differ, as in vLLM)."""
-        self.args = args = resolve_batch_limits(args, serving)
+        args, self._limits_line = resolve_batch_limits(args, serving)  # logged once the model loads
+        self.args = args
         self.parallel: TensorParallelExecutor | None = None
         self.tiers: TieredStore | None = None
         self._cuda_index: int | None = None
@@ -113,6 +114,7 @@ class LLMEngine:
         pool = size_kv_pool(args, self.model, self.kv_spec, self.kv_format, self.attention_backend,
                             built.plan.max_model_len, built.plan.kv_budget)
         self.max_model_len = pool.max_model_len
+        logger.info(self._limits_line)
         if self.parallel is not None:
             self.device = self.parallel.device
             start_rank_zero(self.parallel, built, self.kv_format, self.attention_backend, pool.num_blocks,

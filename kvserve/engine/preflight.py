@@ -57,19 +57,20 @@ def select_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_batch_limits(args: EngineArgs, serving: bool) -> EngineArgs:
+def resolve_batch_limits(args: EngineArgs, serving: bool) -> tuple[EngineArgs, str]:
     """`args` with --max-num-seqs and --max-num-batched-tokens set: as given, or the platform's
     defaults for the device (vLLM's on CUDA, which depend on the GPU and on serving or offline
-    use), logged."""
-    if args.max_num_seqs is not None and args.max_num_batched_tokens is not None:
-        return args
-    args.validate()
-    device = select_device(args.device)
-    limits = platform_for(device).batch_limits(device, serving)
-    seqs = limits.max_num_seqs if args.max_num_seqs is None else args.max_num_seqs
-    tokens = limits.max_num_batched_tokens if args.max_num_batched_tokens is None else args.max_num_batched_tokens
-    logger.info("--max-num-seqs %d, --max-num-batched-tokens %d (%s, where not given)", seqs, tokens, limits.why)
-    return replace(args, max_num_seqs=seqs, max_num_batched_tokens=tokens)
+    use); and a line for the start-up log saying which."""
+    given = "as given"
+    if args.max_num_seqs is None or args.max_num_batched_tokens is None:
+        args.validate()
+        device = select_device(args.device)
+        limits = platform_for(device).batch_limits(device, serving)
+        given = f"{limits.why}, where not given"
+        args = replace(args, max_num_seqs=args.max_num_seqs or limits.max_num_seqs,
+                       max_num_batched_tokens=args.max_num_batched_tokens or limits.max_num_batched_tokens)
+    return args, f"Step limits: --max-num-seqs {args.max_num_seqs}, --max-num-batched-tokens " \
+                 f"{args.max_num_batched_tokens} ({given})"
 
 
 def resolve_dtype(name: str, device: torch.device) -> tuple[torch.dtype, str]:
