@@ -104,6 +104,45 @@ def test_events_split_across_reads_and_longer_than_a_read_buffer_are_read_whole(
     assert result.output_tokens == 3 and len(result.token_times) == 3 and len(result.itl) == 2
 
 
+def test_a_connection_is_kept_for_the_next_request_when_the_stream_ends_after_done():
+    """The client reads past [DONE] to the response's end, so the server's keep-alive connection
+    serves the next request (else each request would pay a new connection inside its TTFT)."""
+    connections = []
+
+    async def handle(reader, writer):
+        connections.append(1)
+        while True:
+            length = 0
+            request_line = await reader.readline()
+            if not request_line:
+                break
+            while line := (await reader.readline()).strip():
+                name, _, value = line.partition(b":")
+                if name.lower() == b"content-length":
+                    length = int(value)
+            await reader.readexactly(length)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+            for event in (b'data: {"choices": [{"text": "hi", "index": 0}]}\n\n', b"data: [DONE]\n\n"):
+                writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+            await writer.drain()
+            await asyncio.sleep(0.05)  # the end of the body comes in a read of its own
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+        writer.close()
+
+    async def run():
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        async with server:
+            config = ClientConfig(url, "/v1/completions", "fake-model")
+            load = LoadConfig(max_concurrency=1, progress=False, metrics_interval=0)
+            return await run_load(config, samples(3, out=1), load)
+
+    results = asyncio.run(run()).results
+    assert all(r.success and r.generated_text == "hi" for r in results)
+    assert len(connections) == 1
+
+
 def test_error_message_from_openai_body():
     assert error_message(400, b'{"error": {"message": "bad things", "type": "x"}}') == "HTTP 400: bad things"
     assert error_message(502, b"<html>gateway</html>") == "HTTP 502: <html>gateway</html>"

@@ -1,8 +1,9 @@
 """A step's forward pass and sampling make no host round trip (issue 42): on the CUDA configuration
 (Triton attention, the fused ops, decode steps through the graphs' persistent buffers, eager
 steps beside them), launching a step and sampling it call no op whose result the host must wait
-for (`.item()`, a tensor's truth value, `nonzero`, `masked_select`, ...) and read no tensor back
-with `.tolist()` or `.numpy()`. The step's one wait is `ModelRunner.wait`, which copies the
+for (`.item()`, a tensor's truth value, `nonzero`, `masked_select`, indexing by a boolean mask,
+...), read no tensor back with `.tolist()` or `.numpy()`, and (on CUDA) copy nothing to the host
+blocking and call no synchronize. The step's one wait is `ModelRunner.wait`, which copies the
 sampled ids (and logprobs) to the host. Greedy, seeded top-k/top-p/min-p, penalties, logit bias,
 min_tokens, logprobs and a grammar run in the same steps. Under Triton's interpreter on CPU; on a
 machine with CUDA the same test runs on the GPU."""
@@ -30,7 +31,9 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # ops whose output the host needs before it can go on (a value, or a shape that depends on values)
 HOST_WAITS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::nonzero_static", "aten::masked_select",
               "aten::unique", "aten::_unique2", "aten::unique_consecutive", "aten::unique_dim",
-              "aten::repeat_interleave", "aten::equal", "aten::is_nonzero"}
+              "aten::repeat_interleave", "aten::equal", "aten::is_nonzero", "aten::bincount"}
+# Indexing by a boolean mask runs a nonzero inside the op, which the mode does not see.
+INDEXING = {"aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_"}
 # Branches taken only where the logits are on the CPU, which read host memory by design: the grammar
 # masks' numpy path (GrammarMasks.banned/apply; on another device they are torch ops on the device).
 CPU_ONLY_READS = {("structured_output.py", "banned"), ("structured_output.py", "apply")}
@@ -45,9 +48,37 @@ class HostWaits(TorchDispatchMode):
         self.found: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func._schema.name in HOST_WAITS:
-            self._record(func._schema.name)
+        name = func._schema.name
+        if name in HOST_WAITS:
+            self._record(name)
+        elif name in INDEXING and any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1]):
+            self._record(f"{name} by a boolean mask")
+        elif name in ("aten::_to_copy", "aten::copy_") and self._blocking_read_back(name, args, kwargs or {}):
+            self._record(f"{name} to the host, blocking")
         return func(*args, **(kwargs or {}))
+
+    @staticmethod
+    def _blocking_read_back(name: str, args, kwargs) -> bool:
+        """A copy from the GPU into host memory that the host waits for (CUDA only)."""
+        if name == "aten::_to_copy":
+            source, target, non_blocking = args[0], kwargs.get("device"), kwargs.get("non_blocking", False)
+            target_is_host = target is not None and torch.device(target).type == "cpu"
+        else:
+            target, source = args[0], args[1]
+            non_blocking = (args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+            target_is_host = target.device.type == "cpu"
+        return source.device.type == "cuda" and target_is_host and not non_blocking
+
+    def waits(self, what: str, method):
+        """`method` (a synchronize) recorded as a wait, except the decode graphs' wait for their
+        previous input copy to have left the pinned buffer (DecodeGraphs._fill: a copy queued a
+        step ago, not the step's compute)."""
+        def recorded(*args, **kwargs):
+            frames = {(os.path.basename(f.filename), f.name) for f in traceback.extract_stack(limit=3)}
+            if ("decode_graphs.py", "_fill") not in frames:
+                self._record(what)
+            return method(*args, **kwargs)
+        return recorded
 
     def read_back(self, name: str):
         method = getattr(torch.Tensor, name)
@@ -99,6 +130,9 @@ def test_launching_and_sampling_a_step_waits_for_nothing_on_the_device(tiny_llam
                 with monkeypatch.context() as patch, waits:
                     for name in ("tolist", "numpy"):
                         patch.setattr(torch.Tensor, name, waits.read_back(name))
+                    for owner in (torch.cuda, torch.cuda.Event, torch.cuda.Stream):
+                        patch.setattr(owner, "synchronize", waits.waits(f"{owner.__name__}.synchronize",
+                                                                        owner.synchronize))
                     return function(*args, **kwargs)
             finally:
                 depth[0] -= 1

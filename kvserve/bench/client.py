@@ -89,9 +89,10 @@ def _chunk_text(chunk: dict[str, Any], chat: bool) -> str:
 
 def http_session(request_timeout: float | None = None) -> aiohttp.ClientSession:
     """One session for a run: unlimited connections, kept alive; `request_timeout` seconds at
-    most between two reads of a response (None: no limit), 30 s to connect. Call it inside the
+    most between two reads of a response (None: no limit), 30 s to connect; proxies from the
+    environment (HTTP_PROXY, NO_PROXY), as httpx and vLLM's client take them. Call it inside the
     event loop that uses it."""
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), trust_env=True,
                                  timeout=aiohttp.ClientTimeout(total=None, sock_connect=30.0,
                                                                sock_read=request_timeout))
 
@@ -111,23 +112,28 @@ async def send_request(session: aiohttp.ClientSession, config: ClientConfig, sam
                 return result
             pending = b""
             async for block in response.content.iter_any():
+                if stream.over:  # read on to the end, so the connection can be kept for another request
+                    continue
                 if b"\n" not in block:
                     pending += block
                     continue
                 *lines, pending = (pending + block).split(b"\n")
-                if not stream.read(lines):
-                    break
-            else:
+                stream.read(lines)
+            if not stream.over:
                 stream.read([pending])
-            if result.error:  # an error event ended the stream
+            if stream.failed:
                 return result
-    except asyncio.TimeoutError:
-        result.error = f"timed out (no reply for {session.timeout.sock_read} s) waiting for {config.url}"
+    except aiohttp.ConnectionTimeoutError:
+        result.error = f"timed out connecting to {config.url} ({session.timeout.sock_connect} s)"
         return result
+    except asyncio.TimeoutError:
+        if not stream.over or stream.failed:  # else only the end after [DONE] was slow: the answer is whole
+            result.error = f"timed out (no reply for {session.timeout.sock_read} s) waiting for {config.url}"
+            return result
     except aiohttp.ClientError as exc:
         result.error = f"{type(exc).__name__}: {exc or 'request failed'} ({config.url})"
         return result
-    except ValueError as exc:  # a data line that is not JSON
+    except (ValueError, TypeError, AttributeError) as exc:  # a data line that is not a JSON object
         result.error = f"malformed event stream: {exc}"
         return result
     result.latency = time.perf_counter() - start
@@ -146,9 +152,11 @@ class _Stream:
         self.result, self.chat, self.start, self.t0 = result, chat, start, t0
         self.last = start
         self.pieces: list[str] = []
+        self.over = False  # [DONE] or an error event came
+        self.failed = False  # an error event came
 
-    def read(self, lines: list[bytes]) -> bool:
-        """Handle complete lines; False once the stream is over ([DONE] or an error event)."""
+    def read(self, lines: list[bytes]) -> None:
+        """Handle complete lines, up to the end of the stream ([DONE] or an error event)."""
         result = self.result
         for line in lines:
             line = line.strip()
@@ -156,12 +164,14 @@ class _Stream:
                 continue  # blank separators, comments, `event:` lines
             data = line[5:].strip()
             if data == b"[DONE]":
-                return False
+                self.over = True
+                return
             chunk = json.loads(data)
             if "error" in chunk:
                 err = chunk["error"]
-                result.error = str(err.get("message", err) if isinstance(err, dict) else err)
-                return False
+                result.error = str(err.get("message", err) if isinstance(err, dict) else err) or "an error event"
+                self.over = self.failed = True
+                return
             now = time.perf_counter()
             text = _chunk_text(chunk, self.chat)
             if text:
@@ -179,7 +189,6 @@ class _Stream:
                 details = usage.get("prompt_tokens_details")
                 if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
                     result.cached_tokens = details["cached_tokens"]
-        return True
 
 
 async def list_models(session: aiohttp.ClientSession, base_url: str, api_key: str | None) -> list[str]:
