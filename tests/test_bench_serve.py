@@ -65,6 +65,37 @@ def test_a_stalled_stream_fails_after_the_request_timeout():
     assert not result.success and result.error.startswith("timed out (no reply for 0.3 s) waiting for " + url)
 
 
+async def read_request(reader: asyncio.StreamReader) -> bool:
+    """One HTTP request read off a raw connection (headers and body, ignored); False at its end."""
+    if not await reader.readline():
+        return False
+    length = 0
+    while line := (await reader.readline()).strip():
+        name, _, value = line.partition(b":")
+        if name.lower() == b"content-length":
+            length = int(value)
+    await reader.readexactly(length)
+    return True
+
+
+SSE_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+def http_chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+def run_against(handle, requests: list[SampleRequest], load: LoadConfig):
+    """`run_load` against a raw asyncio server whose connections `handle` serves."""
+    async def run():
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        async with server:
+            return await run_load(ClientConfig(url, "/v1/completions", "fake-model"), requests, load)
+
+    return asyncio.run(run()).results
+
+
 def test_events_split_across_reads_and_longer_than_a_read_buffer_are_read_whole():
     """A server may write an event in pieces, and an event may be larger than the client's read
     buffer (64 KiB): each is one chunk of text, timed when its last byte arrives."""
@@ -76,29 +107,17 @@ def test_events_split_across_reads_and_longer_than_a_read_buffer_are_read_whole(
     pieces = [body[:9], body[9:40], body[40:70_000], body[70_000:]]  # cuts inside events and inside a line
 
     async def handle(reader, writer):
-        length = 0
-        while line := (await reader.readline()).strip():  # the request line and headers
-            name, _, value = line.partition(b":")
-            if name.lower() == b"content-length":
-                length = int(value)
-        await reader.readexactly(length)  # the JSON body, ignored
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        await read_request(reader)
+        writer.write(SSE_HEAD)
         for piece in pieces:
-            writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            writer.write(http_chunk(piece))
             await writer.drain()
             await asyncio.sleep(0.02)
         writer.write(b"0\r\n\r\n")
         await writer.drain()
         writer.close()
 
-    async def run():
-        server = await asyncio.start_server(handle, "127.0.0.1", 0)
-        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-        async with server:
-            config = ClientConfig(url, "/v1/completions", "fake-model")
-            return await run_load(config, samples(1, out=3), LoadConfig(progress=False, metrics_interval=0))
-
-    [result] = asyncio.run(run()).results
+    [result] = run_against(handle, samples(1, out=3), LoadConfig(progress=False, metrics_interval=0))
     assert result.success, result.error
     assert result.generated_text == "a" + long_text + "b"
     assert result.output_tokens == 3 and len(result.token_times) == 3 and len(result.itl) == 2
@@ -111,36 +130,22 @@ def test_a_connection_is_kept_for_the_next_request_when_the_stream_ends_after_do
 
     async def handle(reader, writer):
         connections.append(1)
-        while True:
-            length = 0
-            request_line = await reader.readline()
-            if not request_line:
-                break
-            while line := (await reader.readline()).strip():
-                name, _, value = line.partition(b":")
-                if name.lower() == b"content-length":
-                    length = int(value)
-            await reader.readexactly(length)
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        while await read_request(reader):
+            writer.write(SSE_HEAD)
             for event in (b'data: {"choices": [{"text": "hi", "index": 0}]}\n\n', b"data: [DONE]\n\n"):
-                writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+                writer.write(http_chunk(event))
             await writer.drain()
             await asyncio.sleep(0.05)  # the end of the body comes in a read of its own
             writer.write(b"0\r\n\r\n")
             await writer.drain()
         writer.close()
 
-    async def run():
-        server = await asyncio.start_server(handle, "127.0.0.1", 0)
-        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-        async with server:
-            config = ClientConfig(url, "/v1/completions", "fake-model")
-            load = LoadConfig(max_concurrency=1, progress=False, metrics_interval=0)
-            return await run_load(config, samples(3, out=1), load)
-
-    results = asyncio.run(run()).results
+    load = LoadConfig(max_concurrency=1, progress=False, metrics_interval=0)
+    results = run_against(handle, samples(3, out=1), load)
     assert all(r.success and r.generated_text == "hi" for r in results)
     assert len(connections) == 1
+    # each is timed to its [DONE], which came in the same write as its text, not to the body's end 50 ms later
+    assert all(r.start + r.latency - r.token_times[-1] < 0.025 for r in results)
 
 
 def test_error_message_from_openai_body():

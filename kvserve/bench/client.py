@@ -136,7 +136,7 @@ async def send_request(session: aiohttp.ClientSession, config: ClientConfig, sam
     except (ValueError, TypeError, AttributeError) as exc:  # a data line that is not a JSON object
         result.error = f"malformed event stream: {exc}"
         return result
-    result.latency = time.perf_counter() - start
+    result.latency = (stream.ended or time.perf_counter()) - start
     if not stream.pieces:  # e.g. an immediate end-of-sequence: the only "token" is the end
         result.ttft = result.latency
     result.generated_text = "".join(stream.pieces)
@@ -153,6 +153,7 @@ class _Stream:
         self.last = start
         self.pieces: list[str] = []
         self.over = False  # [DONE] or an error event came
+        self.ended: float | None = None  # when [DONE] came: the response's end, as far as timing goes
         self.failed = False  # an error event came
 
     def read(self, lines: list[bytes]) -> None:
@@ -164,7 +165,7 @@ class _Stream:
                 continue  # blank separators, comments, `event:` lines
             data = line[5:].strip()
             if data == b"[DONE]":
-                self.over = True
+                self.over, self.ended = True, time.perf_counter()
                 return
             chunk = json.loads(data)
             if "error" in chunk:
