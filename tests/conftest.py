@@ -65,6 +65,12 @@ def tiny_llama(tiny_model_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_d32(tiny_model_factory) -> Path:
+    """A tiny llama with head_dim 32 (the Triton kernels' smallest), GQA 2."""
+    return tiny_model_factory("llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2)
+
+
+@pytest.fixture(scope="session")
 def server_factory(tmp_path_factory):
     """server_factory(*serve_args, env=None) -> a running `kvserve serve` subprocess on 127.0.0.1
     (tests/server_process.py). One process per distinct configuration, shared by the whole

@@ -31,11 +31,6 @@ def test_the_captured_sizes_follow_vllms_ladder():
     assert capture_sizes(512)[-3:] == [496, 504, 512]
 
 
-@pytest.fixture(scope="module")
-def tiny_llama_d32(tiny_model_factory):
-    return tiny_model_factory("llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2)
-
-
 def engine(model, **options) -> LLM:
     return LLM(str(model), dtype="float32", kv_cache_memory="4MiB", max_num_batched_tokens=32,
                attention_backend="triton", device=str(DEVICE), **options)

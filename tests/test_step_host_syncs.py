@@ -39,6 +39,11 @@ INDEXING = {"aten::index", "aten::index_put", "aten::index_put_", "aten::_index_
 CPU_ONLY_READS = {("structured_output.py", "banned"), ("structured_output.py", "apply")}
 
 
+def _callers(depth: int) -> set[tuple[str, str]]:
+    """(file name, function) of the innermost `depth` frames of the stack, this one included."""
+    return {(os.path.basename(f.filename), f.name) for f in traceback.extract_stack(limit=depth + 1)}
+
+
 class HostWaits(TorchDispatchMode):
     """Records each host-waiting op dispatched while active, and each `.tolist()`/`.numpy()`
     (`read_back`, patched over torch.Tensor's while active)."""
@@ -74,8 +79,7 @@ class HostWaits(TorchDispatchMode):
         previous input copy to have left the pinned buffer (DecodeGraphs._fill: a copy queued a
         step ago, not the step's compute)."""
         def recorded(*args, **kwargs):
-            frames = {(os.path.basename(f.filename), f.name) for f in traceback.extract_stack(limit=3)}
-            if ("decode_graphs.py", "_fill") not in frames:
+            if ("decode_graphs.py", "_fill") not in _callers(3):
                 self._record(what)
             return method(*args, **kwargs)
         return recorded
@@ -84,19 +88,13 @@ class HostWaits(TorchDispatchMode):
         method = getattr(torch.Tensor, name)
 
         def recorded(tensor, *args, **kwargs):
-            frames = {(os.path.basename(f.filename), f.name) for f in traceback.extract_stack(limit=4)}
-            if not (DEVICE.type == "cpu" and frames & CPU_ONLY_READS):
+            if not (DEVICE.type == "cpu" and _callers(4) & CPU_ONLY_READS):
                 self._record(f"Tensor.{name}")
             return method(tensor, *args, **kwargs)
         return recorded
 
     def _record(self, what: str) -> None:
         self.found.append(f"{what}\n{''.join(traceback.format_stack(limit=7)[:-2])}")
-
-
-@pytest.fixture(scope="module")
-def tiny_llama_d32(tiny_model_factory):
-    return tiny_model_factory("llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2)
 
 
 @pytest.mark.parametrize("async_scheduling, kv_cache_dtype",

@@ -301,12 +301,6 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tiny_llama_d32(tiny_model_factory):
-    """A tiny llama with head_dim 32 (the Triton kernels' smallest), GQA 2."""
-    return tiny_model_factory("llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2)
-
-
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 def test_an_engine_on_the_triton_backend_gives_the_torch_backends_tokens(tiny_llama_d32, kv_cache_dtype):
     """Chunked prefill (16 tokens a step), prefix-cache hits between the first two prompts and
