@@ -89,7 +89,7 @@ def decode_case(backend_name: str, kv_cache_dtype: str, batch: int, context: int
         d, out = meta.decode, torch.empty_like(q)
         seconds = timed(lambda: backend.kernels.paged_decode(
             backend.kind, q, out, cache.layers[0], d.block_tables, d.seq_lens, d.max_seq_len, None,
-            backend.split_tokens, backend.interpreting, backend.fp8), device, repeats)
+            backend.split_tokens, backend.max_splits, backend.interpreting, backend.fp8), device, repeats)
     else:  # torch ops: the layer's attention step (its small store included; the gather is the cost)
         seconds = timed(lambda: backend.attend(q, k, v, cache.layers[0], fmt, meta, None), device, repeats)
     kv_bytes = batch * (context + 1) * fmt.bytes_per_block(spec) // block_size

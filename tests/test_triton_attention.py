@@ -250,6 +250,32 @@ def test_programs_taking_several_splits_give_the_same_bits(monkeypatch, kv_cache
         assert torch.equal(one_each[key], shared[key]), key
 
 
+@pytest.mark.parametrize("window", [None, 100])
+def test_a_context_past_max_splits_takes_longer_splits(monkeypatch, window):
+    """Past `max_splits` splits a decode's splits grow by whole `split_tokens`: a 150-token
+    context in splits of 32 capped at 2 splits is read as two splits of 96, bit for bit the uncapped
+    kernel with splits of 96, close to the torch backend's, and whatever it is batched with. The
+    partial sums a launch keeps are bounded by the cap (a graph sized for 131,072 tokens: 64 splits)."""
+    from kvserve.model.attention import triton_backend, triton_kernels
+
+    shape = Shape(torch.float32, 16, 4, 2, 64, window=window)
+    history = [[("a", 0, 150), ("d", 0, 40)]]
+    decodes = history + [[("a", 150, 1), ("d", 40, 1)]]
+    uncapped = attend_rows("triton", "auto", shape, decodes, deterministic=False)
+    splits_of_96 = attend_rows("triton", "auto", shape, decodes, deterministic=False, split_tokens=96)
+    reference = attend_rows("torch", "auto", shape, decodes, deterministic=False)
+    monkeypatch.setattr(triton_backend, "MAX_SPLITS", 2)
+    capped = attend_rows("triton", "auto", shape, decodes, deterministic=False)
+    alone = attend_rows("triton", "auto", shape, history + [[("a", 150, 1)]], deterministic=False)
+    assert triton_kernels.split_length(151, SPLIT_TOKENS, 2) == 96
+    assert torch.equal(capped[("a", 150)], splits_of_96[("a", 150)])
+    assert not torch.equal(capped[("a", 150)], uncapped[("a", 150)])  # five splits of 32 sum in another order
+    assert torch.equal(capped[("a", 150)], alone[("a", 150)])
+    torch.testing.assert_close(capped[("a", 150)], reference[("a", 150)], rtol=1e-5, atol=1e-5)
+    assert torch.equal(capped[("d", 40)], uncapped[("d", 40)])  # 41 tokens: two splits of 32 under the cap too
+    assert triton_kernels.decode_splits(131_072, 512, 64) == 64
+
+
 @pytest.mark.parametrize("kv_cache_dtype,shape", [("auto", SHAPES[0]), ("int4", SHAPES[0]), ("fp8_e5m2", SHAPES[1])],
                          ids=lambda x: str(x))
 def test_deterministic_rows_do_not_depend_on_chunks_batch_or_prefill_versus_decode(kv_cache_dtype, shape):

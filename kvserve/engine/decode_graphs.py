@@ -19,8 +19,8 @@ then runs on the real rows only, so the graphs keep hidden states ([size, hidden
   table (row 0 of the device tables, all zeros) holds block 0: the pool's null block, never
   handed out, so they write and read nothing a request owns.
 - The attention backend builds fixed-shape metadata over these buffers (`graph_metadata`): the
-  Triton decode kernel with as many splits as the longest context allowed; a split past a
-  sequence's end contributes nothing, so its result is the eager kernel's.
+  Triton decode kernel with as many splits as the longest context allowed needs (at most 64); a
+  split past a sequence's end contributes nothing, so its result is the eager kernel's.
 - Graphs are captured largest first into one memory pool; the capture time and the pool's size are
   logged. engine/pool_sizing.py sets that pool aside beforehand by running the largest graph's
   forward eagerly on a scratch pool (`DecodeGraphs.profile`, from `profile_cuda_budget`).

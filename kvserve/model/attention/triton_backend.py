@@ -30,9 +30,11 @@ from kvserve.model.attention.metadata import AttentionMetadata, StepSequence, ro
 from kvserve.model.attention.torch_backend import TorchBackend, padded_block_tables
 from kvserve.model.attention.torch_ops import decode_gathered, prefills_gathered
 
-# Context tokens per split of a decode (flash-decoding): a fixed size, so a sequence's reduction
-# order depends on its own length only.
+# Context tokens per split of a decode (flash-decoding), and the most splits a decode is cut into
+# (longer contexts take longer splits, triton_kernels.split_length): the splits depend on the
+# sequence's own length only, and a CUDA graph's partial sums stay bounded (64 splits each).
 SPLIT_TOKENS = 512
+MAX_SPLITS = 64
 PREFILL_BLOCK_M = 32  # query rows per prefill program
 
 
@@ -85,6 +87,7 @@ class TritonBackend(TorchBackend):
         self.fp8 = config.kv_format.name.removeprefix("fp8_") if isinstance(config.kv_format, Fp8Format) else "e4m3"
         self.interpreting = config.device.type == "cpu"
         self.split_tokens = SPLIT_TOKENS
+        self.max_splits = MAX_SPLITS
         self.prefill_block_m = PREFILL_BLOCK_M
         # Whether the step's keys may be rotated as they are stored (`forward`): the kernels write
         # them, and the format turns no basis between RoPE and the pool.
@@ -182,7 +185,7 @@ class TritonBackend(TorchBackend):
             d = meta.decode
             batch = d.seq_lens.shape[0]
             k.paged_decode(self.kind, query[:batch], out[:batch], pool, d.block_tables, d.seq_lens, d.max_seq_len,
-                           window, self.split_tokens, self.interpreting, self.fp8)
+                           window, self.split_tokens, self.max_splits, self.interpreting, self.fp8)
         if meta.prefill is not None:
             p = meta.prefill
             k.paged_prefill(self.kind, query, out, pool, p.block_tables, p.tile_chunk, p.tile_start, p.chunk_row,

@@ -7,9 +7,10 @@
   with the store) and the queries beside them: one launch where RoPE and the store took two.
 * `paged_decode`: one query per sequence; one program per (sequence, KV head, split) covers the
   whole GQA query group (the group's rows are the rows of its dots), walking the block table and
-  dequantizing K/V in registers. Long contexts are cut into fixed-size splits (flash-decoding,
-  Dao et al. 2023) whose partial softmax sums `_combine_splits` merges. Past DECODE_PROGRAMS
-  programs, each takes every n-th split (`split_programs`).
+  dequantizing K/V in registers. Long contexts are cut into splits (flash-decoding, Dao et al.
+  2023) whose partial softmax sums `_combine_splits` merges: `split_tokens` each, or a multiple of
+  it past `max_splits` splits (`split_length`), so a sequence's splits depend on its own length
+  alone. Past DECODE_PROGRAMS programs, each takes every n-th split (`split_programs`).
 * `paged_prefill`: chunks of queries over paged K/V, causal aligned to the end of the context, so
   a chunk after a prefix-cache hit reads the cached blocks in place (FlashAttention-2's online
   softmax, Dao 2023, over blocks found through the block table).
@@ -46,6 +47,12 @@ ROUNDER = tl.constexpr(12582912.0)
 # to fill an H100's or H200's 132 SMs many times over.
 DECODE_PROGRAMS = 2048
 NEG_BIG = tl.constexpr(-1.0e30)  # the running maximum's start: finite, so exp2(m_old - m_new) is never NaN
+
+
+@triton.jit
+def _split_length(seq_len, split_tokens, max_splits):
+    """`split_length` in a kernel."""
+    return split_tokens * tl.maximum(tl.cdiv(tl.cdiv(seq_len, split_tokens), max_splits), 1)
 
 
 @triton.jit
@@ -330,7 +337,7 @@ def _attend_blocks(q_lo, q_hi, q_pos, table_ptr, first_token, end_token, window,
 def _decode_kernel(q_ptr, out_ptr, part_acc_ptr, part_ml_ptr, table_ptr, seq_lens_ptr,
                    k_ptr, k_aux_ptr, kp_ptr, v_ptr, v_aux_ptr,
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_table, num_heads, num_kv_heads, num_blocks,
-                   v_row_offset, window, qk_scale, num_splits, split_tokens,
+                   v_row_offset, window, qk_scale, num_splits, split_tokens, max_splits,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, HALF: tl.constexpr,
                    KIND: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr, PRECISE: tl.constexpr,
                    DOT_DTYPE: tl.constexpr, SPLIT: tl.constexpr):
@@ -348,10 +355,11 @@ def _decode_kernel(q_ptr, out_ptr, part_acc_ptr, part_ml_ptr, table_ptr, seq_len
     # This program's splits: its index, then every num_programs(2)-th. A split past the sequence's
     # end is not computed (a graph's decode has as many as the longest context allowed), and
     # _combine_splits never reads it.
-    for split in range(tl.program_id(2), tl.cdiv(seq_len, split_tokens), tl.num_programs(2)):
+    length = _split_length(seq_len, split_tokens, max_splits)
+    for split in range(tl.program_id(2), tl.cdiv(seq_len, length), tl.num_programs(2)):
         first = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
-        first = tl.maximum(first, split * split_tokens)
-        end = tl.minimum(seq_len, (split + 1) * split_tokens)
+        first = tl.maximum(first, split * length)
+        end = tl.minimum(seq_len, (split + 1) * length)
         acc_lo, acc_hi, m_i, l_i = _attend_blocks(
             q_lo, q_hi, q_pos, table_ptr + seq.to(tl.int64) * stride_table, first, end, window,
             k_ptr, k_aux_ptr, kp_ptr, v_ptr, v_aux_ptr, kv_head.to(tl.int64), kv_head.to(tl.int64) + v_row_offset,
@@ -372,7 +380,7 @@ def _decode_kernel(q_ptr, out_ptr, part_acc_ptr, part_ml_ptr, table_ptr, seq_len
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _combine_splits(out_ptr, part_acc_ptr, part_ml_ptr, seq_lens_ptr, stride_ot, stride_oh, num_heads, num_splits,
-                    split_tokens, D: tl.constexpr):
+                    split_tokens, max_splits, D: tl.constexpr):
     """Merge a (sequence, head)'s split partial sums in split order, as an online softmax over the
     splits. A split holding no token of the window (m = NEG_BIG, l = 0, sums 0) leaves the running
     sums exactly as they were, and a sequence of one split comes out as the unsplit kernel writes
@@ -386,7 +394,8 @@ def _combine_splits(out_ptr, part_acc_ptr, part_ml_ptr, seq_lens_ptr, stride_ot,
     m_run = tl.full([1], NEG_BIG, tl.float32)
     l_run = tl.zeros([1], tl.float32)
     acc = tl.zeros([D], tl.float32)
-    used = tl.cdiv(tl.load(seq_lens_ptr + seq).to(tl.int32), split_tokens)
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    used = tl.cdiv(seq_len, _split_length(seq_len, split_tokens, max_splits))
     for s in range(used):
         m_s = tl.load(part_ml_ptr + (first + s) * 2)
         l_s = tl.load(part_ml_ptr + (first + s) * 2 + 1)
@@ -455,10 +464,29 @@ def _dot_dtype(query: torch.Tensor, interpreting: bool) -> tuple[bool, object]:
     return precise, tl.float16 if query.dtype == torch.float16 else tl.bfloat16
 
 
+def split_length(seq_len: int, split_tokens: int, max_splits: int) -> int:
+    """Context tokens per split of a decode over `seq_len` tokens: `split_tokens`, or the least
+    multiple of it that cuts the context into at most `max_splits` splits. It depends on the
+    sequence's own length only (a decode's result does not depend on its batch), and capping the
+    count bounds the partial sums a launch keeps: a CUDA graph's decode is sized for the longest
+    context allowed, which at `split_tokens` each would be 256 splits at 131,072 tokens."""
+    return split_tokens * max(1, _cdiv(_cdiv(seq_len, split_tokens), max_splits))
+
+
+def decode_splits(max_seq_len: int, split_tokens: int, max_splits: int) -> int:
+    """The most splits a sequence of up to `max_seq_len` tokens is cut into (a shorter one may
+    have more than the longest: 128 tokens in splits of 32 make 4, and 160 with at most 4 make 3)."""
+    return max(1, min(_cdiv(max_seq_len, split_tokens), max_splits))
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def split_programs(num_splits: int, batch: int, kv_heads: int) -> int:
     """Programs per (sequence, KV head) of a decode launch: one per split until the launch has
     DECODE_PROGRAMS, then fewer, each taking every n-th split. A CUDA graph's decode has as many
-    splits as the longest context allowed (256 at 131,072 tokens) and its sequences mostly need
+    splits as the longest context allowed needs (64 at 131,072 tokens) and its sequences mostly need
     far fewer: a program per split would mostly start and stop. Each split is computed the same way
     whichever program takes it, so the result does not depend on this."""
     return min(num_splits, max(1, -(-DECODE_PROGRAMS // (batch * kv_heads))))
@@ -466,15 +494,15 @@ def split_programs(num_splits: int, batch: int, kv_heads: int) -> int:
 
 def paged_decode(kind: int, query: torch.Tensor, out: torch.Tensor, pool: dict[str, torch.Tensor],
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int, window: int | None,
-                 split_tokens: int, interpreting: bool, fp8: str = "e4m3") -> None:
+                 split_tokens: int, max_splits: int, interpreting: bool, fp8: str = "e4m3") -> None:
     """Decode attention of query [B, H, D] (one per sequence) into out [B, H, D] over each
-    sequence's first seq_lens tokens, found through block_tables [B, W]."""
+    sequence's first seq_lens tokens (none over `max_seq_len`), found through block_tables [B, W]."""
     batch, heads, dim = query.shape
     k, k_aux, kp, v, v_aux, v_row, num_blocks = _pool_args(kind, pool)
     kv_heads = (k.shape[0] if kind == INT4_KIVI else k.shape[0] // 2)
     block_size = k.shape[2]
     group = heads // kv_heads
-    num_splits = max(1, -(-max_seq_len // split_tokens))
+    num_splits = decode_splits(max_seq_len, split_tokens, max_splits)
     precise, dot_dtype = _dot_dtype(query, interpreting)
     qk_scale = LOG2E / math.sqrt(dim)
     if num_splits > 1:
@@ -485,13 +513,13 @@ def paged_decode(kind: int, query: torch.Tensor, out: torch.Tensor, pool: dict[s
     _decode_kernel[(batch, kv_heads, split_programs(num_splits, batch, kv_heads))](
         query, out, part_acc, part_ml, block_tables, seq_lens, k, k_aux, kp, v, v_aux,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), heads, kv_heads,
-        num_blocks, v_row, window or 0, qk_scale, num_splits, split_tokens,
+        num_blocks, v_row, window or 0, qk_scale, num_splits, split_tokens, max_splits,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size, HALF=dim // 2,
         KIND=kind, MANT=FP8_VARIANTS[fp8][0], BIAS=FP8_VARIANTS[fp8][1], PRECISE=precise, DOT_DTYPE=dot_dtype,
         SPLIT=num_splits > 1)
     if num_splits > 1:
         _combine_splits[(batch, heads)](out, part_acc, part_ml, seq_lens, out.stride(0), out.stride(1), heads,
-                                        num_splits, split_tokens, D=dim)
+                                        num_splits, split_tokens, max_splits, D=dim)
 
 
 def paged_prefill(kind: int, query: torch.Tensor, out: torch.Tensor, pool: dict[str, torch.Tensor],
