@@ -94,6 +94,17 @@ def test_prompt_logprobs_and_eviction_take_the_eager_path(tiny_llama_d32):
     assert len(calls) == 3  # the three decodes after the prefill
 
 
+def test_the_profiled_reserve_adds_the_smaller_graphs_outputs(tiny_llama_d32):
+    """The profiling pass runs the largest graph's forward (its output included); every smaller
+    graph keeps its own output in the shared pool too, [size, hidden] in the model's dtype."""
+    llm = engine(tiny_llama_d32, max_cudagraph_capture_size=8)
+    model = llm.engine.model
+    graphs = DecodeGraphs(model, llm.engine.kv_cache, llm.engine.runner.backend, 8, llm.engine.max_model_len)
+    graphs.profile()
+    assert graphs.sizes == [1, 2, 4, 8]
+    assert graphs.kept_outputs_bytes() == (1 + 2 + 4) * model.config.hidden_size * 4  # float32
+
+
 def test_enforce_eager_on_cpu_says_it_changes_nothing(tiny_llama, caplog):
     if DEVICE.type == "cuda":
         pytest.skip("on CUDA --enforce-eager turns the graphs off (the test above)")

@@ -276,6 +276,27 @@ def test_a_context_past_max_splits_takes_longer_splits(monkeypatch, window):
     assert triton_kernels.decode_splits(131_072, 512, 64) == 64
 
 
+def test_a_decode_over_more_rows_than_its_partial_sums_hold_launches_in_slices(monkeypatch):
+    """A decode whose split partial sums would pass PARTIALS_MAX_BYTES (a deterministic prefill's
+    rows, many long contexts) launches in slices of rows: the same bits as one launch, and the
+    profiling pass's reserve for it is capped."""
+    from kvserve.model.attention import triton_kernels
+
+    shape = Shape(torch.bfloat16, 16, 4, 2, 64)
+    steps = [[("a", 0, 70), ("b", 0, 40), ("c", 0, 90)], [("a", 70, 1), ("b", 40, 1), ("c", 90, 1)]]
+    whole = attend_rows("triton", "int8", shape, steps, deterministic=False)
+    backend = make_attention_backend("triton", make_kv_format("auto", torch.bfloat16), KVCacheSpec(1, 2, 64, 16),
+                                     torch.bfloat16, None, DEVICE)
+    assert backend.decode_scratch_bytes(256, 4, 512) == 0  # one split: no partial sums
+    assert backend.decode_scratch_bytes(2, 4, 2048) == triton_kernels.partials_bytes(2, 4, 4, 64)
+    one_row = triton_kernels.partials_bytes(1, shape.heads, 3, shape.head_dim)
+    monkeypatch.setattr(triton_kernels, "PARTIALS_MAX_BYTES", one_row)  # one sequence a launch
+    sliced = attend_rows("triton", "int8", shape, steps, deterministic=False)
+    for key in [("a", 70), ("b", 40), ("c", 90)]:
+        assert torch.equal(whole[key], sliced[key]), key
+    assert backend.decode_scratch_bytes(10_000, 4, 131_072) == one_row
+
+
 @pytest.mark.parametrize("kv_cache_dtype,shape", [("auto", SHAPES[0]), ("int4", SHAPES[0]), ("fp8_e5m2", SHAPES[1])],
                          ids=lambda x: str(x))
 def test_deterministic_rows_do_not_depend_on_chunks_batch_or_prefill_versus_decode(kv_cache_dtype, shape):

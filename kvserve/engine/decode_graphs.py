@@ -123,6 +123,12 @@ class DecodeGraphs:
         meta = self.backend.graph_metadata(b["slots"], block_tables, b["seq_lens"], self.max_context)
         return self.model.final_hidden(b["input_ids"], b["positions"], self.kv_cache, meta, self.rows[:size])
 
+    def kept_outputs_bytes(self) -> int:
+        """What the graphs' pool holds beyond the largest graph's forward: every smaller graph's
+        output ([size, hidden] each), kept for its replays."""
+        weight = self.model.embed_tokens.weight
+        return sum(self.sizes[:-1]) * self.model.config.hidden_size * weight.element_size()
+
     @torch.inference_mode()
     def profile(self) -> None:
         """The largest graph's forward, run eagerly over an all-padding step (what a capture

@@ -111,6 +111,8 @@ class LLMEngine:
         self.tokenizer, self.eos_token_ids = built.tokenizer, built.eos_token_ids
         self.kv_format, self.attention_backend = select_attention(args, built)
         self.kv_spec = built.plan.kv_spec
+        # before the pool is sized: CUDA's profiling pass measures the step that will run (fused ops)
+        platform_for(self.device).prepare_model(self.model, self.attention_backend, self.parallel is not None)
         pool = size_kv_pool(args, self.model, self.kv_spec, self.kv_format, self.attention_backend,
                             built.plan.max_model_len, built.plan.kv_budget)
         self.max_model_len = pool.max_model_len
@@ -126,7 +128,6 @@ class LLMEngine:
         # block manager and its evictor count in the same blocks.
         self.evictor = Evictor(self.kv_spec.block_size, self.max_model_len, self.device)
         self.runner = ModelRunner(self.model, self.kv_cache, self.attention_backend, self.evictor, self.parallel)
-        platform_for(self.device).prepare_model(self.model, self.attention_backend, self.parallel is not None)
         if self.parallel is None:  # under tensor parallelism, calibrated on the full model (start_rank_zero)
             calibrate_key_transforms(self.runner, self.max_model_len, self.model_path)
         # after calibration: a graph holds the key transforms as they are when it is captured

@@ -4,7 +4,8 @@ A known budget (--kv-cache-memory, or the CPU default preflight.py computed) is 
 blocks. On CUDA without one, the budget is measured the way vLLM does it: one forward pass of
 the largest step through the model runner, with a throw-away pool, and one step sampling as many
 rows as a step can, give the peak memory the model, its activations and the sampler need; the
-pool gets what is left of --gpu-memory-utilization.
+pool gets what is left of --gpu-memory-utilization once that peak, the CUDA graphs' pool, a
+decode's scratch and what the profiling added outside torch's allocator are set aside.
 """
 from __future__ import annotations
 
@@ -34,6 +35,50 @@ logger = logging.getLogger("kvserve")
 class PoolSize:
     num_blocks: int
     max_model_len: int  # lowered from the preflight's when a measured budget holds less
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """One reading of a CUDA device's memory: the driver's total and free bytes, and what this
+    process's torch allocator holds."""
+
+    total: int
+    free: int
+    reserved: int
+
+    @classmethod
+    def read(cls, device: torch.device) -> DeviceMemory:
+        free, total = torch.cuda.mem_get_info(device)
+        return cls(total, free, torch.cuda.memory_reserved(device))
+
+    @property
+    def outside_torch(self) -> int:
+        """In use, not through torch's allocator: CUDA contexts, kernel modules (Triton's, cuBLAS's),
+        other processes."""
+        return self.total - self.free - self.reserved
+
+
+def budget_after_profile(utilization: float, start: DeviceMemory, end: DeviceMemory, peak: int,
+                         set_aside: dict[str, int]) -> int:
+    """The KV pool's bytes: --gpu-memory-utilization of the device, less the profiled `peak` (weights,
+    activations, sampler), the `set_aside` reserves and what grew outside torch's allocator between
+    `start` and `end` (vLLM's accounting). Like vLLM, refuses a target larger than what other
+    processes and the CUDA context leave at start."""
+    target = int(start.total * utilization)
+    if start.total - start.outside_torch < target:
+        raise CapacityError(
+            f"--gpu-memory-utilization {utilization} asks for {target / GiB:.2f} GiB of this GPU's "
+            f"{start.total / GiB:.2f} GiB, but other processes and the CUDA context hold "
+            f"{start.outside_torch / GiB:.2f} GiB of it; lower --gpu-memory-utilization or free the GPU")
+    grown = max(0, end.outside_torch - start.outside_torch)
+    budget = target - peak - sum(set_aside.values()) - grown
+    if budget <= 0:
+        kept = ", ".join(f"{name} {size / GiB:.2f} GiB" for name, size in {**set_aside, "outside torch": grown}.items())
+        raise CapacityError(f"no memory left for the KV cache: the model and activations peak at "
+                            f"{peak / GiB:.2f} GiB of a {utilization:.0%} target of {start.total / GiB:.2f} GiB "
+                            f"({kept} set aside beside them); raise --gpu-memory-utilization or lower "
+                            f"--max-num-batched-tokens")
+    return budget
 
 
 def size_kv_pool(args: EngineArgs, model: LlamaForCausalLM, kv_spec: KVCacheSpec, kv_format: KVFormat,
@@ -85,8 +130,9 @@ def profile_cuda_budget(args: EngineArgs, model: LlamaForCausalLM, kv_spec: KVCa
     device = backend.device
     tokens = min(args.max_num_batched_tokens, max_model_len)
     batch = max_capture_size(args) if graphs_unavailable(args, backend) is None else 0
-    scratch = KVCache(kv_spec, kv_format, blocks_for_tokens(tokens, kv_spec.block_size), device)
     torch.cuda.empty_cache()
+    start = DeviceMemory.read(device)
+    scratch = KVCache(kv_spec, kv_format, blocks_for_tokens(tokens, kv_spec.block_size), device)
     torch.cuda.reset_peak_memory_stats(device)
     probe = Request("profile", [0] * tokens, SamplingParams(max_tokens=1))
     runner = ModelRunner(model, scratch, backend)
@@ -98,18 +144,22 @@ def profile_cuda_budget(args: EngineArgs, model: LlamaForCausalLM, kv_spec: KVCa
     if batch:
         before = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
-        DecodeGraphs(model, scratch, backend, batch, max_model_len).profile()
+        graphs = DecodeGraphs(model, scratch, backend, batch, max_model_len)
+        graphs.profile()
         torch.cuda.synchronize(device)
-        graph_reserve = torch.cuda.max_memory_allocated(device) - before
+        graph_reserve = torch.cuda.max_memory_allocated(device) - before + graphs.kept_outputs_bytes()
         logger.info("CUDA graphs: %.2f GiB set aside for their memory pool (what the %d-sequence graph's "
-                    "forward allocates)", graph_reserve / GiB, batch)
+                    "forward allocates, and the smaller graphs' outputs)", graph_reserve / GiB, batch)
     del scratch, runner
     torch.cuda.empty_cache()
-    total = torch.cuda.get_device_properties(device).total_memory
-    budget = int(total * args.gpu_memory_utilization) - peak - graph_reserve
-    if budget <= 0:
-        raise CapacityError(f"no memory left for the KV cache: the model and activations peak at "
-                            f"{peak / GiB:.2f} GiB of a {args.gpu_memory_utilization:.0%} target of "
-                            f"{total / GiB:.2f} GiB; raise --gpu-memory-utilization or lower "
-                            f"--max-num-batched-tokens")
+    # An eager decode of up to --max-num-seqs long contexts (or, under --deterministic, a prefill
+    # whose rows all decode) allocates split partial sums the prefill step above did not.
+    rows = max(args.max_num_seqs, tokens if args.deterministic else 0)
+    decode_scratch = backend.decode_scratch_bytes(rows, model.config.num_heads, max_model_len)
+    end = DeviceMemory.read(device)
+    budget = budget_after_profile(args.gpu_memory_utilization, start, end, peak,
+                                  {"CUDA graphs": graph_reserve, "decode scratch": decode_scratch})
+    logger.info("CUDA memory: weights and activations peak at %.2f GiB; %.2f GiB set aside for a decode's "
+                "scratch, %.2f GiB grew outside torch's allocator while profiling", peak / GiB,
+                decode_scratch / GiB, max(0, end.outside_torch - start.outside_torch) / GiB)
     return budget

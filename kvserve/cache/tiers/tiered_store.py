@@ -210,7 +210,7 @@ class TieredStore:
         pool holds them now, and copies them down again if it reclaims them, so host memory
         holds only blocks the pool does not (disk copies stay: the disk tier is for capacity)."""
         if block_ids:
-            self.kv_cache.write_blocks(block_ids, _as_rows(blocks))
+            self.kv_cache.write_blocks(block_ids, _as_rows(blocks, self.kv_cache.device))
         if self.host is not None:
             for block_hash in hashes:
                 self.host.discard(block_hash)
@@ -265,12 +265,16 @@ class TieredStore:
                          disk is not None and disk.disabled is not None)
 
 
-def _as_rows(blocks: list[torch.Tensor]) -> torch.Tensor:
+def _as_rows(blocks: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """[n, block bytes]: the consecutive rows of one buffer as they are (the loader's usual case),
-    else stacked."""
+    else stacked. Blocks in pinned memory (the host tier's, on CUDA) may still be arriving from the
+    device (HostTier.put copies without blocking), so they are stacked on `device`, after their
+    copies in stream order, never read on the host."""
     first = blocks[0]
     nbytes = first.numel()
     if first.dim() == 1 and all(b.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
                                 and b.data_ptr() == first.data_ptr() + i * nbytes for i, b in enumerate(blocks)):
         return first.as_strided((len(blocks), nbytes), (nbytes, 1))
+    if device.type != "cpu" and any(b.is_pinned() for b in blocks):
+        return torch.stack([b.view(-1).to(device, non_blocking=True) for b in blocks])
     return torch.stack([b.view(-1) for b in blocks])

@@ -93,6 +93,12 @@ class AttentionBackend:
         in the same tensors (engine/decode_graphs.py). Backends with `captures_decodes` only."""
         raise NotImplementedError(f"the {self.name} attention backend cannot run decodes in a CUDA graph")
 
+    def decode_scratch_bytes(self, rows: int, query_heads: int, max_seq_len: int) -> int:
+        """At most how much device memory a decode of `rows` sequences of up to `max_seq_len`
+        tokens allocates for itself (the Triton kernels' split partial sums), for the CUDA
+        profiling pass, whose prefill step does not decode (engine/pool_sizing.py). None by default."""
+        return 0
+
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pool: dict[str, torch.Tensor],
                kv_format: KVFormat, meta: AttentionMetadata, window: int | None) -> torch.Tensor:
         """Write key/value [tokens, kv_heads, d] at `meta.slot_mapping`, then attend: query

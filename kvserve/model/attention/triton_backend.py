@@ -143,6 +143,13 @@ class TritonBackend(TorchBackend):
         return TritonMetadata(slot_mapping, decodes=[], prefills=[], backend=self,
                               decode=TritonDecode(block_tables, seq_lens, max_seq_len))
 
+    def decode_scratch_bytes(self, rows, query_heads, max_seq_len):
+        k = self.kernels
+        splits = k.decode_splits(max_seq_len, self.split_tokens, self.max_splits)
+        if splits == 1:
+            return 0
+        return min(k.PARTIALS_MAX_BYTES, k.partials_bytes(rows, query_heads, splits, self.spec.head_dim))
+
     # The torch backend's metadata keeps only what the kernels do not serve: sequences under eviction.
     def _gathers_chunk(self, seq: StepSequence) -> bool:
         return seq.keys_before_rope or seq.observed_rows is not None

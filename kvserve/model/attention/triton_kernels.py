@@ -505,21 +505,39 @@ def paged_decode(kind: int, query: torch.Tensor, out: torch.Tensor, pool: dict[s
     num_splits = decode_splits(max_seq_len, split_tokens, max_splits)
     precise, dot_dtype = _dot_dtype(query, interpreting)
     qk_scale = LOG2E / math.sqrt(dim)
-    if num_splits > 1:
-        part_acc = torch.empty(batch, heads, num_splits, dim, dtype=torch.float32, device=query.device)
-        part_ml = torch.empty(batch, heads, num_splits, 2, dtype=torch.float32, device=query.device)
-    else:
-        part_acc = part_ml = out
-    _decode_kernel[(batch, kv_heads, split_programs(num_splits, batch, kv_heads))](
-        query, out, part_acc, part_ml, block_tables, seq_lens, k, k_aux, kp, v, v_aux,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), heads, kv_heads,
-        num_blocks, v_row, window or 0, qk_scale, num_splits, split_tokens, max_splits,
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size, HALF=dim // 2,
-        KIND=kind, MANT=FP8_VARIANTS[fp8][0], BIAS=FP8_VARIANTS[fp8][1], PRECISE=precise, DOT_DTYPE=dot_dtype,
-        SPLIT=num_splits > 1)
-    if num_splits > 1:
-        _combine_splits[(batch, heads)](out, part_acc, part_ml, seq_lens, out.stride(0), out.stride(1), heads,
+    rows = max(1, batch)
+    if num_splits > 1:  # partial sums for at most PARTIALS_MAX_BYTES: more rows take several launches
+        rows = max(1, min(batch, PARTIALS_MAX_BYTES // partials_bytes(1, heads, num_splits, dim)))
+        part_acc = torch.empty(rows, heads, num_splits, dim, dtype=torch.float32, device=query.device)
+        part_ml = torch.empty(rows, heads, num_splits, 2, dtype=torch.float32, device=query.device)
+    for first in range(0, batch, rows):  # the rows are independent: same bits whatever the slicing
+        q, o, tables, lens = (t[first:first + rows] for t in (query, out, block_tables, seq_lens))
+        n = q.shape[0]
+        if num_splits == 1:
+            part_acc = part_ml = o
+        _decode_kernel[(n, kv_heads, split_programs(num_splits, n, kv_heads))](
+            q, o, part_acc, part_ml, tables, lens, k, k_aux, kp, v, v_aux,
+            q.stride(0), q.stride(1), o.stride(0), o.stride(1), tables.stride(0), heads, kv_heads,
+            num_blocks, v_row, window or 0, qk_scale, num_splits, split_tokens, max_splits,
+            GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size, HALF=dim // 2,
+            KIND=kind, MANT=FP8_VARIANTS[fp8][0], BIAS=FP8_VARIANTS[fp8][1], PRECISE=precise, DOT_DTYPE=dot_dtype,
+            SPLIT=num_splits > 1)
+        if num_splits > 1:
+            _combine_splits[(n, heads)](o, part_acc, part_ml, lens, o.stride(0), o.stride(1), heads,
                                         num_splits, split_tokens, max_splits, D=dim)
+
+
+def partials_bytes(rows: int, heads: int, num_splits: int, dim: int) -> int:
+    """The split partial sums a decode launch of `rows` sequences keeps: float32 [rows, heads,
+    splits, dim] and (max, sum) [rows, heads, splits, 2]."""
+    return rows * heads * num_splits * (dim + 2) * 4
+
+
+# The most memory a decode launch's split partial sums take (about 520 MiB): a call over more rows
+# (a deterministic prefill, every row a decode; an eager decode of many long contexts) launches in
+# slices of rows. A CUDA graph's 512 sequences of an 8B-shaped model (32 heads, head_dim 128) at
+# 64 splits fit one launch.
+PARTIALS_MAX_BYTES = partials_bytes(512, 32, 64, 128)
 
 
 def paged_prefill(kind: int, query: torch.Tensor, out: torch.Tensor, pool: dict[str, torch.Tensor],
