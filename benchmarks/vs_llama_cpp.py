@@ -21,7 +21,6 @@ one static batch of `generate`. Prompts are random token ids, fresh each round.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import statistics
 import time
@@ -57,7 +56,6 @@ class KvserveBackend:
     def decode(self, prompt: list[int], tokens: int) -> float:
         from kvserve.bench.efficiency import kvserve_decode
 
-        engine = self.llm.engine
         run = kvserve_decode(self.llm, 1, len(prompt), tokens - 1, seed=prompt[0])
         return run.tokens_per_s
 
