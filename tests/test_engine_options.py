@@ -161,6 +161,17 @@ def test_cuda_batch_limits_default_to_vllms(monkeypatch, total_memory, name, seq
     assert (limits.max_num_seqs, limits.max_num_batched_tokens) == (seqs, offline) and name in limits.why
 
 
+@pytest.mark.parametrize("capability, dtype", [((9, 0), torch.bfloat16), ((8, 0), torch.bfloat16),
+                                               ((7, 5), torch.float16)])  # H100, A100, T4 (bf16 only emulated)
+def test_cuda_dtype_auto_is_bfloat16_from_ampere_on(monkeypatch, capability, dtype):
+    from kvserve.engine.platforms import CudaPlatform
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: asked.append(device) or capability)
+    assert CudaPlatform().auto_dtype(torch.device("cuda", 1))[0] == dtype
+    assert asked == [torch.device("cuda", 1)]  # the device asked about, not the current one
+
+
 def test_batch_limits_default_to_the_cpus_and_given_ones_are_kept(tiny_llama, caplog):
     with caplog.at_level(logging.INFO, logger="kvserve"):
         llm = LLM(str(tiny_llama), kv_cache_memory="1MiB")

@@ -273,6 +273,12 @@ def test_a_context_past_max_splits_takes_longer_splits(monkeypatch, window):
     assert torch.equal(capped[("a", 150)], alone[("a", 150)])
     torch.testing.assert_close(capped[("a", 150)], reference[("a", 150)], rtol=1e-5, atol=1e-5)
     assert torch.equal(capped[("d", 40)], uncapped[("d", 40)])  # 41 tokens: two splits of 32 under the cap too
+    # The partial sums' split dimension follows the batch's longest context (up to the cap): "d"
+    # alone keeps 2 splits, beside "a" a third goes unused; the same bits either way.
+    monkeypatch.setattr(triton_backend, "MAX_SPLITS", 3)
+    d_alone = attend_rows("triton", "auto", shape, [[("d", 0, 40)], [("d", 40, 1)]], deterministic=False)
+    d_beside = attend_rows("triton", "auto", shape, decodes, deterministic=False)
+    assert torch.equal(d_alone[("d", 40)], d_beside[("d", 40)])
     assert triton_kernels.decode_splits(131_072, 512, 64) == 64
 
 
@@ -289,12 +295,15 @@ def test_a_decode_over_more_rows_than_its_partial_sums_hold_launches_in_slices(m
                                      torch.bfloat16, None, DEVICE)
     assert backend.decode_scratch_bytes(256, 4, 512) == 0  # one split: no partial sums
     assert backend.decode_scratch_bytes(2, 4, 2048) == triton_kernels.partials_bytes(2, 4, 4, 64)
-    one_row = triton_kernels.partials_bytes(1, shape.heads, 3, shape.head_dim)
-    monkeypatch.setattr(triton_kernels, "PARTIALS_MAX_BYTES", one_row)  # one sequence a launch
+    per_row = triton_kernels.partials_bytes(1, 32, 64, 64)  # 131,072 tokens: 64 splits
+    slice_rows = triton_kernels.PARTIALS_MAX_BYTES // per_row
+    assert 512 < slice_rows < 10_000
+    assert backend.decode_scratch_bytes(10_000, 32, 131_072) == slice_rows * per_row <= triton_kernels.PARTIALS_MAX_BYTES
+    two_rows = triton_kernels.partials_bytes(2, shape.heads, 3, shape.head_dim)
+    monkeypatch.setattr(triton_kernels, "PARTIALS_MAX_BYTES", two_rows)  # launches of 2 sequences, then 1
     sliced = attend_rows("triton", "int8", shape, steps, deterministic=False)
     for key in [("a", 70), ("b", 40), ("c", 90)]:
         assert torch.equal(whole[key], sliced[key]), key
-    assert backend.decode_scratch_bytes(10_000, 4, 131_072) == one_row
 
 
 @pytest.mark.parametrize("kv_cache_dtype,shape", [("auto", SHAPES[0]), ("int4", SHAPES[0]), ("fp8_e5m2", SHAPES[1])],

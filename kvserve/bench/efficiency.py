@@ -62,8 +62,9 @@ def measure_memory_bandwidth(device: torch.device, nbytes: int = 256 * 2 ** 20, 
     1 GiB, timed by CUDA events: at HBM speeds a 256 MiB copy is short enough that a launch and a
     synchronisation timed from the host would count for a visible share of it."""
     cuda = device.type == "cuda"
-    if cuda:
-        nbytes = max(nbytes, 2 ** 30)
+    if cuda:  # a third of what is free at most: the engine (and HF's model) hold the rest
+        nbytes = max(nbytes, min(2 ** 30, torch.cuda.mem_get_info(device)[0] // 3))
+    nbytes -= nbytes % 4
     src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)

@@ -148,12 +148,15 @@ def profile_cuda_budget(args: EngineArgs, model: LlamaForCausalLM, kv_spec: KVCa
         graphs.profile()
         torch.cuda.synchronize(device)
         graph_reserve = torch.cuda.max_memory_allocated(device) - before + graphs.kept_outputs_bytes()
+        del graphs  # it holds the scratch pool
         logger.info("CUDA graphs: %.2f GiB set aside for their memory pool (what the %d-sequence graph's "
                     "forward allocates, and the smaller graphs' outputs)", graph_reserve / GiB, batch)
     del scratch, runner
     torch.cuda.empty_cache()
-    # An eager decode of up to --max-num-seqs long contexts (or, under --deterministic, a prefill
-    # whose rows all decode) allocates split partial sums the prefill step above did not.
+    # An eager decode of up to --max-num-seqs long contexts allocates split partial sums the prefill
+    # step above did not. Under --deterministic a prefill's rows all decode: the profiled one's
+    # partial sums, at contexts up to its length, are in its peak; a later chunk's, at contexts up to
+    # --max-model-len, may take more (up to the launch cap), so they are reserved again, in full.
     rows = max(args.max_num_seqs, tokens if args.deterministic else 0)
     decode_scratch = backend.decode_scratch_bytes(rows, model.config.num_heads, max_model_len)
     end = DeviceMemory.read(device)

@@ -202,8 +202,9 @@ class LlamaForCausalLM(nn.Module):
 
     def set_key_centers(self, centers: list[torch.Tensor] | None) -> None:
         """One [kv_heads, head_dim] vector per layer to subtract from the keys it caches, or None."""
+        weight = self.embed_tokens.weight
         for i, layer in enumerate(self.layers):
-            layer.self_attn.key_center = None if centers is None else centers[i].to(self.embed_tokens.weight.dtype)
+            layer.self_attn.key_center = None if centers is None else centers[i].to(weight.device, weight.dtype)
 
     def set_key_bases(self, transforms: list[torch.Tensor] | None) -> None:
         """One key transform T [kv_heads, head_dim, head_dim] per layer (keys cached as k·T,
@@ -212,7 +213,8 @@ class LlamaForCausalLM(nn.Module):
             if transforms is None:
                 layer.self_attn.key_basis = None
             else:
-                transform = transforms[i].float()  # applied in float32 (attention.base.change_key_basis)
+                # applied in float32 (attention.base.change_key_basis), on the model's device
+                transform = transforms[i].to(self.embed_tokens.weight.device, torch.float32)
                 layer.self_attn.key_basis = (transform, torch.linalg.inv(transform).mT.contiguous())
 
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:

@@ -65,6 +65,8 @@ def start_rank_zero(executor: TensorParallelExecutor, built: EngineModel, kv_for
                 layout.size, layout.q_start, layout.q_start + layout.q_heads, layout.kv_start,
                 layout.kv_start + layout.kv_heads, mib(shard_weights), mib(pool_bytes))
     log_quantization(report, model, dtype)
+    # On the host: a pickled CUDA tensor unpickles on the device it left (rank 0's), not the worker's.
+    centers, bases = ([t.cpu() for t in ts] if ts is not None else None for ts in (centers, bases))
     executor.start(Setup(built.plan.dtype, model.rope.cos.shape[0], spec, num_blocks, centers, bases))
     return layout
 

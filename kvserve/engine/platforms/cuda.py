@@ -22,9 +22,11 @@ class CudaPlatform(Platform):
     name = "cuda"
 
     def auto_dtype(self, device):
-        if torch.cuda.is_bf16_supported():
+        # Native bfloat16 from Ampere (sm_80) on; torch.cuda.is_bf16_supported() also counts the
+        # emulated kind of older GPUs, where Triton's bfloat16 dots do not compile.
+        if torch.cuda.get_device_capability(device) >= (8, 0):
             return torch.bfloat16, "this GPU supports bfloat16"
-        return torch.float16, "this GPU has no bfloat16"
+        return torch.float16, "this GPU has no native bfloat16"
 
     def batch_limits(self, device, serving):
         properties = torch.cuda.get_device_properties(device)

@@ -148,7 +148,8 @@ class TritonBackend(TorchBackend):
         splits = k.decode_splits(max_seq_len, self.split_tokens, self.max_splits)
         if splits == 1:
             return 0
-        return min(k.PARTIALS_MAX_BYTES, k.partials_bytes(rows, query_heads, splits, self.spec.head_dim))
+        per_row = k.partials_bytes(1, query_heads, splits, self.spec.head_dim)
+        return min(rows, max(1, k.PARTIALS_MAX_BYTES // per_row)) * per_row  # paged_decode's slices
 
     # The torch backend's metadata keeps only what the kernels do not serve: sequences under eviction.
     def _gathers_chunk(self, seq: StepSequence) -> bool:
