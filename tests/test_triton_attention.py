@@ -298,7 +298,8 @@ def test_a_decode_over_more_rows_than_its_partial_sums_hold_launches_in_slices(m
     per_row = triton_kernels.partials_bytes(1, 32, 64, 64)  # 131,072 tokens: 64 splits
     slice_rows = triton_kernels.PARTIALS_MAX_BYTES // per_row
     assert 512 < slice_rows < 10_000
-    assert backend.decode_scratch_bytes(10_000, 32, 131_072) == slice_rows * per_row <= triton_kernels.PARTIALS_MAX_BYTES
+    reserved = backend.decode_scratch_bytes(10_000, 32, 131_072)
+    assert reserved == slice_rows * per_row <= triton_kernels.PARTIALS_MAX_BYTES
     two_rows = triton_kernels.partials_bytes(2, shape.heads, 3, shape.head_dim)
     monkeypatch.setattr(triton_kernels, "PARTIALS_MAX_BYTES", two_rows)  # launches of 2 sequences, then 1
     sliced = attend_rows("triton", "int8", shape, steps, deterministic=False)

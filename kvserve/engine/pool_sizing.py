@@ -73,7 +73,8 @@ def budget_after_profile(utilization: float, start: DeviceMemory, end: DeviceMem
     grown = max(0, end.outside_torch - start.outside_torch)
     budget = target - peak - sum(set_aside.values()) - grown
     if budget <= 0:
-        kept = ", ".join(f"{name} {size / GiB:.2f} GiB" for name, size in {**set_aside, "outside torch": grown}.items())
+        reserves = {**set_aside, "outside torch": grown}
+        kept = ", ".join(f"{name} {size / GiB:.2f} GiB" for name, size in reserves.items())
         raise CapacityError(f"no memory left for the KV cache: the model and activations peak at "
                             f"{peak / GiB:.2f} GiB of a {utilization:.0%} target of {start.total / GiB:.2f} GiB "
                             f"({kept} set aside beside them); raise --gpu-memory-utilization or lower "

@@ -96,7 +96,7 @@ class AttentionBackend:
     def decode_scratch_bytes(self, rows: int, query_heads: int, max_seq_len: int) -> int:
         """At most how much device memory a decode of `rows` sequences of up to `max_seq_len`
         tokens allocates for itself (the Triton kernels' split partial sums), for the CUDA
-        profiling pass, whose prefill step does not decode (engine/pool_sizing.py). None by default."""
+        profiling pass, whose prefill step does not decode (engine/pool_sizing.py). 0 by default."""
         return 0
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pool: dict[str, torch.Tensor],
