@@ -26,6 +26,7 @@ from kvserve.engine.args import EngineArgs
 from kvserve.engine.parallel.group import (
     DistributedConfig, RankGroups, distributed_config, join, leave, rank_device, set_rank_threads)
 from kvserve.engine.parallel.messages import Describe, Heartbeat, MoveTokens, RankStats, Setup, Shutdown, StepPlan
+from kvserve.engine.platforms import platform_for
 from kvserve.engine.preflight import select_device
 from kvserve.model.attention import AttentionBackend, make_attention_backend
 from kvserve.model.llama import LlamaForCausalLM
@@ -74,6 +75,8 @@ def run_worker(rank: int, config: DistributedConfig, args: EngineArgs) -> None:
     kv_format = make_kv_format(args.kv_cache_dtype, setup.dtype)
     backend = make_attention_backend(args.attention_backend, kv_format, setup.kv_spec, setup.dtype, model.rope,
                                      device)
+    # rank 0's preparation (CUDA's fused ops): every rank computes its replicated rows the same way
+    platform_for(device).prepare_model(model, backend, tensor_parallel=True)
     kv_cache = KVCache(setup.kv_spec, kv_format, setup.num_blocks, device)
     linears = reports[0].describe()
     logger.info("rank %d ready in %.1f s (%d threads): query heads [%d, %d), KV heads [%d, %d), weights %s "
