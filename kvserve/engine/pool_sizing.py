@@ -57,6 +57,10 @@ class DeviceMemory:
         other processes."""
         return self.total - self.free - self.reserved
 
+    def outside_torch_grown_since(self, earlier: DeviceMemory) -> int:
+        """What came to be used outside torch's allocator since `earlier` (memory given back: 0)."""
+        return max(0, self.outside_torch - earlier.outside_torch)
+
 
 def budget_after_profile(utilization: float, start: DeviceMemory, end: DeviceMemory, peak: int,
                          set_aside: dict[str, int]) -> int:
@@ -70,7 +74,7 @@ def budget_after_profile(utilization: float, start: DeviceMemory, end: DeviceMem
             f"--gpu-memory-utilization {utilization} asks for {target / GiB:.2f} GiB of this GPU's "
             f"{start.total / GiB:.2f} GiB, but other processes and the CUDA context hold "
             f"{start.outside_torch / GiB:.2f} GiB of it; lower --gpu-memory-utilization or free the GPU")
-    grown = max(0, end.outside_torch - start.outside_torch)
+    grown = end.outside_torch_grown_since(start)
     budget = target - peak - sum(set_aside.values()) - grown
     if budget <= 0:
         reserves = {**set_aside, "outside torch": grown}
@@ -165,5 +169,5 @@ def profile_cuda_budget(args: EngineArgs, model: LlamaForCausalLM, kv_spec: KVCa
                                   {"CUDA graphs": graph_reserve, "decode scratch": decode_scratch})
     logger.info("CUDA memory: weights and activations peak at %.2f GiB; %.2f GiB set aside for a decode's "
                 "scratch, %.2f GiB grew outside torch's allocator while profiling", peak / GiB,
-                decode_scratch / GiB, max(0, end.outside_torch - start.outside_torch) / GiB)
+                decode_scratch / GiB, end.outside_torch_grown_since(start) / GiB)
     return budget

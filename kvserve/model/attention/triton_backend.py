@@ -148,8 +148,8 @@ class TritonBackend(TorchBackend):
         splits = k.decode_splits(max_seq_len, self.split_tokens, self.max_splits)
         if splits == 1:
             return 0
-        per_row = k.partials_bytes(1, query_heads, splits, self.spec.head_dim)
-        return min(rows, max(1, k.PARTIALS_MAX_BYTES // per_row)) * per_row  # paged_decode's slices
+        dim = self.spec.head_dim
+        return k.partials_bytes(k.slice_rows(rows, query_heads, splits, dim), query_heads, splits, dim)
 
     # The torch backend's metadata keeps only what the kernels do not serve: sequences under eviction.
     def _gathers_chunk(self, seq: StepSequence) -> bool:

@@ -507,7 +507,7 @@ def paged_decode(kind: int, query: torch.Tensor, out: torch.Tensor, pool: dict[s
     qk_scale = LOG2E / math.sqrt(dim)
     rows = max(1, batch)
     if num_splits > 1:  # partial sums for at most PARTIALS_MAX_BYTES: more rows take several launches
-        rows = max(1, min(batch, PARTIALS_MAX_BYTES // partials_bytes(1, heads, num_splits, dim)))
+        rows = slice_rows(batch, heads, num_splits, dim)
         part_acc = torch.empty(rows, heads, num_splits, dim, dtype=torch.float32, device=query.device)
         part_ml = torch.empty(rows, heads, num_splits, 2, dtype=torch.float32, device=query.device)
     for first in range(0, batch, rows):  # the rows are independent: same bits whatever the slicing
@@ -531,6 +531,12 @@ def partials_bytes(rows: int, heads: int, num_splits: int, dim: int) -> int:
     """The split partial sums a decode launch of `rows` sequences keeps: float32 [rows, heads,
     splits, dim] and (max, sum) [rows, heads, splits, 2]."""
     return rows * heads * num_splits * (dim + 2) * 4
+
+
+def slice_rows(batch: int, heads: int, num_splits: int, dim: int) -> int:
+    """Sequences per decode launch when a call's partial sums would pass PARTIALS_MAX_BYTES (at
+    least one)."""
+    return max(1, min(batch, PARTIALS_MAX_BYTES // partials_bytes(1, heads, num_splits, dim)))
 
 
 # The most memory a decode launch's split partial sums take (about 520 MiB): a call over more rows
