@@ -11,8 +11,9 @@ import torch.nn.functional as F
 
 from kvserve import LLM, SamplingParams
 from kvserve.model.gguf_file import GGUFTensor, quantized_matrix
-from kvserve.model.quant_linear import QuantizedLinear, quantize_linears
-from kvserve.model.quantized import quantize_int4, quantize_int8
+from kvserve.model import quant_linear
+from kvserve.model.quant_linear import QuantizedLinear, quantize_linears, quantized_bytes, served_matrix_bytes
+from kvserve.model.quantized import CompactMatrix, pack_nibbles, quantize_int4, quantize_int8, unpack_nibbles
 
 QUANTIZED_TYPES = [gguf.GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q8_0")]
 
@@ -77,6 +78,47 @@ def test_quantized_linear_computes_with_its_quantized_weight(form, dtype):
         assert got.dtype == dtype and got.shape == (rows, 96)
         error = (got.float() - expected).abs().max().item()
         assert error <= 0.02 * expected.abs().max().item(), (rows, error)
+
+
+@pytest.mark.parametrize("form", ["int4", "int8", "Q4_0", "Q4_1", "Q8_0"])
+def test_a_layer_with_no_kernel_holds_the_bytes_plan_counts_and_multiplies_by_the_same_weight(form, monkeypatch):
+    """Where no int kernel runs (CUDA), a quantized layer holds its codes compact: 4-bit two a byte
+    with float16 scales and offsets, what `kvserve plan` counts (served_matrix_bytes), not a byte a
+    code and float32 scales (twice that). It multiplies by the checkpoint's weight: exactly for a
+    GGUF's (float16 scales), within float16's rounding of the scales for one quantized here."""
+    monkeypatch.setattr(quant_linear, "load_lean_decode_module", lambda: (None, None))
+    monkeypatch.setattr(quant_linear, "_torch_int4_kernel_takes", lambda matrix, device: False)
+    weight = torch.randn(96, 128, generator=torch.Generator().manual_seed(1)) * 0.05
+    if form.startswith("Q"):
+        matrix = quantized_matrix(_gguf_tensor(gguf.GGMLQuantizationType[form], weight.numpy())[0])
+    else:
+        matrix = quantize_int4(weight) if form == "int4" else quantize_int8(weight)
+    layer = QuantizedLinear(matrix, None, torch.float32, torch.device("cpu"), keep_dense=True)
+    assert not layer.kernel and layer.dense is None and isinstance(layer.matrix, CompactMatrix)
+    held = quantized_bytes(layer)
+    if matrix.group_size == 32:
+        assert held == served_matrix_bytes(96 * 128, matrix.bits, torch.float32)
+    else:  # int8 per channel: one scale a row
+        assert held == 96 * 128 + 96 * 2
+    if matrix.bits == 4:  # 0.625 bytes a weight (a byte a code and float32 scales were 1.25)
+        assert held == 96 * 128 * 5 // 8
+    reference = matrix.dequantize()
+    served = layer.matrix.dequantize(torch.float32, chunk_values=3 * 128)  # in blocks of 3 rows
+    if form.startswith("Q"):
+        assert torch.equal(served, reference)
+    else:
+        # float16 scales: far inside a code step (a group's range / 15)
+        assert (served - reference).abs().max() <= 2 ** -10 * reference.abs().max()
+    assert torch.equal(layer.matrix.dequantize(torch.bfloat16), served.to(torch.bfloat16))
+    x = torch.randn(5, 128)
+    assert torch.allclose(layer(x), F.linear(x, served), rtol=1e-5, atol=1e-5)
+
+
+def test_nibbles_pack_two_a_byte_and_unpack_to_the_same_codes():
+    codes = torch.randint(0, 16, (7, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    packed = pack_nibbles(codes)
+    assert packed.shape == (7, 32) and torch.equal(packed[:, 0] & 15, codes[:, 0]) and torch.equal(packed[:, 0] >> 4, codes[:, 1])
+    assert torch.equal(unpack_nibbles(packed), codes)
 
 
 def test_a_flag_value_outside_the_choices_fails_with_one_line(tiny_llama):

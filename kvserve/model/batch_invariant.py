@@ -70,7 +70,7 @@ def make_batch_invariant(model: LlamaForCausalLM) -> None:
 def _on_triton(linear: QuantizedLinear) -> bool:
     """Whether a quantized linear dequantizes its weight on each call (CUDA) where the
     fixed-blocking Triton GEMM runs: its fixed-order path then multiplies through that."""
-    return linear.matrix is not None and triton_runs_on(linear.matrix.q.device.type)
+    return linear.matrix is not None and triton_runs_on(linear.matrix.device.type)
 
 
 def _check_rows_independent(name: str, linear: PrepackedLinear) -> None:

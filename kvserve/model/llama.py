@@ -138,9 +138,12 @@ class LlamaForCausalLM(nn.Module):
         if shard is not None and not weights_cut:
             shard(model)
         model.rope = RotaryEmbedding(config, max_positions, dtype)
-        model = model.to(device=device, dtype=dtype).eval()
+        # Linears are swapped where the checkpoint lies, before the move: on an accelerator the
+        # dense weights of quantized layers never arrive (a QuantizedLinear takes its codes to
+        # `device` itself, and the move leaves them be).
         if replace_linears is not None:
             replace_linears(model)
+        model = model.to(device=device, dtype=dtype).eval()
         if prepack:
             model.prepack()
         return model

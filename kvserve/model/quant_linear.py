@@ -32,7 +32,8 @@ from kvserve.hardware import available_ram_bytes, cpu_flags
 from kvserve.model.cpu_linear import PrepackedLinear, prepacking_available
 from kvserve.model.kernel_build import current_isa
 from kvserve.model.lean_kernel import load_lean_decode_module
-from kvserve.model.quantized import QuantizedMatrix, concat_rows, quantize_int4, quantize_int8, same_format
+from kvserve.model.quantized import (
+    CompactMatrix, QuantizedMatrix, concat_rows, quantize_int4, quantize_int8, same_format)
 from kvserve.units import format_size
 
 logger = logging.getLogger(__name__)
@@ -86,6 +87,12 @@ def _served_by_own_kernel_at_every_row_count(matrix: QuantizedMatrix, dtype: tor
     """Whether QuantizedLinear(matrix) runs every batch through kvserve's kernel (no dense copy)."""
     return (device.type == "cpu" and matrix.bits == 4 and kernel_max_rows(dtype, 4) is None
             and _fits_gemv_layout(matrix) and load_lean_decode_module()[0] is not None)
+
+
+def _torch_int4_kernel_takes(matrix: QuantizedMatrix, device: torch.device) -> bool:
+    """Whether torch's int4 CPU kernel can multiply by `matrix` (its groups are whole 32s)."""
+    return (device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+            and matrix.shape[1] % _KERNEL_GROUP == 0 and matrix.group_size % _KERNEL_GROUP == 0)
 
 
 def gemv_operands(matrix: QuantizedMatrix) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
@@ -146,7 +153,7 @@ def _int4_kernel_operands(matrix: QuantizedMatrix) -> tuple[torch.Tensor, torch.
 class QuantizedLinear(nn.Module):
     """y = x W^T + b with W held as a QuantizedMatrix: through an int kernel (kvserve's, else torch's)
     for up to `max_kernel_rows` rows (all, where that is None), through a dense copy (if kept) above
-    that, else dequantized per call."""
+    that; with no kernel (CUDA), held compact (CompactMatrix) and dequantized per call."""
 
     def __init__(self, matrix: QuantizedMatrix, bias: torch.Tensor | None, dtype: torch.dtype,
                  device: torch.device, keep_dense: bool):
@@ -162,12 +169,10 @@ class QuantizedLinear(nn.Module):
             module, _ = load_lean_decode_module()
             self.gemv_operands = gemv_operands(matrix) if module is not None else None
             self.gemv = module.gemv if self.gemv_operands is not None else None
-        self.kernel = self.gemv is not None or (
-            device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
-            and self.in_features % _KERNEL_GROUP == 0 and matrix.group_size % _KERNEL_GROUP == 0)
+        self.kernel = self.gemv is not None or _torch_int4_kernel_takes(matrix, device)
         self.max_kernel_rows = kernel_max_rows(dtype, self.bits if self.gemv is not None else None)
         self.fixed_order = False  # --deterministic (batch_invariant.py): one path at every row count
-        self.matrix: QuantizedMatrix | None = None
+        self.matrix: CompactMatrix | None = None  # no kernel (CUDA): dequantized on each call
         if self.gemv is not None:
             pass  # the codes live in gemv_operands
         elif self.kernel:
@@ -175,9 +180,7 @@ class QuantizedLinear(nn.Module):
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
             self.scales_zeros = scales_zeros.to(_KERNEL_DTYPE).contiguous()
         else:
-            self.matrix = QuantizedMatrix(matrix.q.to(device), matrix.scale.to(device),
-                                          None if matrix.zero is None else matrix.zero.to(device),
-                                          matrix.group_size, matrix.bits)
+            self.matrix = CompactMatrix.of(matrix, device)
         self.dense: nn.Module | torch.Tensor | None = None
         if keep_dense and self.kernel and self.max_kernel_rows is not None:
             weight = matrix.dequantize().to(dtype)
@@ -215,7 +218,7 @@ class QuantizedLinear(nn.Module):
                 return F.linear(x, self.dense, self.bias)
             y = self.dense(x)
             return y if self.bias is None else y + self.bias
-        weight = self.matrix.dequantize().to(x.dtype)
+        weight = self.matrix.dequantize(x.dtype)
         if self.fixed_order:  # CUDA under --deterministic (batch_invariant.py)
             return importlib.import_module("kvserve.fixed_order_triton").fixed_order_linear(x, weight, self.bias)
         return F.linear(x, weight, self.bias)
@@ -343,16 +346,16 @@ def quantized_bytes(linear: nn.Module) -> int:
             return sum(t.nbytes for t in linear.gemv_operands if t is not None) + bias
         if linear.kernel:
             return linear.packed.nbytes + linear.scales_zeros.nbytes + bias
-        m = linear.matrix
-        return m.q.nbytes + m.scale.nbytes + (m.zero.nbytes if m.zero is not None else 0) + bias
+        return linear.matrix.nbytes + bias
     return linear.weight.nbytes + bias
 
 
 def served_matrix_bytes(values: int, bits: int | None, dtype: torch.dtype) -> int:
     """Bytes a matrix of `values` weights takes in QuantizedLinear's small-batch kernel form (`bits`
     4: two codes a byte plus a float16 scale and offset per 32; 8: a byte a code plus a float16 scale
-    per 32), or dense in `dtype` (bits None). Where only torch's int4 kernel runs, an 8-bit matrix
-    takes about twice that (two nibbles, bfloat16 scales and zeros for each)."""
+    per 32), or dense in `dtype` (bits None): also what a layer with no kernel (CUDA) holds
+    (CompactMatrix). Where only torch's int4 kernel runs, an 8-bit matrix takes about twice that
+    (two nibbles, bfloat16 scales and zeros for each)."""
     if bits is None:
         return values * torch.empty((), dtype=dtype).element_size()
     groups = values // _KERNEL_GROUP
@@ -369,8 +372,8 @@ def resident_weight_bytes(model: nn.Module) -> int:
         for value in vars(module).values():
             if isinstance(value, torch.Tensor):
                 tensors.append(value)
-            elif isinstance(value, QuantizedMatrix):
-                tensors += [t for t in (value.q, value.scale, value.zero) if t is not None]
+            elif isinstance(value, CompactMatrix):
+                tensors += [t for t in (value.codes, value.d, value.m) if t is not None]
             elif isinstance(value, tuple):  # QuantizedLinear.gemv_operands
                 tensors += [t for t in value if isinstance(t, torch.Tensor)]
         for tensor in tensors:

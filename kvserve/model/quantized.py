@@ -113,3 +113,80 @@ def quantize_int4(weight: torch.Tensor, group_size: int = 32) -> QuantizedMatrix
     q = torch.round((groups - low.unsqueeze(-1)) / scale.unsqueeze(-1)).clamp_(0, 15).to(torch.uint8)
     return QuantizedMatrix(q.view(out, cols), scale, low + 8 * scale, group_size, 4)
 
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """4-bit codes, one a byte [out, in] (in even) -> two a byte [out, in / 2]: column 2j in the low
+    nibble, 2j + 1 in the high one."""
+    q = q.to(torch.uint8)
+    return q[:, 0::2] | (q[:, 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of `pack_nibbles`: uint8 codes 0..15 [out, 2 * packed columns]."""
+    return torch.stack((packed & 15, packed >> 4), dim=-1).view(packed.shape[0], -1)
+
+
+def _as_float16_if_exact_enough(values: torch.Tensor) -> torch.Tensor:
+    """float16 where every value is 0 or a normal float16 (11 significant bits, as GGUF stores its
+    scales), else float32: a scale float16 would flush or blur stays exact."""
+    values = values.float()
+    magnitude = values.abs()
+    half = torch.finfo(torch.float16)
+    fits = ((magnitude == 0) | ((magnitude >= half.tiny) & (magnitude <= half.max))).all()
+    return values.to(torch.float16) if fits else values
+
+
+@dataclass
+class CompactMatrix:
+    """A QuantizedMatrix in the bytes `kvserve plan` counts for it (quant_linear.served_matrix_bytes),
+    for devices where no kernel keeps a layout of its own (CUDA: the layer dequantizes it on each
+    call). 4-bit: codes two a byte and, per group, a float16 scale d and offset m, w = d u + m, as
+    GGUF's Q4_1 and kvserve's CPU kernel hold them; 8-bit: codes a byte, float16 scales (plus offsets
+    where the matrix has zeros). Scales that float16 would not hold stay float32."""
+
+    codes: torch.Tensor  # uint8 [out, in / 2] (4-bit) or int8 [out, in]
+    d: torch.Tensor  # [out, in / group_size]
+    m: torch.Tensor | None  # like d; None for a symmetric 8-bit matrix
+    group_size: int
+    bits: int
+
+    @classmethod
+    def of(cls, matrix: QuantizedMatrix, device: torch.device | str) -> "CompactMatrix":
+        """`matrix` packed where it lies, then moved to `device` (the smaller bytes travel)."""
+        scale = matrix.scale.float()
+        m = None
+        if matrix.bits == 4 or matrix.zero is not None:
+            zero = matrix.zero.float() if matrix.zero is not None else torch.zeros_like(scale)
+            m = _as_float16_if_exact_enough(zero - matrix.offset * scale).to(device)
+        codes = pack_nibbles(matrix.q) if matrix.bits == 4 else matrix.q.to(torch.int8)
+        return cls(codes.to(device), _as_float16_if_exact_enough(scale).to(device), m, matrix.group_size, matrix.bits)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        rows, columns = self.codes.shape
+        return rows, columns * 2 if self.bits == 4 else columns
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.d.nbytes + (self.m.nbytes if self.m is not None else 0)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32, chunk_values: int = 1 << 26) -> torch.Tensor:
+        """[out, in] in `dtype`: d u + m computed in float32 (one rounding, then the cast), a block of
+        rows at a time, so that the float32 intermediate stays under `chunk_values` values (a large
+        LM head's would be gigabytes)."""
+        out, columns = self.shape
+        weight = torch.empty(out, columns, dtype=dtype, device=self.device)
+        step = max(1, chunk_values // columns)
+        for start in range(0, out, step):
+            rows = slice(start, start + step)
+            codes = unpack_nibbles(self.codes[rows]) if self.bits == 4 else self.codes[rows]
+            groups = codes.float().view(codes.shape[0], -1, self.group_size).mul_(self.d[rows].float().unsqueeze(-1))
+            if self.m is not None:
+                groups.add_(self.m[rows].float().unsqueeze(-1))
+            weight[rows] = groups.view(codes.shape[0], columns)
+        return weight
