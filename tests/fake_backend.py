@@ -45,4 +45,5 @@ async def completions(request: Request) -> Response:
 app = Starlette(routes=[Route("/health", health), Route("/v1/completions", completions, methods=["POST"])])
 
 if __name__ == "__main__":
-    uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
+    # A "hang" request would hold a graceful shutdown for its hour: stop within a second instead.
+    uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning", timeout_graceful_shutdown=1)

@@ -140,13 +140,13 @@ def test_launching_and_sampling_a_step_waits_for_nothing_on_the_device(tiny_llam
     runner.graphs.run, runner.run = watched(graph_run, "graph"), watched(run, "eager")
     vocab = llm.engine.model_config.vocab_size
     params = [
-        SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2),
-        SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, seed=7, max_tokens=10, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=7, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, seed=7, max_tokens=7, ignore_eos=True),
         SamplingParams(temperature=1.0, repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.3,
-                       logit_bias={vocab - 1: 5.0}, min_tokens=4, max_tokens=10, ignore_eos=True, seed=3),
-        SamplingParams(temperature=0, max_tokens=10, structured_outputs=StructuredOutputsParams(
+                       logit_bias={vocab - 1: 5.0}, min_tokens=4, max_tokens=7, ignore_eos=True, seed=3),
+        SamplingParams(temperature=0, max_tokens=7, structured_outputs=StructuredOutputsParams(
             choice=["yes", "no", "maybe"])),
-        SamplingParams(temperature=0.5, max_tokens=10, ignore_eos=True, seed=11, logprobs=0),
+        SamplingParams(temperature=0.5, max_tokens=7, ignore_eos=True, seed=11, logprobs=0),
     ]
     prompts = ["It is a truth universally acknowledged, that a single man", "Hello", "The",
                "Answer yes or no:", "Mr. Bennet was so odd a mixture"]

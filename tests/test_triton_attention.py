@@ -57,9 +57,9 @@ SPLIT_TOKENS = 32  # small, so that contexts of 33+ tokens take the split-K path
 # (request id, tokens already cached, tokens this step) per step; "c" shares "a"'s first two
 # blocks (a prefix-cache hit), "d" spans many blocks.
 STEPS = [
-    [("a", 0, 37), ("b", 0, 20), ("d", 0, 150)],
-    [("c", 32, 14), ("b", 20, 30), ("a", 37, 1), ("d", 150, 1)],
-    [("a", 38, 1), ("b", 50, 1), ("c", 46, 1), ("d", 151, 1)],
+    [("a", 0, 37), ("b", 0, 20), ("d", 0, 100)],
+    [("c", 32, 14), ("b", 20, 30), ("a", 37, 1), ("d", 100, 1)],
+    [("a", 38, 1), ("b", 50, 1), ("c", 46, 1), ("d", 101, 1)],
 ]
 
 
@@ -362,7 +362,7 @@ PROMPTS = [
 def test_an_engine_on_the_triton_backend_gives_the_torch_backends_tokens(tiny_llama_d32, kv_cache_dtype):
     """Chunked prefill (16 tokens a step), prefix-cache hits between the first two prompts and
     decodes of several lengths, through the whole engine."""
-    greedy = SamplingParams(temperature=0, max_tokens=8)
+    greedy = SamplingParams(temperature=0, max_tokens=5)
     tokens = {}
     for backend in ("torch", "triton"):
         llm = LLM(str(tiny_llama_d32), dtype="float32", kv_cache_memory="4MiB", max_num_batched_tokens=16,
@@ -416,8 +416,8 @@ def test_an_engine_with_rope_applied_with_the_store_gives_the_torch_backends_tok
     launches = []
     rope_store = triton_kernels.rope_store
     monkeypatch.setattr(triton_kernels, "rope_store", lambda *a, **k: launches.append(1) or rope_store(*a, **k))
-    greedy = SamplingParams(temperature=0, max_tokens=8)
-    evicting = SamplingParams(temperature=0, max_tokens=8, kv_eviction={"policy": "h2o", "budget": 32})
+    greedy = SamplingParams(temperature=0, max_tokens=5)
+    evicting = SamplingParams(temperature=0, max_tokens=5, kv_eviction={"policy": "h2o", "budget": 32})
     tokens = {}
     for backend in ("torch", "triton"):
         llm = LLM(str(tiny_llama_d32), dtype="float32", kv_cache_memory="4MiB", max_num_batched_tokens=16,
