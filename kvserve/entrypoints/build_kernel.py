@@ -24,7 +24,7 @@ def register(subparsers) -> None:
     parser.set_defaults(func=run)
 
 
-def _build(make_build: Callable[[str], KernelBuild], isa: str) -> tuple[str, str | None, str, float]:
+def _build(make_build: Callable[[str], KernelBuild], isa: str) -> tuple[str, str | None, float]:
     """Build (or find) one kernel: (its library path, None or why it is unavailable, seconds)."""
     build = make_build(isa)
     start = time.monotonic()

@@ -128,8 +128,9 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
 
 
 def _as_float16_if_exact_enough(values: torch.Tensor) -> torch.Tensor:
-    """float16 where every value is 0 or a normal float16 (11 significant bits, as GGUF stores its
-    scales), else float32: a scale float16 would flush or blur stays exact."""
+    """float16 where every value is 0 or in float16's normal range (11 significant bits, as GGUF
+    stores its scales), else float32: no scale is flushed to zero or kept with a subnormal's fewer
+    bits."""
     values = values.float()
     magnitude = values.abs()
     half = torch.finfo(torch.float16)
