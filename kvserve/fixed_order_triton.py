@@ -22,9 +22,9 @@ import triton
 import triton.language as tl
 
 from kvserve.hardware import triton_interpreting
-from kvserve.triton_interpreter import use_row_invariant_dots
+from kvserve.triton_interpreter import prepare_interpreter
 
-use_row_invariant_dots()  # under Triton's interpreter only (triton_interpreter.py)
+prepare_interpreter()  # under Triton's interpreter only (triton_interpreter.py)
 
 BLOCK_M = 64  # a multiple of 64: Hopper's wgmma instructions take such tiles
 BLOCK_K = 64

@@ -21,9 +21,9 @@ import triton
 import triton.language as tl
 
 from kvserve.model.triton_rounding import round_to
-from kvserve.triton_interpreter import use_row_invariant_dots
+from kvserve.triton_interpreter import prepare_interpreter
 
-use_row_invariant_dots()  # under Triton's interpreter only (triton_interpreter.py)
+prepare_interpreter()  # under Triton's interpreter only (triton_interpreter.py)
 
 
 @triton.jit

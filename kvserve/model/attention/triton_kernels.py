@@ -32,9 +32,9 @@ import triton.language as tl
 
 from kvserve.model.fused_ops import rotate_row
 from kvserve.model.triton_rounding import round_to
-from kvserve.triton_interpreter import use_row_invariant_dots
+from kvserve.triton_interpreter import prepare_interpreter
 
-use_row_invariant_dots()  # under Triton's interpreter only (triton_interpreter.py)
+prepare_interpreter()  # under Triton's interpreter only (triton_interpreter.py)
 
 # Layout kinds (KIND, a constexpr of every kernel): the Python values, and the same as constants
 # the kernels may read.
