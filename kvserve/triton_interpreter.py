@@ -10,9 +10,9 @@ property, so its kernel modules swap the interpreter's dot for `np.einsum`, whic
 over K in order without BLAS. Nothing changes when Triton compiles for a GPU.
 
 The interpreter also patches `triton.language` again on each call of one `@triton.jit` function
-from another, inside a launch that has already patched it (a quarter of an interpreted kernel's
-time where helpers are called in loops); `skip_repeated_language_patches` leaves such a call to
-the launch's patch. Both run once per process, under the interpreter only.
+from another, inside a launch that has already patched it: a large share of an interpreted kernel's
+overhead where helpers are called in loops (BENCHMARKS.md, "CI on a real AVX2-only CPU").
+`skip_repeated_language_patches` leaves such a call to the launch's patch. Both run once per process, under the interpreter only.
 """
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def skip_repeated_language_patches() -> None:
     progress runs without patching them again. The interpreter never restores a nested call's
     patch, so what one nested call patched (triton's own jit helpers patch `triton.language.core`)
     stays patched until the launch ends; each launch starts afresh. Does nothing where the
-    interpreter's layout is not the one this was written against (triton 3.4-3.9)."""
+    interpreter lacks the pieces it wraps (written against triton 3.9's)."""
     from triton.runtime import interpreter
 
     patch = getattr(interpreter, "_patch_lang", None)
