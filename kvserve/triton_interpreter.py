@@ -12,7 +12,8 @@ over K in order without BLAS. Nothing changes when Triton compiles for a GPU.
 The interpreter also patches `triton.language` again on each call of one `@triton.jit` function
 from another, inside a launch that has already patched it: a large share of an interpreted kernel's
 overhead where helpers are called in loops (BENCHMARKS.md, "CI on a real AVX2-only CPU").
-`skip_repeated_language_patches` leaves such a call to the launch's patch. Both run once per process, under the interpreter only.
+`skip_repeated_language_patches` leaves such a call to the launch's patch. Both run once per
+process, under the interpreter only.
 """
 from __future__ import annotations
 
