@@ -30,9 +30,7 @@ def prepare_interpreter() -> None:
 
 
 def use_row_invariant_dots() -> None:
-    """Under the interpreter, make `tl.dot` row-invariant (once per process); else nothing."""
-    if not triton_interpreting():
-        return
+    """Make the interpreter's `tl.dot` row-invariant (once per process)."""
     from triton.runtime import interpreter
 
     builder = interpreter.InterpreterBuilder
@@ -48,7 +46,6 @@ def use_row_invariant_dots() -> None:
 
     create_dot.row_invariant = True
     builder.create_dot = create_dot
-
 
 
 def skip_repeated_language_patches() -> None:
