@@ -16,10 +16,7 @@
 // (ATen's Vectorized) in float32, rounded to the model dtype where the torch path rounds (the
 // normalised row before its weight; SiLU's output; each matmul's output), split by rows across threads.
 #include <ATen/core/dispatch/Dispatcher.h>
-// ATen and torch's pybind11 casters, not <torch/extension.h>: the whole C++ frontend it pulls in
-// doubles the headers' share of the build.
-#include <ATen/ATen.h>
-#include <torch/csrc/utils/pybind.h>
+#include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>

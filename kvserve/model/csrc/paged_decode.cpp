@@ -12,10 +12,7 @@
 // fp8 and int8 KV formats, kvserve/cache/formats/token_scaled.py); 4-bit codes with a scale and a
 // zero point per token (int4.py). A token's scale and zero are applied to its score and its
 // probability (see RowScale) instead of to every element it holds.
-// ATen and torch's pybind11 casters, not <torch/extension.h>: the whole C++ frontend it pulls in
-// doubles the headers' share of the build.
-#include <ATen/ATen.h>
-#include <torch/csrc/utils/pybind.h>
+#include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
