@@ -59,8 +59,12 @@ class Load:
             while not self.stop.is_set():
                 n += 1
                 prompt = SHARED_PREFIX + [200 + index, 300 + n % 100] * (5 + 3 * index)
-                r = client.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 120,
-                                                         "ignore_eos": True, "temperature": 0})
+                try:
+                    r = client.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 120,
+                                                             "ignore_eos": True, "temperature": 0})
+                except httpx.HTTPError as exc:  # recorded, not lost with the thread: the load goes on
+                    self.errors.append(f"client {index}: {exc!r}")
+                    continue
                 if r.status_code != 200:
                     self.errors.append(r.text)
 
@@ -135,8 +139,11 @@ def test_the_page_shows_the_pool_as_the_server_counts_it(server, browser):
         # machine once missed the 2 s in which the step shows as running (a headless page's timers
         # may be throttled).
         httpx.post(server.base_url + "/debug/faults", json={"kind": "delay", "count": 1, "seconds": 3})
-        status = browser.wait_for("kvDashboard.refresh().then(() => { const text = document.getElementById('step')"
-                                  ".textContent; return /running for [0-9.]+ s/.test(text) && text; })")
+        try:
+            status = browser.wait_for("kvDashboard.refresh().then(() => { const text = document.getElementById('step')"
+                                      ".textContent; return /running for [0-9.]+ s/.test(text) && text; })")
+        except TimeoutError as exc:  # no step ran for 30 s: say whether the load's clients had failed
+            raise AssertionError(f"{exc}; the load's errors: {load.errors}") from exc
         assert status.startswith("step ")
     finally:
         httpx.post(server.base_url + "/debug/faults", json={"kind": "delay", "count": 1, "seconds": 0})
