@@ -29,15 +29,15 @@ int twice(int x) { return 2 * x; }
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("twice", &twice); }
 """
 
-# A process that builds (or loads) that kernel through load_kernel, as the engine's kernels do,
-# calls it and says whether it got it.
+# A process that builds (or loads) a KernelBuild given by name, source and ISA through load_kernel,
+# as the engine's kernels do, calls it and says whether it got it.
 PROBE = """
 import logging
 import sys
 from pathlib import Path
 logging.basicConfig(level=logging.INFO)
-from kvserve.model.kernel_build import KernelBuild, current_isa, load_kernel
-module, why = load_kernel(KernelBuild("kvserve_tiny_test", Path(sys.argv[1]), current_isa()))
+from kvserve.model.kernel_build import KernelBuild, load_kernel
+module, why = load_kernel(KernelBuild(sys.argv[1], Path(sys.argv[2]), sys.argv[3]))
 print("KERNEL" if module is not None and module.twice(21) == 42 else f"NONE {why}")
 """
 
@@ -51,7 +51,7 @@ def tiny_build(cache: Path) -> KernelBuild:
 def probe(cache: Path, build: KernelBuild, **popen_kwargs) -> subprocess.Popen:
     env = {**os.environ, "KVSERVE_CACHE_DIR": str(cache)}
     env.pop(DISABLE_ENV, None)
-    return subprocess.Popen([sys.executable, "-c", PROBE, str(build.source)], env=env, stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-c", PROBE, build.name, str(build.source), build.isa], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, **popen_kwargs)
 
 
