@@ -142,8 +142,10 @@ def test_the_page_shows_the_pool_as_the_server_counts_it(server, browser):
         try:
             status = browser.wait_for("kvDashboard.refresh().then(() => { const text = document.getElementById('step')"
                                       ".textContent; return /running for [0-9.]+ s/.test(text) && text; })")
-        except TimeoutError as exc:  # no step ran for 30 s: say whether the load's clients had failed
-            raise AssertionError(f"{exc}; the load's errors: {load.errors}") from exc
+        except TimeoutError as exc:  # say what the server and the load were doing
+            alive = sum(t.is_alive() for t in load.threads)
+            raise AssertionError(f"{exc}; /metrics: {dict(zip(METRICS, metrics(server)))}; load clients alive: "
+                                 f"{alive} of {len(load.threads)}; the load's errors: {load.errors}") from exc
         assert status.startswith("step ")
     finally:
         httpx.post(server.base_url + "/debug/faults", json={"kind": "delay", "count": 1, "seconds": 0})

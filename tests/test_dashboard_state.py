@@ -5,6 +5,7 @@ the requests are done, and no token of anyone's prompt or output in the view."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -90,3 +91,26 @@ def test_the_server_view_carries_ids_and_counts_never_tokens(engine):
     assert body[0]["blocks"] == engine.kv_manager.block_ids("tenant-a")
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def test_every_answer_carrying_one_snapshot_gives_it_the_same_time(engine, monkeypatch):
+    """The page draws an answer unless its snapshot is older than the one shown (two polls can
+    answer out of order). During a long step every answer carries the last snapshot, so they
+    must all give it the same time, however long each took to build: derived per answer, a slow
+    answer followed by quick ones read as newer than them, and the page never showed the step
+    running (the browser test's flaky wait)."""
+    from types import SimpleNamespace
+
+    from kvserve.server.dashboard import state_json
+    from kvserve.server.engine_loop import StateSnapshot
+
+    snap = StateSnapshot(engine_state(engine, step=3), time.monotonic(), time.time(), 0, 0, 0.0)
+    server = SimpleNamespace(step_started_at=time.monotonic() - 2, steps_completed=3)  # step 4 running 2 s
+    pool_type = type(snap.engine.pool)
+    counts = pool_type.counts
+    monkeypatch.setattr(pool_type, "counts", lambda pool: (time.sleep(0.01), counts(pool))[1])
+    slow = state_json(snap, server, "tiny")
+    monkeypatch.setattr(pool_type, "counts", counts)
+    quick = state_json(snap, server, "tiny")
+    assert quick["time"] == slow["time"] == round(snap.taken_at_wall, 4)
+    assert quick["engine"]["step_running_s"] > slow["engine"]["step_running_s"] > 1

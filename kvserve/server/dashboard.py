@@ -62,7 +62,9 @@ def state_json(snap: StateSnapshot, engine: AsyncEngine, model: str) -> dict:
         "model": model,
         "step": state.step,
         "age_s": round(now - snap.taken_at, 4),
-        "time": round(time.time() - (now - snap.taken_at), 4),
+        # Taken with the snapshot, not derived from `now`: recomputed per answer, the same snapshot
+        # jittered by this function's own run time, and a later answer could read as older.
+        "time": round(snap.taken_at_wall, 4),
         "engine": {"steps_completed": engine.steps_completed,
                    "step_running_s": None if running_since is None else round(now - running_since, 4),
                    "snapshot_s": round(snap.cost_s, 6)},

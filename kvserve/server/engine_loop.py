@@ -224,6 +224,9 @@ class StateSnapshot:
 
     engine: EngineState
     taken_at: float  # time.monotonic()
+    # time.time() at the same moment: the snapshot's identity for clients (the page draws a
+    # snapshot unless it is older than the one shown), so the same for every answer that carries it.
+    taken_at_wall: float
     prompt_tokens: int  # since start
     generation_tokens: int
     cost_s: float  # engine-thread time spent taking it (what watching costs the engine)
@@ -510,7 +513,7 @@ class AsyncEngine:
         start = time.perf_counter()
         prompt, generation = self.metrics.token_totals() if self.metrics is not None else (0, 0)
         state = engine_state(self.engine, self.steps_completed)
-        return StateSnapshot(state, time.monotonic(), prompt, generation, time.perf_counter() - start)
+        return StateSnapshot(state, time.monotonic(), time.time(), prompt, generation, time.perf_counter() - start)
 
     def _take_snapshot(self) -> EngineSnapshot:
         e = self.engine
