@@ -138,7 +138,7 @@ def test_blocks_restored_from_the_host_tier_give_the_same_tokens(tiny_llama):
 def test_without_the_option_a_replayed_batch_or_a_request_alone_is_reproducible(tiny_llama):
     """What the default mode promises (README): the same requests scheduled the same way give the
     same bits (CPU kernels are deterministic for a given shape); batch composition may change them."""
-    with LLM(str(tiny_llama), quantization="int4", enable_prefix_caching=False) as llm:
+    with LLM(str(tiny_llama), quantization="int4", enable_prefix_caching=False, kv_cache_memory="8MiB") as llm:
         assert _mixed(llm)[0] == _mixed(llm)[0]
         assert _alone(llm)[:4] == _alone(llm)[:4]
 
@@ -157,7 +157,7 @@ def test_what_it_cannot_make_batch_invariant_is_refused_in_one_line(options, nam
 
 
 def test_a_request_asking_for_kv_eviction_is_refused(tiny_llama):
-    with LLM(str(tiny_llama), deterministic=True) as llm:
+    with LLM(str(tiny_llama), deterministic=True, kv_cache_memory="8MiB") as llm:
         params = SamplingParams(max_tokens=2, kv_eviction={"policy": "streaming", "budget": 64})
         with pytest.raises(ValueError, match="kv_eviction is not available under --deterministic"):
             llm.generate(["Hello"], params, use_tqdm=False)

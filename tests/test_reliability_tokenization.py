@@ -19,8 +19,9 @@ SMALL = {"prompt": "Hello, my name is", "max_tokens": 1, "temperature": 0}
 @pytest.fixture(scope="module")
 def default_server(server_factory):
     """The default model (8192-token context, a 49,152-token vocabulary with long tokens), whose
-    largest acceptable prompt takes the tokenizer about a second."""
-    return server_factory("--max-model-len", "8192")
+    largest acceptable prompt takes the tokenizer about a second. 512 MiB of KV hold an 8,192-token
+    prompt in float32; the 4 GiB default would stay resident, unused, for the rest of the session."""
+    return server_factory("--max-model-len", "8192", "--kv-cache-memory", "512MiB")
 
 
 def limits(server) -> tuple[int, int]:
@@ -128,7 +129,8 @@ def test_bodies_in_flight_are_bounded(server_factory, tiny_llama):
 
 def test_sigterm_while_tokenizing_answers_503_within_the_grace_period(tmp_path, default_server):
     _, max_chars = limits(default_server)
-    server = ServerProcess.start(["--max-model-len", "8192", "--shutdown-timeout", "1"], tmp_path)
+    server = ServerProcess.start(["--max-model-len", "8192", "--kv-cache-memory", "512MiB", "--shutdown-timeout", "1"],
+                                 tmp_path)
     big = ("Mr. Darcy bowed. " * (max_chars // 17 + 1))[: max_chars - 1]
     results: list[httpx.Response | Exception] = []
 

@@ -310,7 +310,7 @@ def test_bad_tool_flags_stop_the_server_at_startup(flags, expected):
 # ---------------------------------------------------------------- the default model
 @pytest.fixture(scope="module")
 def default_server(server_factory):
-    return server_factory(*AUTO_HERMES)
+    return server_factory(*AUTO_HERMES, "--kv-cache-memory", "512MiB")  # holds max-model-len (8,192) in float32
 
 
 @pytest.fixture(scope="module")

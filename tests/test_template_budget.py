@@ -29,7 +29,7 @@ def with_template(tiny: Path, target: Path, template: str) -> Path:
 @pytest.mark.parametrize("name", list(HOSTILE))
 def test_a_template_past_its_budget_is_a_value_error(tiny_llama, tmp_path, name):
     model = with_template(tiny_llama, tmp_path / "model", HOSTILE[name])
-    with LLM(str(model)) as llm:
+    with LLM(str(model), kv_cache_memory="8MiB") as llm:
         start = time.monotonic()
         with pytest.raises(ValueError, match="exceeded its rendering budget"):
             llm.chat([{"role": "user", "content": "hi"}], use_tqdm=False)
@@ -49,6 +49,6 @@ def test_kvserve_chat_reports_it_in_one_line_with_exit_2(tiny_llama, tmp_path):
 
 
 def test_an_ordinary_template_renders_as_before(tiny_llama):
-    with LLM(str(tiny_llama)) as llm:
+    with LLM(str(tiny_llama), kv_cache_memory="8MiB") as llm:
         out = llm.chat([{"role": "user", "content": "hi"}], use_tqdm=False)
     assert out[0].prompt_token_ids
