@@ -16,6 +16,29 @@ import kvserve.engine.loading as loading_module  # noqa: E402
 from tiny_models import build_tiny_model, build_tokenizer  # noqa: E402
 
 
+# The tests that run kvserve's Triton kernels under Triton's interpreter: single-threaded Python on
+# tiny models. With pytest-xdist (pyproject's addopts: -n 2 --dist loadfile) they run on one worker
+# beside the rest of the suite, in file order, on the other. Two workers sharing out the whole
+# suite would each hold the real model's fixtures at once, more than a 24 GiB machine has to spare.
+INTERPRETER_TEST_FILES = {"test_triton_attention.py", "test_fixed_order_triton.py", "test_step_host_syncs.py",
+                          "test_decode_graphs.py", "test_fused_ops.py", "test_triton_interpreter.py"}
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile with two units of work: the interpreter's test files, and all the others."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class TwoGroups(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
+            return "triton-interpreter" if file in INTERPRETER_TEST_FILES else "rest"
+
+    return TwoGroups(config, log)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _load_each_model_once():
     """Engines in one test session reuse a checkpoint's tensors and tokenizer instead of reading
