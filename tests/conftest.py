@@ -16,27 +16,36 @@ import kvserve.engine.loading as loading_module  # noqa: E402
 from tiny_models import build_tiny_model, build_tokenizer  # noqa: E402
 
 
-# The tests that run kvserve's Triton kernels under Triton's interpreter: single-threaded Python on
-# tiny models. With pytest-xdist (pyproject's addopts: -n 2 --dist loadfile) they run on one worker
-# beside the rest of the suite, in file order, on the other. Two workers sharing out the whole
-# suite would each hold the real model's fixtures at once, more than a 24 GiB machine has to spare.
-INTERPRETER_TEST_FILES = {"test_triton_attention.py", "test_fixed_order_triton.py", "test_step_host_syncs.py",
-                          "test_decode_graphs.py", "test_fused_ops.py", "test_triton_interpreter.py"}
+# pytest-xdist (pyproject's addopts: -n 2 --dist loadfile) runs the suite as two units of work,
+# one per worker, each in file order. Sharing out every file instead would let both workers hold the
+# real model's fixtures and servers at once, more than a 24 GiB machine has to spare, so the side
+# unit takes only files that never load it (no real model in-process or in a server they start):
+# the Triton interpreter's tests (single-threaded Python on tiny models) and tiny-model files
+# chosen to even out the two units' times (BENCHMARKS.md, "CI time on the AVX2-only CPU").
+SIDE_UNIT_FILES = {
+    # the Triton interpreter's
+    "test_triton_attention.py", "test_fixed_order_triton.py", "test_step_host_syncs.py", "test_decode_graphs.py",
+    "test_fused_ops.py", "test_triton_interpreter.py",
+    # tiny models only
+    "test_deterministic.py", "test_kv_tiers_server.py", "test_router.py", "test_router_hardening.py",
+    "test_bench_compare.py", "test_reliability_fuzz.py", "test_eviction_engine.py", "test_tensor_parallel_features.py",
+    "test_dashboard_browser.py", "test_reliability_shutdown.py", "test_disk_tier_trust.py",
+}
 
 
 @pytest.hookimpl(optionalhook=True, tryfirst=True)
 def pytest_xdist_make_scheduler(config, log):
-    """--dist loadfile with two units of work: the interpreter's test files, and all the others."""
+    """--dist loadfile with two units of work: SIDE_UNIT_FILES, and all the others."""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
 
-    class TwoGroups(LoadFileScheduling):
+    class TwoUnits(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             file = nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
-            return "triton-interpreter" if file in INTERPRETER_TEST_FILES else "rest"
+            return "side" if file in SIDE_UNIT_FILES else "rest"
 
-    return TwoGroups(config, log)
+    return TwoUnits(config, log)
 
 
 @pytest.fixture(scope="session", autouse=True)
