@@ -108,7 +108,12 @@ def test_every_answer_carrying_one_snapshot_gives_it_the_same_time(engine, monke
     server = SimpleNamespace(step_started_at=time.monotonic() - 2, steps_completed=3)  # step 4 running 2 s
     pool_type = type(snap.engine.pool)
     counts = pool_type.counts
-    monkeypatch.setattr(pool_type, "counts", lambda pool: (time.sleep(0.01), counts(pool))[1])
+
+    def slow_counts(pool):
+        time.sleep(0.01)
+        return counts(pool)
+
+    monkeypatch.setattr(pool_type, "counts", slow_counts)
     slow = state_json(snap, server, "tiny")
     monkeypatch.setattr(pool_type, "counts", counts)
     quick = state_json(snap, server, "tiny")

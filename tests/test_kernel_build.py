@@ -51,8 +51,8 @@ def tiny_build(cache: Path) -> KernelBuild:
 def probe(cache: Path, build: KernelBuild, **popen_kwargs) -> subprocess.Popen:
     env = {**os.environ, "KVSERVE_CACHE_DIR": str(cache)}
     env.pop(DISABLE_ENV, None)
-    return subprocess.Popen([sys.executable, "-c", PROBE, build.name, str(build.source), build.isa], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, **popen_kwargs)
+    return subprocess.Popen([sys.executable, "-c", PROBE, build.name, str(build.source), build.isa], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen_kwargs)
 
 
 @pytest.fixture
