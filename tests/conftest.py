@@ -3,8 +3,15 @@ built in tests share its weights (read-only) through a cached loader."""
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from pathlib import Path
+
+# Set before torch loads (the xdist workers and the servers tests start inherit it): a worker's torch
+# threads sleep at once when they run out of work instead of spinning for the core that the other
+# worker needs; spinning doubled a file's time beside a busy worker (BENCHMARKS.md, "CI time on the
+# AVX2-only CPU"). Only the suite sets it; kvserve leaves OpenMP's defaults as they are.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest
 
