@@ -124,6 +124,7 @@ def test_cli_json_and_plot(tiny_llama, tmp_path, capsys):
     (["--num-tokens", "100000000", "--no-passkey"], "use a longer text or fewer --num-tokens"),
     (["--text", "/nonexistent/book.txt"], "cannot read the evaluation text"),
     (["--passkey-lengths", "4000"], "lower --passkey-lengths"),
+    (["--long-tokens", "500"], "--long-tokens: options of the long-context protocol, which needs --long-context"),
 ])
 def test_cli_errors_are_one_line(tiny_llama, capsys, argv, message):
     argv = ["eval", "--model", str(tiny_llama), "--max-model-len", "1024", *argv]

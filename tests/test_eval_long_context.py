@@ -61,6 +61,9 @@ def test_cli_json(tiny_llama, capsys, tmp_path):
     (["--long-configs", "dense,lru"], "unknown long-context configuration lru"),
     (["--long-chunk-size", "40", "--kv-budget", "32"], "chunk size (40) must be at most"),
     (["--long-tokens", "10000000"], "the text has"),
+    # the KV dtype comparison's options and a policy of its own: refused, not ignored
+    (["--kv-eviction", "h2o", "--num-tokens", "50"], "--num-tokens, --kv-eviction: not read by --long-context"),
+    (["--max-num-batched-tokens", "64"], "--max-num-batched-tokens: not read by --long-context"),
 ])
 def test_cli_errors_are_one_line(tiny_llama, capsys, argv, fragment):
     code = main(["eval", "--long-context", "--model", str(tiny_llama), "--dtype", "float32", "--no-passkey",

@@ -292,6 +292,9 @@ def test_settings_defaults_and_overrides():
     ({"policy": "h2o", "budget": 64, "sink_tokens": -1}, {}, "sink_tokens must be at least 0"),
     ({"policy": "h2o", "budget": 64, "recent_tokens": 61}, {}, "recent_tokens must be in [0, budget - sink_tokens]"),
     ({"recent_tokens": 10}, {"policy": "streaming", "budget": 64}, "streaming keeps sink_tokens + recent_tokens"),
+    # settings with no policy to apply them to (the server started without --kv-eviction)
+    ({"budget": 256}, {}, "kv_eviction.budget only apply(s) under a KV eviction policy"),
+    ({"policy": "none", "sink_tokens": 0}, {"policy": "h2o", "budget": 64}, "kv_eviction.sink_tokens only apply"),
 ])
 def test_bad_settings_are_refused_with_a_clear_message(request_spec, engine, fragment):
     with pytest.raises(ValueError) as info:

@@ -28,6 +28,7 @@ def test_request_under_eviction_runs_past_the_context_length(tiny_server):
     ({"policy": "h2o", "budget": 4096}, "at most max-model-len"),
     ({"policy": "streaming", "budget": 64, "window": 8}, "window"),
     ({"policy": "streaming", "budget": "lots"}, "budget"),
+    ({"budget": 64}, "only apply(s) under a KV eviction policy"),  # this server runs none by default
 ])
 def test_bad_kv_eviction_is_a_400(tiny_server, kv_eviction, fragment):
     response = post(tiny_server, {"prompt": "Hello", "max_tokens": 4, "kv_eviction": kv_eviction})

@@ -125,6 +125,7 @@ def test_an_unusable_disk_directory_fails_at_start_up(tiny_llama, tmp_path):
 
 
 @pytest.mark.parametrize("options", [dict(kv_offloading_size=-1.0), dict(kv_offloading_disk_size=0),
+                                     dict(kv_offloading_disk_size=5.0),  # no --kv-offloading-disk-path to size
                                      dict(kv_offloading_size=1.0, enable_prefix_caching=False)])
 def test_bad_tier_options_are_refused(options):
     with pytest.raises(ValueError, match="kv-offloading|prefix"):

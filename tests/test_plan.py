@@ -384,3 +384,13 @@ def test_paged_waste_is_small_and_contiguous_waste_large():
     assert contiguous.waste_fraction > 0.5
     assert contiguous.max_running == 16384 // 2048
     assert paged[1].mean_running > 3 * contiguous.mean_running
+
+
+@pytest.mark.parametrize("flag", [["--kv-eviction", "h2o"], ["--max-num-seqs", "8"], ["--attention-backend", "torch"],
+                                  ["--kv-offloading-disk-path", "/tmp/kv"]])
+def test_engine_options_the_plan_does_not_read_are_refused(capsys, flag):
+    """plan takes the engine options that change KV sizes or the budget; any other is unknown to it
+    rather than accepted and ignored."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", *flag])
+    assert exit_info.value.code == 2 and f"unrecognized arguments: {flag[0]}" in capsys.readouterr().err

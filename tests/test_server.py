@@ -239,6 +239,16 @@ def test_logit_bias_forces_and_bans_a_token(tiny_server, client):
             completion(logit_bias=bias)
 
 
+def test_tokenize_messages_takes_only_the_special_tokens_the_template_writes(tiny_server):
+    """/tokenize of messages counts what chat sends the model; add_special_tokens (a `prompt` option)
+    is refused there rather than ignored."""
+    url, messages = f"{tiny_server.base_url}/tokenize", [{"role": "user", "content": "Hi"}]
+    plain = httpx.post(url, json={"messages": messages}).json()["tokens"]
+    assert httpx.post(url, json={"messages": messages, "add_special_tokens": False}).json()["tokens"] == plain
+    refused = httpx.post(url, json={"messages": messages, "add_special_tokens": True})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "add_special_tokens", refused.text
+
+
 def test_continue_final_message_continues_the_assistant_turn(tiny_server, client):
     """vLLM's continue_final_message (with add_generation_prompt false): the last assistant message
     is left open, and the reply is what a raw completion of that rendered prompt gives."""

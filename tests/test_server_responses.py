@@ -76,6 +76,8 @@ def test_the_store_and_its_errors(client):
         client.responses.create(model="tiny", input="Hi", background=True)
     with pytest.raises(openai.BadRequestError, match="only function tools are supported"):
         client.responses.create(model="tiny", input="Hi", tools=[{"type": "web_search"}])
+    with pytest.raises(openai.BadRequestError, match="`n` must be 1 on /v1/responses"):
+        client.responses.create(model="tiny", input="Hi", max_output_tokens=2, extra_body={"n": 3})
 
 
 def test_openai_agents_default_model_runs_a_tool_loop(tiny_server):

@@ -167,6 +167,26 @@ def test_auto_hermes_parses_the_generated_tool_call(tiny_client):
     assert plain.choices[0].message.tool_calls == [] and plain.choices[0].finish_reason == "stop"
 
 
+def test_strict_tools_under_auto_hold_the_reply_to_one_call_or_the_response_format(tiny_client):
+    """`strict: true` under tool_choice auto (the OpenAI Agents SDK sends it by default), with a
+    response_format: whatever the random model writes is one valid call or the schema's JSON."""
+    tools = [{"type": "function", "function": {**TINY_WEATHER["function"], "strict": True}}, TINY_TIME]
+    answer = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {
+        "type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}}, "required": ["answer"]}}}
+    for seed in range(4):  # unconstrained, the random model writes neither
+        choice = tiny_client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Weather?"}], tools=tools, tool_choice="auto",
+            response_format=answer, parallel_tool_calls=False, max_tokens=200, temperature=1.0, seed=seed).choices[0]
+        if choice.message.tool_calls:
+            assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+            assert_valid_calls(choice.message, tools)
+        else:
+            assert choice.finish_reason == "stop" and json.loads(choice.message.content)["answer"] in ("yes", "no")
+    with pytest.raises(openai.BadRequestError, match="a regex constraint cannot share"):
+        tiny_client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], tools=tools,
+                                            max_tokens=8, extra_body={"structured_outputs": {"regex": "a+"}})
+
+
 def test_parallel_tool_calls_false_gives_one_call(tiny_client):
     required = tiny_client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "Time?"}], tools=TINY_TOOLS, tool_choice="required",

@@ -18,6 +18,8 @@ from kvserve.model.quant_linear import QUANTIZATION_MODES
 
 # A --kv-cache-memory above this (1 PiB) is a typo, not a machine.
 MAX_KV_CACHE_BYTES = 1 << 50
+# The disk KV tier's size when --kv-offloading-disk-path is given without --kv-offloading-disk-size.
+DEFAULT_DISK_TIER_GIB = 10.0
 
 
 def _opt(help: str, **argparse_kwargs: Any) -> Any:
@@ -160,8 +162,9 @@ class EngineArgs:
     kv_offloading_disk_path: str | None = field(default=None, metadata=_opt(
         "directory of the disk KV tier (created 0700; shareable by several servers): blocks leaving the "
         "host tier (or the pool, without one) are written there and survive restarts; absent: off"))
-    kv_offloading_disk_size: float = field(default=10.0, metadata=_opt(
-        "GiB the disk KV tier's directory may hold (least recently used files are removed beyond it)"))
+    kv_offloading_disk_size: float | None = field(default=None, metadata=_opt(
+        f"GiB the disk KV tier's directory may hold (least recently used files are removed beyond it); "
+        f"needs --kv-offloading-disk-path. Default {DEFAULT_DISK_TIER_GIB:g}", type=float))
     kv_offloading_disk_key: str | None = field(default=None, metadata=_opt(
         "authenticate the disk tier's blocks with HMAC-SHA256 under a secret key, so that whoever can write "
         "the directory but not read the key cannot forge a block: `auto` keeps the key in the directory "
@@ -220,17 +223,20 @@ class EngineArgs:
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         _check_int("max_logprobs", self.max_logprobs, -1)
-        for name, optional in (("kv_offloading_size", True), ("kv_offloading_disk_size", False)):
+        for name in ("kv_offloading_size", "kv_offloading_disk_size"):
             value = getattr(self, name)
-            if value is None and optional:
+            if value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < (1 << 20):
                 raise ValueError(f"{_flag(name)} must be a number of GiB >= 0, got {value!r}")
-        if self.kv_offloading_disk_size <= 0:
+        if self.kv_offloading_disk_size is not None and self.kv_offloading_disk_size <= 0:
             raise ValueError(f"--kv-offloading-disk-size must be positive, got {self.kv_offloading_disk_size!r}")
         path = self.kv_offloading_disk_path
         if path is not None and (not isinstance(path, (str, os.PathLike)) or not str(path)):
             raise ValueError(f"--kv-offloading-disk-path must be a directory path, got {path!r}")
+        if self.kv_offloading_disk_size is not None and path is None:
+            raise ValueError("--kv-offloading-disk-size sizes the disk KV tier, which needs --kv-offloading-disk-path "
+                             "(the directory it lives in)")
         key = self.kv_offloading_disk_key
         if key is not None and (path is None or not isinstance(key, str) or not key):
             raise ValueError(f"--kv-offloading-disk-key is `auto` or a key file path, and needs "

@@ -34,7 +34,7 @@ from kvserve.cache.kv_cache import KVCache
 from kvserve.cache.kv_cache_manager import KVCacheManager
 from kvserve.cache.tiers import TierConfig, TieredStore
 from kvserve.engine import scoring
-from kvserve.engine.args import EngineArgs
+from kvserve.engine.args import DEFAULT_DISK_TIER_GIB, EngineArgs
 from kvserve.engine.key_transforms import calibrate_key_transforms
 from kvserve.engine.kv_identity import kv_namespace
 from kvserve.engine.loading import load_engine_model, select_attention
@@ -64,7 +64,7 @@ logger = logging.getLogger("kvserve")
 def _make_tiers(args: EngineArgs, kv_cache: KVCache, namespace: str) -> TieredStore | None:
     """The KV offload tiers the options ask for (None: none); logs their sizes in blocks."""
     config = TierConfig(int((args.kv_offloading_size or 0) * GiB), args.kv_offloading_disk_path,
-                        int(args.kv_offloading_disk_size * GiB), args.kv_offloading_disk_key)
+                        int((args.kv_offloading_disk_size or DEFAULT_DISK_TIER_GIB) * GiB), args.kv_offloading_disk_key)
     if not config.enabled:
         return None
     tiers = TieredStore(config, kv_cache, namespace)

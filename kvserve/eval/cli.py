@@ -87,12 +87,27 @@ def register(subparsers) -> None:
     add_long_context_args(p)
     EngineArgs.add_cli_args(p, skip=("kv_cache_dtype",))
     # Each configuration only needs room for one scoring window or one batch of passkey prompts.
-    p.set_defaults(func=run_eval, kv_cache_memory="1GiB")
+    p.set_defaults(func=run_eval, kv_cache_memory="1GiB", parser=p)
+
+
+# Options of one protocol that the other never reads: given to it, they are refused, not ignored.
+_DTYPE_COMPARISON_ONLY = ("kv_cache_dtypes", "quantizations", "num_tokens", "context_len", "score_len",
+                          "chunk_size", "passkey_lengths")
+_LONG_CONTEXT_ONLY = ("long_configs", "long_tokens", "long_chunk_size", "long_segment", "long_passkey_length",
+                      "long_passkey_budgets")
+
+
+def _refuse_unread(args: argparse.Namespace, names: tuple[str, ...], why: str) -> None:
+    """ValueError naming every option of `names` given a value other than its default."""
+    given = ["--" + name.replace("_", "-") for name in names if getattr(args, name) != args.parser.get_default(name)]
+    if given:
+        raise ValueError(f"{', '.join(given)}: {why}")
 
 
 def run_eval(args: argparse.Namespace) -> int:
     if args.long_context:
         return run_long_context(args)
+    _refuse_unread(args, _LONG_CONTEXT_ONLY, "options of the long-context protocol, which needs --long-context")
     from kvserve.eval.report import plot, render_table, report_json
     from kvserve.eval.runner import evaluate
 
@@ -153,6 +168,9 @@ def run_long_context(args: argparse.Namespace) -> int:
     from kvserve.eval.long_context import (LongContextConfig, evaluate_long_context, plot, render_tables,
                                            report_dict)
 
+    _refuse_unread(args, _DTYPE_COMPARISON_ONLY + ("kv_eviction", "max_num_batched_tokens"),
+                   "not read by --long-context, which compares the policies of --long-configs on the model's own "
+                   "KV dtype, with --long-tokens, --long-chunk-size and a step budget of its own")
     d = LongContextConfig()
     config = LongContextConfig(
         num_tokens=args.long_tokens, budget=args.kv_budget or d.budget,

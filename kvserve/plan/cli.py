@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import fields
 
 import torch
 
@@ -17,15 +18,12 @@ examples:
   kvserve plan --kv-cache-memory 1GiB --json          (the bundled default model)
   kvserve plan --kv-cache-memory 256MiB --kv-offloading-size 2 --kv-offloading-disk-size 50"""
 
-# Engine options that do not change KV sizes; --kv-cache-dtype is the planner's own (a
-# comma-separated list of the engine's formats) and MODEL is positional.
-# plan has its own --tensor-parallel-size (devices to plan for); it starts no processes.
-_SKIPPED_ENGINE_ARGS = ("model", "kv_cache_dtype", "max_num_seqs", "max_num_batched_tokens",
-                        "enable_prefix_caching", "seed", "tensor_parallel_size", "nnodes", "node_rank",
-                        "master_addr", "master_port",
-                        # the offload tiers: the planner takes their sizes itself and needs no directory
-                        "kv_offloading_size", "kv_offloading_disk_size", "kv_offloading_disk_path", "kv_offloading_disk_key",
-                        "kv_offloading_backend")
+# The engine options that change KV sizes or the budget; plan takes only these (any other engine
+# flag is refused as unknown rather than accepted and ignored). --kv-cache-dtype is the planner's
+# own (a comma-separated list of the engine's formats), MODEL is positional, and plan has its own
+# --tensor-parallel-size (devices to plan for) and offload-tier sizes (it needs no directory).
+_PLANNED_ENGINE_ARGS = ("dtype", "quantization", "device", "block_size", "kv_cache_memory",
+                        "gpu_memory_utilization", "max_model_len")
 
 
 def register(subparsers) -> None:
@@ -57,7 +55,7 @@ def register(subparsers) -> None:
     group.add_argument("--json", action="store_true", help="print the plan as JSON (keys: see kvserve/plan/report.py)")
     group.add_argument("--plot", metavar="PNG", default=None,
                        help="draw KV bytes against context length for the chosen dtypes, with the budget line")
-    EngineArgs.add_cli_args(parser, skip=_SKIPPED_ENGINE_ARGS)
+    EngineArgs.add_cli_args(parser, skip=tuple(f.name for f in fields(EngineArgs) if f.name not in _PLANNED_ENGINE_ARGS))
     parser.set_defaults(func=run_plan)
 
 

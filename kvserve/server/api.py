@@ -145,20 +145,25 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         ctx.check_model(body.model)
+        ctx.log_ignored(body)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "Give exactly one of `prompt` and `messages`.")
+        if body.messages is not None and body.add_special_tokens:
+            raise APIError(400, "add_special_tokens applies to `prompt`: `messages` get the special tokens their chat "
+                                "template writes, as /v1/chat/completions renders them.", param="add_special_tokens")
         if body.messages is not None:
             tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
             ids = await tokens.chat_prompt(conversation(body.messages), body.add_generation_prompt, tools,
                                            body.continue_final_message, body.chat_template_kwargs)
         else:
-            ids = await tokens.encode(body.prompt, body.add_special_tokens)
+            ids = await tokens.encode(body.prompt, body.add_special_tokens is not False)
         strs = [tokens.token_text(t) for t in ids] if body.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids, token_strs=strs)
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         ctx.check_model(body.model)
+        ctx.log_ignored(body)
         return DetokenizeResponse(prompt=await tokens.decode(body.tokens))
 
     add_dashboard(app, async_engine, config.served_model_names[0])

@@ -55,6 +55,7 @@ class EmbeddingServing:
 
     async def create(self, body: EmbeddingRequest) -> EmbeddingResponse:
         self.ctx.check_model(body.model)
+        self.ctx.log_ignored(body)
         if body.dimensions is not None and body.dimensions != self.hidden_size:  # vLLM's text, and the size
             raise APIError(400, f"Model does not support matryoshka representation, changing output dimensions "
                                 f"will lead to poor results (its embeddings have {self.hidden_size} dimensions).",

@@ -351,7 +351,9 @@ class TokenizeRequest(OpenAIModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     tools: list[ChatTool] | None = None  # rendered with the messages, as chat renders them
-    add_special_tokens: bool = True
+    # prompt: default True. messages: as chat renders them, the template's special tokens only (vLLM's
+    # default there); True is refused rather than ignored.
+    add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None

@@ -7,16 +7,21 @@
 - `"required"`: the output is constrained to a JSON array of `{"name": <a tool>, "parameters":
   <that tool's schema>}` objects, at least one; each becomes a call.
 - `"auto"` (the default when `tools` is given): the model writes calls in its own format, which
-  the server's `--tool-call-parser` reads; needs `--enable-auto-tool-choice`.
+  the server's `--tool-call-parser` reads; needs `--enable-auto-tool-choice`. When a tool says
+  `"strict": true`, a grammar in that format (the parser's `strict_grammar`) leaves text free and
+  holds every call to a tool's name and its closed parameters schema (the others' to any object),
+  as vLLM's structural tags do; with response_format's JSON schema, a reply is calls or that JSON.
 
 Named and required work on any model because the grammar, not the model, guarantees the shape.
 """
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import dataclass
 from typing import Any
 
+from kvserve.engine.structured_output import SEPARATORS
 from kvserve.sampling_params import StructuredOutputsParams
 from kvserve.server.errors import APIError
 from kvserve.server.json_schemas import closed_schema
@@ -35,6 +40,8 @@ class ToolPlan:
     function_name: str | None = None  # the named function
     parser_name: str | None = None  # auto: the server's --tool-call-parser
     parallel: bool = True  # parallel_tool_calls; False keeps one call (required: the grammar allows one)
+    strict: bool = False  # auto: some tool is `strict`, so a grammar holds the calls to their schemas
+    final_schema: dict | None = None  # auto and strict: response_format's schema, the reply when no call
 
     def reader(self) -> ToolParser | None:
         """What reads this request's output into tool calls (None: plain text)."""
@@ -51,6 +58,11 @@ class ToolPlan:
             return StructuredOutputsParams(json=self._parameters(self.function_name))
         if self.choice == "required":
             return StructuredOutputsParams(json=required_schema(self.tools, self.parallel))
+        if self.choice == "auto" and self.strict:
+            parser = TOOL_PARSERS[self.parser_name]
+            call = call_schema(self.tools, parser.argument_key, strict_only=True)
+            final = None if self.final_schema is None else _inline_json(self.final_schema)
+            return StructuredOutputsParams(grammar=parser.strict_grammar(_inline_json(call), final, self.parallel))
         return None
 
     def _parameters(self, name: str) -> dict:
@@ -67,29 +79,48 @@ class ToolPlan:
         return finish_reason
 
 
-def required_schema(tools: list[dict[str, Any]], parallel: bool = True) -> dict:
-    """vLLM's schema for `tool_choice: "required"`: an array of at least one call (exactly one
-    without `parallel`), each naming a tool (an enum of one) with that tool's parameters. `$defs`
-    of the tools move to the top, where their `#/$defs/...` references resolve."""
+def call_schema(tools: list[dict[str, Any]], argument_key: str = "parameters", strict_only: bool = False) -> dict:
+    """The schema of one call object, `{"name": <a tool>, argument_key: <that tool's schema>}`
+    (parameters closed, see `closed_schema`). `strict_only`: tools not marked `strict` take any
+    object. `$defs` of the tools move to the top, where their `#/$defs/...` references resolve."""
     definitions: dict[str, Any] = {}
     alternatives = []
     for tool in tools:
         function = tool["function"]
-        parameters = closed_schema(copy.deepcopy(function.get("parameters") or EMPTY_PARAMETERS))
+        if strict_only and not function.get("strict"):
+            parameters: dict[str, Any] = {"type": "object"}
+        else:
+            parameters = closed_schema(copy.deepcopy(function.get("parameters") or EMPTY_PARAMETERS))
         for name, schema in parameters.pop("$defs", {}).items():
             if definitions.get(name, schema) != schema:
                 raise APIError(400, f"Tool definition '{name}' has multiple schemas, which is not supported.",
                                param="tools")
             definitions[name] = schema
         alternatives.append({"properties": {"name": {"type": "string", "enum": [function["name"]]},
-                                            "parameters": parameters},
-                             "required": ["name", "parameters"], "additionalProperties": False})
-    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": alternatives}}
-    if not parallel:
-        schema["maxItems"] = 1
+                                            argument_key: parameters},
+                             "required": ["name", argument_key], "additionalProperties": False})
+    schema: dict[str, Any] = {"type": "object", "anyOf": alternatives}
     if definitions:
         schema["$defs"] = definitions
     return schema
+
+
+def required_schema(tools: list[dict[str, Any]], parallel: bool = True) -> dict:
+    """vLLM's schema for `tool_choice: "required"`: an array of at least one call (exactly one
+    without `parallel`), each naming a tool (an enum of one) with that tool's parameters."""
+    call = call_schema(tools)
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": call["anyOf"]}}
+    if not parallel:
+        schema["maxItems"] = 1
+    if "$defs" in call:
+        schema["$defs"] = call["$defs"]
+    return schema
+
+
+def _inline_json(schema: dict) -> str:
+    """A schema as Lark's `%json {...}`, its JSON written with the separators of every other
+    constrained reply (kvserve/engine/structured_output.py)."""
+    return "%json " + json.dumps({**schema, "x-guidance": {"whitespace_flexible": False, **SEPARATORS}})
 
 
 def _asks_for_structure(body: ChatCompletionRequest) -> bool:
@@ -97,6 +128,31 @@ def _asks_for_structure(body: ChatCompletionRequest) -> bool:
         return body.structured_outputs_params() is not None
     except ValueError:  # a malformed constraint: sampling_params() reports it
         return False
+
+
+def _final_schema(body: ChatCompletionRequest) -> dict | None:
+    """Under strict auto tools, the JSON schema a reply without calls follows (response_format),
+    if any. Other constraints cannot share the tools' grammar: a 400."""
+    try:
+        constraint = body.structured_outputs_params()
+    except ValueError:  # a malformed constraint: sampling_params() reports it
+        return None
+    if constraint is None:
+        return None
+    if constraint.kind == "json_object":
+        return {"type": "object"}
+    if constraint.kind == "json":
+        schema = constraint.json
+        try:
+            schema = json.loads(schema) if isinstance(schema, str) else schema
+        except ValueError as exc:
+            raise APIError(400, f"Invalid grammar specification: {exc}", param="response_format") from None
+        if not isinstance(schema, dict):
+            raise APIError(400, "a JSON schema must be an object", param="response_format")
+        return schema
+    raise APIError(400, "Strict tools (function.strict) under tool_choice \"auto\" constrain the reply with a "
+                        f"grammar, which a {constraint.kind} constraint cannot share: use one or the other.",
+                   param="tools")
 
 
 def plan_tools(body: ChatCompletionRequest, auto_parser: str | None) -> ToolPlan | None:
@@ -137,6 +193,9 @@ def plan_tools(body: ChatCompletionRequest, auto_parser: str | None) -> ToolPlan
             raise APIError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
                                 'to be set', param="tool_choice")
         plan.parser_name = auto_parser
+        plan.strict = any(t["function"].get("strict") for t in tools)
+        if plan.strict:
+            plan.final_schema = _final_schema(body)
     elif _asks_for_structure(body):
         raise APIError(400, "You can only either use guided decoding or tools, not both.", param="tool_choice")
     return plan

@@ -86,6 +86,11 @@ def resolve_eviction(request: EvictionSpec | None, engine: EvictionSpec, max_mod
         raise ValueError(f"unknown KV eviction policy {name!r}: choose one of "
                          f"{', '.join((NO_EVICTION, *policies))}")
     if name == NO_EVICTION:
+        given = [f"kv_eviction.{n}" for n in ("budget", "sink_tokens", "recent_tokens")
+                 if request is not None and getattr(request, n) is not None]
+        if given:  # settings of a policy the request does not run: refused, not ignored
+            raise ValueError(f"{', '.join(given)} only apply(s) under a KV eviction policy, and this request has "
+                             f"none: name one in kv_eviction.policy ({', '.join(policies)}), or start with --kv-eviction")
         return None
     if spec.budget is None:
         raise ValueError(f"KV eviction policy {name!r} needs a budget (--kv-budget or kv_eviction.budget)")

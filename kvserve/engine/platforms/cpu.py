@@ -34,6 +34,9 @@ class CpuPlatform(Platform):
         return BatchLimits(256, 2048, "the CPU's defaults")
 
     def kv_budget_before_load(self, args, budget, device):
+        if args.gpu_memory_utilization != type(args).gpu_memory_utilization:  # not the default
+            logger.info("--gpu-memory-utilization concerns CUDA: on CPU the KV pool is --kv-cache-memory, "
+                        "by default min(4GiB, RAM/4)")
         if budget is None:
             return default_cpu_budget()
         if budget > (available := available_ram_bytes()):

@@ -39,8 +39,17 @@ class ToolParser:
     """A tool-call format the model writes (`--tool-call-parser NAME`)."""
 
     name: str = ""
+    argument_key: str = "arguments"  # the call object's key for the arguments, as the model writes it
 
     def parse(self, text: str, final: bool) -> Parse:
+        raise NotImplementedError
+
+    @classmethod
+    def strict_grammar(cls, call: str, final: str | None, parallel: bool = True) -> str:
+        """A Lark grammar (llguidance's dialect) of a reply in this format whose every call matches
+        `call` (an inline `%json {...}` of the call object), for `tool_choice: "auto"` with strict
+        tools; one call at most without `parallel`. With `final` (the `%json` of response_format's
+        schema), a reply is calls or that JSON, not free text."""
         raise NotImplementedError
 
 

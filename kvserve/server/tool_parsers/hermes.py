@@ -4,6 +4,8 @@ each call is a JSON object `{"name": ..., "arguments": {...}}` between `<tool_ca
 as vLLM's parser does)."""
 from __future__ import annotations
 
+import json
+
 from kvserve.server.tool_parsers.base import Parse, ToolParser, partial_suffix, read_call
 from kvserve.server.tool_parsers.json_scan import JSONSyntaxError, skip_whitespace
 
@@ -12,6 +14,20 @@ START, END = "<tool_call>", "</tool_call>"
 
 class HermesParser(ToolParser):
     name = "hermes"
+
+    @classmethod
+    def strict_grammar(cls, call: str, final: str | None, parallel: bool = True) -> str:
+        """Free text up to each `<tool_call>` (a lazy lexeme: it ends at the tag, llguidance's
+        tool-calling pattern), then a call as the model writes it, on a line of its own. With
+        `final`, calls and no text, or the final JSON: at a reply's first byte llguidance commits to
+        one lexeme class, free text's or the JSON's."""
+        if final is None:  # without `parallel`, a second call is text (the plan keeps the first)
+            return "\n".join(["%llguidance {}", f"start: call{'*' if parallel else '?'} TEXT", "TEXT: /(.|\\n)*/",
+                              f"call_open[lazy]: TEXT {json.dumps(START)}",
+                              f"call: call_open {json.dumps(chr(10))} {call} {json.dumps(chr(10) + END)}"])
+        calls = 'call ("\\n" call)*' if parallel else "call"
+        return "\n".join(["%llguidance {}", f"start: final | {calls}", f"final: {final}",
+                          f"call: {json.dumps(START + chr(10))} {call} {json.dumps(chr(10) + END)}"])
 
     def parse(self, text: str, final: bool) -> Parse:
         first = text.find(START)

@@ -11,6 +11,18 @@ PYTHON_TAG = "<|python_tag|>"
 
 class Llama3JsonParser(ToolParser):
     name = "llama3_json"
+    argument_key = "parameters"
+
+    @classmethod
+    def strict_grammar(cls, call: str, final: str | None, parallel: bool = True) -> str:
+        """Text that does not open with `{`, or calls separated by `; ` (without the python tag,
+        which not every tokenizer has)."""
+        if final is None:  # TEXT: a reply that opens with anything but `{`, or nothing
+            start = ["start: TEXT | calls", "TEXT: /\\s*([^{\\s](.|\\n)*)?/"]
+        else:
+            start = ["start: calls | final", f"final: {final}"]
+        calls = 'calls: call ("; " call)*' if parallel else "calls: call"
+        return "\n".join(["%llguidance {}", *start, calls, f"call: {call}"])
 
     def parse(self, text: str, final: bool) -> Parse:
         i = skip_whitespace(text, 0)
