@@ -116,6 +116,20 @@ def test_the_warning_for_many_unknown_keys_is_one_short_line(tiny_server):
     assert len(lines) == 1 and len(lines[0]) < 3000 and "and 14980 more" in lines[0], lines[0][:300]
 
 
+def test_every_endpoint_logs_the_fields_it_ignores(tiny_server):
+    """Embeddings, tokenize, detokenize and the Responses API's `text` warn of keys they do not read,
+    as completions and chat do (vLLM's warning), and still answer."""
+    for path, body, key in [("/v1/embeddings", {"input": "x", "normalize": True}, "normalize"),
+                            ("/tokenize", {"prompt": "x", "truncate_prompt_tokens": 3}, "truncate_prompt_tokens"),
+                            ("/detokenize", {"tokens": [5], "skip_special": True}, "skip_special"),
+                            ("/v1/responses", {"input": "x", "max_output_tokens": 1, "text": {"verbosity": "low"}},
+                             "text.verbosity")]:
+        assert post(tiny_server, path, json=body).status_code == 200, path
+        logged = [line for line in tiny_server.log_path.read_text(errors="replace").splitlines()
+                  if "present in the request but ignored" in line and repr(key) in line]
+        assert logged, (path, key)
+
+
 def test_a_top_p_that_underflows_float32_keeps_the_most_likely_token(tiny_server):
     """top_p = 1e-46 is 0 in float32, which masked every token (a 200 of end-of-text tokens); it is
     raised to the smallest normal float32, which keeps the most likely token: greedy's text."""

@@ -81,3 +81,16 @@ def test_openai_wire_messages_render_the_same_offline(tiny_tokenizer, tiny_llama
     [output] = llm.chat(wire, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False, tools=TOOLS)
     assert output.prompt_token_ids == apply_chat_template(llm.engine.tokenizer, wire, True, TOOLS)
     assert output.outputs[0].token_ids
+
+
+def test_other_message_keys_reach_the_template(tiny_tokenizer):
+    """A reasoning model's template reads an earlier turn's `reasoning_content` (vLLM passes a
+    message's other keys through); a template that does not use a key never sees it in the text."""
+    template = ("{% for m in messages %}{{ m.role }}:{% if m.reasoning_content %}[{{ m.reasoning_content }}]{% endif %}"
+                "{{ m.content }};{% endfor %}")
+    turns = conversation([ChatMessage.model_validate(m) for m in [
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello", "reasoning_content": "greet back"}]])
+    assert turns[1]["reasoning_content"] == "greet back"
+    tokenizer = copy.copy(tiny_tokenizer)
+    tokenizer.chat_template = template
+    assert tokenizer.decode(apply_chat_template(tokenizer, turns, False, None)) == "user:Hi;assistant:[greet back]Hello;"

@@ -50,7 +50,8 @@ def fim_token_ids(tokenizer: Any) -> tuple[int, int, int] | None:
 def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Chat messages as the template expects them; text content parts are joined by newlines.
     An assistant message's `tool_calls` keep their arguments as objects (what chat templates
-    render), a tool message its `tool_call_id`."""
+    render), a tool message its `tool_call_id`. Other keys (a reasoning model's earlier
+    `reasoning_content`, say) reach the template as they are, as vLLM passes them."""
     if not messages:
         raise APIError(400, "messages must contain at least one message.", param="messages")
     result = []
@@ -71,7 +72,8 @@ def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                                         f"got type {part.type!r}.", param=f"{where}.content")
                 texts.append(part.text)
             content = "\n".join(texts)
-        entry = {"role": message.role, "content": content or ""}
+        extra = {k: v for k, v in (message.model_extra or {}).items() if k not in _UNSUPPORTED_MESSAGE_FIELDS}
+        entry = {**extra, "role": message.role, "content": content or ""}
         if message.name is not None:
             entry["name"] = message.name
         if message.tool_calls:
@@ -190,7 +192,8 @@ class Tokenization:
                           template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """The conversation rendered by the model's chat template and tokenized; tool definitions,
         calls and results go where the template puts them, or in hermes text (engine/tool_prompts.py)."""
-        chars = sum(len(str(m.get("content") or "")) + len(json.dumps(m.get("tool_calls") or [])) for m in messages)
+        chars = sum(len(str(m.get("content") or "")) + len(json.dumps({k: v for k, v in m.items() if k != "content"}))
+                    for m in messages)
         chars += len(json.dumps(tools or [])) + len(json.dumps(template_kwargs or {}))
         self.check_length(chars, "messages")
 

@@ -27,6 +27,7 @@ from starlette.responses import Response
 from kvserve.server.chat import ChatServing
 from kvserve.server.errors import APIError
 from kvserve.server.protocol import ChatCompletionRequest, OpenAIModel
+from kvserve.server.serving import log_ignored_fields
 from kvserve.server.streaming import EventStreamResponse
 
 MAX_STORED = 1024  # responses kept for previous_response_id and GET, least recently used dropped first
@@ -121,7 +122,9 @@ def chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any
 
 
 def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
-    """`text.format` as chat's response_format."""
+    """`text.format` as chat's response_format; other keys of `text` (`verbosity`) are logged as
+    ignored, as unknown request fields are."""
+    log_ignored_fields([f"text.{k}" for k in sorted(set(text or {}) - {"format"})])
     fmt = (text or {}).get("format")
     if fmt is not None and not isinstance(fmt, dict):
         raise APIError(400, "text.format must be an object.", param="text")

@@ -24,6 +24,15 @@ CONTEXT_LENGTH_PREFIX = "This model's maximum context length is"
 MAX_LOGGED_KEYS, MAX_LOGGED_KEY_CHARS = 20, 64
 
 
+def log_ignored_fields(names: list[str]) -> None:
+    """vLLM's warning naming request fields kvserve ignores; bounded, so that a body of 200,000
+    unknown keys does not write a megabyte per request."""
+    if names:
+        shown = ", ".join(repr(k[:MAX_LOGGED_KEY_CHARS]) for k in names[:MAX_LOGGED_KEYS])
+        more = f" and {len(names) - MAX_LOGGED_KEYS} more" if len(names) > MAX_LOGGED_KEYS else ""
+        logger.warning("The following fields were present in the request but ignored: [%s]%s", shown, more)
+
+
 @dataclass
 class ServingContext:
     engine: AsyncEngine
@@ -52,11 +61,7 @@ class ServingContext:
     @staticmethod
     def log_ignored(body: OpenAIModel, skip: Container[str] = ()) -> None:
         """Log the keys of `body` no API defines (vLLM's warning), but those in `skip`."""
-        ignored = [k for k in body.unknown_fields() if k not in skip]
-        if ignored:  # bounded: a body of 200,000 unknown keys must not write a megabyte per request
-            shown = ", ".join(repr(k[:MAX_LOGGED_KEY_CHARS]) for k in ignored[:MAX_LOGGED_KEYS])
-            more = f" and {len(ignored) - MAX_LOGGED_KEYS} more" if len(ignored) > MAX_LOGGED_KEYS else ""
-            logger.warning("The following fields were present in the request but ignored: [%s]%s", shown, more)
+        log_ignored_fields([k for k in body.unknown_fields() if k not in skip])
 
     def sampling_params(self, body: SamplingFields, max_tokens: int | None, logprobs: int | None,
                         num_prompts: int, prompt_logprobs: int | None = None,
