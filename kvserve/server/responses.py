@@ -175,7 +175,7 @@ class ResponsesServing:
         if body.background:
             raise APIError(400, "`background` is not supported by kvserve: responses are synchronous.",
                            param="background")
-        if (body.model_extra or {}).get("n", 1) != 1:  # a chat field passed through: one output here
+        if (body.model_extra or {}).get("n") not in (None, 1):  # a chat field passed through: one output here
             raise APIError(400, "`n` must be 1 on /v1/responses: a response has one output; use "
                                 "/v1/chat/completions for several choices.", param="n")
         history: list[dict[str, Any]] = []
