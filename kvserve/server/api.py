@@ -35,7 +35,7 @@ from kvserve.server.prompts import Tokenization, conversation
 from kvserve.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                      CompletionResponse, DetokenizeRequest, DetokenizeResponse, ErrorResponse,
                                      ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
-from kvserve.server.serving import ServingContext
+from kvserve.server.serving import ServingContext, log_ignored_fields
 from kvserve.server.streaming import ClientDisconnected
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
@@ -145,7 +145,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         ctx.check_model(body.model)
-        ctx.log_ignored(body)
+        log_ignored_fields(body.unknown_fields())
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "Give exactly one of `prompt` and `messages`.")
         if body.messages is not None and body.add_special_tokens:
@@ -163,7 +163,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         ctx.check_model(body.model)
-        ctx.log_ignored(body)
+        log_ignored_fields(body.unknown_fields())
         return DetokenizeResponse(prompt=await tokens.decode(body.tokens))
 
     add_dashboard(app, async_engine, config.served_model_names[0])

@@ -16,7 +16,7 @@ from pydantic import BaseModel
 from kvserve.server.errors import APIError
 from kvserve.server.prompts import Tokenization
 from kvserve.server.protocol import OpenAIModel
-from kvserve.server.serving import ServingContext
+from kvserve.server.serving import ServingContext, log_ignored_fields
 
 MAX_INPUTS = 2048  # OpenAI's limit of inputs per request
 
@@ -55,7 +55,7 @@ class EmbeddingServing:
 
     async def create(self, body: EmbeddingRequest) -> EmbeddingResponse:
         self.ctx.check_model(body.model)
-        self.ctx.log_ignored(body)
+        log_ignored_fields(body.unknown_fields())
         if body.dimensions is not None and body.dimensions != self.hidden_size:  # vLLM's text, and the size
             raise APIError(400, f"Model does not support matryoshka representation, changing output dimensions "
                                 f"will lead to poor results (its embeddings have {self.hidden_size} dimensions).",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Container
 from dataclasses import dataclass, field
 
 from starlette.requests import Request
@@ -14,7 +13,7 @@ from kvserve.sampling_params import SamplingParams
 from kvserve.server.engine_loop import AsyncEngine, EngineDeadError, EngineError, PromptSpec, RequestStream
 from kvserve.server.errors import APIError
 from kvserve.server.prompts import Tokenization
-from kvserve.server.protocol import MAX_CHOICES_PER_REQUEST, OpenAIModel, SamplingFields, UsageInfo
+from kvserve.server.protocol import MAX_CHOICES_PER_REQUEST, SamplingFields, UsageInfo
 from kvserve.server.streaming import unless_disconnected
 
 logger = logging.getLogger("kvserve.server")
@@ -56,12 +55,7 @@ class ServingContext:
         for name, harmless in body.unsupported_fields.items():
             if name in extra and not harmless(extra[name]):
                 raise APIError(400, f"`{name}` is not supported by kvserve.", param=name, code="unsupported_parameter")
-        self.log_ignored(body, skip=body.unsupported_fields)
-
-    @staticmethod
-    def log_ignored(body: OpenAIModel, skip: Container[str] = ()) -> None:
-        """Log the keys of `body` no API defines (vLLM's warning), but those in `skip`."""
-        log_ignored_fields([k for k in body.unknown_fields() if k not in skip])
+        log_ignored_fields([k for k in body.unknown_fields() if k not in body.unsupported_fields])
 
     def sampling_params(self, body: SamplingFields, max_tokens: int | None, logprobs: int | None,
                         num_prompts: int, prompt_logprobs: int | None = None,

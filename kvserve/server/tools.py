@@ -123,20 +123,19 @@ def _inline_json(schema: dict) -> str:
     return "%json " + json.dumps({**schema, "x-guidance": {"whitespace_flexible": False, **SEPARATORS}})
 
 
-def _asks_for_structure(body: ChatCompletionRequest) -> bool:
+def _requested_constraint(body: ChatCompletionRequest) -> StructuredOutputsParams | None:
+    """The output constraint the request itself asks for; None for none or a malformed one
+    (sampling_params() reports that)."""
     try:
-        return body.structured_outputs_params() is not None
-    except ValueError:  # a malformed constraint: sampling_params() reports it
-        return False
+        return body.structured_outputs_params()
+    except ValueError:
+        return None
 
 
 def _final_schema(body: ChatCompletionRequest) -> dict | None:
     """Under strict auto tools, the JSON schema a reply without calls follows (response_format),
     if any. Other constraints cannot share the tools' grammar: a 400."""
-    try:
-        constraint = body.structured_outputs_params()
-    except ValueError:  # a malformed constraint: sampling_params() reports it
-        return None
+    constraint = _requested_constraint(body)
     if constraint is None:
         return None
     if constraint.kind == "json_object":
@@ -196,6 +195,6 @@ def plan_tools(body: ChatCompletionRequest, auto_parser: str | None) -> ToolPlan
         plan.strict = any(t["function"].get("strict") for t in tools)
         if plan.strict:
             plan.final_schema = _final_schema(body)
-    elif _asks_for_structure(body):
+    elif _requested_constraint(body) is not None:
         raise APIError(400, "You can only either use guided decoding or tools, not both.", param="tool_choice")
     return plan

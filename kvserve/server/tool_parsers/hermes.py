@@ -10,6 +10,8 @@ from kvserve.server.tool_parsers.base import Parse, ToolParser, partial_suffix, 
 from kvserve.server.tool_parsers.json_scan import JSONSyntaxError, skip_whitespace
 
 START, END = "<tool_call>", "</tool_call>"
+# A call on a line of its own, as the format writes it (Lark string literals, for strict_grammar).
+_OPEN_LINE, _CLOSE_LINE = json.dumps(START + "\n"), json.dumps("\n" + END)
 
 
 class HermesParser(ToolParser):
@@ -24,10 +26,10 @@ class HermesParser(ToolParser):
         if final is None:  # without `parallel`, a second call is text (the plan keeps the first)
             return "\n".join(["%llguidance {}", f"start: call{'*' if parallel else '?'} TEXT", "TEXT: /(.|\\n)*/",
                               f"call_open[lazy]: TEXT {json.dumps(START)}",
-                              f"call: call_open {json.dumps(chr(10))} {call} {json.dumps(chr(10) + END)}"])
+                              f'call: call_open "\\n" {call} {_CLOSE_LINE}'])
         calls = 'call ("\\n" call)*' if parallel else "call"
         return "\n".join(["%llguidance {}", f"start: final | {calls}", f"final: {final}",
-                          f"call: {json.dumps(START + chr(10))} {call} {json.dumps(chr(10) + END)}"])
+                          f"call: {_OPEN_LINE} {call} {_CLOSE_LINE}"])
 
     def parse(self, text: str, final: bool) -> Parse:
         first = text.find(START)
