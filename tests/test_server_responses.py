@@ -22,7 +22,7 @@ def client(tiny_server) -> openai.OpenAI:
 
 def test_a_tool_loop_with_previous_response_id(client):
     first = client.responses.create(model="tiny", input="What is the weather in Paris?", tools=[WEATHER],
-                                    tool_choice="required", max_output_tokens=60, temperature=0)
+                                    tool_choice="required", max_output_tokens=200, temperature=0)
     calls = [item for item in first.output if item.type == "function_call"]
     assert first.status == "completed" and calls
     assert all(c.name == "get_weather" and "city" in json.loads(c.arguments) for c in calls)

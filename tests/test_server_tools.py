@@ -187,6 +187,32 @@ def test_strict_tools_under_auto_hold_the_reply_to_one_call_or_the_response_form
                                             max_tokens=8, extra_body={"structured_outputs": {"regex": "a+"}})
 
 
+def test_responses_tools_are_strict_unless_they_say_not(tiny_client):
+    """OpenAI's Responses API makes a function tool that leaves `strict` out strict (chat's tools are
+    not): under auto, each sampled reply of the random model is one valid call or text.format's
+    JSON, and a regex cannot share the tools' grammar. `"strict": false` opts out."""
+    tool = {"type": "function", **TINY_WEATHER["function"]}
+    answer = {"format": {"type": "json_schema", "name": "answer", "schema": {
+        "type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}}, "required": ["answer"]}}}
+    for seed in range(3):
+        response = tiny_client.responses.create(model="tiny", input="Weather?", tools=[tool], text=answer,
+                                                parallel_tool_calls=False, max_output_tokens=200, temperature=1.0,
+                                                extra_body={"seed": seed})
+        calls = [item for item in response.output if item.type == "function_call"]
+        if calls:
+            assert len(calls) == 1 and calls[0].name == "get_weather"
+            assert jsonschema_rs.validator_for(tool["parameters"]).is_valid(json.loads(calls[0].arguments))
+        else:
+            assert json.loads(response.output_text)["answer"] in ("yes", "no")
+        assert response.tools[0].strict is True
+    regex = {"structured_outputs": {"regex": "a+"}}
+    with pytest.raises(openai.BadRequestError, match="a regex constraint cannot share"):
+        tiny_client.responses.create(model="tiny", input="Hi", tools=[tool], max_output_tokens=4, extra_body=regex)
+    loose = tiny_client.responses.create(model="tiny", input="Hi", tools=[{**tool, "strict": False}],
+                                         max_output_tokens=4, temperature=0, extra_body=regex)
+    assert set(loose.output_text) == {"a"} and loose.tools[0].strict is False
+
+
 def test_parallel_tool_calls_false_gives_one_call(tiny_client):
     required = tiny_client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "Time?"}], tools=TINY_TOOLS, tool_choice="required",

@@ -101,6 +101,12 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     return messages
 
 
+def strict_by_default(tool: dict[str, Any]) -> dict[str, Any]:
+    """A Responses function tool that leaves `strict` out (or null) is strict, as OpenAI's Responses
+    API makes it (its Chat Completions tools are not); `"strict": false` opts out."""
+    return {**tool, "strict": True if tool.get("strict") is None else tool["strict"]}
+
+
 def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
     """Responses function tools ({"type", "name", "parameters", ...}) in chat's nesting."""
     if not tools:
@@ -110,8 +116,8 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
         if tool.get("type") != "function":
             raise APIError(400, f"tools[{i}]: only function tools are supported, not {tool.get('type')!r}.",
                            param="tools")
-        result.append({"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters",
-                                                                            "strict") if tool.get(k) is not None}})
+        result.append({"type": "function", "function": {k: v for k, v in strict_by_default(tool).items() if k in (
+            "name", "description", "parameters", "strict") and v is not None}})
     return result
 
 
@@ -226,7 +232,7 @@ class ResponsesServing:
     def _response(self, body: ResponsesRequest, response_id: str) -> dict[str, Any]:
         return {"id": response_id, "object": "response", "created_at": int(time.time()), "status": "in_progress",
                 "model": self.chat.ctx.model_name, "output": [], "error": None, "incomplete_details": None,
-                "instructions": body.instructions, "tools": body.tools or [], "tool_choice": body.tool_choice or "auto",
+                "instructions": body.instructions, "tools": [strict_by_default(t) for t in body.tools or []], "tool_choice": body.tool_choice or "auto",
                 "parallel_tool_calls": body.parallel_tool_calls is not False, "temperature": body.temperature,
                 "top_p": body.top_p, "max_output_tokens": body.max_output_tokens,
                 "previous_response_id": body.previous_response_id, "store": body.store,
