@@ -57,8 +57,15 @@ def test_latency_kvserve_and_hf(tiny_llama, tmp_path, capsys):
     (["bench", "throughput", "--backend", "kvserve,vllm"], "--backend takes a comma list"),
     (["bench", "throughput", "--backend", "hf", "--hf-batch-size", "0"], "--hf-batch-size must be at least 1"),
     (["bench", "latency", "--output-len", "0"], "--output-len must be at least 1"),
+    (["bench", "throughput", "--num-prompts", "0"], "--num-prompts must be at least 1"),
+    (["bench", "throughput", "--random-input-len", "9:3"], "a length range needs 0 <= MIN <= MAX"),
+    (["bench", "throughput", "--dataset-name", "book", "--book-output-len", "x"], "a length must be N or MIN:MAX"),
 ])
-def test_bad_offline_flags_fail_before_loading(capsys, argv, message):
+def test_bad_offline_flags_fail_before_loading(capsys, monkeypatch, argv, message):
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr("kvserve.llm.LLM", no_loading)
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0]

@@ -267,11 +267,26 @@ def synthetic_sharegpt_dataset(tokenizer: Any, num_prompts: int, output_len: int
     return requests
 
 
+def check_dataset_args(args: Any) -> None:
+    """ValueError for workload flags that cannot describe a workload, before anything is loaded
+    (`build_dataset` needs the tokenizer; `bench throughput` loads the model for it)."""
+    if args.num_prompts < 1:
+        raise ValueError(f"--num-prompts must be at least 1, got {args.num_prompts}")
+    if args.dataset_name == "random":
+        for value in (args.random_input_len, args.random_output_len):
+            LengthRange.parse(value, args.random_range_ratio)
+    elif args.dataset_name == "book":
+        for value in (args.book_input_len, args.book_output_len):
+            LengthRange.parse(value)
+    elif args.dataset_name == MULTI_TURN:
+        raise ValueError("--dataset-name multi-turn is a closed-loop chat workload: "
+                         "only `kvserve bench serve` and `kvserve bench compare` run it")
+
+
 def build_dataset(args: Any, tokenizer: Any) -> list[SampleRequest]:
     """The requests the CLI flags describe (see `add_dataset_args`)."""
+    check_dataset_args(args)
     name, n, seed = args.dataset_name, args.num_prompts, args.seed
-    if n < 1:
-        raise ValueError(f"--num-prompts must be at least 1, got {n}")
     if name == "random":
         return random_dataset(tokenizer, n, LengthRange.parse(args.random_input_len, args.random_range_ratio),
                               LengthRange.parse(args.random_output_len, args.random_range_ratio),
@@ -287,9 +302,6 @@ def build_dataset(args: Any, tokenizer: Any) -> list[SampleRequest]:
     if name == "book":
         return book_dataset(tokenizer, n, LengthRange.parse(args.book_input_len),
                             LengthRange.parse(args.book_output_len), args.dataset_path, seed)
-    if name == MULTI_TURN:
-        raise ValueError("--dataset-name multi-turn is a closed-loop chat workload: "
-                         "only `kvserve bench serve` and `kvserve bench compare` run it")
     raise ValueError(f"unknown dataset {name!r}; choose from {', '.join(DATASET_NAMES)}")
 
 

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from kvserve.bench.datasets import add_dataset_args, build_dataset
+from kvserve.bench.datasets import add_dataset_args, build_dataset, check_dataset_args
 from kvserve.bench.report import save_json
 from kvserve.engine.args import EngineArgs
 from kvserve.sampling_params import SamplingParams
@@ -98,6 +98,7 @@ def run_throughput_cli(args: argparse.Namespace) -> int:
     backends = parse_backends(args.backend)
     if args.hf_batch_size < 1:
         raise ValueError(f"--hf-batch-size must be at least 1, got {args.hf_batch_size}")
+    check_dataset_args(args)
     # kvserve is loaded even for `--backend hf` alone: it resolves the device, dtype and tokenizer.
     llm = LLM(**vars(EngineArgs.from_cli_args(args)))
     engine = llm.engine
