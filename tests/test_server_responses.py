@@ -80,6 +80,70 @@ def test_the_store_and_its_errors(client):
         client.responses.create(model="tiny", input="Hi", max_output_tokens=2, extra_body={"n": 3})
 
 
+def test_include_logprobs_returns_the_texts_token_logprobs(client):
+    """`include: ["message.output_text.logprobs"]` with `top_logprobs` (what openai-agents sends for
+    ModelSettings(top_logprobs=2)): each output token's logprob and its two best alternatives, the
+    same streamed (per delta) as not."""
+    request = dict(model="tiny", input="Hello", max_output_tokens=6, temperature=0, top_logprobs=2,
+                   include=["message.output_text.logprobs"])
+    response = client.responses.create(**request)
+    part = response.output[0].content[0]
+    assert len(part.logprobs) == response.usage.output_tokens
+    assert "".join(lp.token for lp in part.logprobs) == part.text
+    assert all(len(lp.top_logprobs) == 2 and lp.logprob <= 0 for lp in part.logprobs)
+    # greedy: the chosen token is the best alternative
+    assert all(lp.top_logprobs[0].logprob == pytest.approx(lp.logprob) for lp in part.logprobs)
+    with client.responses.stream(**request) as stream:
+        events = list(stream)
+    deltas = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert [lp.token for lp in deltas] == [lp.token for lp in part.logprobs]
+    assert [lp.token for lp in events[-1].response.output[0].content[0].logprobs] == [lp.token for lp in deltas]
+    assert client.responses.create(model="tiny", input="Hello", max_output_tokens=6).output[0].content[0].logprobs == []
+
+
+def test_items_replayed_by_agent_clients_make_the_chat_turns(client):
+    """What openai-agents and langchain send back: the model's text and its call in one assistant
+    turn (as generated), a tool output as a list of text parts. The prompt is the chat one."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    chat_messages = [{"role": "user", "content": "Weather in Paris?"},
+                     {"role": "assistant", "content": "Let me look.", "tool_calls": [call]},
+                     {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C."}]
+    chat = client.chat.completions.create(model="tiny", messages=chat_messages, tools=[{"type": "function", "function": {
+        k: WEATHER[k] for k in ("name", "description", "parameters")} | {"strict": True}}], tool_choice="none",
+        max_tokens=4, temperature=0)
+    items = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather in Paris?"}]},
+             {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+              "content": [{"type": "output_text", "text": "Let me look.", "annotations": [], "logprobs": []}]},
+             {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "get_weather",
+              "arguments": '{"city": "Paris"}', "status": "completed"},
+             {"type": "function_call_output", "call_id": "call_1",
+              "output": [{"type": "input_text", "text": "Sunny, 21 C."}]}]
+    response = client.responses.create(model="tiny", input=items, tools=[WEATHER], tool_choice="none",
+                                       max_output_tokens=4, temperature=0)
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    assert response.output_text == chat.choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match=r"input\[3\].output\[0\]: only text parts"):
+        client.responses.create(model="tiny", input=items[:3] + [{**items[3], "output": [{"type": "input_image"}]}],
+                                max_output_tokens=2)
+
+
+def test_responses_fields_that_would_change_the_answer_are_refused(client):
+    for field, value in [("conversation", "conv_1"), ("truncation", "auto"), ("reasoning", {"effort": "low"}),
+                         ("prompt", {"id": "pmpt_1"}), ("context_management", [{"type": "compaction"}])]:
+        with pytest.raises(openai.BadRequestError, match=f"`{field}` is not supported by kvserve") as caught:
+            client.responses.create(model="tiny", input="Hi", max_output_tokens=2, extra_body={field: value})
+        assert caught.value.body["param"] == field
+    # their off values, and fields that ask for nothing kvserve makes, are answered
+    quiet = dict(truncation="disabled", reasoning={"effort": None, "summary": None}, include=[], max_tool_calls=3,
+                 extra_body={"stream_options": {"include_obfuscation": False}, "conversation": None})
+    assert client.responses.create(model="tiny", input="Hi", max_output_tokens=2, **quiet).status
+    with client.responses.stream(model="tiny", input="Hi", max_output_tokens=2, **quiet) as stream:
+        assert list(stream)[-1].response.usage.output_tokens == 2  # kvserve's own stream options hold
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):  # a whole-request check: a 400, not a 500
+        client.responses.create(model="tiny", input="Hi", max_output_tokens=2, stream=True,
+                                extra_body={"prompt_logprobs": 1})
+
+
 def test_openai_agents_default_model_runs_a_tool_loop(tiny_server):
     agents = pytest.importorskip("agents", reason="openai-agents is not installed (pip install openai-agents)")
     from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool

@@ -21,27 +21,27 @@ from kvserve.server.json_schemas import closed_schema
 MAX_CHOICES_PER_REQUEST = 128
 
 
-def _off(value: Any) -> bool:
+def is_off(value: Any) -> bool:
     return value is None or value is False or value == [] or value == {} or value == ""
 
 
 # field -> test that its value asks for nothing kvserve would have to ignore
 _UNSUPPORTED_COMMON: dict[str, Callable[[Any], bool]] = {
-    "guided_whitespace_pattern": _off,
-    "guided_decoding_backend": _off,
-    "lora_request": _off,
+    "guided_whitespace_pattern": is_off,
+    "guided_decoding_backend": is_off,
+    "lora_request": is_off,
 }
 UNSUPPORTED_COMPLETION_FIELDS = dict(_UNSUPPORTED_COMMON)
 UNSUPPORTED_CHAT_FIELDS = {
     **_UNSUPPORTED_COMMON,
-    "functions": _off,
-    "function_call": lambda v: _off(v) or v == "none",
-    "audio": _off,
-    "modalities": lambda v: _off(v) or v == ["text"],
-    "prediction": _off,
-    "web_search_options": _off,
-    "reasoning_effort": _off,
-    "store": _off,
+    "functions": is_off,
+    "function_call": lambda v: is_off(v) or v == "none",
+    "audio": is_off,
+    "modalities": lambda v: is_off(v) or v == ["text"],
+    "prediction": is_off,
+    "web_search_options": is_off,
+    "reasoning_effort": is_off,
+    "store": is_off,
 }
 
 

@@ -26,11 +26,22 @@ from starlette.responses import Response
 
 from kvserve.server.chat import ChatServing
 from kvserve.server.errors import APIError
-from kvserve.server.protocol import ChatCompletionRequest, OpenAIModel
+from kvserve.server.protocol import ChatCompletionRequest, OpenAIModel, is_off
 from kvserve.server.serving import log_ignored_fields
 from kvserve.server.streaming import EventStreamResponse
 
 MAX_STORED = 1024  # responses kept for previous_response_id and GET, least recently used dropped first
+OUTPUT_LOGPROBS = "message.output_text.logprobs"  # the `include` value that asks for the text's logprobs
+
+# Responses fields that would change the answer and that kvserve does not implement: a 400 unless
+# their value asks for nothing, with the reason (as chat's unsupported fields are refused).
+_REFUSED = {
+    "conversation": "the Conversations API is not built; continue with previous_response_id",
+    "prompt": "stored prompt templates are not built; send instructions and input",
+    "context_management": "server-side compaction is not built",
+    "reasoning": "no reasoning model among those kvserve serves (as reasoning_effort on chat)",
+    "truncation": "a conversation longer than the context is a 400, never cut; only \"disabled\" is accepted",
+}
 
 
 class ResponsesRequest(OpenAIModel):
@@ -50,10 +61,31 @@ class ResponsesRequest(OpenAIModel):
     background: bool = False
     metadata: dict[str, Any] | None = None
     user: str | None = None
+    include: list[str] | None = None  # OUTPUT_LOGPROBS acts; the others name items kvserve never makes
+    top_logprobs: int | None = None  # alternatives per token; asks for the text's logprobs as include does
+    max_tool_calls: int | None = None  # bounds built-in tool calls, of which kvserve has none
+    stream_options: dict[str, Any] | None = None  # include_obfuscation: kvserve's events carry no padding
+    conversation: Any = None
+    prompt: Any = None
+    context_management: Any = None
+    reasoning: Any = None
+    truncation: Any = None
+
+    def wants_logprobs(self) -> bool:
+        return OUTPUT_LOGPROBS in (self.include or []) or bool(self.top_logprobs)
+
+    def refuse_unsupported(self) -> None:
+        for name, reason in _REFUSED.items():
+            value = getattr(self, name)
+            if not (is_off(value) or (name == "truncation" and value == "disabled")
+                    or (isinstance(value, dict) and all(is_off(v) for v in value.values()))):
+                raise APIError(400, f"`{name}` is not supported by kvserve: {reason}.", param=name,
+                               code="unsupported_parameter")
 
 
 def _text_of(content: Any, where: str) -> str:
-    """A message's content as text: a string, or input_text / output_text / text parts joined."""
+    """A message's content (or a tool's output) as text: a string, or input_text / output_text /
+    text parts joined."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -61,16 +93,17 @@ def _text_of(content: Any, where: str) -> str:
         for j, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise APIError(400, f"{where}.content[{j}]: only text parts are supported, not {kind!r}.",
+                raise APIError(400, f"{where}[{j}]: only text parts are supported, not {kind!r}.",
                                param="input")
             texts.append(str(part.get("text", "")))
         return "\n".join(texts)
-    raise APIError(400, f"{where}.content must be a string or a list of text parts.", param="input")
+    raise APIError(400, f"{where} must be a string or a list of text parts.", param="input")
 
 
 def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Responses input items as chat messages; consecutive function calls become one assistant
-    message with several tool calls."""
+    """Responses input items as chat messages. Function calls join the assistant message before
+    them (its text, then its calls: one turn, as the model wrote it); a call after a tool result or
+    a user turn starts an assistant message of its own."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     messages: list[dict[str, Any]] = []
@@ -82,19 +115,21 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             if role not in ("user", "assistant", "system", "developer"):
                 raise APIError(400, f"{where}.role must be user, assistant, system or developer.", param="input")
             messages.append({"role": "system" if role == "developer" else role,
-                             "content": _text_of(item.get("content"), where)})
+                             "content": _text_of(item.get("content"), f"{where}.content")})
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and last.get("tool_calls") and not last["content"]:
-                last["tool_calls"].append(call)
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
             output = item.get("output")
+            if output is not None and not isinstance(output, (str, list)):
+                output = json.dumps(output)
             messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                             "content": output if isinstance(output, str) else json.dumps(output)})
+                             "content": _text_of("" if output is None else output, f"{where}.output")})
         else:
             raise APIError(400, f"{where}.type {kind!r} is not supported; use message, function_call or "
                                 f"function_call_output.", param="input")
@@ -144,9 +179,9 @@ def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     raise APIError(400, f"text.format.type {fmt.get('type')!r} is not supported.", param="text")
 
 
-def _message_item(text: str, status: str = "completed") -> dict[str, Any]:
+def _message_item(text: str, status: str = "completed", logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     return {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}]}
 
 
 def _call_item(call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
@@ -181,6 +216,7 @@ class ResponsesServing:
         if body.background:
             raise APIError(400, "`background` is not supported by kvserve: responses are synchronous.",
                            param="background")
+        body.refuse_unsupported()
         if (body.model_extra or {}).get("n") not in (None, 1):  # a chat field passed through: one output here
             raise APIError(400, "`n` must be 1 on /v1/responses: a response has one output; use "
                                 "/v1/chat/completions for several choices.", param="n")
@@ -199,6 +235,7 @@ class ResponsesServing:
             "response_format": response_format(body.text), "max_tokens": body.max_output_tokens,
             "temperature": body.temperature, "top_p": body.top_p, "user": body.user, "stream": body.stream,
             **({"stream_options": {"include_usage": True}} if body.stream else {}),
+            **({"logprobs": True, "top_logprobs": body.top_logprobs} if body.wants_logprobs() else {}),
             **(body.model_extra or {})})  # vLLM's extra sampling fields (top_k, seed, ...) pass through
         response_id = f"resp_{uuid.uuid4().hex}"
         base = self._response(body, response_id)
@@ -210,7 +247,9 @@ class ResponsesServing:
         message = choice["message"]
         output = []
         if message.get("content") or not message.get("tool_calls"):
-            output.append(_message_item(message.get("content") or ""))
+            # the tokens' logprobs are the text's when no call was cut out of it
+            logprobs = (choice.get("logprobs") or {}).get("content") if not message.get("tool_calls") else None
+            output.append(_message_item(message.get("content") or "", logprobs=logprobs or []))
         output += [_call_item(c["id"], c["function"]["name"], c["function"]["arguments"])
                    for c in message.get("tool_calls") or []]
         response = self._finish(base, output, choice["finish_reason"], reply["usage"])
@@ -227,7 +266,8 @@ class ResponsesServing:
         except ValidationError as exc:
             first = exc.errors()[0]
             where = ".".join(str(part) for part in first["loc"])
-            raise APIError(400, f"{where}: {first['msg']}", param=str(first["loc"][0])) from None
+            raise APIError(400, f"{where}: {first['msg']}" if where else first["msg"],
+                           param=str(first["loc"][0]) if first["loc"] else None) from None
 
     def _response(self, body: ResponsesRequest, response_id: str) -> dict[str, Any]:
         return {"id": response_id, "object": "response", "created_at": int(time.time()), "status": "in_progress",
@@ -273,6 +313,8 @@ class ResponsesServing:
         yield event("response.in_progress", response=base)
         text_item: dict[str, Any] | None = None
         text = ""
+        text_logprobs: list[dict[str, Any]] = []
+        pending_logprobs: list[dict[str, Any]] = []  # tokens whose text is not out yet (a split character)
         calls: dict[int, dict[str, Any]] = {}  # chat tool-call index -> its output item
         output: list[dict[str, Any]] = []
         finish_reason, usage = None, None
@@ -288,6 +330,7 @@ class ResponsesServing:
                 for choice in chunk.get("choices") or []:
                     delta = choice.get("delta") or {}
                     finish_reason = choice.get("finish_reason") or finish_reason
+                    pending_logprobs += (choice.get("logprobs") or {}).get("content") or []
                     if delta.get("content"):
                         if text_item is None:
                             text_item = _message_item("", status="in_progress")
@@ -298,9 +341,11 @@ class ResponsesServing:
                                         output_index=len(output) - 1, content_index=0,
                                         part={"type": "output_text", "text": "", "annotations": []})
                         text += delta["content"]
+                        logprobs, pending_logprobs = pending_logprobs, []
+                        text_logprobs += logprobs
                         yield event("response.output_text.delta", item_id=text_item["id"],
                                     output_index=output.index(text_item), content_index=0, delta=delta["content"],
-                                    logprobs=[])
+                                    logprobs=logprobs)
                     for call in delta.get("tool_calls") or []:
                         function = call.get("function") or {}
                         if call["index"] not in calls:
@@ -316,10 +361,10 @@ class ResponsesServing:
         for index, item in enumerate(output):
             item["status"] = "completed"
             if item is text_item:
-                part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+                part = {"type": "output_text", "text": text, "annotations": [], "logprobs": text_logprobs}
                 item["content"] = [part]
                 yield event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
-                            text=text, logprobs=[])
+                            text=text, logprobs=text_logprobs)
                 yield event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
                             part=part)
             else:
