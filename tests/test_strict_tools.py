@@ -14,7 +14,7 @@ from kvserve.engine.structured_output import GrammarCompiler
 from kvserve.server.errors import APIError
 from kvserve.server.protocol import ChatCompletionRequest
 from kvserve.server.tool_parsers import TOOL_PARSERS
-from kvserve.server.tool_stream import final_message
+from kvserve.server.tool_stream import ToolDeltas, final_message
 from kvserve.server.tools import plan_tools
 
 WEATHER = {"type": "function", "function": {
@@ -85,6 +85,75 @@ def test_with_response_format_a_reply_is_calls_or_that_json(compiler, tiny_token
     two = {"hermes": "\n", "llama3_json": "; "}[parser].join([call("get_weather", '{"city": "Paris", "days": 1}')] * 2)
     assert accepts(compiler, tiny_tokenizer, spec, two)
     assert not accepts(compiler, tiny_tokenizer, constraint(parser, parallel_tool_calls=False, **ANSWER), two)
+
+
+def plan(parser: str, tools: list[dict] = (WEATHER, TIME), **fields):
+    body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "?"}],
+                                                 "tools": list(tools), **fields})
+    return plan_tools(body, parser)
+
+
+def test_a_json_reply_with_a_name_key_is_content_not_a_call():
+    """llama3_json's calls are bare objects, so response_format's JSON can look like one: an object
+    named after no tool is the JSON reply, streamed and not."""
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}}
+    reply_format = {"response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": schema}}}
+    tool_plan = plan("llama3_json", **reply_format)
+    person = '{"name": "Alice", "age": 3}'
+    message = final_message(tool_plan.reader(), person, False)
+    assert message.content == person and not message.tool_calls
+    streamed = ToolDeltas(tool_plan.reader())
+    deltas = [streamed.step(person[:n], n == len(person)) for n in range(1, len(person) + 1)]
+    assert "".join(content for content, _ in deltas) == person and not any(calls for _, calls in deltas)
+    call = llama3("get_weather", '{"city": "Paris", "days": 1}')
+    assert [c.function.name for c in final_message(tool_plan.reader(), call, False).tool_calls] == ["get_weather"]
+
+
+def test_without_parallel_calls_a_hermes_reply_ends_with_its_call(compiler, tiny_tokenizer):
+    spec = constraint("hermes", parallel_tool_calls=False)
+    good = hermes("get_weather", '{"city": "Rome", "days": 3}')
+    assert accepts(compiler, tiny_tokenizer, spec, "Let me look. " + good)
+    assert accepts(compiler, tiny_tokenizer, spec, "No call.")
+    for text in (good + "\n<tool_call>\n{\"oops", good + " More text.", good + "\n" + good):
+        assert not accepts(compiler, tiny_tokenizer, spec, text), text
+
+
+@pytest.mark.parametrize("choice", ["auto", "required"])
+def test_references_resolve_inside_each_tools_own_schema(compiler, tiny_tokenizer, choice):
+    """`#`, `#/definitions/...`, `#/properties/...` and one `$defs` name in two tools mean what they
+    mean in the tool's own schema, though the tools sit inside one call schema."""
+    def tool(name, parameters):
+        return {"type": "function", "function": {"name": name, "strict": True, "parameters": parameters}}
+
+    tree = tool("tree", {"type": "object", "properties": {"label": {"type": "string", "enum": ["a", "b"]},
+                                                           "child": {"$ref": "#"}}, "required": ["label"]})
+    old_style = tool("old", {"type": "object", "properties": {"unit": {"$ref": "#/definitions/Unit"},
+                                                               "same": {"$ref": "#/properties/unit"}},
+                             "definitions": {"Unit": {"type": "string", "enum": ["C", "F"]}}})
+    number = tool("number", {"type": "object", "properties": {"v": {"$ref": "#/$defs/V"}}, "$defs": {"V": {"type": "integer"}}})
+    word = tool("word", {"type": "object", "properties": {"v": {"$ref": "#/$defs/V"}}, "$defs": {"V": {"type": "boolean"}}})
+    spec = constraint("hermes", [tree, old_style, number, word], tool_choice=choice)
+
+    def call(name, arguments):
+        return hermes(name, arguments) if choice == "auto" else f'[{{"name": "{name}", "parameters": {arguments}}}]'
+    for name, arguments in [("tree", '{"label": "a", "child": {"label": "b", "child": {"label": "a"}}}'),
+                            ("old", '{"unit": "C", "same": "F"}'), ("number", '{"v": 3}'), ("word", '{"v": true}')]:
+        assert accepts(compiler, tiny_tokenizer, spec, call(name, arguments)), (name, arguments)
+    for name, arguments in [("tree", '{"label": "a", "child": {"label": "c"}}'),
+                            ("tree", '{"label": "a", "child": {"name": "tree", "arguments": {"label": "a"}}}'),
+                            ("old", '{"unit": "K"}'), ("old", '{"same": "K"}'), ("number", '{"v": true}'),
+                            ("word", '{"v": 3}')]:
+        assert not accepts(compiler, tiny_tokenizer, spec, call(name, arguments)), (name, arguments)
+
+
+def test_tools_no_call_could_be_made_to_are_refused():
+    for parameters in ({"type": "string"}, {"type": "array", "items": {}}):
+        bad = {"type": "function", "function": {"name": "f", "parameters": parameters}}
+        with pytest.raises(APIError, match="must be a JSON schema of an object") as caught:
+            plan("hermes", [bad], tool_choice="required")
+        assert caught.value.status == 400
+    with pytest.raises(APIError, match="two tools are named 'get_weather'"):
+        plan("hermes", [WEATHER, {"type": "function", "function": {"name": "get_weather"}}])
 
 
 def test_no_strict_tool_means_no_grammar_and_other_constraints_are_refused():

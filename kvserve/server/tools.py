@@ -16,7 +16,6 @@ Named and required work on any model because the grammar, not the model, guarant
 """
 from __future__ import annotations
 
-import copy
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -50,7 +49,8 @@ class ToolPlan:
         if self.choice == "required":
             return RequiredCallsReader()
         if self.choice == "auto":
-            return TOOL_PARSERS[self.parser_name]()
+            names = [t["function"]["name"] for t in self.tools] if self.final_schema is not None else None
+            return TOOL_PARSERS[self.parser_name](tool_names=names)
         return None
 
     def structured_outputs(self) -> StructuredOutputsParams | None:
@@ -82,20 +82,20 @@ class ToolPlan:
 def call_schema(tools: list[dict[str, Any]], argument_key: str = "parameters", strict_only: bool = False) -> dict:
     """The schema of one call object, `{"name": <a tool>, argument_key: <that tool's schema>}`
     (parameters closed, see `closed_schema`). `strict_only`: tools not marked `strict` take any
-    object. `$defs` of the tools move to the top, where their `#/$defs/...` references resolve."""
+    object. A tool whose parameters hold references moves to `$defs` under a name of its own, its
+    local `$ref`s rewritten to point there: `#/$defs/...`, `#/definitions/...`, `#/properties/...`
+    and `#` itself resolve as in the tool's own schema, and two tools may use one definition name."""
     definitions: dict[str, Any] = {}
     alternatives = []
-    for tool in tools:
+    for i, tool in enumerate(tools):
         function = tool["function"]
         if strict_only and not function.get("strict"):
             parameters: dict[str, Any] = {"type": "object"}
         else:
-            parameters = closed_schema(copy.deepcopy(function.get("parameters") or EMPTY_PARAMETERS))
-        for name, schema in parameters.pop("$defs", {}).items():
-            if definitions.get(name, schema) != schema:
-                raise APIError(400, f"Tool definition '{name}' has multiple schemas, which is not supported.",
-                               param="tools")
-            definitions[name] = schema
+            parameters = closed_schema(function.get("parameters") or EMPTY_PARAMETERS)
+            if _has_local_ref(parameters):
+                definitions[f"tool{i}"] = _relocated(parameters, f"#/$defs/tool{i}")
+                parameters = {"$ref": f"#/$defs/tool{i}"}
         alternatives.append({"properties": {"name": {"type": "string", "enum": [function["name"]]},
                                             argument_key: parameters},
                              "required": ["name", argument_key], "additionalProperties": False})
@@ -103,6 +103,36 @@ def call_schema(tools: list[dict[str, Any]], argument_key: str = "parameters", s
     if definitions:
         schema["$defs"] = definitions
     return schema
+
+
+_LITERAL_KEYS = ("enum", "const", "default", "examples")  # values, not schemas: no references inside
+
+
+def _has_local_ref(schema: Any) -> bool:
+    pending = [schema]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, list):
+            pending += node
+        elif isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#"):
+                return True
+            pending += [value for key, value in node.items() if key not in _LITERAL_KEYS]
+    return False
+
+
+def _relocated(schema: Any, base: str) -> Any:
+    """`schema` with its local references (`#`, `#/...`) made relative to `base`, where it will sit."""
+    if isinstance(schema, list):
+        return [_relocated(item, base) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    result = {key: value if key in _LITERAL_KEYS else _relocated(value, base) for key, value in schema.items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        result["$ref"] = base + ref[1:]
+    return result
 
 
 def required_schema(tools: list[dict[str, Any]], parallel: bool = True) -> dict:
@@ -154,10 +184,27 @@ def _final_schema(body: ChatCompletionRequest) -> dict | None:
                    param="tools")
 
 
+def _check_tools(tools: list[dict[str, Any]]) -> None:
+    """A 400 for tools no call could be made to as asked: arguments are a JSON object (OpenAI's
+    rule for `parameters`), and a name picks one tool."""
+    seen: set[str] = set()
+    for i, tool in enumerate(tools):
+        function = tool["function"]
+        kind = (function.get("parameters") or {}).get("type", "object")
+        if kind != "object" and not (isinstance(kind, list) and "object" in kind):
+            raise APIError(400, f"tools[{i}].function.parameters must be a JSON schema of an object (a call's "
+                                f"arguments are a JSON object), not of type {kind!r}.", param="tools")
+        if function["name"] in seen:
+            raise APIError(400, f"tools[{i}]: two tools are named {function['name']!r}; tool names must be unique.",
+                           param="tools")
+        seen.add(function["name"])
+
+
 def plan_tools(body: ChatCompletionRequest, auto_parser: str | None) -> ToolPlan | None:
     """The request's tool plan, or None when it has no tools. Raises APIError (400) with vLLM's
     messages. `auto_parser` is the server's --tool-call-parser when --enable-auto-tool-choice is on."""
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else []
+    _check_tools(tools)
     choice = body.tool_choice
     if choice is None:
         choice = "auto" if tools else "none"

@@ -9,6 +9,7 @@ non-streaming response returns, so the two always reassemble to the same message
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from kvserve.server.tool_parsers.json_scan import JSONSyntaxError, ObjectScan, scan_object
@@ -40,6 +41,11 @@ class ToolParser:
 
     name: str = ""
     argument_key: str = "arguments"  # the call object's key for the arguments, as the model writes it
+
+    def __init__(self, tool_names: Collection[str] | None = None):
+        """`tool_names`: given when a reply may also be response_format's JSON (strict tools), for
+        a format whose calls that JSON could look like (llama3_json's bare objects)."""
+        self.tool_names = None if tool_names is None else frozenset(tool_names)
 
     def parse(self, text: str, final: bool) -> Parse:
         raise NotImplementedError

@@ -23,8 +23,9 @@ class HermesParser(ToolParser):
         tool-calling pattern), then a call as the model writes it, on a line of its own. With
         `final`, calls and no text, or the final JSON: at a reply's first byte llguidance commits to
         one lexeme class, free text's or the JSON's."""
-        if final is None:  # without `parallel`, a second call is text (the plan keeps the first)
-            return "\n".join(["%llguidance {}", f"start: call{'*' if parallel else '?'} TEXT", "TEXT: /(.|\\n)*/",
+        if final is None:  # without `parallel`, the reply ends with its one call
+            return "\n".join(["%llguidance {}", "start: call* TEXT" if parallel else "start: call | TEXT",
+                              "TEXT: /(.|\\n)*/",
                               f"call_open[lazy]: TEXT {json.dumps(START)}",
                               f'call: call_open "\\n" {call} {_CLOSE_LINE}'])
         calls = 'call ("\\n" call)*' if parallel else "call"

@@ -1,6 +1,7 @@
 """The `llama3_json` format (Llama 3.1/3.2 JSON tool calling): the whole reply is one or more JSON
 objects `{"name": ..., "parameters": {...}}` separated by `;`, optionally after the
-`<|python_tag|>` token; a reply that starts with anything else is plain content."""
+`<|python_tag|>` token; a reply that starts with anything else is plain content, and so is an
+object named after none of the tools where the reply may be response_format's JSON."""
 from __future__ import annotations
 
 from kvserve.server.tool_parsers.base import Parse, ToolParser, read_call
@@ -43,6 +44,8 @@ class Llama3JsonParser(ToolParser):
                 if text[i] != "{":
                     raise JSONSyntaxError(i, "expected a JSON object")
                 call, end = read_call(text, i, final, ("parameters", "arguments"))
+                if call is not None and not calls and self.tool_names is not None and call.name not in self.tool_names:
+                    return Parse(text)  # no tool's name: the grammar's other branch, response_format's JSON
                 if call is not None:
                     calls.append(call)
                 if end is None:
