@@ -128,7 +128,7 @@ def test_items_replayed_by_agent_clients_make_the_chat_turns(client):
 
 
 def test_responses_fields_that_would_change_the_answer_are_refused(client):
-    for field, value in [("conversation", "conv_1"), ("truncation", "auto"), ("reasoning", {"effort": "low"}),
+    for field, value in [("conversation", "conv_1"), ("reasoning", {"effort": "low"}),
                          ("prompt", {"id": "pmpt_1"}), ("context_management", [{"type": "compaction"}])]:
         with pytest.raises(openai.BadRequestError, match=f"`{field}` is not supported by kvserve") as caught:
             client.responses.create(model="tiny", input="Hi", max_output_tokens=2, extra_body={field: value})
@@ -142,6 +142,35 @@ def test_responses_fields_that_would_change_the_answer_are_refused(client):
     with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):  # a whole-request check: a 400, not a 500
         client.responses.create(model="tiny", input="Hi", max_output_tokens=2, stream=True,
                                 extra_body={"prompt_logprobs": 1})
+
+
+def test_truncation_auto_drops_the_oldest_messages_that_do_not_fit(client):
+    """A conversation longer than the context: a 400 by default (`truncation: "disabled"`), and with
+    `"auto"` the prompt of the fewest last messages dropped that fit, as a chat request of them
+    gets; the instructions stay."""
+    turns = []
+    for i in range(8):
+        turns += [{"role": "user", "content": f"Question {i}: " + "tell me more about the weather " * 12},
+                  {"role": "assistant", "content": f"Answer {i}: " + "it is sunny and warm today " * 12}]
+    turns.append({"role": "user", "content": "And tomorrow?"})
+    request = dict(model="tiny", input=turns, instructions="Be brief.", max_output_tokens=16, temperature=0)
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        client.responses.create(**request)
+    response = client.responses.create(**request, truncation="auto")
+    assert response.truncation == "auto" and response.status in ("completed", "incomplete")
+    system = [{"role": "system", "content": "Be brief."}]
+
+    def chat(start):
+        try:
+            return client.chat.completions.create(model="tiny", messages=system + turns[start:], max_tokens=16,
+                                                  temperature=0)
+        except openai.BadRequestError as exc:
+            assert "maximum context length" in str(exc)
+            return None
+    # the first suffix that fits (no more dropped than needed) is what was answered
+    kept = next(reply for reply in map(chat, range(1, len(turns))) if reply is not None)
+    assert kept.usage.prompt_tokens == response.usage.input_tokens
+    assert kept.choices[0].message.content == response.output_text
 
 
 def test_openai_agents_default_model_runs_a_tool_loop(tiny_server):

@@ -71,6 +71,12 @@ class ChatServing:
         self.ctx = ctx
         self.tool_parser = tool_parser  # --tool-call-parser, set when --enable-auto-tool-choice is on
 
+    async def prompt(self, body: ChatCompletionRequest, plan: ToolPlan | None) -> list[int]:
+        """The request's messages (and tools) through the chat template, tokenized."""
+        return await self.ctx.tokens.chat_prompt(conversation(body.messages), body.add_generation_prompt,
+                                                 plan.tools if plan is not None else None,
+                                                 body.continue_final_message, body.chat_template_kwargs)
+
     async def create(self, body: ChatCompletionRequest, request: Request) -> Response:
         ctx = self.ctx
         ctx.check_fields(body)
@@ -82,9 +88,7 @@ class ChatServing:
         if plan is not None and (constraint := plan.structured_outputs()) is not None:
             params = dataclasses.replace(params, structured_outputs=constraint)
         # A client that leaves while its prompt waits for the tokenizer drops the job.
-        prompt_ids = await unless_disconnected(ctx.tokens.chat_prompt(
-            messages, body.add_generation_prompt, plan.tools if plan is not None else None,
-            body.continue_final_message, body.chat_template_kwargs), request)
+        prompt_ids = await unless_disconnected(self.prompt(body, plan), request)
         echoed = echoed_content(body, messages)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = await ctx.submit([PromptSpec(prompt_ids, params, body.cache_salt)], request_id, streaming=body.stream)

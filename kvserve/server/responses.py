@@ -18,7 +18,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import ValidationError
 from starlette.requests import Request
@@ -27,8 +27,9 @@ from starlette.responses import Response
 from kvserve.server.chat import ChatServing
 from kvserve.server.errors import APIError
 from kvserve.server.protocol import ChatCompletionRequest, OpenAIModel, is_off
-from kvserve.server.serving import log_ignored_fields
+from kvserve.server.serving import log_ignored_fields, logger
 from kvserve.server.streaming import EventStreamResponse
+from kvserve.server.tools import plan_tools
 
 MAX_STORED = 1024  # responses kept for previous_response_id and GET, least recently used dropped first
 OUTPUT_LOGPROBS = "message.output_text.logprobs"  # the `include` value that asks for the text's logprobs
@@ -40,7 +41,6 @@ _REFUSED = {
     "prompt": "stored prompt templates are not built; send instructions and input",
     "context_management": "server-side compaction is not built",
     "reasoning": "no reasoning model among those kvserve serves (as reasoning_effort on chat)",
-    "truncation": "a conversation longer than the context is a 400, never cut; only \"disabled\" is accepted",
 }
 
 
@@ -69,7 +69,7 @@ class ResponsesRequest(OpenAIModel):
     prompt: Any = None
     context_management: Any = None
     reasoning: Any = None
-    truncation: Any = None
+    truncation: Literal["auto", "disabled"] | None = None
 
     def wants_logprobs(self) -> bool:
         return OUTPUT_LOGPROBS in (self.include or []) or bool(self.top_logprobs)
@@ -77,8 +77,7 @@ class ResponsesRequest(OpenAIModel):
     def refuse_unsupported(self) -> None:
         for name, reason in _REFUSED.items():
             value = getattr(self, name)
-            if not (is_off(value) or (name == "truncation" and value == "disabled")
-                    or (isinstance(value, dict) and all(is_off(v) for v in value.values()))):
+            if not (is_off(value) or (isinstance(value, dict) and all(is_off(v) for v in value.values()))):
                 raise APIError(400, f"`{name}` is not supported by kvserve: {reason}.", param=name,
                                code="unsupported_parameter")
 
@@ -229,14 +228,16 @@ class ResponsesServing:
             history = self.stored[body.previous_response_id][1]
         conversation = history + input_messages(body.input)
         system = [{"role": "system", "content": body.instructions}] if body.instructions else []
-        chat_body = self._chat_request({
-            "model": body.model, "messages": system + conversation, "tools": chat_tools(body.tools),
+        fields = {
+            "model": body.model, "tools": chat_tools(body.tools),
             "tool_choice": chat_tool_choice(body.tool_choice), "parallel_tool_calls": body.parallel_tool_calls,
             "response_format": response_format(body.text), "max_tokens": body.max_output_tokens,
             "temperature": body.temperature, "top_p": body.top_p, "user": body.user, "stream": body.stream,
             **({"stream_options": {"include_usage": True}} if body.stream else {}),
             **({"logprobs": True, "top_logprobs": body.top_logprobs} if body.wants_logprobs() else {}),
-            **(body.model_extra or {})})  # vLLM's extra sampling fields (top_k, seed, ...) pass through
+            **(body.model_extra or {})}  # vLLM's extra sampling fields (top_k, seed, ...) pass through
+        kept = await self._fit_context(fields, system, conversation) if body.truncation == "auto" else conversation
+        chat_body = self._chat_request({**fields, "messages": system + kept})
         response_id = f"resp_{uuid.uuid4().hex}"
         base = self._response(body, response_id)
         if body.stream:
@@ -257,6 +258,37 @@ class ResponsesServing:
             self._store(response, conversation + self._output_messages(output))
         return Response(json.dumps(response), media_type="application/json")
 
+    async def _fit_context(self, fields: dict[str, Any], system: list[dict[str, Any]],
+                           conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """`truncation: "auto"` (OpenAI's): the conversation less as few of its first items as make
+        the prompt and the reply's max tokens fit the context, found by bisection over the places
+        it may be cut (at a message, never between a call and its result); the instructions stay.
+        Unchanged when it fits, or when no cut does (the chat path's 400 then says why)."""
+        async def fits(start: int) -> bool:
+            probe = self._chat_request({**fields, "messages": system + conversation[start:]})
+            try:
+                prompt = await self.chat.prompt(probe, plan_tools(probe, self.chat.tool_parser))
+            except APIError as exc:
+                if exc.code == "context_length_exceeded":
+                    return False
+                raise
+            reply = probe.max_completion_tokens if probe.max_completion_tokens is not None else probe.max_tokens
+            return len(prompt) + (reply or 1) <= self.chat.ctx.tokens.max_model_len
+
+        cuts = [i for i in range(1, len(conversation)) if conversation[i]["role"] != "tool"]
+        if await fits(0) or not cuts or not await fits(cuts[-1]):
+            return conversation
+        low, high = 0, len(cuts) - 1  # the first cut that fits
+        while low < high:
+            middle = (low + high) // 2
+            if await fits(cuts[middle]):
+                high = middle
+            else:
+                low = middle + 1
+        logger.info("truncation auto: the first %d of %d conversation messages dropped to fit the context",
+                    cuts[low], len(conversation))
+        return conversation[cuts[low]:]
+
     @staticmethod
     def _chat_request(fields: dict[str, Any]) -> ChatCompletionRequest:
         """The chat request the items and fields map to; a field they fill wrongly (a tool without
@@ -276,6 +308,7 @@ class ResponsesServing:
                 "parallel_tool_calls": body.parallel_tool_calls is not False, "temperature": body.temperature,
                 "top_p": body.top_p, "max_output_tokens": body.max_output_tokens,
                 "previous_response_id": body.previous_response_id, "store": body.store,
+                "truncation": body.truncation or "disabled",
                 "text": body.text or {"format": {"type": "text"}}, "metadata": body.metadata or {},
                 "usage": None, "user": body.user}
 
