@@ -108,9 +108,10 @@ def test_items_replayed_by_agent_clients_make_the_chat_turns(client):
     chat_messages = [{"role": "user", "content": "Weather in Paris?"},
                      {"role": "assistant", "content": "Let me look.", "tool_calls": [call]},
                      {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C."}]
-    chat = client.chat.completions.create(model="tiny", messages=chat_messages, tools=[{"type": "function", "function": {
-        k: WEATHER[k] for k in ("name", "description", "parameters")} | {"strict": True}}], tool_choice="none",
-        max_tokens=4, temperature=0)
+    function = {k: WEATHER[k] for k in ("name", "description", "parameters")} | {"strict": True}
+    chat = client.chat.completions.create(model="tiny", messages=chat_messages,
+                                          tools=[{"type": "function", "function": function}], tool_choice="none",
+                                          max_tokens=4, temperature=0)
     items = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather in Paris?"}]},
              {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
               "content": [{"type": "output_text", "text": "Let me look.", "annotations": [], "logprobs": []}]},

@@ -130,8 +130,10 @@ def test_references_resolve_inside_each_tools_own_schema(compiler, tiny_tokenize
     old_style = tool("old", {"type": "object", "properties": {"unit": {"$ref": "#/definitions/Unit"},
                                                                "same": {"$ref": "#/properties/unit"}},
                              "definitions": {"Unit": {"type": "string", "enum": ["C", "F"]}}})
-    number = tool("number", {"type": "object", "properties": {"v": {"$ref": "#/$defs/V"}}, "$defs": {"V": {"type": "integer"}}})
-    word = tool("word", {"type": "object", "properties": {"v": {"$ref": "#/$defs/V"}}, "$defs": {"V": {"type": "boolean"}}})
+    number = tool("number", {"type": "object", "properties": {"v": {"$ref": "#/$defs/V"}},
+                             "$defs": {"V": {"type": "integer"}}})
+    word = tool("word", {"type": "object", "properties": {"v": {"$ref": "#/$defs/V"}},
+                         "$defs": {"V": {"type": "boolean"}}})
     spec = constraint("hermes", [tree, old_style, number, word], tool_choice=choice)
 
     def call(name, arguments):

@@ -250,7 +250,7 @@ class ResponsesServing:
         if message.get("content") or not message.get("tool_calls"):
             # the tokens' logprobs are the text's when no call was cut out of it
             logprobs = (choice.get("logprobs") or {}).get("content") if not message.get("tool_calls") else None
-            output.append(_message_item(message.get("content") or "", logprobs=logprobs or []))
+            output.append(_message_item(message.get("content") or "", logprobs=logprobs))
         output += [_call_item(c["id"], c["function"]["name"], c["function"]["arguments"])
                    for c in message.get("tool_calls") or []]
         response = self._finish(base, output, choice["finish_reason"], reply["usage"])
@@ -260,7 +260,7 @@ class ResponsesServing:
 
     async def _fit_context(self, fields: dict[str, Any], system: list[dict[str, Any]],
                            conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """`truncation: "auto"` (OpenAI's): the conversation less as few of its first items as make
+        """`truncation: "auto"` (OpenAI's): the conversation less as few of its first messages as make
         the prompt and the reply's max tokens fit the context, found by bisection over the places
         it may be cut (at a message, never between a call and its result); the instructions stay.
         Unchanged when it fits, or when no cut does (the chat path's 400 then says why)."""
@@ -304,7 +304,8 @@ class ResponsesServing:
     def _response(self, body: ResponsesRequest, response_id: str) -> dict[str, Any]:
         return {"id": response_id, "object": "response", "created_at": int(time.time()), "status": "in_progress",
                 "model": self.chat.ctx.model_name, "output": [], "error": None, "incomplete_details": None,
-                "instructions": body.instructions, "tools": [strict_by_default(t) for t in body.tools or []], "tool_choice": body.tool_choice or "auto",
+                "instructions": body.instructions, "tools": [strict_by_default(t) for t in body.tools or []],
+                "tool_choice": body.tool_choice or "auto",
                 "parallel_tool_calls": body.parallel_tool_calls is not False, "temperature": body.temperature,
                 "top_p": body.top_p, "max_output_tokens": body.max_output_tokens,
                 "previous_response_id": body.previous_response_id, "store": body.store,
