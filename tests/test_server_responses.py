@@ -195,3 +195,26 @@ def test_openai_agents_default_model_runs_a_tool_loop(tiny_server):
                   tool_use_behavior="stop_on_first_tool")
     result = Runner.run_sync(agent, "What is the weather in Paris?", max_turns=3)
     assert called and result.final_output == "Sunny, 21 C."
+
+
+def test_langchain_chat_openai_on_the_responses_api_runs_a_tool_loop(tiny_server):
+    """langchain-openai's ChatOpenAI with use_responses_api: a forced call, then its AIMessage and a
+    ToolMessage of text blocks sent back as Responses items, answered in text."""
+    langchain_openai = pytest.importorskip("langchain_openai", reason="langchain-openai is not installed")
+    from langchain_core.messages import HumanMessage, ToolMessage
+
+    def get_weather(city: Literal["Paris", "London"]) -> str:  # an enum: a tiny random model's calls end
+        """The weather in a city."""
+        return "Sunny, 21 C."
+
+    llm = langchain_openai.ChatOpenAI(model="tiny", base_url=f"{tiny_server.base_url}/v1", api_key="unused",
+                                      use_responses_api=True, temperature=0, max_tokens=60, max_retries=0)
+    question = HumanMessage("What is the weather in Paris?")
+    called = llm.bind_tools([get_weather], tool_choice="get_weather").invoke([question])
+    [call] = called.tool_calls
+    assert call["name"] == "get_weather" and call["args"]["city"] in ("Paris", "London")
+    result = ToolMessage(content=[{"type": "text", "text": get_weather(call["args"]["city"])}],
+                         tool_call_id=call["id"])
+    answer = llm.bind_tools([get_weather], tool_choice="none").invoke([question, called, result])
+    assert not answer.tool_calls and isinstance(answer.text, str)
+    assert answer.usage_metadata["input_tokens"] > called.usage_metadata["input_tokens"]
