@@ -2,7 +2,8 @@
 `kvserve serve` processes: a failed step fails only the requests it was running (a 500, or an SSE
 error event and [DONE]) while queued requests still run, the prefix cache is not left pointing at
 blocks the failed step never wrote, and an unrecoverable failure (an abort that cannot free its
-blocks; failed steps in a row) turns /health 503 and makes the process exit with status 1."""
+blocks; failed steps in a row) turns /health 503 and makes the process exit with status 1. A slow
+first step (an injected delay) shows that a chat stream's first chunk waits for its first token."""
 from __future__ import annotations
 
 import json
@@ -78,6 +79,30 @@ def test_a_failed_step_fails_the_running_stream_while_the_queued_request_runs(se
     after = read_metrics(url)
     assert after["kvserve:request_success_total{finished_reason=error}"] - \
         before.get("kvserve:request_success_total{finished_reason=error}", 0) == 1
+
+
+def test_a_chat_streams_first_chunk_comes_with_its_first_token(server):
+    """vLLM sends the role delta with the first token: a client that times the first chunk with
+    choices (vLLM's benchmark does) then times the first token, and the chunk's usage counts the
+    prompt's cached tokens as every later chunk does."""
+    url = server.base_url
+    body = {"messages": [{"role": "user", "content": book_prompts(1, 40, offset=500)[0]}], "max_tokens": 4,
+            "temperature": 0}
+    assert httpx.post(url + "/v1/chat/completions", json=body, timeout=60).status_code == 200  # cache the prompt
+    response = httpx.post(url + "/debug/faults", json={"kind": "delay", "count": 1, "seconds": 1.5}, timeout=10)
+    assert response.status_code == 200, response.text
+    streamed = {**body, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    start = time.monotonic()
+    with httpx.stream("POST", url + "/v1/chat/completions", json=streamed, timeout=60) as stream:
+        lines = stream.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        waited = time.monotonic() - start
+        rest = data_lines(lines)
+    assert waited >= 1.5
+    chunks = [json.loads(first.removeprefix("data: "))] + [json.loads(event) for event in rest[:-1]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    cached = {chunk["usage"]["prompt_tokens_details"]["cached_tokens"] for chunk in chunks}
+    assert len(cached) == 1 and cached.pop() > 0, cached
 
 
 def test_a_failed_step_is_a_500_with_an_error_body_and_serving_continues(server):

@@ -141,9 +141,9 @@ CHAT_CASES = {
     "empty messages": (b'{"messages": []}', "at least one message"),
     "unknown role": (b'{"messages": [{"role": "root", "content": "x"}]}', "role"),
     "legacy function role": (b'{"messages": [{"role": "function", "name": "f", "content": "x"}]}', "role"),
-    "tool call arguments not JSON": (b'{"messages": [{"role": "assistant", "content": null, "tool_calls": [{"id": "c", '
-                                     b'"type": "function", "function": {"name": "f", "arguments": "{"}}]}]}',
-                                     "not valid JSON"),
+    "tool call arguments neither text nor an object": (
+        b'{"messages": [{"role": "assistant", "content": null, "tool_calls": [{"id": "c", "type": "function", '
+        b'"function": {"name": "f", "arguments": [1]}}]}]}', "arguments"),
     "lone surrogate in content": (b'{"messages": [{"role": "user", "content": "\\ud800"}]}', "surrogate"),
     "lone surrogate in a content part": (
         b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udc00"}]}]}', "surrogate"),

@@ -37,6 +37,29 @@ def test_a_tool_loop_with_previous_response_id(client):
     assert stored.id == first.id and [i.type for i in stored.output] == [i.type for i in first.output]
 
 
+def test_a_call_cut_off_by_max_output_tokens_is_incomplete_and_the_loop_goes_on(client):
+    """OpenAI marks the item max_output_tokens stopped in `incomplete`, streamed or not; the cut
+    call's partial arguments go back into the conversation as they are."""
+    request = dict(model="tiny", input="Weather in Paris?", tools=[WEATHER], max_output_tokens=4, temperature=0,
+                   tool_choice={"type": "function", "name": "get_weather"})
+    first = client.responses.create(**request)
+    assert first.status == "incomplete" and first.incomplete_details.reason == "max_output_tokens"
+    assert [item.status for item in first.output] == ["completed"] * (len(first.output) - 1) + ["incomplete"]
+    call = first.output[-1]
+    assert call.type == "function_call" and call.arguments.startswith("{")
+    with pytest.raises(ValueError):
+        json.loads(call.arguments)
+    with client.responses.stream(**request) as stream:
+        events = list(stream)
+    assert events[-1].type == "response.incomplete"
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [item.status for item in done] == [item.status for item in first.output]
+    second = client.responses.create(model="tiny", previous_response_id=first.id, tools=[WEATHER], tool_choice="none",
+                                     input=[{"type": "function_call_output", "call_id": call.call_id, "output": "Sunny."}],
+                                     max_output_tokens=4, temperature=0)
+    assert second.output[0].type == "message" and second.usage.input_tokens > first.usage.input_tokens
+
+
 def test_streaming_events_tell_the_same_response(client):
     plain = client.responses.create(model="tiny", input="Hello", instructions="Be brief.", max_output_tokens=8,
                                     temperature=0)

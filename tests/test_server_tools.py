@@ -280,6 +280,46 @@ def test_the_returned_message_object_can_go_back_into_the_conversation(tiny_clie
     assert answer.choices[0].message.content
 
 
+def test_a_call_cut_off_by_max_tokens_can_go_back_into_the_conversation(tools_server, tiny_client):
+    """OpenAI returns the call max_tokens stopped in with its partial arguments and takes it back
+    as it is, so the usual loop (append the message, then the results) goes on."""
+    messages = [{"role": "user", "content": "Weather in Rome?"}]
+    choice = tiny_client.chat.completions.create(
+        model="tiny", messages=messages, tools=TINY_TOOLS, max_tokens=4, temperature=0,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}).choices[0]
+    cut = choice.message.tool_calls[-1].function.arguments
+    assert choice.finish_reason == "length" and cut.startswith("{")
+    with pytest.raises(ValueError):
+        json.loads(cut)
+    messages += [choice.message, *({"role": "tool", "tool_call_id": c.id, "content": "ok"}
+                                   for c in choice.message.tool_calls)]
+    answer = tiny_client.chat.completions.create(model="tiny", messages=messages, tools=TINY_TOOLS,
+                                                 tool_choice="none", max_tokens=4, temperature=0)
+    assert answer.choices[0].message.content
+    # the template gets the partial text as it is
+    sent = [messages[0], choice.message.model_dump(exclude_none=True)]
+    ids = httpx.post(tools_server.base_url + "/tokenize", json={"messages": sent}).json()["tokens"]
+    prompt = httpx.post(tools_server.base_url + "/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert f'"arguments": {json.dumps(cut)}' in prompt
+
+
+def test_call_arguments_empty_absent_or_an_object_are_taken_as_vllm_takes_them(tools_server):
+    """Clients send a no-argument call's arguments as "" or not at all, some as an object (vLLM:
+    `{}`, and the object as it is)."""
+    def rendered(function: dict) -> str:
+        messages = [{"role": "user", "content": "Time?"},
+                    {"role": "assistant", "content": None,
+                     "tool_calls": [{"id": "c", "type": "function", "function": {"name": "get_time", **function}}]},
+                    {"role": "tool", "tool_call_id": "c", "content": "noon"}]
+        reply = httpx.post(tools_server.base_url + "/tokenize", json={"messages": messages})
+        assert reply.status_code == 200, reply.text
+        return httpx.post(tools_server.base_url + "/detokenize", json={"tokens": reply.json()["tokens"]}).json()["prompt"]
+    empty = '{"name": "get_time", "arguments": {}}'
+    assert empty in rendered({"arguments": ""}) and empty in rendered({}) and empty in rendered({"arguments": None})
+    assert '{"name": "get_time", "arguments": {"zone": "UTC"}}' in rendered({"arguments": {"zone": "UTC"}})
+    assert rendered({"arguments": {"zone": "UTC"}}) == rendered({"arguments": '{"zone": "UTC"}'})
+
+
 # ---------------------------------------------------------------- errors
 def bad_request(client: openai.OpenAI, **request) -> str:
     with pytest.raises(openai.BadRequestError) as caught:
@@ -332,8 +372,6 @@ def test_a_parameters_schema_the_grammar_cannot_compile_is_400(plain_client):
 
 
 @pytest.mark.parametrize("message, where", [
-    ({"role": "assistant", "content": None, "tool_calls": [
-        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}, "arguments"),
     ({"role": "user", "content": "x", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}, "tool_calls"),
     ({"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function"}]}, "function"),

@@ -127,12 +127,20 @@ class ChatServing:
                                            usage=u))
 
         continuous = body.include_usage and body.continuous_usage
-        for i in range(body.n):
-            yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))], continuous)
-            if echoed:
-                yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(content=echoed))], continuous)
+        opened = False
         try:
             async for batch in stream:
+                if not opened:
+                    # The role deltas go with the first token, as vLLM sends them: a client that times
+                    # the first chunk then times the first token, and its usage counts the cached tokens.
+                    for p, out in batch:
+                        state.record(p, out)
+                    for i in range(body.n):
+                        yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))],
+                                    continuous)
+                        if echoed:
+                            yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(content=echoed))], continuous)
+                    opened = True
                 for p, out in batch:
                     state.record(p, out)
                     for c in out.outputs:

@@ -80,19 +80,25 @@ def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             if message.role != "assistant":
                 raise APIError(400, f"{where}.tool_calls: only assistant messages carry tool calls.",
                                param=f"{where}.tool_calls")
-            entry["tool_calls"] = [_call(call, f"{where}.tool_calls[{j}]") for j, call in enumerate(message.tool_calls)]
+            entry["tool_calls"] = [_call(call) for call in message.tool_calls]
         if message.tool_call_id is not None:
             entry["tool_call_id"] = message.tool_call_id
         result.append(entry)
     return result
 
 
-def _call(call: ToolCallParam, where: str) -> dict[str, Any]:
-    try:
-        arguments = json.loads(call.function.arguments)
-    except ValueError as exc:
-        raise APIError(400, f"{where}.function.arguments is not valid JSON: {exc}",
-                       param=f"{where}.function.arguments") from exc
+def _call(call: ToolCallParam) -> dict[str, Any]:
+    """A call of the conversation with its arguments as an object, what chat templates render.
+    Empty or absent arguments are `{}` (vLLM's reading). Text that is not JSON (a call cut off by
+    max_tokens, as an earlier response may return it) stays text: OpenAI takes it back as it is."""
+    arguments = call.function.arguments
+    if not arguments:
+        arguments = {}
+    elif isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            pass
     entry: dict[str, Any] = {"type": "function", "function": {"name": call.function.name, "arguments": arguments}}
     if call.id is not None:
         entry["id"] = call.id

@@ -296,7 +296,8 @@ class ContentPart(OpenAIModel):
 
 class FunctionCallParam(OpenAIModel):
     name: str
-    arguments: str  # JSON text, as OpenAI's API sends it
+    # JSON text, as OpenAI's API sends it; an object, empty or absent (no arguments) as vLLM takes it
+    arguments: str | dict[str, Any] | None = None
 
 
 class ToolCallParam(OpenAIModel):

@@ -253,6 +253,7 @@ class ResponsesServing:
             output.append(_message_item(message.get("content") or "", logprobs=logprobs))
         output += [_call_item(c["id"], c["function"]["name"], c["function"]["arguments"])
                    for c in message.get("tool_calls") or []]
+        self._settle(output, choice["finish_reason"])
         response = self._finish(base, output, choice["finish_reason"], reply["usage"])
         if body.store:
             self._store(response, conversation + self._output_messages(output))
@@ -312,6 +313,15 @@ class ResponsesServing:
                 "truncation": body.truncation or "disabled",
                 "text": body.text or {"format": {"type": "text"}}, "metadata": body.metadata or {},
                 "usage": None, "user": body.user}
+
+    @staticmethod
+    def _settle(output: list[dict[str, Any]], finish_reason: str | None) -> None:
+        """Every output item's final status: the last one is `incomplete` when max_output_tokens
+        cut the reply (as OpenAI marks the item it stopped in), the others `completed`."""
+        for item in output:
+            item["status"] = "completed"
+        if output and finish_reason == "length":
+            output[-1]["status"] = "incomplete"
 
     @staticmethod
     def _finish(base: dict[str, Any], output: list[dict[str, Any]], finish_reason: str | None,
@@ -392,8 +402,8 @@ class ResponsesServing:
                             item["arguments"] += function["arguments"]
                             yield event("response.function_call_arguments.delta", item_id=item["id"],
                                         output_index=output.index(item), delta=function["arguments"])
+        self._settle(output, finish_reason)
         for index, item in enumerate(output):
-            item["status"] = "completed"
             if item is text_item:
                 part = {"type": "output_text", "text": text, "annotations": [], "logprobs": text_logprobs}
                 item["content"] = [part]
