@@ -203,8 +203,9 @@ class SamplingParams:
 
     def for_child(self, index: int) -> "SamplingParams":
         """The parameters of the index-th of n samples: one sample each, seeds kept distinct, and
-        with n > 1 a copy of the logits processors of its own (they may keep per-sequence state)."""
-        seed = None if self.seed is None else self.seed + index
+        with n > 1 a copy of the logits processors of its own (they may keep per-sequence state).
+        Seeds wrap within int64, so every 64-bit seed takes any n (as vLLM's range)."""
+        seed = None if self.seed is None else (self.seed + index - INT64_MIN) % 2 ** 64 + INT64_MIN
         processors = self.logits_processors
         if self.n > 1 and processors:
             try:

@@ -178,6 +178,14 @@ def test_n_samples(client):
     assert sum(1 for c in chunks if c.choices and c.choices[0].finish_reason) == 2
 
 
+def test_every_64_bit_seed_takes_n_samples(client):
+    """Sample i is seeded seed + i, wrapping within int64 (vLLM takes any 64-bit seed)."""
+    sample = dict(model="tiny", prompt=PROMPTS[0], max_tokens=8, temperature=1.0, extra_body={"ignore_eos": True})
+    top = client.completions.create(n=2, seed=2 ** 63 - 1, **sample).choices
+    wrapped = client.completions.create(seed=-2 ** 63, **sample).choices[0]
+    assert top[1].text == wrapped.text != top[0].text
+
+
 def test_stop_strings(tiny_server, client):
     full = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=30, **GREEDY).choices[0].text
     match = re.search(r"[A-Za-z]{2}", full[4:])

@@ -142,7 +142,7 @@ class SamplingFields(OpenAIModel):
     n: int = 1
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX - MAX_CHOICES_PER_REQUEST)
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
