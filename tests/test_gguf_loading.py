@@ -7,6 +7,8 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import subprocess
+import sys
 
 import gguf
 import numpy as np
@@ -133,3 +135,14 @@ def test_damaged_tokenizer_entry_is_rebuilt_with_a_warning(tmp_path, cache_dir, 
     caplog.clear()
     _assert_same_tokenizer(load_model(model).tokenizer, built)  # the rewritten entry is good again
     assert len(tokenizer_builds) == 2 and not caplog.text
+
+
+def test_starting_the_default_model_imports_neither_dynamo_nor_triton():
+    """Building the model on the meta device leaves the embedding uninitialised: nn.Embedding's
+    random init there runs through torch's reference ops, whose import pulls in torch._dynamo and
+    Triton (~1 s of every start; and Triton's nanobind lines at every exit)."""
+    script = ("import sys\nfrom kvserve import LLM\nLLM(kv_cache_memory='64MiB')\n"
+              "print(sorted(m for m in ('torch._dynamo', 'triton') if m in sys.modules))")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip().splitlines()[-1] == "[]", run.stdout
