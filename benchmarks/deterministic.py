@@ -111,7 +111,7 @@ def _params(i: int, max_tokens: int):
 
 def _result(output) -> tuple:
     completion = output.outputs[0]
-    return tuple(completion.token_ids), tuple(lp.logprob for lp in completion.logprobs)
+    return tuple(completion.token_ids), tuple(e[t].logprob for e, t in zip(completion.logprobs, completion.token_ids))
 
 
 def _run_conditions(deterministic: bool, max_tokens: int, engine_options: dict) -> dict[str, list[tuple]]:

@@ -1,21 +1,13 @@
 """Results of generation, shaped like vLLM's RequestOutput / CompletionOutput."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
 class Logprob:
-    token_id: int
-    logprob: float
-    # The most likely tokens at this position: [(token_id, logprob)], best first.
-    top: list[tuple[int, float]] = field(default_factory=list)
-
-
-@dataclass
-class RankedLogprob:
-    """A prompt token's log-probability (given the tokens before it), its rank in that
-    distribution (1 = most likely) and its text: vLLM's `Logprob`."""
+    """A token's log-probability under the raw model, its rank in that distribution (1 = most
+    likely) and its text: vLLM's `Logprob`."""
 
     logprob: float
     rank: int
@@ -23,9 +15,17 @@ class RankedLogprob:
 
 
 # vLLM's prompt-logprobs shape: one entry per prompt token, None for the first (nothing precedes
-# it); else {token id: RankedLogprob} holding the prompt's own token first, then the top k
+# it); else {token id: Logprob} holding the prompt's own token first, then the top k
 # (prompt_logprobs=k) by rank, the prompt token appearing once if it is among them.
-PromptLogprobs = list[dict[int, RankedLogprob] | None]
+PromptLogprobs = list[dict[int, Logprob] | None]
+# vLLM's sample-logprobs shape: one entry per generated token, {token id: Logprob} holding the
+# sampled token first, then the top k (logprobs=k) by rank, the sampled token appearing once.
+SampleLogprobs = list[dict[int, Logprob]]
+
+
+def top_logprobs(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
+    """The k most likely tokens of a logprobs entry, best first."""
+    return sorted(((token, e) for token, e in entry.items() if e.rank <= k), key=lambda item: item[1].rank)
 
 
 @dataclass
@@ -35,9 +35,15 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None  # "stop", "length", "abort", "error" or None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
-    logprobs: list[Logprob] | None = None
+    logprobs: SampleLogprobs | None = None  # with SamplingParams.logprobs
 
     @property
+    def cumulative_logprob(self) -> float | None:
+        """The sum of the sampled tokens' logprobs (raw model), when logprobs were asked (vLLM's)."""
+        if self.logprobs is None:
+            return None
+        return sum(next(iter(entry.values())).logprob for entry in self.logprobs)
+
     def finished(self) -> bool:
         return self.finish_reason is not None
 

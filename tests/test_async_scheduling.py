@@ -16,6 +16,7 @@ import pytest
 
 from kvserve import LLM, SamplingParams, StructuredOutputsParams
 from kvserve.engine.request import RequestStatus
+from kvserve.outputs import top_logprobs
 
 PROMPTS = ["It is a truth universally acknowledged", "Hello", "Mr. Bennet was so odd a mixture of quick parts",
            "The", "However little known the feelings or views of such a man may be", "My dear Mr. Bennet",
@@ -32,7 +33,7 @@ def engine(model, async_scheduling: bool, **options) -> LLM:
 
 def outputs(llm: LLM, prompts, params) -> list[list[tuple]]:
     return [[(c.token_ids, c.text, c.finish_reason, c.stop_reason,
-              [(lp.logprob, lp.top) for lp in c.logprobs or []]) for c in o.outputs]
+              c.logprobs) for c in o.outputs]
             for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
@@ -92,7 +93,7 @@ def test_async_scheduling_gives_the_one_step_at_a_time_outputs(tiny_llama, stops
     assert results[True] == results[False]
     reasons = [[c[2] for c in o] for o in results[True]]
     assert reasons[2] == reasons[4] == ["stop"] and reasons[0] == ["length"]
-    assert len(results[True][6][0][4]) == 7 and all(len(top) == 2 for _, top in results[True][6][0][4])
+    assert len(results[True][6][0][4]) == 7 and all(len(top_logprobs(e, 2)) == 2 for e in results[True][6][0][4])
     processed = results[True][10][0][0]
     assert all(a != b for a, b in zip(processed, processed[1:]))
     assert re.fullmatch("(ab|cd)+[0-9]{2}", results[True][11][0][1]) and results[True][11][0][2] == "stop"
@@ -121,7 +122,8 @@ def test_a_request_needing_host_tokens_makes_the_engine_wait_then_overlap_resume
                     finals[out.request_id] = out.outputs[0]
             step += 1
         llm.close()
-        return {rid: (o.token_ids, [lp.logprob for lp in o.logprobs or []]) for rid, o in finals.items()}, launched
+        return {rid: (o.token_ids, [e[t].logprob for e, t in zip(o.logprobs or [], o.token_ids)])
+                for rid, o in finals.items()}, launched
 
     sync, _ = run(False)
     overlapped, launched = run(True)

@@ -61,7 +61,7 @@ def _filler_params(i: int) -> SamplingParams:
 
 def _result(output) -> tuple:
     completion = output.outputs[0]
-    return tuple(completion.token_ids), tuple(lp.logprob for lp in completion.logprobs)
+    return tuple(completion.token_ids), tuple(e[t].logprob for e, t in zip(completion.logprobs, completion.token_ids))
 
 
 def _alone(llm: LLM) -> list[tuple]:

@@ -145,7 +145,8 @@ def test_an_all_triton_engine_gives_a_request_the_same_bits_alone_and_among_othe
 
     def result(output) -> tuple:
         completion = output.outputs[0]
-        return tuple(completion.token_ids), tuple(lp.logprob for lp in completion.logprobs)
+        return (tuple(completion.token_ids),
+                tuple(e[t].logprob for e, t in zip(completion.logprobs, completion.token_ids)))
 
     def engine(**options) -> LLM:
         llm = LLM(str(model), deterministic=True, dtype="float32", attention_backend="triton",

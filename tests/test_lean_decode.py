@@ -115,8 +115,9 @@ def _run_prompts(llm: LLM, prompts: list, monkeypatch) -> tuple[list[list[int]],
 
     monkeypatch.setattr(LeanDecoder, "run", counted)
     outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, logprobs=1), use_tqdm=False)
-    return ([o.outputs[0].token_ids for o in outs], [[lp.logprob for lp in o.outputs[0].logprobs] for o in outs],
-            len(calls))
+    completions = [o.outputs[0] for o in outs]
+    return ([c.token_ids for c in completions],
+            [[e[t].logprob for e, t in zip(c.logprobs, c.token_ids)] for c in completions], len(calls))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: a qkv bias

@@ -16,7 +16,7 @@ def test_a_bad_prompt_in_a_batch_queues_none_of_it(llm):
         llm.generate(["a", "b", [10 ** 9]], SamplingParams(max_tokens=2))
     assert not llm.engine.has_unfinished_requests()
     outputs = llm.generate(["hello"], SamplingParams(max_tokens=2), use_tqdm=False)
-    assert len(outputs) == 1 and outputs[0].finished
+    assert len(outputs) == 1 and outputs[0].finished and outputs[0].outputs[0].finished()  # vLLM: a method there
 
 
 @pytest.mark.parametrize("prompt, message", [

@@ -8,6 +8,7 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.engine.request import Request
+from kvserve.outputs import top_logprobs
 from kvserve.engine.sampler import Sampler, row_argmax
 
 
@@ -125,11 +126,18 @@ def test_logprobs_are_raw_model_log_probabilities(llm):
     prompt_ids = out.prompt_token_ids
     logits = llm.engine.score(prompt_ids + out.outputs[0].token_ids)
     expected = torch.log_softmax(logits[len(prompt_ids) - 1], dim=-1)
-    first = out.outputs[0].logprobs[0]
-    assert first.token_id == out.outputs[0].token_ids[0]
-    assert first.logprob == pytest.approx(expected[first.token_id].item(), abs=1e-4)
-    assert [t for t, _ in first.top] == expected.topk(5).indices.tolist()
-    assert len(out.outputs[0].logprobs) == 3
+    completion = out.outputs[0]
+    first, token = completion.logprobs[0], completion.token_ids[0]
+    # vLLM's shape: {token id: Logprob(logprob, rank, decoded_token)}, the sampled token first
+    assert next(iter(first)) == token and len(first) == 5  # greedy: the sampled token is among the top 5
+    assert first[token].logprob == pytest.approx(expected[token].item(), abs=1e-4)
+    assert first[token].rank == 1 and first[token].decoded_token == llm.get_tokenizer().decode([token])
+    assert [t for t, _ in top_logprobs(first, 5)] == expected.topk(5).indices.tolist()
+    assert [e.rank for _, e in top_logprobs(first, 5)] == [1, 2, 3, 4, 5]
+    assert len(completion.logprobs) == 3
+    assert completion.cumulative_logprob == pytest.approx(sum(e[t].logprob for e, t in zip(completion.logprobs,
+                                                                                           completion.token_ids)))
+    assert llm.generate([PROMPT], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].cumulative_logprob is None
 
 
 # ---------------------------------------------------------------------------- sampler unit tests
@@ -216,4 +224,4 @@ def test_the_cuda_profiling_step_samples_max_num_seqs_rows_with_every_option(tin
     assert params.has_penalties and params.top_k and params.top_p < 1 and params.min_p > 0 and params.logprobs == 20
     step = engine.runner.execute(scheduled, tables)
     assert len(step.result.token_ids) == 12
-    assert all(entry is not None and len(entry[1]) == 20 for entry in step.result.logprobs)
+    assert all(entry is not None and len(entry[2]) == 20 for entry in step.result.logprobs)

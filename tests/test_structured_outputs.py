@@ -13,6 +13,7 @@ import torch
 from kvserve import LLM, SamplingParams, StructuredOutputsParams
 from kvserve.cache.formats import KV_CACHE_DTYPES
 from kvserve.engine.structured_output import GrammarMasks, unpack_banned
+from kvserve.outputs import top_logprobs
 
 PROMPTS = ["It is a truth universally acknowledged", "The quick brown fox", "Once upon a time",
            "My dear Mr. Bennet"]
@@ -227,13 +228,16 @@ def test_padded_vocabulary_rows_are_masked(tiny_model_factory):
 
 
 def test_logprobs_stay_those_of_the_raw_distribution(llm):
-    raw = generate(llm, PROMPTS[0], params(max_tokens=1, logprobs=3))[0].outputs[0].logprobs[0]
-    masked = generate(llm, PROMPTS[0], params(constrained(choice=CHOICES), max_tokens=1, logprobs=3))[0]
-    logprob = masked.outputs[0].logprobs[0]
-    assert logprob.token_id != raw.token_id, "the constraint picked another token than the free argmax"
-    assert [t for t, _ in logprob.top] == [t for t, _ in raw.top]
-    assert [v for _, v in logprob.top] == pytest.approx([v for _, v in raw.top])
-    assert logprob.logprob < raw.logprob
+    free = generate(llm, PROMPTS[0], params(max_tokens=1, logprobs=3))[0].outputs[0]
+    masked = generate(llm, PROMPTS[0], params(constrained(choice=CHOICES), max_tokens=1, logprobs=3))[0].outputs[0]
+    raw, entry = free.logprobs[0], masked.logprobs[0]
+    token = masked.token_ids[0]
+    assert token != free.token_ids[0], "the constraint picked another token than the free argmax"
+    assert [t for t, _ in top_logprobs(entry, 3)] == [t for t, _ in top_logprobs(raw, 3)]
+    assert [e.logprob for _, e in top_logprobs(entry, 3)] == pytest.approx([e.logprob for _, e in top_logprobs(raw, 3)])
+    assert entry[token].logprob < raw[free.token_ids[0]].logprob and entry[token].rank > 1
+    if entry[token].rank > 3:  # a sampled token outside the top 3 comes first, beside them (vLLM's k + 1)
+        assert next(iter(entry)) == token and len(entry) == 4
 
 
 def test_a_schema_is_compiled_once(llm):

@@ -383,7 +383,8 @@ def test_an_engine_on_the_triton_backend_under_deterministic_gives_the_same_bits
               attention_backend="triton", deterministic=True, device=str(DEVICE))
 
     def results(outputs):
-        return [(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in outputs]
+        return [(c.token_ids, [e[t].logprob for e, t in zip(c.logprobs, c.token_ids)])
+                for c in (o.outputs[0] for o in outputs)]
 
     alone = [results(llm.generate([prompt], params, use_tqdm=False))[0] for prompt in PROMPTS]
     assert results(llm.generate(PROMPTS, params, use_tqdm=False)) == alone

@@ -20,14 +20,14 @@ from kvserve.engine.sampler import SampleResult
 from kvserve.engine.scheduler import ScheduledRequest
 from kvserve.engine.template_budget import guard_chat_template
 from kvserve.engine.tool_prompts import render_messages
-from kvserve.outputs import CompletionOutput, Logprob, PromptLogprobs, RankedLogprob, RequestOutput
+from kvserve.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
 
 
 @dataclass
 class _Child:
     request: Request
     detokenizer: IncrementalDetokenizer
-    logprobs: list[Logprob] | None
+    logprobs: SampleLogprobs | None
 
 
 @dataclass
@@ -168,7 +168,7 @@ class OutputProcessor:
                 continue
             child.detokenizer.add_token(token)
             if child.logprobs is not None and logprob is not None:
-                child.logprobs.append(Logprob(token, logprob[0], logprob[1]))
+                child.logprobs.append(self._ranked(token, *logprob))
             if child.detokenizer.stop_string is not None and not request.status.finished:
                 request.stop_reason = child.detokenizer.stop_string
                 self._finish(request, RequestStatus.FINISHED_STOPPED)
@@ -181,11 +181,16 @@ class OutputProcessor:
             return  # not tracked, or entries this request already has (never expected: the runner skips them)
         found, k = chunk.logprobs, chunk.request.params.prompt_logprobs
         for j, target in enumerate(chunk.targets):
-            ranked = {target: RankedLogprob(found.logprobs[j], found.ranks[j], self._token_text(target))}
-            for rank, (token, logprob) in enumerate(zip(found.top_ids[j][:k], found.top_logprobs[j][:k]), 1):
-                if token not in ranked:
-                    ranked[token] = RankedLogprob(logprob, rank, self._token_text(token))
-            parent.prompt_logprobs.append(ranked)
+            top = zip(found.top_ids[j][:k], found.top_logprobs[j][:k])
+            parent.prompt_logprobs.append(self._ranked(target, found.logprobs[j], found.ranks[j], top))
+
+    def _ranked(self, token: int, logprob: float, rank: int, top) -> dict[int, Logprob]:
+        """vLLM's logprobs entry: `token` first, then the top alternatives by rank, each once."""
+        ranked = {token: Logprob(logprob, rank, self._token_text(token))}
+        for rank, (other, value) in enumerate(top, 1):
+            if other not in ranked:
+                ranked[other] = Logprob(value, rank, self._token_text(other))
+        return ranked
 
     def _token_text(self, token_id: int) -> str:
         text = self._token_texts.get(token_id)

@@ -52,8 +52,8 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
 @dataclass
 class SampleResult:
     token_ids: list[int]
-    # Per request, when logprobs were asked: (chosen token's logprob, [(token, logprob)] top-k).
-    logprobs: list[tuple[float, list[tuple[int, float]]] | None]
+    # Per request, when logprobs were asked: (chosen token's logprob, its rank, [(token, logprob)] top-k).
+    logprobs: list[tuple[float, int, list[tuple[int, float]]] | None]
 
 
 @dataclass
@@ -66,12 +66,12 @@ class LogprobsOnDevice:
     rows: list[int]
     wanted: list[int | None]
 
-    def on_host(self, packed: np.ndarray) -> list[tuple[float, list[tuple[int, float]]] | None]:
+    def on_host(self, packed: np.ndarray) -> list[tuple[float, int, list[tuple[int, float]]] | None]:
         found = unpack_token_logprobs(packed)
         result: list = [None] * len(self.wanted)
         for j, i in enumerate(self.rows):
             w = self.wanted[i]
-            result[i] = (found.logprobs[j], list(zip(found.top_ids[j][:w], found.top_logprobs[j][:w])))
+            result[i] = (found.logprobs[j], found.ranks[j], list(zip(found.top_ids[j][:w], found.top_logprobs[j][:w])))
         return result
 
 

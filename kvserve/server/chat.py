@@ -12,7 +12,7 @@ from typing import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response
 
-from kvserve.outputs import CompletionOutput, Logprob
+from kvserve.outputs import CompletionOutput, SampleLogprobs, top_logprobs
 from kvserve.server.engine_loop import EngineError, PromptSpec, RequestStream
 from kvserve.server.errors import APIError
 from kvserve.server.prompt_logprobs import prompt_logprobs_field
@@ -26,15 +26,17 @@ from kvserve.server.tool_stream import ToolDeltas, final_message
 from kvserve.server.tools import ToolPlan, plan_tools
 
 
-def chat_logprobs(tokens: Tokenization, entries: list[Logprob]) -> ChatLogprobs:
+def chat_logprobs(tokens: Tokenization, entries: SampleLogprobs, k: int) -> ChatLogprobs:
+    """OpenAI's chat logprobs: each sampled token (its entry's first) with the k most likely."""
     def top(token_id: int, logprob: float) -> TopLogprob:
         text = tokens.token_text(token_id)
         return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode("utf-8")))
 
     content = []
     for entry in entries:
-        chosen = top(entry.token_id, entry.logprob)
-        content.append(TokenLogprob(**chosen.model_dump(), top_logprobs=[top(t, lp) for t, lp in entry.top]))
+        token, sampled = next(iter(entry.items()))
+        alternatives = [top(t, e.logprob) for t, e in top_logprobs(entry, k)]
+        content.append(TokenLogprob(**top(token, sampled.logprob).model_dump(), top_logprobs=alternatives))
     return ChatLogprobs(content=content)
 
 
@@ -106,7 +108,8 @@ class ChatServing:
             if echoed:
                 message.content = echoed + (message.content or "")
             choices.append(ChatChoice(index=c.index, message=message,
-                                      logprobs=chat_logprobs(ctx.tokens, c.logprobs) if c.logprobs is not None else None,
+                                      logprobs=chat_logprobs(ctx.tokens, c.logprobs, body.top_logprobs or 0)
+                                      if c.logprobs is not None else None,
                                       finish_reason=finish_reason, stop_reason=c.stop_reason))
         response = ChatCompletionResponse(
             id=request_id, created=created, model=ctx.model_name, choices=choices,
@@ -163,7 +166,8 @@ class ChatServing:
                         if c.logprobs is not None:
                             choice.tokens_sent = len(c.logprobs)
                         choice.finished = c.finish_reason is not None
-                        logprobs = chat_logprobs(ctx.tokens, new_logprobs) if new_logprobs is not None else None
+                        logprobs = (chat_logprobs(ctx.tokens, new_logprobs, body.top_logprobs or 0)
+                                    if new_logprobs is not None else None)
                         message = DeltaMessage(content=delta if delta or not calls else None, tool_calls=calls or None)
                         yield chunk([ChatChunkChoice(index=index, delta=message, logprobs=logprobs,
                                                      finish_reason=finish_reason, stop_reason=c.stop_reason)],

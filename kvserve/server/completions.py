@@ -14,7 +14,7 @@ from typing import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response
 
-from kvserve.outputs import CompletionOutput, Logprob, RequestOutput
+from kvserve.outputs import RequestOutput, SampleLogprobs, top_logprobs
 from kvserve.server.errors import APIError
 from kvserve.server.engine_loop import EngineError, PromptSpec, RequestStream
 from kvserve.server.prompt_logprobs import echoed_prompt_logprobs, prompt_logprobs_field
@@ -25,18 +25,19 @@ from kvserve.server.serving import ServingContext, StreamState, usage
 from kvserve.server.streaming import DONE, EventStreamResponse, sse, sse_error, unless_disconnected
 
 
-def completion_logprobs(tokens: Tokenization, entries: list[Logprob], text_offset: int) -> CompletionLogprobs:
-    """Legacy logprobs for `entries`, the first token starting at `text_offset` in the choice's text.
-    Each position's top_logprobs also holds the chosen token, as in vLLM; where two tokens decode
-    to the same text (the format keys by text), the chosen token's value is kept."""
+def completion_logprobs(tokens: Tokenization, entries: SampleLogprobs, k: int, text_offset: int) -> CompletionLogprobs:
+    """Legacy logprobs for `entries` (k alternatives each), the first token starting at `text_offset`
+    in the choice's text. Each position's top_logprobs also holds the chosen token, as in vLLM;
+    where two tokens decode to the same text (the format keys by text), the chosen token's value is kept."""
     result = CompletionLogprobs()
     for entry in entries:
-        text = tokens.token_text(entry.token_id)
+        token, sampled = next(iter(entry.items()))
+        text = tokens.token_text(token)
         result.tokens.append(text)
-        result.token_logprobs.append(entry.logprob)
+        result.token_logprobs.append(sampled.logprob)
         result.text_offset.append(text_offset)
-        top = {tokens.token_text(t): lp for t, lp in entry.top}
-        top[text] = entry.logprob
+        top = {tokens.token_text(t): e.logprob for t, e in top_logprobs(entry, k)}
+        top[text] = sampled.logprob
         result.top_logprobs.append(top)
         text_offset += len(text)
     return result
@@ -51,10 +52,7 @@ def joined(first: CompletionLogprobs, second: CompletionLogprobs) -> CompletionL
 def best_candidates(output: RequestOutput, n: int, keep_logprobs: bool) -> RequestOutput:
     """The n of a request's candidates with the highest cumulative logprob (of the raw model, as
     every kvserve logprob), best first, numbered 0..n-1; their logprobs dropped unless asked for."""
-    def cumulative(c: CompletionOutput) -> float:
-        return sum(entry.logprob for entry in c.logprobs or [])
-
-    ranked = sorted(output.outputs, key=lambda c: (-cumulative(c), c.index))[:n]
+    ranked = sorted(output.outputs, key=lambda c: (-(c.cumulative_logprob or 0.0), c.index))[:n]
     best = [dataclasses.replace(c, index=i, logprobs=c.logprobs if keep_logprobs else None)
             for i, c in enumerate(ranked)]
     return dataclasses.replace(output, outputs=best)
@@ -101,8 +99,8 @@ class CompletionServing:
         for p, (prompt, out) in enumerate(zip(prompts, outputs)):
             prefix = prompt.text if body.echo else ""
             for c in out.outputs:
-                logprobs = (completion_logprobs(ctx.tokens, c.logprobs, len(prefix)) if c.logprobs is not None
-                            else None)
+                logprobs = (completion_logprobs(ctx.tokens, c.logprobs, body.logprobs or 0, len(prefix))
+                            if c.logprobs is not None else None)
                 if echo_logprobs:
                     echoed = echoed_prompt_logprobs(ctx.tokens, prompt.token_ids, out.prompt_logprobs, body.logprobs)
                     logprobs = joined(echoed, logprobs or CompletionLogprobs())
@@ -151,7 +149,8 @@ class CompletionServing:
                                                               body.logprobs)
                             offsets[index] = len(prompts[p].text)
                         if new_logprobs is not None:
-                            generated = completion_logprobs(ctx.tokens, new_logprobs, offsets.get(index, 0))
+                            generated = completion_logprobs(ctx.tokens, new_logprobs, body.logprobs or 0,
+                                                            offsets.get(index, 0))
                             offsets[index] = offsets.get(index, 0) + sum(len(t) for t in generated.tokens)
                             logprobs = joined(logprobs, generated) if logprobs is not None else generated
                             choice.tokens_sent = len(c.logprobs)
