@@ -1,7 +1,7 @@
 """Offline batch inference, like vLLM's `LLM`: `LLM().generate(prompts, SamplingParams(...))`."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from tqdm import tqdm
 
@@ -34,13 +34,20 @@ class LLM:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for every prompt, batched by the scheduler; results in prompt order."""
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool | Callable[..., tqdm] = True) -> list[RequestOutput]:
+        """Generate for every prompt, batched by the scheduler; results in prompt order.
+        `use_tqdm` may be a tqdm-like class to show progress with (vLLM's)."""
         if not isinstance(prompts, (list, tuple)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt (a wrong type is refused when it is tokenized)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        elif not isinstance(sampling_params, (list, tuple)):
+            sampling_params = [sampling_params]  # refused just below
+        wrong = [type(p).__name__ for p in sampling_params if not isinstance(p, SamplingParams)]
+        if wrong:  # vLLM's TypeError, not an AttributeError from inside the engine
+            raise TypeError(f"sampling_params must be a SamplingParams or a list of them, one per prompt; "
+                            f"got {wrong[0]}")
         if len(sampling_params) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
         ids: list[str] = []
@@ -54,7 +61,7 @@ class LLM:
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[Message] | list[list[Message]], sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             use_tqdm: bool | Callable[..., tqdm] = True, add_generation_prompt: bool = True,
              tools: list[dict] | None = None, continue_final_message: bool = False,
              chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to each conversation, then generate. `tools` (OpenAI
@@ -68,9 +75,10 @@ class LLM:
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, request_ids: list[str], use_tqdm: bool | Callable[..., tqdm]) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}
-        with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+        progress = use_tqdm if callable(use_tqdm) else tqdm
+        with progress(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished_requests():
                 for output in self.engine.step():
                     if output.finished:
@@ -80,13 +88,30 @@ class LLM:
 
 
 def _checked(conversation: list[Message]) -> list[Message]:
-    """The conversation with `content: None` read as empty text (as the server does); a message
-    that is not a dict with a string role is a ValueError, not a template error."""
+    """The conversation as the server reads one: `content: None` is empty text, and OpenAI's text
+    content parts are their texts joined by newlines (as vLLM joins them). A message that is not a
+    dict with a string role, or content that is not text, is a ValueError, not a template error."""
     if not isinstance(conversation, list) or not conversation:
         raise ValueError("a conversation is a non-empty list of messages")
     result = []
     for i, message in enumerate(conversation):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise ValueError(f"message {i} must be a dict with a string 'role', got {message!r:.80}")
-        result.append({**message, "content": message.get("content") or ""})
+        result.append({**message, "content": _text(message.get("content") or "", i)})
     return result
+
+
+def _text(content: Any, index: int) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValueError(f"message {index}'s content must be text or a list of text parts, got "
+                         f"{type(content).__name__}")
+    texts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ValueError(f"message {index}: only text content parts ({{'type': 'text', 'text': ...}}) are "
+                             f"supported, got {kind!r}")
+        texts.append(part["text"])
+    return "\n".join(texts)

@@ -124,6 +124,8 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self.kv_eviction = EvictionSpec.parse(self.kv_eviction)
+        if self.seed == -1:  # vLLM's spelling of "no seed"
+            self.seed = None
         self.logits_processors = list(self.logits_processors or [])
         if isinstance(self.stop, str):
             self.stop = [self.stop]

@@ -36,3 +36,80 @@ def test_chat_content_none_is_empty_text(llm):
     assert none.prompt_token_ids == empty.prompt_token_ids and none.outputs[0].token_ids == empty.outputs[0].token_ids
     with pytest.raises(ValueError, match="string 'role'"):
         llm.chat([{"content": "hi"}], use_tqdm=False)
+
+
+def test_chat_takes_openai_text_parts_and_refuses_other_content(llm):
+    """Text parts are their texts joined by newlines, as the server (and vLLM) read them."""
+    greedy = SamplingParams(max_tokens=3, temperature=0)
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]
+    [from_parts] = llm.chat([{"role": "user", "content": parts}], greedy, use_tqdm=False)
+    [from_text] = llm.chat([{"role": "user", "content": "Hello\nthere"}], greedy, use_tqdm=False)
+    assert from_parts.prompt_token_ids == from_text.prompt_token_ids
+    for content, message in [([{"type": "image_url", "image_url": {"url": "x"}}], "only text content parts"),
+                             (7, "content must be text")]:
+        with pytest.raises(ValueError, match=message):
+            llm.chat([{"role": "user", "content": content}], greedy, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("params", [{"max_tokens": 4}, 5, [None]])
+def test_sampling_params_of_another_type_are_a_type_error(llm, params):
+    with pytest.raises(TypeError, match="sampling_params must be a SamplingParams"):
+        llm.generate("hello", params, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_token_ids_may_be_numpy_integers_but_not_floats(llm):
+    np = pytest.importorskip("numpy")
+    ids = llm.get_tokenizer().encode("The capital of France is")
+    greedy = SamplingParams(max_tokens=4, temperature=0)
+    [plain] = llm.generate({"prompt_token_ids": ids}, greedy, use_tqdm=False)
+    [numpy] = llm.generate({"prompt_token_ids": list(np.array(ids))}, greedy, use_tqdm=False)
+    assert numpy.prompt_token_ids == ids and numpy.outputs[0].token_ids == plain.outputs[0].token_ids
+    with pytest.raises(ValueError, match="token ids are integers"):
+        llm.generate([[1, 2.0]], greedy, use_tqdm=False)
+
+
+def test_prompt_dicts_take_a_cache_salt_and_refuse_keys_kvserve_would_ignore(llm):
+    """vLLM's prompt dicts: `cache_salt` namespaces the prefix cache; multimodal keys are refused
+    (kvserve's models read text only) rather than dropped."""
+    text = "It is a truth universally acknowledged, that a single man in possession of a good fortune " * 2
+    params = SamplingParams(max_tokens=1)
+    llm.generate({"prompt": text, "cache_salt": "a"}, params, use_tqdm=False)
+    [same] = llm.generate({"prompt": text, "cache_salt": "a"}, params, use_tqdm=False)
+    [other] = llm.generate({"prompt": text, "cache_salt": "b"}, params, use_tqdm=False)
+    assert same.num_cached_tokens > 0 and other.num_cached_tokens == 0
+    with pytest.raises(ValueError, match="multi_modal_data"):
+        llm.generate({"prompt": text, "multi_modal_data": {"image": "x"}}, params, use_tqdm=False)
+    with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
+        llm.generate({"prompt": text, "cache_salt": ""}, params, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_use_tqdm_may_be_the_progress_class(llm):
+    made = []
+
+    class Progress:
+        def __init__(self, **kwargs):
+            made.append(kwargs)
+            self.updates = 0
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return None
+
+        def update(self, n):
+            self.updates += n
+
+    llm.generate(["a", "b"], SamplingParams(max_tokens=2), use_tqdm=Progress)
+    assert made and made[0]["total"] == 2
+
+
+def test_vllm_seed_spellings(tiny_llama):
+    """`LLM(seed=None)` leaves the global generator unseeded; a request's seed -1 is no seed."""
+    assert SamplingParams(seed=-1).seed is None
+    unseeded = LLM(str(tiny_llama), dtype="float32", kv_cache_memory="8MiB", seed=None)
+    assert unseeded.generate("hello", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+    unseeded.close()

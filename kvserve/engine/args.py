@@ -172,7 +172,8 @@ class EngineArgs:
         "processes sharing a directory use one key. Absent: a CRC-32, which catches accidents only"))
     max_logprobs: int = field(default=20, metadata=_opt(
         "most logprobs (per generated token) and prompt_logprobs a request may ask for; -1: no limit"))
-    seed: int = field(default=0, metadata=_opt("seed of the global random generator"))
+    seed: int | None = field(default=0, metadata=_opt(
+        "seed of the global random generator (unseeded requests draw from it); LLM(seed=None): not seeded"))
     tensor_parallel_size: int = field(default=1, metadata=_opt(
         "split every layer over this many processes (Megatron-style, torch.distributed: gloo on CPU, NCCL on "
         "CUDA); each holds 1/N of the attention heads, the MLP and the KV cache. Sizes, budgets and --dtype "
@@ -244,7 +245,7 @@ class EngineArgs:
         if (self.kv_offloading_size or path is not None) and not self.enable_prefix_caching:
             raise ValueError("the KV offload tiers (--kv-offloading-size, --kv-offloading-disk-path) hold "
                              "prefix-cache blocks: they need --enable-prefix-caching")
-        _check_int("seed", self.seed, -(1 << 63))
+        _check_int("seed", self.seed, -(1 << 63), optional=True)
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         if self.tensor_parallel_size > 1 and (self.kv_offloading_size or path is not None):
             raise ValueError("the KV offload tiers (--kv-offloading-size, --kv-offloading-disk-path) copy one "

@@ -211,9 +211,16 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str | None = None,
                     cache_salt: str | None = None, final_only: bool = False) -> str:
-        """Queue a prompt (text, token ids or {"prompt_token_ids": [...]}). Raises ValueError for bad input.
+        """Queue a prompt (text, token ids or {"prompt_token_ids": [...]}, whose "cache_salt" is
+        `cache_salt`'s). Raises ValueError for bad input.
         `final_only`: `step()` reports the request once, when it finishes (vLLM's FINAL_ONLY output
         kind, what offline generation reads), not after every token."""
+        if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
+            if cache_salt is not None and cache_salt != prompt["cache_salt"]:
+                raise ValueError("the prompt's cache_salt and the cache_salt argument differ")
+            cache_salt = prompt["cache_salt"]
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r:.40}")
         request_id = request_id or self.new_request_id()
         if request_id in self.output_processor:
             raise ValueError(f"duplicate request id {request_id!r}")

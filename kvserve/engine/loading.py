@@ -57,7 +57,8 @@ def load_engine_model(args: EngineArgs, loaded_model: LoadedModel | None = None,
     # First, args.validate() and the checks against the model's shape: a bad option fails
     # with one line before the weights load.
     plan = preflight(args, ModelShape.of(loaded_model.config) if loaded_model else None)
-    torch.manual_seed(args.seed)
+    if args.seed is not None:
+        torch.manual_seed(args.seed)
     start = time.monotonic()
     loaded = loaded_model or load_model(args.model)
     if ModelShape.of(loaded.config) != plan.shape:  # the quick read disagreed: check with the real config

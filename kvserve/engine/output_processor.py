@@ -9,6 +9,7 @@ the same split (its OutputProcessor), so that the engine itself only schedules a
 """
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,12 +51,21 @@ class _Parent:
         return entries if entries is not None and len(entries) == len(self.prompt_token_ids) else None
 
 
+# vLLM's TextPrompt / TokensPrompt keys kvserve reads; "prompt" beside "prompt_token_ids" is its text,
+# which the ids win over (as in vLLM). Multimodal keys are refused: kvserve serves text-only models.
+PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
+
+
 def tokenize(tokenizer: Any, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
-    """(text or None, token ids) of a prompt given as text, token ids or {"prompt_token_ids": [...]}
-    / {"prompt": text}."""
+    """(text or None, token ids) of a prompt given as text, token ids (ints, numpy's too) or vLLM's
+    {"prompt_token_ids": [...]} / {"prompt": text} (with an optional "cache_salt")."""
     if isinstance(prompt, dict):
         if "prompt_token_ids" not in prompt and "prompt" not in prompt:
             raise ValueError(f"a prompt dict needs a 'prompt' or 'prompt_token_ids' key, got keys {sorted(prompt)}")
+        unknown = sorted(str(key) for key in prompt if key not in PROMPT_KEYS)
+        if unknown:
+            raise ValueError(f"prompt keys {unknown} are not supported (kvserve reads {', '.join(PROMPT_KEYS)}; "
+                             f"its models take text only)")
         prompt = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt["prompt"]
     if isinstance(prompt, str):
         try:
@@ -65,7 +75,14 @@ def tokenize(tokenizer: Any, prompt: str | list[int] | dict) -> tuple[str | None
         return prompt, tokenizer.encode(prompt)
     if not isinstance(prompt, (list, tuple)):
         raise ValueError(f"a prompt is text, a list of token ids or a dict, got {type(prompt).__name__}")
-    return None, list(prompt)
+    token_ids = []
+    for i, token in enumerate(prompt):
+        try:
+            token_ids.append(operator.index(token))
+        except TypeError:
+            raise ValueError(f"token ids are integers; the prompt's token {i} is {token!r:.40} "
+                             f"({type(token).__name__})") from None
+    return None, token_ids
 
 
 # Arguments of the template call that chat_template_kwargs may not replace.

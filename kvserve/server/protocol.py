@@ -153,7 +153,7 @@ class SamplingFields(OpenAIModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    cache_salt: str | None = Field(default=None, description="Prefix-cache namespace: only requests with "
+    cache_salt: str | None = Field(default=None, min_length=1, description="Prefix-cache namespace: only requests with "
                                    "the same salt share cached blocks.")
     kv_eviction: KVEvictionField | None = None
     prompt_logprobs: int | None = Field(default=None, description="Return the log-probability of every prompt "
