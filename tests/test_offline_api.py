@@ -113,3 +113,20 @@ def test_vllm_seed_spellings(tiny_llama):
     unseeded = LLM(str(tiny_llama), dtype="float32", kv_cache_memory="8MiB", seed=None)
     assert unseeded.generate("hello", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
     unseeded.close()
+
+
+def test_a_special_token_that_ends_the_sequence_is_not_in_its_text(llm):
+    """vLLM: stop tokens are in the output unless they are special tokens, with
+    skip_special_tokens=False too (the token stays in token_ids)."""
+    tokenizer = llm.get_tokenizer()
+    eos = tokenizer.eos_token_id
+    ordinary = tokenizer.encode(" the")[-1]
+
+    def first_forced(token: int, **options) -> tuple[str, list[int]]:
+        params = SamplingParams(max_tokens=4, temperature=0, logit_bias={token: 100.0}, skip_special_tokens=False,
+                                **options)
+        completion = llm.generate("hello", params, use_tqdm=False)[0].outputs[0]
+        assert completion.finish_reason == "stop"
+        return completion.text, completion.token_ids
+    assert first_forced(eos) == ("", [eos])
+    assert first_forced(ordinary, stop_token_ids=[ordinary]) == (tokenizer.decode([ordinary]), [ordinary])

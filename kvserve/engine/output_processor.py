@@ -138,6 +138,7 @@ class OutputProcessor:
         self._parents: dict[str, _Parent] = {}
         self._children: dict[str, tuple[_Parent, _Child]] = {}
         self._token_texts: dict[int, str] = {}
+        self._special_ids = frozenset(getattr(tokenizer, "all_special_ids", ()))
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._parents
@@ -183,7 +184,10 @@ class OutputProcessor:
             touched[parent.request_id] = parent
             if request.status == RequestStatus.FINISHED_ERROR:  # its token was discarded (a logits processor failed)
                 continue
-            child.detokenizer.add_token(token)
+            # A special token that ended the sequence (EOS, a special stop token) is not in the text,
+            # even with skip_special_tokens=False (vLLM's rule); a non-special stop token is.
+            if request.status != RequestStatus.FINISHED_STOPPED or token not in self._special_ids:
+                child.detokenizer.add_token(token)
             if child.logprobs is not None and logprob is not None:
                 child.logprobs.append(self._ranked(token, *logprob))
             if child.detokenizer.stop_string is not None and not request.status.finished:
