@@ -35,8 +35,8 @@ class CpuPlatform(Platform):
 
     def kv_budget_before_load(self, args, budget, device):
         if args.gpu_memory_utilization != type(args).gpu_memory_utilization:  # not the default
-            logger.info("--gpu-memory-utilization concerns CUDA: on CPU the KV pool is --kv-cache-memory, "
-                        "by default min(4GiB, RAM/4)")
+            logger.warning("--gpu-memory-utilization concerns CUDA: on CPU the KV pool is --kv-cache-memory, "
+                           "by default min(4GiB, RAM/4)")
         if budget is None:
             return default_cpu_budget()
         if budget > (available := available_ram_bytes()):
@@ -61,5 +61,5 @@ class CpuPlatform(Platform):
 
     def capture_decode_graphs(self, runner, args, max_model_len):
         if args.enforce_eager or args.max_cudagraph_capture_size is not None:
-            logger.info("--enforce-eager and --max-cudagraph-capture-size concern CUDA graphs: on CPU every step "
-                        "runs eagerly")
+            logger.warning("--enforce-eager and --max-cudagraph-capture-size concern CUDA graphs: on CPU every step "
+                           "runs eagerly")
