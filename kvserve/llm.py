@@ -7,7 +7,7 @@ from tqdm import tqdm
 
 from kvserve.engine.args import EngineArgs
 from kvserve.engine.llm_engine import LLMEngine
-from kvserve.outputs import RequestOutput
+from kvserve.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
 
 Prompt = str | list[int] | dict
@@ -59,6 +59,25 @@ class LLM:
                 self.engine.abort_request(request_id)
             raise
         return self._run(ids, use_tqdm)
+
+    def embed(self, prompts: Prompt | Sequence[Prompt],
+              use_tqdm: bool | Callable[..., tqdm] = True) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding, as `/v1/embeddings` computes it (the final-normed hidden states
+        pooled by --pooling-type, L2-normalised), in vLLM's `LLM.embed` shape. Every prompt is
+        checked before any runs; each gives its KV blocks back as soon as it is done."""
+        if not isinstance(prompts, (list, tuple)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        token_ids = [self.engine.tokenize(prompt)[1] for prompt in prompts]
+        for ids in token_ids:
+            self.engine.validate(ids, SamplingParams(max_tokens=0))
+        results = []
+        progress = use_tqdm if callable(use_tqdm) else tqdm
+        with progress(total=len(token_ids), desc="Embedded prompts", disable=not use_tqdm) as bar:
+            for ids in token_ids:
+                embedding = self.engine.embed(ids).tolist()
+                results.append(EmbeddingRequestOutput(self.engine.new_request_id(), ids, EmbeddingOutput(embedding)))
+                bar.update(1)
+        return results
 
     def chat(self, messages: list[Message] | list[list[Message]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool | Callable[..., tqdm] = True, add_generation_prompt: bool = True,

@@ -59,3 +59,18 @@ class RequestOutput:
     error: str | None = None
     # With SamplingParams.prompt_logprobs: every prompt token's entry, once the prompt is computed.
     prompt_logprobs: PromptLogprobs | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """`LLM.embed`'s result per prompt, vLLM's shape: `.outputs.embedding`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True

@@ -130,3 +130,16 @@ def test_a_special_token_that_ends_the_sequence_is_not_in_its_text(llm):
         return completion.text, completion.token_ids
     assert first_forced(eos) == ("", [eos])
     assert first_forced(ordinary, stop_token_ids=[ordinary]) == (tokenizer.decode([ordinary]), [ordinary])
+
+
+def test_embed_gives_vllms_shape_and_the_engines_pooled_vectors(llm):
+    import torch
+    outputs = llm.embed(["hello there", {"prompt_token_ids": [1, 2, 3]}], use_tqdm=False)
+    ids = llm.get_tokenizer().encode("hello there")
+    assert [o.prompt_token_ids for o in outputs] == [ids, [1, 2, 3]] and all(o.finished for o in outputs)
+    first = torch.tensor(outputs[0].outputs.embedding)
+    assert first.shape == (llm.engine.model_config.hidden_size,)
+    assert torch.allclose(first, llm.engine.embed(ids)) and abs(first.norm().item() - 1) < 1e-5
+    with pytest.raises(ValueError, match="out of vocabulary"):
+        llm.embed(["fine", [10 ** 9]], use_tqdm=False)
+    assert llm.engine.num_free_blocks == llm.engine.num_blocks  # embeddings hold no KV blocks
