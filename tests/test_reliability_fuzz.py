@@ -113,6 +113,7 @@ CASES = {
     "lone surrogate in the prompt": (b'{"prompt": "a\\ud800b", "max_tokens": 2}', "lone surrogate"),
     "lone surrogate in a stop string": (b'{"prompt": "a", "stop": ["\\udfff"], "max_tokens": 2}', "surrogate"),
     "lone surrogate in the cache salt": (b'{"prompt": "a", "cache_salt": "\\ud800", "max_tokens": 2}', "surrogate"),
+    "empty cache salt": (b'{"prompt": "a", "cache_salt": "", "max_tokens": 2}', "non-empty string"),
     "lone surrogate in an unknown key": (b'{"prompt": "a", "\\ud800": 1, "max_tokens": 2}', "nicode"),
     "not JSON": (b"prompt=hello", "JSON"),
     "JSON but not an object": (b'["prompt", "x"]', ""),

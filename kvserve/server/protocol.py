@@ -153,7 +153,7 @@ class SamplingFields(OpenAIModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    cache_salt: str | None = Field(default=None, min_length=1, description="Prefix-cache namespace: only requests with "
+    cache_salt: str | None = Field(default=None, description="Prefix-cache namespace: only requests with "
                                    "the same salt share cached blocks.")
     kv_eviction: KVEvictionField | None = None
     prompt_logprobs: int | None = Field(default=None, description="Return the log-probability of every prompt "
@@ -173,6 +173,12 @@ class SamplingFields(OpenAIModel):
     def _stream_options_need_stream(self) -> "SamplingFields":
         if self.stream_options is not None and not self.stream:  # vLLM's check and text
             raise ValueError("Stream options can only be defined when `stream=True`.")
+        return self
+
+    @model_validator(mode="after")
+    def _cache_salt_not_empty(self) -> "SamplingFields":
+        if self.cache_salt == "":  # vLLM's text
+            raise ValueError("Parameter 'cache_salt' must be a non-empty string if provided.")
         return self
 
     @model_validator(mode="after")
