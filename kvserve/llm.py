@@ -1,6 +1,8 @@
 """Offline batch inference, like vLLM's `LLM`: `LLM().generate(prompts, SamplingParams(...))`."""
 from __future__ import annotations
 
+import numbers
+import operator
 from typing import Any, Callable, Sequence
 
 from tqdm import tqdm
@@ -38,8 +40,7 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool | Callable[..., tqdm] = True) -> list[RequestOutput]:
         """Generate for every prompt, batched by the scheduler; results in prompt order.
         `use_tqdm` may be a tqdm-like class to show progress with (vLLM's)."""
-        if not isinstance(prompts, (list, tuple)) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # one prompt (a wrong type is refused when it is tokenized)
+        prompts = _prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         elif not isinstance(sampling_params, (list, tuple)):
@@ -65,14 +66,11 @@ class LLM:
         """Each prompt's embedding, as `/v1/embeddings` computes it (the final-normed hidden states
         pooled by --pooling-type, L2-normalised), in vLLM's `LLM.embed` shape. Every prompt is
         checked before any runs; each gives its KV blocks back as soon as it is done."""
-        if not isinstance(prompts, (list, tuple)) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        token_ids = [self.engine.tokenize(prompt)[1] for prompt in prompts]
+        token_ids = [self.engine.tokenize(prompt)[1] for prompt in _prompt_list(prompts)]
         for ids in token_ids:
             self.engine.validate(ids, SamplingParams(max_tokens=0))
         results = []
-        progress = use_tqdm if callable(use_tqdm) else tqdm
-        with progress(total=len(token_ids), desc="Embedded prompts", disable=not use_tqdm) as bar:
+        with _progress(use_tqdm, len(token_ids), "Embedded prompts") as bar:
             for ids in token_ids:
                 embedding = self.engine.embed(ids).tolist()
                 results.append(EmbeddingRequestOutput(self.engine.new_request_id(), ids, EmbeddingOutput(embedding)))
@@ -96,14 +94,37 @@ class LLM:
 
     def _run(self, request_ids: list[str], use_tqdm: bool | Callable[..., tqdm]) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}
-        progress = use_tqdm if callable(use_tqdm) else tqdm
-        with progress(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+        with _progress(use_tqdm, len(request_ids), "Processed prompts") as bar:
             while self.engine.has_unfinished_requests():
                 for output in self.engine.step():
                     if output.finished:
                         results[output.request_id] = output
                         bar.update(1)
         return [results[i] for i in request_ids]
+
+
+def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """The prompts as a list, token ids as Python ints: a numpy array or numpy integers (a
+    tokenizer's `return_tensors="np"`) are read as vLLM reads them; a wrong type is refused when
+    it is tokenized."""
+    def plain(prompt: Prompt) -> Prompt:
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return {**prompt, "prompt_token_ids": plain(prompt["prompt_token_ids"])}
+        if hasattr(prompt, "tolist") and not isinstance(prompt, (str, dict)):
+            prompt = prompt.tolist()
+        if isinstance(prompt, (list, tuple)):
+            return [operator.index(t) if isinstance(t, numbers.Integral) else t for t in prompt]
+        return prompt
+
+    single = not isinstance(prompts, (list, tuple)) or (prompts and isinstance(prompts[0], numbers.Integral))
+    return [plain(p) for p in ([prompts] if single else prompts)]
+
+
+def _progress(use_tqdm: bool | Callable[..., tqdm], total: int, desc: str) -> tqdm:
+    """A progress bar: tqdm's (hidden when use_tqdm is False), or the class given (vLLM's)."""
+    if callable(use_tqdm):
+        return use_tqdm(total=total, desc=desc)
+    return tqdm(total=total, desc=desc, disable=not use_tqdm)
 
 
 def _checked(conversation: list[Message]) -> list[Message]:

@@ -24,8 +24,10 @@ SampleLogprobs = list[dict[int, Logprob]]
 
 
 def top_logprobs(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
-    """The k most likely tokens of a logprobs entry, best first."""
-    return sorted(((token, e) for token, e in entry.items() if e.rank <= k), key=lambda item: item[1].rank)
+    """The k most likely tokens of a logprobs entry, best first. A sampled token (the entry's
+    first) tied with the k-th but left out of the top k ranks as high as it: the top k win."""
+    sampled = next(iter(entry), None)
+    return sorted(entry.items(), key=lambda item: (item[1].rank, item[0] == sampled))[:k]
 
 
 @dataclass

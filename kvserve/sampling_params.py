@@ -215,4 +215,6 @@ class SamplingParams:
             except Exception as exc:
                 raise ValueError(f"n={self.n} gives each sample its own copy of logits_processors, but they "
                                  f"cannot be deep-copied ({type(exc).__name__}: {exc}).") from exc
-        return replace(self, n=1, seed=seed, logits_processors=processors)
+        child = replace(self, n=1, logits_processors=processors)
+        child.seed = seed  # after replace, whose __post_init__ would read a wrapped -1 as "no seed"
+        return child

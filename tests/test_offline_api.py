@@ -64,8 +64,10 @@ def test_token_ids_may_be_numpy_integers_but_not_floats(llm):
     ids = llm.get_tokenizer().encode("The capital of France is")
     greedy = SamplingParams(max_tokens=4, temperature=0)
     [plain] = llm.generate({"prompt_token_ids": ids}, greedy, use_tqdm=False)
-    [numpy] = llm.generate({"prompt_token_ids": list(np.array(ids))}, greedy, use_tqdm=False)
-    assert numpy.prompt_token_ids == ids and numpy.outputs[0].token_ids == plain.outputs[0].token_ids
+    for prompt in ({"prompt_token_ids": list(np.array(ids))}, {"prompt_token_ids": np.array(ids)},
+                   np.array(ids), list(np.array(ids))):
+        [numpy] = llm.generate(prompt, greedy, use_tqdm=False)
+        assert numpy.prompt_token_ids == ids and numpy.outputs[0].token_ids == plain.outputs[0].token_ids
     with pytest.raises(ValueError, match="token ids are integers"):
         llm.generate([[1, 2.0]], greedy, use_tqdm=False)
 
@@ -90,8 +92,8 @@ def test_use_tqdm_may_be_the_progress_class(llm):
     made = []
 
     class Progress:
-        def __init__(self, **kwargs):
-            made.append(kwargs)
+        def __init__(self, total, desc):  # what vLLM passes such a class, less its display options
+            made.append(total)
             self.updates = 0
 
         def __enter__(self):
@@ -104,12 +106,14 @@ def test_use_tqdm_may_be_the_progress_class(llm):
             self.updates += n
 
     llm.generate(["a", "b"], SamplingParams(max_tokens=2), use_tqdm=Progress)
-    assert made and made[0]["total"] == 2
+    assert made == [2]
 
 
 def test_vllm_seed_spellings(tiny_llama):
-    """`LLM(seed=None)` leaves the global generator unseeded; a request's seed -1 is no seed."""
+    """`LLM(seed=None)` seeds the global generator at random; a request's seed -1 is no seed."""
     assert SamplingParams(seed=-1).seed is None
+    # a sample whose seed + index is -1 keeps that seed (it is not "no seed")
+    assert [SamplingParams(seed=-2, n=3).for_child(i).seed for i in range(3)] == [-2, -1, 0]
     unseeded = LLM(str(tiny_llama), dtype="float32", kv_cache_memory="8MiB", seed=None)
     assert unseeded.generate("hello", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
     unseeded.close()
@@ -129,6 +133,7 @@ def test_a_special_token_that_ends_the_sequence_is_not_in_its_text(llm):
         assert completion.finish_reason == "stop"
         return completion.text, completion.token_ids
     assert first_forced(eos) == ("", [eos])
+    assert first_forced(eos, include_stop_str_in_output=True) == (tokenizer.decode([eos]), [eos])
     assert first_forced(ordinary, stop_token_ids=[ordinary]) == (tokenizer.decode([ordinary]), [ordinary])
 
 

@@ -225,3 +225,13 @@ def test_the_cuda_profiling_step_samples_max_num_seqs_rows_with_every_option(tin
     step = engine.runner.execute(scheduled, tables)
     assert len(step.result.token_ids) == 12
     assert all(entry is not None and len(entry[2]) == 20 for entry in step.result.logprobs)
+
+
+def test_top_logprobs_of_an_entry_are_the_k_best_when_the_sampled_token_ties():
+    """A sampled token tied with the k-th best but left out of the top k has that rank too (rank =
+    1 + the tokens strictly more likely): the top k are still k, those the top-k pick made."""
+    from kvserve.outputs import Logprob
+    entry = {5: Logprob(-0.7, 1), 7: Logprob(-0.7, 1), 9: Logprob(-2.0, 2)}  # 5 sampled, 7 picked as best
+    assert [token for token, _ in top_logprobs(entry, 1)] == [7]
+    assert [token for token, _ in top_logprobs(entry, 2)] == [7, 5]
+    assert top_logprobs({5: Logprob(-0.1, 1)}, 0) == []

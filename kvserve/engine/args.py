@@ -173,7 +173,7 @@ class EngineArgs:
     max_logprobs: int = field(default=20, metadata=_opt(
         "most logprobs (per generated token) and prompt_logprobs a request may ask for; -1: no limit"))
     seed: int | None = field(default=0, metadata=_opt(
-        "seed of the global random generator (unseeded requests draw from it); LLM(seed=None): not seeded"))
+        "seed of the global random generator (unseeded requests draw from it); LLM(seed=None): a random seed"))
     tensor_parallel_size: int = field(default=1, metadata=_opt(
         "split every layer over this many processes (Megatron-style, torch.distributed: gloo on CPU, NCCL on "
         "CUDA); each holds 1/N of the attention heads, the MLP and the KV cache. Sizes, budgets and --dtype "

@@ -177,6 +177,8 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         bad = next((t for t in [*prompt_token_ids, *params.stop_token_ids]
                     if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None and not isinstance(bad, int):
+            raise ValueError(f"token ids are integers, got {bad!r:.40} ({type(bad).__name__})")
         if bad is not None:
             raise ValueError(f"Token id {bad} is out of vocabulary (the model has {vocab} tokens).")
         if self.args.deterministic and params.kv_eviction is not None \

@@ -57,7 +57,9 @@ def load_engine_model(args: EngineArgs, loaded_model: LoadedModel | None = None,
     # First, args.validate() and the checks against the model's shape: a bad option fails
     # with one line before the weights load.
     plan = preflight(args, ModelShape.of(loaded_model.config) if loaded_model else None)
-    if args.seed is not None:
+    if args.seed is None:
+        torch.seed()  # from the OS's entropy: unseeded requests differ between runs
+    else:
         torch.manual_seed(args.seed)
     start = time.monotonic()
     loaded = loaded_model or load_model(args.model)

@@ -128,7 +128,8 @@ class InFlightStep:
         return self._host["tokens"].tolist()
 
     def logprob_list(self) -> list:
-        """Per sampled request, None or (the token's logprob, its top alternatives); after `token_list`."""
+        """Per sampled request, None or (the token's logprob, its rank, its top alternatives); after
+        `token_list`."""
         if self.logprobs is None:
             return [None] * len(self.sampled)
         return self.logprobs.on_host(self._host["logprobs"].numpy())

@@ -9,7 +9,6 @@ the same split (its OutputProcessor), so that the engine itself only schedules a
 """
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,7 +56,7 @@ PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
 
 
 def tokenize(tokenizer: Any, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
-    """(text or None, token ids) of a prompt given as text, token ids (ints, numpy's too) or vLLM's
+    """(text or None, token ids) of a prompt given as text, token ids or vLLM's
     {"prompt_token_ids": [...]} / {"prompt": text} (with an optional "cache_salt")."""
     if isinstance(prompt, dict):
         if "prompt_token_ids" not in prompt and "prompt" not in prompt:
@@ -75,14 +74,7 @@ def tokenize(tokenizer: Any, prompt: str | list[int] | dict) -> tuple[str | None
         return prompt, tokenizer.encode(prompt)
     if not isinstance(prompt, (list, tuple)):
         raise ValueError(f"a prompt is text, a list of token ids or a dict, got {type(prompt).__name__}")
-    token_ids = []
-    for i, token in enumerate(prompt):
-        try:
-            token_ids.append(operator.index(token))
-        except TypeError:
-            raise ValueError(f"token ids are integers; the prompt's token {i} is {token!r:.40} "
-                             f"({type(token).__name__})") from None
-    return None, token_ids
+    return None, list(prompt)
 
 
 # Arguments of the template call that chat_template_kwargs may not replace.
@@ -138,7 +130,10 @@ class OutputProcessor:
         self._parents: dict[str, _Parent] = {}
         self._children: dict[str, tuple[_Parent, _Child]] = {}
         self._token_texts: dict[int, str] = {}
-        self._special_ids = frozenset(getattr(tokenizer, "all_special_ids", ()))
+        # What decode(skip_special_tokens=True) drops: the named special tokens and added ones marked special.
+        added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        self._special_ids = frozenset(getattr(tokenizer, "all_special_ids", ())) | \
+            {token_id for token_id, token in added.items() if getattr(token, "special", False)}
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._parents
@@ -184,9 +179,7 @@ class OutputProcessor:
             touched[parent.request_id] = parent
             if request.status == RequestStatus.FINISHED_ERROR:  # its token was discarded (a logits processor failed)
                 continue
-            # A special token that ended the sequence (EOS, a special stop token) is not in the text,
-            # even with skip_special_tokens=False (vLLM's rule); a non-special stop token is.
-            if request.status != RequestStatus.FINISHED_STOPPED or token not in self._special_ids:
+            if not self._hidden_stop_token(request, token):
                 child.detokenizer.add_token(token)
             if child.logprobs is not None and logprob is not None:
                 child.logprobs.append(self._ranked(token, *logprob))
@@ -194,6 +187,14 @@ class OutputProcessor:
                 request.stop_reason = child.detokenizer.stop_string
                 self._finish(request, RequestStatus.FINISHED_STOPPED)
         return [self._output(parent) for parent in touched.values() if not parent.final_only or parent.finished]
+
+    def _hidden_stop_token(self, request: Request, token: int) -> bool:
+        """A special token that ended the sequence (EOS, a special stop token) is not in the text,
+        with skip_special_tokens=False too, unless include_stop_str_in_output (vLLM's rules); a
+        non-special stop token is (vLLM's documented rule)."""
+        return (request.status == RequestStatus.FINISHED_STOPPED and token in self._special_ids
+                and (token == request.stop_reason or token in request.eos_token_ids)
+                and not request.params.include_stop_str_in_output)
 
     def _add_prompt_logprobs(self, chunk: PromptLogprobsChunk) -> None:
         entry = self._children.get(chunk.request.request_id)
