@@ -37,7 +37,8 @@ class LLM:
         self.close()
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool | Callable[..., tqdm] = True) -> list[RequestOutput]:
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool | Callable[..., tqdm] = True) -> list[RequestOutput]:
         """Generate for every prompt, batched by the scheduler; results in prompt order.
         `use_tqdm` may be a tqdm-like class to show progress with (vLLM's)."""
         prompts = _prompt_list(prompts)
@@ -110,7 +111,7 @@ def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     def plain(prompt: Prompt) -> Prompt:
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             return {**prompt, "prompt_token_ids": plain(prompt["prompt_token_ids"])}
-        if hasattr(prompt, "tolist") and not isinstance(prompt, (str, dict)):
+        if hasattr(prompt, "tolist"):  # a numpy array
             prompt = prompt.tolist()
         if isinstance(prompt, (list, tuple)):
             return [operator.index(t) if isinstance(t, numbers.Integral) else t for t in prompt]

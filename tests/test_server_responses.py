@@ -54,9 +54,9 @@ def test_a_call_cut_off_by_max_output_tokens_is_incomplete_and_the_loop_goes_on(
     assert events[-1].type == "response.incomplete"
     done = [e.item for e in events if e.type == "response.output_item.done"]
     assert [item.status for item in done] == [item.status for item in first.output]
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny."}
     second = client.responses.create(model="tiny", previous_response_id=first.id, tools=[WEATHER], tool_choice="none",
-                                     input=[{"type": "function_call_output", "call_id": call.call_id, "output": "Sunny."}],
-                                     max_output_tokens=4, temperature=0)
+                                     input=[result], max_output_tokens=4, temperature=0)
     assert second.output[0].type == "message" and second.usage.input_tokens > first.usage.input_tokens
 
 

@@ -71,7 +71,8 @@ class LogprobsOnDevice:
         result: list = [None] * len(self.wanted)
         for j, i in enumerate(self.rows):
             w = self.wanted[i]
-            result[i] = (found.logprobs[j], found.ranks[j], list(zip(found.top_ids[j][:w], found.top_logprobs[j][:w])))
+            top = list(zip(found.top_ids[j][:w], found.top_logprobs[j][:w]))
+            result[i] = (found.logprobs[j], found.ranks[j], top)
         return result
 
 
