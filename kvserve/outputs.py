@@ -23,10 +23,15 @@ PromptLogprobs = list[dict[int, Logprob] | None]
 SampleLogprobs = list[dict[int, Logprob]]
 
 
+def sampled_logprob(entry: dict[int, Logprob]) -> tuple[int, Logprob]:
+    """The sampled token of a sample-logprobs entry and its Logprob: the entry's first."""
+    return next(iter(entry.items()))
+
+
 def top_logprobs(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
     """The k most likely tokens of a logprobs entry, best first. A sampled token (the entry's
     first) tied with the k-th but left out of the top k ranks as high as it: the top k win."""
-    sampled = next(iter(entry), None)
+    sampled, _ = sampled_logprob(entry)
     return sorted(entry.items(), key=lambda item: (item[1].rank, item[0] == sampled))[:k]
 
 
@@ -44,7 +49,7 @@ class CompletionOutput:
         """The sum of the sampled tokens' logprobs (raw model), when logprobs were asked (vLLM's)."""
         if self.logprobs is None:
             return None
-        return sum(next(iter(entry.values())).logprob for entry in self.logprobs)
+        return sum(sampled_logprob(entry)[1].logprob for entry in self.logprobs)
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -12,7 +12,7 @@ from typing import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response
 
-from kvserve.outputs import CompletionOutput, SampleLogprobs, top_logprobs
+from kvserve.outputs import CompletionOutput, SampleLogprobs, sampled_logprob, top_logprobs
 from kvserve.server.engine_loop import EngineError, PromptSpec, RequestStream
 from kvserve.server.errors import APIError
 from kvserve.server.prompt_logprobs import prompt_logprobs_field
@@ -34,7 +34,7 @@ def chat_logprobs(tokens: Tokenization, entries: SampleLogprobs, k: int) -> Chat
 
     content = []
     for entry in entries:
-        token, sampled = next(iter(entry.items()))
+        token, sampled = sampled_logprob(entry)
         alternatives = [top(t, e.logprob) for t, e in top_logprobs(entry, k)]
         content.append(TokenLogprob(**top(token, sampled.logprob).model_dump(), top_logprobs=alternatives))
     return ChatLogprobs(content=content)

@@ -14,7 +14,7 @@ from typing import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response
 
-from kvserve.outputs import RequestOutput, SampleLogprobs, top_logprobs
+from kvserve.outputs import RequestOutput, SampleLogprobs, sampled_logprob, top_logprobs
 from kvserve.server.errors import APIError
 from kvserve.server.engine_loop import EngineError, PromptSpec, RequestStream
 from kvserve.server.prompt_logprobs import echoed_prompt_logprobs, prompt_logprobs_field
@@ -31,7 +31,7 @@ def completion_logprobs(tokens: Tokenization, entries: SampleLogprobs, k: int, t
     where two tokens decode to the same text (the format keys by text), the chosen token's value is kept."""
     result = CompletionLogprobs()
     for entry in entries:
-        token, sampled = next(iter(entry.items()))
+        token, sampled = sampled_logprob(entry)
         text = tokens.token_text(token)
         result.tokens.append(text)
         result.token_logprobs.append(sampled.logprob)
