@@ -1,6 +1,6 @@
 """Engine faults (issue 9, #7), injected through KVSERVE_FAULT_INJECTION's /debug/faults into real
 `kvserve serve` processes: a failed step fails only the requests it was running (a 500, or an SSE
-error event and [DONE]) while queued requests still run, the prefix cache is not left pointing at
+error event and [DONE]; on /v1/messages, Anthropic's error event) while queued requests still run, the prefix cache is not left pointing at
 blocks the failed step never wrote, and an unrecoverable failure (an abort that cannot free its
 blocks; failed steps in a row) turns /health 503 and makes the process exit with status 1. A slow
 first step (an injected delay) shows that a chat stream's first chunk waits for its first token."""
@@ -79,6 +79,27 @@ def test_a_failed_step_fails_the_running_stream_while_the_queued_request_runs(se
     after = read_metrics(url)
     assert after["kvserve:request_success_total{finished_reason=error}"] - \
         before.get("kvserve:request_success_total{finished_reason=error}", 0) == 1
+
+
+def test_a_failed_step_ends_an_anthropic_stream_with_an_error_event(server):
+    """/v1/messages re-tells chat's error event as Anthropic's `error` event (which its SDK raises),
+    and sends neither message_delta nor message_stop after it."""
+    url = server.base_url
+    body = {"model": "tiny", "max_tokens": 900, "stream": True, "temperature": 0, "ignore_eos": True,
+            "messages": [{"role": "user", "content": book_prompts(1, 10, offset=500)[0]}]}
+    with httpx.stream("POST", url + "/v1/messages", json=body, timeout=60) as stream:
+        lines = stream.iter_lines()
+        first = [next(lines) for _ in range(9)]  # message_start, the text block's start, a delta
+        arm(url, "step")
+        received = [*first, *lines]
+    events = [line.removeprefix("event: ") for line in received if line.startswith("event: ")]
+    datas = data_lines(received)
+    assert events[:3] == ["message_start", "content_block_start", "content_block_delta"]
+    assert events[-1] == "error" and "message_stop" not in events and "message_delta" not in events
+    error = json.loads(datas[-1])
+    assert error["type"] == "error" and error["error"]["type"] == "api_error"
+    assert "engine failed" in error["error"]["message"]
+    assert wait_drained(url).drained
 
 
 def test_a_chat_streams_first_chunk_comes_with_its_first_token(server):

@@ -2,7 +2,7 @@
 invalid requests for every route of the server's own /openapi.json, and hand-written cases cover
 what generators rarely hit (invalid UTF-8, lone surrogates, NaN, huge numbers, nesting, bodies
 over the limit). Every answer must come within the timeout, never be a 5xx, and every error
-must carry OpenAI's JSON body. The server uses --max-model-len 64 so a generated request cannot
+must carry OpenAI's JSON body (Anthropic's on its Messages API paths). The server uses --max-model-len 64 so a generated request cannot
 ask for long generations."""
 from __future__ import annotations
 
@@ -39,20 +39,26 @@ OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("G
               ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/health"), ("GET", "/version"),
               ("GET", "/metrics"), ("GET", "/dashboard/state"), ("GET", "/v1/kv_events/snapshot"),
               ("GET", "/v1/load"), ("POST", "/v1/embeddings"), ("POST", "/v1/responses"),
-              ("GET", "/v1/responses/{response_id}"), ("POST", "/v1/responses/{response_id}/cancel")]
+              ("GET", "/v1/responses/{response_id}"), ("POST", "/v1/responses/{response_id}/cancel"),
+              ("POST", "/v1/messages"), ("POST", "/v1/messages/count_tokens")]
 # The KV-events stream answers a valid request with a stream that lasts as long as the server:
 # listed in the schema, not fuzzed (tests/test_router.py reads it).
 STREAMS = [("GET", "/v1/kv_events")]
 
 
-def assert_openai_error(status: int, content_type: str, body: bytes) -> None:
-    """Below 400 anything goes; from 400 up: JSON `{"error": {message, type, param, code}}`, never 5xx."""
+def assert_openai_error(status: int, content_type: str, body: bytes, path: str = "") -> None:
+    """Below 400 anything goes; from 400 up: JSON `{"error": {message, type, param, code}}`, never 5xx
+    (on /v1/messages..., Anthropic's `{"type": "error", "error": {type, message}}`)."""
     assert status < 500, f"HTTP {status}: {body[:500]!r}"
     if status < 400:
         return
     assert content_type.startswith("application/json"), (status, content_type, body[:200])
-    error = httpx.Response(status, content=body).json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["message"], error
+    parsed = httpx.Response(status, content=body).json()
+    error = parsed["error"]
+    if path.startswith("/v1/messages"):
+        assert parsed["type"] == "error" and set(error) == {"type", "message"} and error["message"], parsed
+    else:
+        assert set(error) == {"message", "type", "param", "code"} and error["message"], error
 
 
 def test_the_schema_lists_exactly_these_routes(api_schema):
@@ -80,7 +86,7 @@ def test_generated_requests_never_5xx_and_errors_are_openai_bodies(api_schema, m
         response = case.call(timeout=TIMEOUT_S)  # a hang fails here
         case.validate_response(response, checks=[not_a_server_error])
         content_type = (response.headers.get("content-type") or [""])[0]  # lower-case keys, list values
-        assert_openai_error(response.status_code, content_type, response.content)
+        assert_openai_error(response.status_code, content_type, response.content, path)
 
     check()
 

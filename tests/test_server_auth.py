@@ -41,6 +41,9 @@ def test_protected_paths_refuse_a_missing_key(server, path, method):
     {"Authorization": f"Basic {KEY}"},
     {"Host": "localhost"},
     {"Host": "localhost", "X-Forwarded-For": "127.0.0.1", "X-Original-URL": "/health"},
+    {"x-api-key": "wrong"},
+    {"x-api-key": f"Bearer {KEY}"},
+    {"Authorization": "Bearer wrong", "x-api-key": KEY},  # a wrong Authorization is not overruled
 ])
 def test_wrong_keys_and_spoofed_headers_are_refused(server, headers):
     assert raw_status(server, "GET", "/v1/models", headers) == 401
@@ -62,6 +65,25 @@ def test_right_key_works_and_open_paths_stay_open(server):
     assert response.usage.completion_tokens == 2
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="nope", max_retries=0).models.list()
+
+
+def test_anthropic_clients_send_the_key_as_x_api_key(server):
+    """Older anthropic SDKs (0.x) and Claude Code with ANTHROPIC_API_KEY send `x-api-key`; the
+    2.x SDK sends `Authorization: Bearer`. Both work, and a refusal has Anthropic's error body."""
+    anthropic = pytest.importorskip("anthropic", reason="the anthropic SDK is in the test extra")
+    assert raw_status(server, "GET", "/v1/models", {"x-api-key": KEY}) == 200
+    body = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}],
+            "extra_body": {"ignore_eos": True}}
+    raw = {k: v for k, v in body.items() if k != "extra_body"}
+    assert httpx.post(f"{server.base_url}/v1/messages", json=raw, headers={"x-api-key": KEY}).status_code == 200
+    refused = httpx.post(f"{server.base_url}/v1/messages", json=raw, headers={"x-api-key": "nope"})
+    assert refused.status_code == 401
+    assert refused.json() == {"type": "error", "error": {"type": "authentication_error", "message": refused.json()[
+        "error"]["message"]}} and "x-api-key" in refused.json()["error"]["message"]
+    message = anthropic.Anthropic(base_url=server.base_url, api_key=KEY, max_retries=0).messages.create(**body)
+    assert message.usage.output_tokens == 2
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=server.base_url, api_key="nope", max_retries=0).messages.create(**body)
 
 
 def test_a_refused_request_never_reaches_the_engine(server):

@@ -3,6 +3,7 @@
     client ──> APIKeyMiddleware (if --api-key) ──> BodySizeLimitMiddleware ──> FastAPI routes
                                                                                    │
                /v1/completions, /v1/chat/completions ──> AsyncEngine (engine thread)
+               /v1/responses, /v1/messages (Anthropic's) ──> the chat path
                /dashboard (page), /dashboard/state ──> AsyncEngine.fresh_state (a snapshot between steps)
                /v1/kv_events, /v1/kv_events/snapshot, /v1/load ──> the pool's event log (routers)
 """
@@ -30,6 +31,7 @@ from kvserve.server.responses import ResponsesRequest, ResponsesServing
 from kvserve.server.errors import APIError, error_body, install_error_handlers
 from kvserve.server.faults import add_fault_injection
 from kvserve.server.kv_events_api import add_kv_event_routes, attach_kv_events
+from kvserve.server.messages import MessagesRequest, MessagesServing
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.prompts import Tokenization, conversation
 from kvserve.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
@@ -72,6 +74,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     completions, chat = CompletionServing(ctx), ChatServing(ctx, config.tool_call_parser)
     embeddings = EmbeddingServing(ctx, tokens, engine.model_config.hidden_size)
     responses = ResponsesServing(chat)
+    messages = MessagesServing(chat)
     created = int(time.time())
 
     @asynccontextmanager
@@ -137,6 +140,14 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     @app.post("/v1/responses/{response_id}/cancel", responses=_ERRORS)
     async def cancel_response(response_id: str) -> JSONResponse:
         return JSONResponse(responses.cancel(response_id))
+
+    @app.post("/v1/messages", responses=_ERRORS)
+    async def create_message(body: MessagesRequest, request: Request) -> Response:
+        return await messages.create(body, request)
+
+    @app.post("/v1/messages/count_tokens", responses=_ERRORS)
+    async def count_message_tokens(body: MessagesRequest) -> dict:
+        return await messages.count_tokens(body)
 
     @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=_ERRORS)
     async def create_embedding(body: EmbeddingRequest) -> EmbeddingResponse:

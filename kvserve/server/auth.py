@@ -1,6 +1,7 @@
 """API-key check (`--api-key`), as pure ASGI middleware in front of routing.
 
-Deny by default: every path needs `Authorization: Bearer <key>` except a few open ones
+Deny by default: every path needs `Authorization: Bearer <key>` (or `x-api-key: <key>`, what
+Anthropic's clients send, taken when no Authorization header is sent) except a few open ones
 (/health, /metrics, /version, and the dashboard's page and static assets, which carry no data;
 its state, /dashboard/state, needs the key). The decision uses the path the router will dispatch on
 (`scope["path"]`, already percent-decoded by the server), normalised for case, repeated and
@@ -41,9 +42,14 @@ class APIKeyMiddleware:
             raise ValueError("the API key must not be empty")
         self.app = app
         self._expected = f"Bearer {api_key}".encode()
+        self._key = api_key.encode()
 
     def _authorised(self, scope: Scope) -> bool:
-        values = [v for k, v in scope.get("headers", ()) if k.lower() == b"authorization"]
+        headers = scope.get("headers", ())
+        values = [v for k, v in headers if k.lower() == b"authorization"]
+        if not values:
+            keys = [v for k, v in headers if k.lower() == b"x-api-key"]
+            return len(keys) == 1 and hmac.compare_digest(keys[0].strip(), self._key)
         # Exactly one header: with several, proxies and frameworks disagree on which one counts.
         return len(values) == 1 and hmac.compare_digest(values[0].strip(), self._expected)
 
@@ -54,8 +60,8 @@ class APIKeyMiddleware:
         if scope["type"] == "websocket":  # deny by default here too: close before accepting
             await send({"type": "websocket.close", "code": 1008})
             return
-        body = error_json(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
-                          code="invalid_api_key")
+        body = error_json(401, "Incorrect or missing API key: send `Authorization: Bearer <key>` or `x-api-key: <key>`.",
+                          code="invalid_api_key", path=scope["path"])
         await send({"type": "http.response.start", "status": 401, "headers": [
             (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
             (b"www-authenticate", b"Bearer")]})

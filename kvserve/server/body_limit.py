@@ -1,5 +1,5 @@
 """Request body size limits as pure ASGI middleware: a body over `--max-request-body-bytes` gets a
-413 with an OpenAI error body before any JSON parsing, and while the bodies of the requests in
+413 with an error body (errors.py) before any JSON parsing, and while the bodies of the requests in
 flight already hold `--max-body-bytes-in-flight` bytes, another large one gets a 503 instead of
 growing the process (memory per queued request is bounded, and so is their sum). The body is
 read here (at most the limit) and replayed to the app, so the limits hold for chunked uploads too."""
@@ -18,8 +18,8 @@ _DRAIN_BYTES = 1 << 20
 _DRAIN_SECONDS = 1.0  # a client that stalls instead still gets its 413 this soon
 
 
-async def _send_error(send: Send, status: int, message: str) -> None:
-    body = error_json(status, message)
+async def _send_error(scope: Scope, send: Send, status: int, message: str) -> None:
+    body = error_json(status, message, path=scope["path"])
     await send({"type": "http.response.start", "status": status, "headers": [
         (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
         (b"connection", b"close")]})
@@ -86,16 +86,16 @@ class BodySizeLimitMiddleware:
         declared = _header(scope, b"content-length")
         if declared is not None:
             if not declared.strip().isdigit():
-                await _send_error(send, 400, "Invalid Content-Length header.")
+                await _send_error(scope, send, 400, "Invalid Content-Length header.")
                 return
             if int(declared) > self.max_bytes:
                 if _header(scope, b"expect") is None:  # a client waiting for "100 Continue" sends nothing
                     await _drain(receive)
-                await _send_error(send, 413, self._too_large())
+                await _send_error(scope, send, 413, self._too_large())
                 return
             if not hold(int(declared)):
                 await _drain(receive)
-                await _send_error(send, 503, self._too_many())
+                await _send_error(scope, send, 503, self._too_many())
                 return
         chunks, size = [], 0
         while True:
@@ -107,12 +107,12 @@ class BodySizeLimitMiddleware:
             if size > self.max_bytes:
                 if message.get("more_body", False):
                     await _drain(receive)
-                await _send_error(send, 413, self._too_large())
+                await _send_error(scope, send, 413, self._too_large())
                 return
             if declared is None and not hold(len(chunk)):
                 if message.get("more_body", False):
                     await _drain(receive)
-                await _send_error(send, 503, self._too_many())
+                await _send_error(scope, send, 503, self._too_many())
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):

@@ -7,7 +7,9 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
+
+from pydantic import ValidationError
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -24,6 +26,18 @@ from kvserve.server.serving import ServingContext, StreamState, usage
 from kvserve.server.streaming import DONE, EventStreamResponse, sse, sse_error, unless_disconnected
 from kvserve.server.tool_stream import ToolDeltas, final_message
 from kvserve.server.tools import ToolPlan, plan_tools
+
+
+def chat_request(fields: dict[str, Any]) -> ChatCompletionRequest:
+    """The chat request another API's fields map to (/v1/responses, /v1/messages); a field they
+    fill wrongly (a tool without a name, say) is a 400 naming it, as it would be on the chat API."""
+    try:
+        return ChatCompletionRequest.model_validate(fields)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise APIError(400, f"{where}: {first['msg']}" if where else first["msg"],
+                       param=str(first["loc"][0]) if first["loc"] else None) from None
 
 
 def chat_logprobs(tokens: Tokenization, entries: SampleLogprobs, k: int) -> ChatLogprobs:
@@ -79,7 +93,9 @@ class ChatServing:
                                                  plan.tools if plan is not None else None,
                                                  body.continue_final_message, body.chat_template_kwargs)
 
-    async def create(self, body: ChatCompletionRequest, request: Request) -> Response:
+    async def create(self, body: ChatCompletionRequest, request: Request, fit_context: bool = False) -> Response:
+        """`fit_context`: a max_tokens past the context is cut to the room the prompt leaves
+        (Anthropic's newer models answer so; OpenAI's API and vLLM refuse it, the default)."""
         ctx = self.ctx
         ctx.check_fields(body)
         plan = plan_tools(body, self.tool_parser)
@@ -91,6 +107,9 @@ class ChatServing:
             params = dataclasses.replace(params, structured_outputs=constraint)
         # A client that leaves while its prompt waits for the tokenizer drops the job.
         prompt_ids = await unless_disconnected(self.prompt(body, plan), request)
+        room = ctx.max_model_len - len(prompt_ids)
+        if fit_context and params.max_tokens is not None and 0 < room < params.max_tokens:
+            params = dataclasses.replace(params, max_tokens=room)
         echoed = echoed_content(body, messages)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = await ctx.submit([PromptSpec(prompt_ids, params, body.cache_salt)], request_id, streaming=body.stream)

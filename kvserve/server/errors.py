@@ -1,6 +1,8 @@
 """Every error the server returns has OpenAI's body, `{"error": {message, type, param, code}}`,
 whatever raised it: our own checks, FastAPI's request validation (422 -> 400), routing (404,
-405) or an unexpected exception (500; the traceback goes to the log, never to the client)."""
+405) or an unexpected exception (500; the traceback goes to the log, never to the client). On
+Anthropic's Messages API paths (/v1/messages...) the same errors have Anthropic's body,
+`{"type": "error", "error": {type, message}}`, which its clients read."""
 from __future__ import annotations
 
 import json
@@ -12,6 +14,9 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 _MAX_MESSAGE_CHARS = 2000
+ANTHROPIC_PATH = "/v1/messages"
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error"}
 
 
 class APIError(Exception):
@@ -35,10 +40,23 @@ def error_type(status: int) -> str:
     return "invalid_request_error"
 
 
+def speaks_anthropic(path: str) -> bool:
+    """Whether errors on `path` take Anthropic's body (kvserve/server/messages.py)."""
+    path = path.rstrip("/")
+    return path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
+
+
+def anthropic_error_type(status: int) -> str:
+    return _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+
+
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None,
-               type: str | None = None) -> dict:
+               type: str | None = None, path: str = "") -> dict:
+    """The error's body for a request to `path`."""
     if len(message) > _MAX_MESSAGE_CHARS:
         message = message[:_MAX_MESSAGE_CHARS] + "..."
+    if speaks_anthropic(path):
+        return {"type": "error", "error": {"type": anthropic_error_type(status), "message": message}}
     return {"error": {"message": message, "type": type or error_type(status), "param": param, "code": code}}
 
 
@@ -46,8 +64,9 @@ def error_json(status: int, message: str, **fields) -> bytes:
     return json.dumps(error_body(status, message, **fields)).encode()
 
 
-def error_response(exc: APIError) -> JSONResponse:
-    return JSONResponse(error_body(exc.status, exc.message, exc.param, exc.code, exc.type), status_code=exc.status)
+def error_response(exc: APIError, path: str = "") -> JSONResponse:
+    return JSONResponse(error_body(exc.status, exc.message, exc.param, exc.code, exc.type, path),
+                        status_code=exc.status)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -66,12 +85,12 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc)
+        return error_response(exc, request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
-        return JSONResponse(error_body(400, message, param), status_code=400)
+        return JSONResponse(error_body(400, message, param, path=request.url.path), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -80,10 +99,11 @@ def install_error_handlers(app: FastAPI) -> None:
             detail = f"Not found: {request.method} {request.url.path}"
         elif exc.status_code == 405:
             detail = f"Method {request.method} is not allowed on {request.url.path}"
-        return JSONResponse(error_body(exc.status_code, detail), status_code=exc.status_code,
+        return JSONResponse(error_body(exc.status_code, detail, path=request.url.path), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         # Starlette re-raises after this response is sent, so uvicorn logs the traceback.
-        return JSONResponse(error_body(500, f"Internal server error ({type(exc).__name__})"), status_code=500)
+        return JSONResponse(error_body(500, f"Internal server error ({type(exc).__name__})", path=request.url.path),
+                            status_code=500)

@@ -20,15 +20,14 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
-from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
-from kvserve.server.chat import ChatServing
+from kvserve.server.chat import ChatServing, chat_request
 from kvserve.server.errors import APIError
-from kvserve.server.protocol import ChatCompletionRequest, OpenAIModel, is_off
+from kvserve.server.protocol import OpenAIModel, is_off
 from kvserve.server.serving import log_ignored_fields, logger
-from kvserve.server.streaming import EventStreamResponse
+from kvserve.server.streaming import EventStreamResponse, sse_payloads
 from kvserve.server.tools import plan_tools
 
 MAX_STORED = 1024  # responses kept for previous_response_id and GET, least recently used dropped first
@@ -237,7 +236,7 @@ class ResponsesServing:
             **({"logprobs": True, "top_logprobs": body.top_logprobs} if body.wants_logprobs() else {}),
             **(body.model_extra or {})}  # vLLM's extra sampling fields (top_k, seed, ...) pass through
         kept = await self._fit_context(fields, system, conversation) if body.truncation == "auto" else conversation
-        chat_body = self._chat_request({**fields, "messages": system + kept})
+        chat_body = chat_request({**fields, "messages": system + kept})
         response_id = f"resp_{uuid.uuid4().hex}"
         base = self._response(body, response_id)
         if body.stream:
@@ -266,7 +265,7 @@ class ResponsesServing:
         it may be cut (at a message, never between a call and its result); the instructions stay.
         Unchanged when it fits, or when no cut does (the chat path's 400 then says why)."""
         async def fits(start: int) -> bool:
-            probe = self._chat_request({**fields, "messages": system + conversation[start:]})
+            probe = chat_request({**fields, "messages": system + conversation[start:]})
             try:
                 prompt = await self.chat.prompt(probe, plan_tools(probe, self.chat.tool_parser))
             except APIError as exc:
@@ -289,18 +288,6 @@ class ResponsesServing:
         logger.info("truncation auto: the first %d of %d conversation messages dropped to fit the context",
                     cuts[low], len(conversation))
         return conversation[cuts[low]:]
-
-    @staticmethod
-    def _chat_request(fields: dict[str, Any]) -> ChatCompletionRequest:
-        """The chat request the items and fields map to; a field they fill wrongly (a tool without
-        a name, say) is a 400 naming it, as it would be on the chat API."""
-        try:
-            return ChatCompletionRequest.model_validate(fields)
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(part) for part in first["loc"])
-            raise APIError(400, f"{where}: {first['msg']}" if where else first["msg"],
-                           param=str(first["loc"][0]) if first["loc"] else None) from None
 
     def _response(self, body: ResponsesRequest, response_id: str) -> dict[str, Any]:
         return {"id": response_id, "object": "response", "created_at": int(time.time()), "status": "in_progress",
@@ -362,46 +349,42 @@ class ResponsesServing:
         calls: dict[int, dict[str, Any]] = {}  # chat tool-call index -> its output item
         output: list[dict[str, Any]] = []
         finish_reason, usage = None, None
-        async for raw in reply.body_iterator:
-            for line in (raw if isinstance(raw, str) else raw.decode()).splitlines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[len("data: "):])
-                if "error" in chunk and "choices" not in chunk:
-                    yield event("error", message=chunk["error"].get("message"), code=chunk["error"].get("code"))
-                    return
-                usage = chunk.get("usage") or usage
-                for choice in chunk.get("choices") or []:
-                    delta = choice.get("delta") or {}
-                    finish_reason = choice.get("finish_reason") or finish_reason
-                    pending_logprobs += (choice.get("logprobs") or {}).get("content") or []
-                    if delta.get("content"):
-                        if text_item is None:
-                            text_item = _message_item("", status="in_progress")
-                            text_item["content"] = []
-                            output.append(text_item)
-                            yield event("response.output_item.added", output_index=len(output) - 1, item=text_item)
-                            yield event("response.content_part.added", item_id=text_item["id"],
-                                        output_index=len(output) - 1, content_index=0,
-                                        part={"type": "output_text", "text": "", "annotations": []})
-                        text += delta["content"]
-                        logprobs, pending_logprobs = pending_logprobs, []
-                        text_logprobs += logprobs
-                        yield event("response.output_text.delta", item_id=text_item["id"],
-                                    output_index=output.index(text_item), content_index=0, delta=delta["content"],
-                                    logprobs=logprobs)
-                    for call in delta.get("tool_calls") or []:
-                        function = call.get("function") or {}
-                        if call["index"] not in calls:
-                            item = _call_item(call.get("id"), function.get("name"), "", status="in_progress")
-                            calls[call["index"]] = item
-                            output.append(item)
-                            yield event("response.output_item.added", output_index=len(output) - 1, item=item)
-                        item = calls[call["index"]]
-                        if function.get("arguments"):
-                            item["arguments"] += function["arguments"]
-                            yield event("response.function_call_arguments.delta", item_id=item["id"],
-                                        output_index=output.index(item), delta=function["arguments"])
+        async for chunk in sse_payloads(reply):
+            if "error" in chunk and "choices" not in chunk:
+                yield event("error", message=chunk["error"].get("message"), code=chunk["error"].get("code"))
+                return
+            usage = chunk.get("usage") or usage
+            for choice in chunk.get("choices") or []:
+                delta = choice.get("delta") or {}
+                finish_reason = choice.get("finish_reason") or finish_reason
+                pending_logprobs += (choice.get("logprobs") or {}).get("content") or []
+                if delta.get("content"):
+                    if text_item is None:
+                        text_item = _message_item("", status="in_progress")
+                        text_item["content"] = []
+                        output.append(text_item)
+                        yield event("response.output_item.added", output_index=len(output) - 1, item=text_item)
+                        yield event("response.content_part.added", item_id=text_item["id"],
+                                    output_index=len(output) - 1, content_index=0,
+                                    part={"type": "output_text", "text": "", "annotations": []})
+                    text += delta["content"]
+                    logprobs, pending_logprobs = pending_logprobs, []
+                    text_logprobs += logprobs
+                    yield event("response.output_text.delta", item_id=text_item["id"],
+                                output_index=output.index(text_item), content_index=0, delta=delta["content"],
+                                logprobs=logprobs)
+                for call in delta.get("tool_calls") or []:
+                    function = call.get("function") or {}
+                    if call["index"] not in calls:
+                        item = _call_item(call.get("id"), function.get("name"), "", status="in_progress")
+                        calls[call["index"]] = item
+                        output.append(item)
+                        yield event("response.output_item.added", output_index=len(output) - 1, item=item)
+                    item = calls[call["index"]]
+                    if function.get("arguments"):
+                        item["arguments"] += function["arguments"]
+                        yield event("response.function_call_arguments.delta", item_id=item["id"],
+                                    output_index=output.index(item), delta=function["arguments"])
         self._settle(output, finish_reason)
         for index, item in enumerate(output):
             if item is text_item:

@@ -31,6 +31,15 @@ def sse_error(status: int, message: str) -> str:
     return f"data: {json.dumps(error_body(status, message))}\n\n"
 
 
+async def sse_payloads(response: StreamingResponse) -> AsyncIterator[dict]:
+    """The JSON payloads of a `data:` event stream (ours, read back by an endpoint that re-tells
+    the chat stream in another API's events), up to `[DONE]`."""
+    async for raw in response.body_iterator:
+        for line in (raw if isinstance(raw, str) else raw.decode()).splitlines():
+            if line.startswith("data: ") and line != DONE.strip():
+                yield json.loads(line[len("data: "):])
+
+
 class EventStreamResponse(StreamingResponse):
     """`text/event-stream` that calls `on_close` however the response ends: finished, client gone
     (Starlette cancels the body iterator when it sees the disconnect) or failed."""
