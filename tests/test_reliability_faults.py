@@ -1,9 +1,10 @@
 """Engine faults (issue 9, #7), injected through KVSERVE_FAULT_INJECTION's /debug/faults into real
 `kvserve serve` processes: a failed step fails only the requests it was running (a 500, or an SSE
-error event and [DONE]; on /v1/messages, Anthropic's error event) while queued requests still run, the prefix cache is not left pointing at
-blocks the failed step never wrote, and an unrecoverable failure (an abort that cannot free its
-blocks; failed steps in a row) turns /health 503 and makes the process exit with status 1. A slow
-first step (an injected delay) shows that a chat stream's first chunk waits for its first token."""
+error event and [DONE]; on /v1/messages, Anthropic's error event) while queued requests still run,
+the prefix cache is not left pointing at blocks the failed step never wrote, and an unrecoverable
+failure (an abort that cannot free its blocks; failed steps in a row) turns /health 503 and makes
+the process exit with status 1. A slow first step (an injected delay) shows that a chat stream's
+first chunk waits for its first token."""
 from __future__ import annotations
 
 import json
