@@ -118,6 +118,33 @@ def test_requests_sharing_a_prefix_land_on_the_replica_that_holds_it(cluster):
         assert hits()[1 - holder] == before_hits[1 - holder]
 
 
+def test_anthropic_messages_sharing_a_system_prompt_land_on_one_replica(cluster):
+    """/v1/messages is routed by its rendered prompt as chat is (an agent's turns share one long
+    prefix); the key may come as x-api-key, as Anthropic's clients send it, and a stream comes back
+    in Anthropic's events."""
+    a, b, router, _ = cluster
+    headers = {"x-api-key": KEY}
+
+    def routed() -> list[int]:
+        state = httpx.get(f"{router.base_url}/router/state", headers=headers, timeout=10).json()
+        return [x["routed"] for x in state["backends"]]
+
+    before = routed()
+    for i in range(4):
+        body = {"model": "tiny", "max_tokens": 2, "temperature": 0, "system": SHARED, "cache_salt": "anthropic",
+                "messages": [{"role": "user", "content": f"Question {i}?"}], "stream": i == 3}
+        response = httpx.post(f"{router.base_url}/v1/messages", json=body, headers=headers, timeout=60)
+        assert response.status_code == 200, response.text
+        if i == 3:
+            assert response.text.startswith("event: message_start") and "event: message_stop" in response.text
+        else:
+            assert response.json()["type"] == "message"
+    went = [now - then for now, then in zip(routed(), before)]
+    assert sorted(went) == [0, 4], f"requests sharing a prefix were split: {went}"
+    refused = httpx.post(f"{router.base_url}/v1/messages", json=body, headers={"x-api-key": "wrong"}, timeout=10)
+    assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
+
+
 def snapshot(server: ServerProcess) -> dict:
     return httpx.get(f"{server.base_url}/v1/kv_events/snapshot", headers={"Authorization": f"Bearer {KEY}"},
                      timeout=10).json()

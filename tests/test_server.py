@@ -78,7 +78,11 @@ def test_models_health_version(tiny_server, client):
     body = httpx.get(f"{tiny_server.base_url}/v1/models").json()
     assert body["data"][0]["max_model_len"] == 1024
     assert httpx.get(f"{tiny_server.base_url}/health").status_code == 200
+    assert httpx.head(f"{tiny_server.base_url}/health").status_code == 200
     assert httpx.get(f"{tiny_server.base_url}/version").json() == {"version": kvserve.__version__}
+    assert client.models.retrieve("tiny-alias").id == "tiny-alias"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-nope")
 
 
 def test_no_redirect_takes_its_host_from_the_request(tiny_server):

@@ -170,6 +170,31 @@ def test_claude_codes_billing_header_block_is_not_in_the_prompt(client):
     assert with_header == plain
 
 
+def test_system_blocks_and_system_messages_render_where_they_stand(client):
+    """Blocks of `system` are joined by newlines; a system message in the list is a system turn in
+    its place, so a later reminder leaves the earlier turns' prompt (and its cached blocks) as it was."""
+    question = {"role": "user", "content": "What is the weather in Paris, London and Rome this week? " * 4}
+    turns = [question, {"role": "assistant", "content": "Sunny."}, {"role": "system", "content": "Be brief."},
+             {"role": "user", "content": "And tomorrow?"}]
+    counted = client.messages.count_tokens(model="tiny", messages=turns, system=[
+        {"type": "text", "text": "You know the weather."}, {"type": "text", "text": "Answer in English."}])
+    assert counted.input_tokens == len(chat_prompt(client, [
+        {"role": "system", "content": "You know the weather.\nAnswer in English."}, *turns]))
+    before = client.messages.create(model="tiny", max_tokens=1, messages=[question], **GREEDY).usage
+    after = client.messages.create(model="tiny", max_tokens=1, messages=turns, **GREEDY).usage
+    first_prompt = before.input_tokens + before.cache_read_input_tokens
+    assert first_prompt >= 48 and after.cache_read_input_tokens >= first_prompt // 16 * 16 - 16
+
+
+def test_a_prompt_longer_than_the_context_is_refused_in_anthropics_words(client):
+    """Claude Code compacts its context when the error says "prompt is too long"."""
+    turns = [{"role": "user", "content": "The weather in Paris is sunny. " * 300}]
+    counted = client.messages.count_tokens(model="tiny", messages=turns).input_tokens
+    with pytest.raises(anthropic.BadRequestError) as raised:
+        client.messages.create(model="tiny", max_tokens=32000, messages=turns)
+    assert raised.value.body["error"]["message"] == f"prompt is too long: {counted} tokens > 1023 maximum"
+
+
 @pytest.mark.parametrize("fields, status, words", [
     ({"messages": QUESTION}, 400, "max_tokens"),
     ({"max_tokens": 4}, 400, "messages"),

@@ -43,14 +43,15 @@ from kvserve.router.prompt_hashes import PromptTokens
 from kvserve.server.auth import APIKeyMiddleware
 from kvserve.server.body_limit import BodySizeLimitMiddleware
 from kvserve.server.connections import install_loop_error_throttle
-from kvserve.server.errors import error_body, install_error_handlers
+from kvserve.server.errors import error_body, install_error_handlers, speaks_anthropic
+from kvserve.server.messages import error_event
 from kvserve.server.streaming import DONE, EventStreamResponse, sse_error
 
 logger = logging.getLogger("kvserve.router")
 
 NO_BACKEND = "No backend is available to serve the request (every replica is down or unreachable)."
 TOO_DEEP = "The request body is not valid JSON: it is nested too deeply."
-_PASSED_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
+_PASSED_HEADERS = ("authorization", "x-api-key", "content-type", "accept", "x-request-id")
 ROUTING_PARSE_MAX_BYTES = 4 * 1024 * 1024
 # How long a request waits for the router's tokenizer before it is routed by load instead (the
 # tokenizer thread is busy with other prompts).
@@ -169,12 +170,13 @@ class RouterService:
     async def proxy(self, request: Request, route: str) -> Response:
         deadline = asyncio.get_running_loop().time() + self.config.request_timeout_s
         raw = await request.body()
+        path = request.url.path
         body: Any = None
         if len(raw) <= ROUTING_PARSE_MAX_BYTES:
             try:
                 body = json.loads(raw)
             except RecursionError:
-                return JSONResponse(error_body(400, TOO_DEEP), status_code=400)
+                return JSONResponse(error_body(400, TOO_DEEP, path=path), status_code=400)
             except ValueError:
                 pass
         token_ids = None
@@ -188,7 +190,7 @@ class RouterService:
         while True:
             choice = self.router.choose([b for b in self.up_backends() if b.name not in tried], token_ids, salt)
             if choice is None:
-                return JSONResponse(error_body(503, NO_BACKEND), status_code=503)
+                return JSONResponse(error_body(503, NO_BACKEND, path=path), status_code=503)
             backend = choice.backend
             ticket = backend.open()
             try:
@@ -201,7 +203,7 @@ class RouterService:
                 continue
             except BackendGone as exc:
                 ticket.close()
-                return JSONResponse(error_body(exc.status, str(exc)), status_code=exc.status)
+                return JSONResponse(error_body(exc.status, str(exc), path=path), status_code=exc.status)
             except BaseException:
                 ticket.close()
                 raise
@@ -217,11 +219,11 @@ class RouterService:
             def closed() -> None:  # however the response ends, even before its first chunk
                 ticket.close()
                 asyncio.ensure_future(upstream.aclose())
-            return EventStreamResponse(self._relay_stream(upstream, ticket, deadline), closed)
+            return EventStreamResponse(self._relay_stream(upstream, ticket, deadline, speaks_anthropic(path)), closed)
         try:
             content = b"".join([chunk async for chunk in self._relay(upstream, ticket, deadline)])
         except BackendGone as exc:
-            return JSONResponse(error_body(exc.status, str(exc)), status_code=exc.status)
+            return JSONResponse(error_body(exc.status, str(exc), path=path), status_code=exc.status)
         finally:
             await upstream.aclose()
             ticket.close()
@@ -294,9 +296,10 @@ class RouterService:
                 else:
                     step.cancel()
 
-    async def _relay_stream(self, upstream: httpx.Response, ticket: Ticket, deadline: float) -> AsyncIterator[bytes]:
+    async def _relay_stream(self, upstream: httpx.Response, ticket: Ticket, deadline: float,
+                            anthropic: bool) -> AsyncIterator[bytes]:
         """An SSE body passed on whole message by message, so that an error event, if the backend
-        fails, never lands inside one."""
+        fails, never lands inside one (OpenAI's, or `anthropic`'s on its Messages API)."""
         pending = b""
         try:
             async for chunk in self._relay(upstream, ticket, deadline):
@@ -308,7 +311,7 @@ class RouterService:
             if pending:
                 yield pending
         except BackendGone as exc:
-            yield (sse_error(exc.status, str(exc)) + DONE).encode()
+            yield (error_event(exc.status, str(exc)) if anthropic else sse_error(exc.status, str(exc)) + DONE).encode()
         finally:
             await upstream.aclose()
 
@@ -377,6 +380,14 @@ def build_router_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await service.proxy(request, "chat")
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        return await service.proxy(request, "messages")
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_message_tokens(request: Request) -> Response:
+        return await service.proxy(request, "other")
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:

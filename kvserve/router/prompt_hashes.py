@@ -2,9 +2,9 @@
 
 The prompt is rendered with the engine's own functions (the chat template through
 `output_processor.apply_chat_template`, text through `output_processor.tokenize`, messages through
-the server's `conversation`) and hashed with the cache layer's `root_hash` and
-`prompt_block_hashes`, under the namespace and block size the replica publishes and the request's
-`cache_salt`. A body the router cannot read (invalid JSON or fields) yields no tokens: it is routed
+the server's `conversation`, Anthropic's through its `chat_messages`) and hashed with the cache
+layer's `root_hash` and `prompt_block_hashes`, under the namespace and block size the replica
+publishes and the request's `cache_salt`. A body the router cannot read (invalid JSON or fields) yields no tokens: it is routed
 by load alone and the replica answers it with its own 400.
 
 Only the prompt's first ROUTING_PREFIX_CHARS characters are tokenized (its first
@@ -20,6 +20,7 @@ from typing import Any
 from kvserve.cache.kv_cache_manager import prompt_block_hashes, root_hash
 from kvserve.engine.output_processor import render_chat_template, tokenize
 from kvserve.server.errors import APIError
+from kvserve.server.messages import MessagesRequest, chat_messages, chat_tools, is_prefill
 from kvserve.server.prompts import conversation
 from kvserve.server.protocol import ChatCompletionRequest
 
@@ -33,7 +34,7 @@ class PromptTokens:
         self.tokenizer = tokenizer
 
     def token_ids(self, route: str, body: Any) -> list[int] | None:
-        """The first prompt's token ids for `route` ("completions" or "chat"), None if unreadable.
+        """The first prompt's token ids for `route` ("completions", "chat" or "messages"), None if unreadable.
         Runs in a worker thread (tokenizing is CPU work)."""
         if not isinstance(body, dict):
             return None
@@ -43,6 +44,12 @@ class PromptTokens:
                 tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
                 text = render_chat_template(self.tokenizer, conversation(request.messages),
                                             request.add_generation_prompt, tools)
+                return self._prefix_ids(text, add_special_tokens=False)
+            if route == "messages":  # Anthropic's, rendered as the replica's chat path renders it
+                anthropic = MessagesRequest.model_validate(body)
+                messages = chat_messages(anthropic)
+                prefill = is_prefill(messages)
+                text = render_chat_template(self.tokenizer, messages, not prefill, chat_tools(anthropic.tools), prefill)
                 return self._prefix_ids(text, add_special_tokens=False)
             prompt = body.get("prompt")
             if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):

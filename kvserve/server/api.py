@@ -101,7 +101,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     async def _gone(request: Request, exc: ClientDisconnected) -> Response:
         return Response(status_code=499)  # nginx's "client closed request": only the access log sees it
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' and clients' probes
     async def health() -> Response:
         if async_engine.healthy:
             return Response(status_code=200)
@@ -115,10 +115,17 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    def card(name: str) -> ModelCard:
+        return ModelCard(id=name, created=created, root=str(engine.model_path), max_model_len=engine.max_model_len)
+
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=name, created=created, root=str(engine.model_path),
-                                         max_model_len=engine.max_model_len) for name in config.served_model_names])
+        return ModelList(data=[card(name) for name in config.served_model_names])
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_ERRORS)
+    async def model(model_id: str) -> ModelCard:
+        ctx.check_model(model_id)  # OpenAI's and Anthropic's clients' models.retrieve
+        return card(model_id)
 
     @app.post("/v1/completions", responses=_answers(CompletionResponse))
     async def create_completion(body: CompletionRequest, request: Request) -> Response:

@@ -94,8 +94,10 @@ class ChatServing:
                                                  body.continue_final_message, body.chat_template_kwargs)
 
     async def create(self, body: ChatCompletionRequest, request: Request, fit_context: bool = False) -> Response:
-        """`fit_context`: a max_tokens past the context is cut to the room the prompt leaves
-        (Anthropic's newer models answer so; OpenAI's API and vLLM refuse it, the default)."""
+        """`fit_context` (Anthropic's context rules): a max_tokens past the context is cut to the
+        room the prompt leaves, as Anthropic's newer models answer (OpenAI's API and vLLM refuse
+        it, the default), and a prompt that leaves no room is refused in Anthropic's words, which
+        its clients (Claude Code's context compaction) look for."""
         ctx = self.ctx
         ctx.check_fields(body)
         plan = plan_tools(body, self.tool_parser)
@@ -108,7 +110,10 @@ class ChatServing:
         # A client that leaves while its prompt waits for the tokenizer drops the job.
         prompt_ids = await unless_disconnected(self.prompt(body, plan), request)
         room = ctx.max_model_len - len(prompt_ids)
-        if fit_context and params.max_tokens is not None and 0 < room < params.max_tokens:
+        if fit_context and room < 1:
+            raise APIError(400, f"prompt is too long: {len(prompt_ids)} tokens > {ctx.max_model_len - 1} maximum",
+                           param="messages", code="context_length_exceeded")
+        if fit_context and params.max_tokens is not None and room < params.max_tokens:
             params = dataclasses.replace(params, max_tokens=room)
         echoed = echoed_content(body, messages)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"

@@ -30,6 +30,7 @@ from starlette.responses import Response
 from kvserve.server.chat import ChatServing, chat_request
 from kvserve.server.errors import APIError, anthropic_error_type
 from kvserve.server.protocol import ChatCompletionRequest, OpenAIModel, is_off
+from kvserve.server.serving import log_ignored_fields
 
 from kvserve.server.streaming import EventStreamResponse, sse_payloads
 from kvserve.server.tools import plan_tools
@@ -39,6 +40,11 @@ _REFUSED = {
     "mcp_servers": "kvserve does not call MCP servers; pass their tools as client tools",
     "container": "kvserve runs no code-execution containers",
 }
+# vLLM's extra request fields, taken from a body as /v1/chat/completions takes them; other unknown
+# keys are logged as ignored (chat-only ones, `echo` or `logprobs`, have no place in a message).
+_CHAT_EXTRAS = ("seed", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos",
+                "min_tokens", "stop_token_ids", "logit_bias", "skip_special_tokens", "include_stop_str_in_output",
+                "cache_salt", "kv_eviction", "chat_template_kwargs")
 # Roles Claude Code sends beside user and assistant (vLLM reads them as user turns).
 _USER_ROLES = ("user", "ctx", "msg")
 # The first system block Claude Code sends, different on every request (a per-request hash).
@@ -86,8 +92,9 @@ def _blocks(content: Any, where: str) -> list[dict[str, Any]]:
 
 def _block_text(block: dict[str, Any], where: str) -> str:
     if block.get("type") != "text":
-        raise APIError(400, f"{where}: only text blocks are supported here, not {block.get('type')!r} (kvserve "
-                            f"serves text-only models).", param="messages")
+        raise APIError(400, f"{where}: a {block.get('type')!r} block is not supported here; kvserve reads text "
+                            f"blocks, and tool_use, tool_result and thinking blocks where Anthropic's API puts "
+                            f"them (images, documents and server tools' blocks are not served).", param="messages")
     if not isinstance(block.get("text"), str):
         raise APIError(400, f"{where}.text must be a string.", param="messages")
     return block["text"]
@@ -108,7 +115,7 @@ def system_text(system: str | list[dict[str, Any]] | None) -> str:
     if system is None or isinstance(system, str):
         return system or ""
     texts = [_block_text(block, f"system[{j}]") for j, block in enumerate(_blocks(system, "system"))]
-    return "".join(text for text in texts if not text.startswith(_BILLING_HEADER))  # no separator, as vLLM's
+    return "\n".join(text for text in texts if not text.startswith(_BILLING_HEADER))
 
 
 def _tool_message(block: dict[str, Any], where: str) -> dict[str, Any]:
@@ -122,17 +129,19 @@ def _tool_message(block: dict[str, Any], where: str) -> dict[str, Any]:
 def chat_messages(body: MessagesRequest) -> list[dict[str, Any]]:
     """The system prompt, then each message as chat turns: a user message's tool results first, as
     tool messages right after the assistant turn that made the calls, then its text; an assistant
-    message's text, then its `tool_use` blocks as tool calls. In-message system text joins the
-    system prompt (vLLM's reading); thinking blocks are dropped (no template here renders them)."""
-    system = [system_text(body.system)]
-    turns: list[dict[str, Any]] = []
+    message's text, then its `tool_use` blocks as tool calls; a system message a system turn where
+    it stands (vLLM moves it into the system prompt, which changes the prompt's start and so
+    misses the prefix cache for the whole conversation). Thinking blocks are dropped (no template
+    here renders them)."""
+    system = system_text(body.system)
+    turns: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
     if not body.messages:
         raise APIError(400, "messages: at least one message is required.", param="messages")
     for i, message in enumerate(body.messages):
         where = f"messages[{i}].content"
         role, content = message.get("role"), message.get("content")
         if role == "system":
-            system.append(_text(content, where))
+            turns.append({"role": "system", "content": _text(content, where)})
         elif role in _USER_ROLES:
             texts = []
             for j, block in enumerate(_blocks(content, where)):
@@ -158,8 +167,12 @@ def chat_messages(body: MessagesRequest) -> list[dict[str, Any]]:
         else:
             raise APIError(400, f"messages[{i}].role must be user, assistant or system, not {role!r}.",
                            param="messages")
-    system_prompt = "\n".join(text for text in system if text)
-    return ([{"role": "system", "content": system_prompt}] if system_prompt else []) + turns
+    return turns
+
+
+def is_prefill(messages: list[dict[str, Any]]) -> bool:
+    """A final assistant message (without tool calls) is a prefill: the reply continues it."""
+    return messages[-1]["role"] == "assistant" and "tool_calls" not in messages[-1]
 
 
 def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
@@ -233,6 +246,16 @@ def anthropic_usage(chat_usage: dict[str, Any] | None) -> dict[str, int]:
             "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
 
 
+def sse_event(kind: str, **fields: Any) -> str:
+    """One Anthropic stream event: its type on the `event:` line and in the data."""
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields})}\n\n"
+
+
+def error_event(status: int, message: str) -> str:
+    """An error after the stream started (then the stream ends; Anthropic sends no [DONE])."""
+    return sse_event("error", error={"type": anthropic_error_type(status), "message": message})
+
+
 def _input(arguments: str) -> dict[str, Any]:
     """A call's arguments as tool_use `input`, an object; arguments max_tokens cut off are `{}`."""
     try:
@@ -249,22 +272,23 @@ class MessagesServing:
     def _chat_body(self, body: MessagesRequest, max_tokens: int | None) -> ChatCompletionRequest:
         body.refuse_unsupported()
         self.chat.ctx.check_model(body.model)
-        if (body.model_extra or {}).get("n") not in (None, 1):  # a chat field passed through: one reply here
+        if (body.model_extra or {}).get("n") not in (None, 1):  # a chat field: a message is one reply
             raise APIError(400, "`n` must be 1 on /v1/messages: a message is one reply; use /v1/chat/completions "
                                 "for several choices.", param="n")
         user = (body.metadata or {}).get("user_id")
         if user is not None and not isinstance(user, str):
             raise APIError(400, "metadata.user_id must be a string.", param="metadata")
         messages = chat_messages(body)
-        prefill = messages[-1]["role"] == "assistant" and "tool_calls" not in messages[-1]
+        prefill = is_prefill(messages)
         choice, parallel = chat_tool_choice(body.tool_choice)
+        extra = body.model_extra or {}
+        log_ignored_fields(sorted(set(extra) - set(_CHAT_EXTRAS)))
         fields = {
-            **(body.model_extra or {}),  # vLLM's extra sampling fields (seed, min_p, ...) pass through
+            **{name: extra[name] for name in _CHAT_EXTRAS if name in extra},
             "model": body.model, "messages": messages, "tools": chat_tools(body.tools), "tool_choice": choice,
             "parallel_tool_calls": parallel, "response_format": response_format(body), "max_tokens": max_tokens,
             "stop": body.stop_sequences, "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
             "user": user, "stream": body.stream,
-            # A final assistant message is a prefill: the reply continues it.
             "add_generation_prompt": not prefill, "continue_final_message": prefill,
             **({"stream_options": {"include_usage": True, "continuous_usage_stats": True}} if body.stream else {})}
         return chat_request(fields)
@@ -301,9 +325,6 @@ class MessagesServing:
     async def _events(self, reply: Response, message_id: str, max_tokens: int) -> AsyncIterator[str]:
         """The chat stream re-told as Anthropic's events: each content block opened, filled and
         closed before the next one opens, with contiguous indices."""
-        def event(kind: str, **fields: Any) -> str:
-            return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields})}\n\n"
-
         blocks = 0  # content blocks opened so far
         open_block: Any = None  # "text", a chat tool-call index, or None
         finish_reason, matched, usage = None, None, None
@@ -312,17 +333,16 @@ class MessagesServing:
         def close() -> str:
             nonlocal open_block
             open_block = None
-            return event("content_block_stop", index=blocks - 1)
+            return sse_event("content_block_stop", index=blocks - 1)
 
         async for chunk in sse_payloads(reply):
             if "error" in chunk and "choices" not in chunk:
                 error = chunk["error"]
-                status = 500 if error.get("type") == "server_error" else 400
-                yield event("error", error={"type": anthropic_error_type(status), "message": error.get("message")})
+                yield error_event(500 if error.get("type") == "server_error" else 400, error.get("message"))
                 return
             usage = chunk.get("usage") or usage
             if not started:
-                yield event("message_start", message={
+                yield sse_event("message_start", message={
                     "id": message_id, "type": "message", "role": "assistant", "model": self.chat.ctx.model_name,
                     "content": [], "stop_reason": None, "stop_sequence": None,
                     "usage": {**anthropic_usage(usage), "output_tokens": 0}})
@@ -335,27 +355,27 @@ class MessagesServing:
                     if open_block != "text":
                         if open_block is not None:
                             yield close()
-                        yield event("content_block_start", index=blocks, content_block={"type": "text", "text": ""})
+                        yield sse_event("content_block_start", index=blocks, content_block={"type": "text", "text": ""})
                         blocks, open_block = blocks + 1, "text"
-                    yield event("content_block_delta", index=blocks - 1,
+                    yield sse_event("content_block_delta", index=blocks - 1,
                                 delta={"type": "text_delta", "text": delta["content"]})
                 for call in delta.get("tool_calls") or []:
                     function = call.get("function") or {}
                     if call.get("index") != open_block:
                         if open_block is not None:
                             yield close()
-                        yield event("content_block_start", index=blocks, content_block={
+                        yield sse_event("content_block_start", index=blocks, content_block={
                             "type": "tool_use", "id": call.get("id"), "name": function.get("name"), "input": {}})
                         blocks, open_block, called = blocks + 1, call.get("index"), True
                     if function.get("arguments"):
-                        yield event("content_block_delta", index=blocks - 1,
+                        yield sse_event("content_block_delta", index=blocks - 1,
                                     delta={"type": "input_json_delta", "partial_json": function["arguments"]})
         if open_block is not None:
             yield close()
         if blocks == 0:  # an empty reply has one empty text block, as the JSON answer has
-            yield event("content_block_start", index=0, content_block={"type": "text", "text": ""})
-            yield event("content_block_stop", index=0)
+            yield sse_event("content_block_start", index=0, content_block={"type": "text", "text": ""})
+            yield sse_event("content_block_stop", index=0)
         final = anthropic_usage(usage)
         reason, sequence = stop_reason(finish_reason, matched, called, final["output_tokens"], max_tokens)
-        yield event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence}, usage=final)
-        yield event("message_stop")
+        yield sse_event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence}, usage=final)
+        yield sse_event("message_stop")
