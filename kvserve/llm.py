@@ -30,6 +30,11 @@ class LLM:
         the next process) and stop their threads. Also what leaving a `with LLM(...)` block does."""
         self.engine.close()
 
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """vLLM's: forget every cached prefix in the KV pool; False while requests hold blocks
+        (between calls to generate none do). The offload tiers keep theirs."""
+        return self.engine.reset_prefix_cache(reset_running_requests)
+
     def __enter__(self) -> "LLM":
         return self
 

@@ -161,3 +161,28 @@ def test_n_samples_share_the_prompt_blocks(tiny_llama):
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.num_free_blocks == engine.num_blocks
+
+
+def test_reset_prefix_cache_forgets_every_prefix_and_may_preempt_the_running(tiny_llama):
+    """vLLM's `LLM.reset_prefix_cache`: a repeated prompt hits, after a reset it computes again;
+    while a request holds blocks the reset is refused unless it preempts it, and the preempted
+    request then finishes with the tokens it would have produced."""
+    llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory="8MiB")
+    prompt = {"prompt_token_ids": list(range(3, 3 + 40))}
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    first = llm.generate(prompt, greedy, use_tqdm=False)[0]
+    assert llm.generate(prompt, greedy, use_tqdm=False)[0].num_cached_tokens == 32
+    assert llm.reset_prefix_cache()
+    assert llm.generate(prompt, greedy, use_tqdm=False)[0].num_cached_tokens == 0
+
+    engine = llm.engine
+    engine.add_request(prompt, greedy)
+    for _ in range(3):
+        engine.step()
+    assert not engine.reset_prefix_cache() and engine.kv_manager.pool.cached, "refused: a request holds blocks"
+    assert engine.reset_prefix_cache(reset_running_requests=True)
+    assert not engine.kv_manager.pool.cached and engine.scheduler.num_preemptions == 1
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert outputs[-1].outputs[0].token_ids == first.outputs[0].token_ids

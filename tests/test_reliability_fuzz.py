@@ -41,7 +41,7 @@ OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("G
               ("GET", "/v1/load"), ("POST", "/v1/embeddings"), ("POST", "/v1/responses"),
               ("GET", "/v1/responses/{response_id}"), ("POST", "/v1/responses/{response_id}/cancel"),
               ("POST", "/v1/messages"), ("POST", "/v1/messages/count_tokens"), ("GET", "/v1/models/{model_id}"),
-              ("HEAD", "/health")]
+              ("HEAD", "/health"), ("POST", "/reset_prefix_cache")]
 # The KV-events stream answers a valid request with a stream that lasts as long as the server:
 # listed in the schema, not fuzzed (tests/test_router.py reads it).
 STREAMS = [("GET", "/v1/kv_events")]

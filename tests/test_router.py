@@ -145,6 +145,18 @@ def test_anthropic_messages_sharing_a_system_prompt_land_on_one_replica(cluster)
     assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
 
 
+def test_reset_prefix_cache_reaches_every_replica(cluster):
+    a, b, router, dp = cluster
+    for base_url, key in ((router.base_url, KEY), (dp.base_url, None)):
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        complete(base_url, SHARED + " Reset?", max_tokens=2, key=key)
+        assert httpx.post(f"{base_url}/reset_prefix_cache", headers=headers, timeout=30).status_code == 200
+    for replica in (a, b):
+        pool = httpx.get(f"{replica.base_url}/v1/kv_events/snapshot", headers={"Authorization": f"Bearer {KEY}"},
+                         timeout=10).json()
+        assert pool["block_hashes"] == [], "the replica's pool still holds cached prefixes"
+
+
 def snapshot(server: ServerProcess) -> dict:
     return httpx.get(f"{server.base_url}/v1/kv_events/snapshot", headers={"Authorization": f"Bearer {KEY}"},
                      timeout=10).json()

@@ -464,3 +464,31 @@ def test_disconnect_while_waiting_for_a_non_streaming_answer_aborts(tiny_server)
     time.sleep(0.5)  # the handler's last lines, after the abort
     new_log = tiny_server.log_path.read_bytes()[log_start:].decode(errors="replace")
     assert "Traceback" not in new_log and "InvalidStateError" not in new_log, new_log[-3000:]
+
+
+def test_reset_prefix_cache_route(tiny_server):
+    """POST /reset_prefix_cache (vLLM's route): the next repeat of a prompt computes it again; while
+    a stream holds blocks it is a 409 unless reset_running_requests preempts the stream, which then
+    ends with the text it would have had."""
+    url = tiny_server.base_url
+    body = {"model": "tiny", "prompt": BOOK.read_text()[3000:3400], "max_tokens": 40, "ignore_eos": True, **GREEDY}
+
+    def cached() -> int:
+        response = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+        return response["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    cached()
+    assert cached() > 0
+    assert httpx.post(f"{url}/reset_prefix_cache", timeout=30).status_code == 200
+    assert cached() == 0
+    reference = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "max_tokens": 400, "stream": True},
+                      timeout=60) as stream:
+        lines = stream.iter_lines()
+        first = [next(lines) for _ in range(4)]  # the stream is running
+        refused = httpx.post(f"{url}/reset_prefix_cache", timeout=30)
+        assert refused.status_code == 409 and "reset_running_requests" in refused.json()["error"]["message"]
+        assert httpx.post(f"{url}/reset_prefix_cache?reset_running_requests=true", timeout=30).status_code == 200
+        events = [json.loads(line[6:]) for line in [*first, *lines] if line.startswith("data: {")]
+    text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+    assert text[:len(reference)] == reference and events[-1]["choices"][0]["finish_reason"] == "length"

@@ -252,6 +252,15 @@ class LLMEngine:
             self.scheduler.finish(request, status)
         return self.output_processor.output(request_id)
 
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget every cached prefix in the pool (vLLM's `reset_prefix_cache`), e.g. for a cold-cache
+        measurement or after the weights change. Only possible while no request holds blocks: False,
+        nothing changed, otherwise, unless `reset_running_requests` preempts the running ones first
+        (they recompute). The offload tiers keep their blocks."""
+        if reset_running_requests:
+            self.scheduler.preempt_running()
+        return self.kv_manager.pool.reset_prefix_cache()
+
     def is_queued(self, request_id: str) -> bool:
         """True while every sequence of the request waits in the queue, holding no blocks (never
         scheduled, or preempted); False once one runs or finished, or for an unknown id."""

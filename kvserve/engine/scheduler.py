@@ -96,6 +96,14 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
+    def preempt_running(self) -> int:
+        """Preempt every running request (newest first, so the queue keeps their order): their
+        blocks go back to the pool and they recompute when scheduled again. Returns how many."""
+        victims = list(reversed(self.running))
+        for request in victims:
+            self._preempt(request)
+        return len(victims)
+
     # ------------------------------------------------------------------ one step
     def schedule(self) -> list[ScheduledRequest]:
         budget = self.config.max_num_batched_tokens

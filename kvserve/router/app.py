@@ -183,9 +183,7 @@ class RouterService:
         if self.prompts is not None and self.config.policy == "kv_aware" and route != "other" and isinstance(body, dict):
             token_ids = await self._prompt_tokens(route, body)
         salt = body.get("cache_salt") if isinstance(body, dict) and isinstance(body.get("cache_salt"), str) else None
-        headers = {k: v for k, v in request.headers.items() if k.lower() in _PASSED_HEADERS}
-        if self.config.backend_api_key:
-            headers["authorization"] = f"Bearer {self.config.backend_api_key}"
+        headers = self._headers(request)
         tried: set[str] = set()
         while True:
             choice = self.router.choose([b for b in self.up_backends() if b.name not in tried], token_ids, salt)
@@ -315,10 +313,37 @@ class RouterService:
         finally:
             await upstream.aclose()
 
-    async def forward_get(self, path: str, request: Request) -> Response:
+    async def fan_out(self, request: Request) -> Response:
+        """A POST every up backend must take (POST /reset_prefix_cache): 200 once all answered 200,
+        else the first other answer."""
+        headers = self._headers(request)
+        backends = self.up_backends()
+        if not backends:
+            return JSONResponse(error_body(503, NO_BACKEND), status_code=503)
+
+        async def post(backend: Backend) -> httpx.Response | None:
+            try:
+                return await self.client.post(f"{backend.url}{request.url.path}", params=request.query_params,
+                                              headers=headers)
+            except httpx.HTTPError:
+                return None
+        for backend, response in zip(backends, await asyncio.gather(*(post(b) for b in backends))):
+            if response is None:
+                return JSONResponse(error_body(502, f"backend {backend.name} did not answer"), status_code=502)
+            if response.status_code != 200:
+                return Response(response.content, status_code=response.status_code,
+                                media_type=response.headers.get("content-type"))
+        return Response(status_code=200)
+
+    def _headers(self, request: Request) -> dict[str, str]:
+        """The client's headers a backend gets, with the router's own key when it has one."""
         headers = {k: v for k, v in request.headers.items() if k.lower() in _PASSED_HEADERS}
         if self.config.backend_api_key:
             headers["authorization"] = f"Bearer {self.config.backend_api_key}"
+        return headers
+
+    async def forward_get(self, path: str, request: Request) -> Response:
+        headers = self._headers(request)
         for backend in self.up_backends():
             try:
                 response = await self.client.get(f"{backend.url}{path}", headers=headers)
@@ -388,6 +413,10 @@ def build_router_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
     @app.post("/v1/messages/count_tokens")
     async def count_message_tokens(request: Request) -> Response:
         return await service.proxy(request, "other")
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request) -> Response:
+        return await service.fan_out(request)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:

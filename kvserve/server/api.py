@@ -156,6 +156,18 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     async def count_message_tokens(body: MessagesRequest) -> dict:
         return await messages.count_tokens(body)
 
+    @app.post("/reset_prefix_cache", responses=_ERRORS)
+    async def reset_prefix_cache(reset_running_requests: bool = False, reset_external: bool = False) -> Response:
+        """vLLM's (a dev-mode route there; here always, behind --api-key when set) and SGLang's
+        /flush_cache: forget the pool's cached prefixes, between two steps."""
+        if reset_external and engine.tiers is not None:
+            raise APIError(400, "reset_external is not supported: the KV offload tiers keep their blocks.",
+                           param="reset_external")
+        if not await async_engine.call(lambda e: e.reset_prefix_cache(reset_running_requests)):
+            raise APIError(409, "The prefix cache was not reset: requests hold KV blocks. Retry when they have "
+                                "finished, or pass reset_running_requests=true to preempt them (they recompute).")
+        return Response(status_code=200)
+
     @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=_ERRORS)
     async def create_embedding(body: EmbeddingRequest) -> EmbeddingResponse:
         return await embeddings.create(body)
