@@ -81,6 +81,7 @@ def test_router_and_data_parallel_answer_the_openai_client_as_one_engine_does(cl
     for base_url, key in ((router.base_url, KEY), (dp.base_url, "unused")):
         client = OpenAI(base_url=f"{base_url}/v1", api_key=key)
         assert [m.id for m in client.models.list().data] == ["tiny"]
+        assert client.models.retrieve("tiny").id == "tiny" and httpx.head(f"{base_url}/health").status_code == 200
         for _ in range(2):  # both replicas, whichever gets it
             plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0)
             assert plain.choices[0].text == expected

@@ -160,6 +160,14 @@ def test_max_tokens_past_the_context_stops_at_the_context(client, tiny_server):
         == max_model_len
 
 
+def test_under_kv_eviction_max_tokens_is_not_cut_to_the_context(client, tiny_server):
+    """A sequence whose KV is evicted is not bounded by the context, on chat or here."""
+    max_model_len = httpx.get(f"{tiny_server.base_url}/v1/models").json()["data"][0]["max_model_len"]
+    message = client.messages.create(model="tiny", max_tokens=max_model_len, messages=QUESTION, extra_body={
+        "temperature": 0, "ignore_eos": True, "kv_eviction": {"policy": "streaming", "budget": 256}})
+    assert message.stop_reason == "max_tokens" and message.usage.output_tokens == max_model_len
+
+
 def test_claude_codes_billing_header_block_is_not_in_the_prompt(client):
     """Its text changes on every request, so it would make every prompt miss the prefix cache."""
     plain = client.messages.count_tokens(model="tiny", system=[{"type": "text", "text": "Be brief."}],
@@ -206,6 +214,8 @@ def test_a_prompt_longer_than_the_context_is_refused_in_anthropics_words(client)
      400, "server tools"),
     ({"max_tokens": 4, "messages": QUESTION, "tool_choice": {"type": "tool"}}, 400, "tool_choice.name"),
     ({"max_tokens": 0, "messages": QUESTION}, 400, "max_tokens"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": []}]}, 400, "empty"),
+    ({"max_tokens": 4, "messages": QUESTION, "min_tokens": 1020}, 400, "min_tokens"),
 ])
 def test_bad_requests_get_anthropics_error_body(tiny_server, fields, status, words):
     response = httpx.post(f"{tiny_server.base_url}/v1/messages", json={"model": "tiny", **fields}, timeout=60)

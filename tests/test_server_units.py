@@ -147,3 +147,20 @@ def test_the_server_freezes_its_start_up_heap_before_serving():
             "assert gc.get_freeze_count() > 1000, gc.get_freeze_count(); assert gc.get_threshold()[0] == T > 700")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+def test_sse_payloads_keep_line_separators_inside_the_json():
+    """Pydantic writes U+2028, U+2029 and U+0085 raw; splitting the chat stream at them (as
+    str.splitlines does) broke a /v1/messages or /v1/responses stream whose tokens held one."""
+    from starlette.responses import StreamingResponse
+
+    from kvserve.server.streaming import DONE, sse_payloads
+
+    async def events():
+        yield 'data: {"text": "a\u2028b\u2029c\u0085d"}\n\n'
+        yield DONE
+
+    async def read():
+        return [payload async for payload in sse_payloads(StreamingResponse(events()))]
+
+    assert asyncio.run(read()) == [{"text": "a\u2028b\u2029c\u0085d"}]

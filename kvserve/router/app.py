@@ -315,7 +315,8 @@ class RouterService:
 
     async def fan_out(self, request: Request) -> Response:
         """A POST every up backend must take (POST /reset_prefix_cache): 200 once all answered 200,
-        else the first other answer."""
+        else the first failure's status, naming every backend that failed (a backend that is down
+        now takes no part)."""
         headers = self._headers(request)
         backends = self.up_backends()
         if not backends:
@@ -327,12 +328,18 @@ class RouterService:
                                               headers=headers)
             except httpx.HTTPError:
                 return None
+        failed = []
         for backend, response in zip(backends, await asyncio.gather(*(post(b) for b in backends))):
-            if response is None:
-                return JSONResponse(error_body(502, f"backend {backend.name} did not answer"), status_code=502)
-            if response.status_code != 200:
-                return Response(response.content, status_code=response.status_code,
-                                media_type=response.headers.get("content-type"))
+            if response is None or response.status_code != 200:
+                try:
+                    detail = response.json()["error"]["message"] if response is not None else "no answer"
+                except (ValueError, KeyError, TypeError):
+                    detail = f"HTTP {response.status_code}"
+                failed.append((502 if response is None else response.status_code, f"{backend.name}: {detail}"))
+        if failed:
+            message = (f"Failed on {len(failed)} of {len(backends)} backends (the others took it): "
+                       + "; ".join(text for _, text in failed))
+            return JSONResponse(error_body(failed[0][0], message), status_code=failed[0][0])
         return Response(status_code=200)
 
     def _headers(self, request: Request) -> dict[str, str]:
@@ -430,7 +437,11 @@ def build_router_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
     async def models(request: Request) -> Response:
         return await service.forward_get("/v1/models", request)
 
-    @app.get("/health")
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> Response:
+        return await service.forward_get(request.url.path, request)
+
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         if service.up_backends():
             return Response(status_code=200)

@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from kvserve.outputs import CompletionOutput, SampleLogprobs, sampled_logprob, top_logprobs
+from kvserve.sampling_params import SamplingParams
 from kvserve.server.engine_loop import EngineError, PromptSpec, RequestStream
 from kvserve.server.errors import APIError
 from kvserve.server.prompt_logprobs import prompt_logprobs_field
@@ -109,12 +110,8 @@ class ChatServing:
             params = dataclasses.replace(params, structured_outputs=constraint)
         # A client that leaves while its prompt waits for the tokenizer drops the job.
         prompt_ids = await unless_disconnected(self.prompt(body, plan), request)
-        room = ctx.max_model_len - len(prompt_ids)
-        if fit_context and room < 1:
-            raise APIError(400, f"prompt is too long: {len(prompt_ids)} tokens > {ctx.max_model_len - 1} maximum",
-                           param="messages", code="context_length_exceeded")
-        if fit_context and params.max_tokens is not None and room < params.max_tokens:
-            params = dataclasses.replace(params, max_tokens=room)
+        if fit_context:
+            params = self._fit_context(params, len(prompt_ids))
         echoed = echoed_content(body, messages)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = await ctx.submit([PromptSpec(prompt_ids, params, body.cache_salt)], request_id, streaming=body.stream)
@@ -140,6 +137,27 @@ class ChatServing:
             usage=usage([len(prompt_ids)], sum(len(c.token_ids) for c in output.outputs), output.num_cached_tokens),
             prompt_logprobs=prompt_logprobs_field(output.prompt_logprobs))
         return Response(response.model_dump_json(), media_type="application/json")
+
+    def _fit_context(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+        """`create`'s fit_context: max_tokens cut to the room the prompt leaves; a prompt that
+        leaves none refused in Anthropic's words. A sequence under KV eviction is not bounded by
+        the context (the engine checks it), so it is left as it is."""
+        try:
+            evicting = self.ctx.engine.engine.resolve_eviction(params.kv_eviction) is not None
+        except ValueError:
+            return params  # a bad kv_eviction: the engine's check answers it
+        if evicting:
+            return params
+        room = self.ctx.max_model_len - prompt_len
+        if room < 1:
+            raise APIError(400, f"prompt is too long: {prompt_len} tokens > {self.ctx.max_model_len - 1} maximum",
+                           param="messages", code="context_length_exceeded")
+        if params.min_tokens > room:
+            raise APIError(400, f"min_tokens ({params.min_tokens}) is more than the context leaves after the "
+                                f"prompt ({room} tokens).", param="min_tokens")
+        if params.max_tokens is not None and room < params.max_tokens:
+            return dataclasses.replace(params, max_tokens=room)
+        return params
 
     async def _events(self, body: ChatCompletionRequest, plan: ToolPlan | None, prompt_len: int,
                       stream: RequestStream, request_id: str, created: int, echoed: str) -> AsyncIterator[str]:

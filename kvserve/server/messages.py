@@ -167,6 +167,9 @@ def chat_messages(body: MessagesRequest) -> list[dict[str, Any]]:
         else:
             raise APIError(400, f"messages[{i}].role must be user, assistant or system, not {role!r}.",
                            param="messages")
+    if not turns:
+        raise APIError(400, "messages: the conversation is empty (no text, tool use or tool result in it).",
+                       param="messages")
     return turns
 
 
@@ -351,7 +354,9 @@ class MessagesServing:
                 delta = choice.get("delta") or {}
                 finish_reason = choice.get("finish_reason") or finish_reason
                 matched = choice.get("stop_reason") if choice.get("finish_reason") else matched
-                if delta.get("content"):
+                # Text after a call is chat's stream retelling, as text, an auto call max_tokens cut
+                # off (README): its tool_use block already went out, so it is not sent twice.
+                if delta.get("content") and not called:
                     if open_block != "text":
                         if open_block is not None:
                             yield close()

@@ -35,7 +35,8 @@ async def sse_payloads(response: StreamingResponse) -> AsyncIterator[dict]:
     """The JSON payloads of a `data:` event stream (ours, read back by an endpoint that re-tells
     the chat stream in another API's events), up to `[DONE]`."""
     async for raw in response.body_iterator:
-        for line in (raw if isinstance(raw, str) else raw.decode()).splitlines():
+        # "\n" only: splitlines() would also split the JSON at U+2028, U+2029 or U+0085 in a token
+        for line in (raw if isinstance(raw, str) else raw.decode()).split("\n"):
             if line.startswith("data: ") and line != DONE.strip():
                 yield json.loads(line[len("data: "):])
 
