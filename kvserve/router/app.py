@@ -405,33 +405,20 @@ def build_router_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
     app.state.router = service
     install_error_handlers(app)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await service.proxy(request, "completions")
+    def proxied(route: str):
+        async def proxy(request: Request) -> Response:
+            return await service.proxy(request, route)
+        return proxy
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await service.proxy(request, "chat")
-
-    @app.post("/v1/messages")
-    async def messages(request: Request) -> Response:
-        return await service.proxy(request, "messages")
-
-    @app.post("/v1/messages/count_tokens")
-    async def count_message_tokens(request: Request) -> Response:
-        return await service.proxy(request, "other")
+    # path -> how its prompt is read for routing ("other": not read, placed in turn)
+    for path, route in (("/v1/completions", "completions"), ("/v1/chat/completions", "chat"),
+                        ("/v1/messages", "messages"), ("/v1/messages/count_tokens", "other"),
+                        ("/tokenize", "other"), ("/detokenize", "other")):
+        app.add_api_route(path, proxied(route), methods=["POST"])
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(request: Request) -> Response:
         return await service.fan_out(request)
-
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> Response:
-        return await service.proxy(request, "other")
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request) -> Response:
-        return await service.proxy(request, "other")
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
