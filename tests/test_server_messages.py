@@ -104,7 +104,8 @@ def test_a_named_tool_then_its_result(client):
     assert client.messages.count_tokens(model="tiny", messages=turns).input_tokens == len(chat_prompt(client, [
         *QUESTION,
         {"role": "assistant", "content": "", "tool_calls": [
-            {"id": call.id, "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(call.input)}}]},
+            {"id": call.id, "type": "function",
+             "function": {"name": "get_weather", "arguments": json.dumps(call.input)}}]},
         {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 C."},
         {"role": "user", "content": "Thanks. Anything else?"}]))
 

@@ -60,8 +60,8 @@ class APIKeyMiddleware:
         if scope["type"] == "websocket":  # deny by default here too: close before accepting
             await send({"type": "websocket.close", "code": 1008})
             return
-        body = error_json(401, "Incorrect or missing API key: send `Authorization: Bearer <key>` or `x-api-key: <key>`.",
-                          code="invalid_api_key", path=scope["path"])
+        body = error_json(401, "Incorrect or missing API key: send `Authorization: Bearer <key>` or "
+                               "`x-api-key: <key>`.", code="invalid_api_key", path=scope["path"])
         await send({"type": "http.response.start", "status": 401, "headers": [
             (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
             (b"www-authenticate", b"Bearer")]})

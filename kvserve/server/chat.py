@@ -10,7 +10,6 @@ import uuid
 from typing import Any, AsyncIterator
 
 from pydantic import ValidationError
-
 from starlette.requests import Request
 from starlette.responses import Response
 

@@ -275,7 +275,8 @@ class MessagesServing:
     def _chat_body(self, body: MessagesRequest, max_tokens: int | None) -> ChatCompletionRequest:
         body.refuse_unsupported()
         self.chat.ctx.check_model(body.model)
-        if (body.model_extra or {}).get("n") not in (None, 1):  # a chat field: a message is one reply
+        extra = body.model_extra or {}
+        if extra.get("n") not in (None, 1):  # a chat field: a message is one reply
             raise APIError(400, "`n` must be 1 on /v1/messages: a message is one reply; use /v1/chat/completions "
                                 "for several choices.", param="n")
         user = (body.metadata or {}).get("user_id")
@@ -284,7 +285,6 @@ class MessagesServing:
         messages = chat_messages(body)
         prefill = is_prefill(messages)
         choice, parallel = chat_tool_choice(body.tool_choice)
-        extra = body.model_extra or {}
         log_ignored_fields(sorted(set(extra) - set(_CHAT_EXTRAS)))
         fields = {
             **{name: extra[name] for name in _CHAT_EXTRAS if name in extra},
@@ -363,7 +363,7 @@ class MessagesServing:
                         yield sse_event("content_block_start", index=blocks, content_block={"type": "text", "text": ""})
                         blocks, open_block = blocks + 1, "text"
                     yield sse_event("content_block_delta", index=blocks - 1,
-                                delta={"type": "text_delta", "text": delta["content"]})
+                                    delta={"type": "text_delta", "text": delta["content"]})
                 for call in delta.get("tool_calls") or []:
                     function = call.get("function") or {}
                     if call.get("index") != open_block:
@@ -374,7 +374,7 @@ class MessagesServing:
                         blocks, open_block, called = blocks + 1, call.get("index"), True
                     if function.get("arguments"):
                         yield sse_event("content_block_delta", index=blocks - 1,
-                                    delta={"type": "input_json_delta", "partial_json": function["arguments"]})
+                                        delta={"type": "input_json_delta", "partial_json": function["arguments"]})
         if open_block is not None:
             yield close()
         if blocks == 0:  # an empty reply has one empty text block, as the JSON answer has
