@@ -4,8 +4,8 @@ The prompt is rendered with the engine's own functions (the chat template throug
 `output_processor.apply_chat_template`, text through `output_processor.tokenize`, messages through
 the server's `conversation`, Anthropic's through its `chat_messages`) and hashed with the cache
 layer's `root_hash` and `prompt_block_hashes`, under the namespace and block size the replica
-publishes and the request's `cache_salt`. A body the router cannot read (invalid JSON or fields) yields no tokens: it is routed
-by load alone and the replica answers it with its own 400.
+publishes and the request's `cache_salt`. A body the router cannot read (invalid JSON or fields)
+yields no tokens: it is routed by load alone and the replica answers it with its own 400.
 
 Only the prompt's first ROUTING_PREFIX_CHARS characters are tokenized (its first
 ROUTING_PREFIX_TOKENS tokens when sent as ids): the longest cached run the router looks for
@@ -49,7 +49,8 @@ class PromptTokens:
                 anthropic = MessagesRequest.model_validate(body)
                 messages = chat_messages(anthropic)
                 prefill = is_prefill(messages)
-                text = render_chat_template(self.tokenizer, messages, not prefill, chat_tools(anthropic.tools), prefill)
+                text = render_chat_template(self.tokenizer, messages, not prefill, chat_tools(anthropic.tools),
+                                            prefill)
                 return self._prefix_ids(text, add_special_tokens=False)
             prompt = body.get("prompt")
             if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
