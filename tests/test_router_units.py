@@ -191,7 +191,10 @@ def test_bad_flags_are_one_line_errors(capsys):
              (["serve", "--stream-interval", "0"], "--stream-interval must be at least 1"),
              (["serve", "--data-parallel-size", "2", "--nnodes", "2"], "does not take --nnodes"),
              (["router", "--backend", "ftp://host:1"], "is not an http(s) URL"),
-             (["router", "--backend", "http://a:1", "--backend", "http://a:1/"], "a --backend is given twice")]
+             (["router", "--backend", "http://a:1", "--backend", "http://a:1/"], "a --backend is given twice"),
+             (["serve", "--allowed-origins", "https://a.example"], "--allowed-origins must be a JSON list"),
+             (["router", "--backend", "http://a:1", "--allowed-headers", '["x", 1]'],
+              "--allowed-headers must be a JSON list of strings")]
     for argv, message in cases:
         assert main(argv) == 2
         err = capsys.readouterr().err.strip()

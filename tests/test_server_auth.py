@@ -91,3 +91,43 @@ def test_a_refused_request_never_reaches_the_engine(server):
     body = b'{"prompt": "Hello", "max_tokens": 3}'
     assert raw_status(server, "POST", "/v1/completions", {"Content-Type": "application/json"}, body) == 401
     assert server.metrics()["kvserve:prompt_tokens_total"] == before
+
+
+# ---------------------------------------------------------------------------- CORS (kvserve/server/cors.py)
+PREFLIGHT = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+             "Access-Control-Request-Headers": "authorization, content-type"}
+
+
+def test_a_browser_preflight_needs_no_key_and_errors_stay_readable_cross_origin(server):
+    """vLLM's defaults: every origin; the preflight carries no key (browsers never send one), and a
+    401 carries the CORS headers, so the page can read why it was refused."""
+    preflight = httpx.options(f"{server.base_url}/v1/chat/completions", headers=PREFLIGHT)
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] == "*"
+    assert "authorization" in preflight.headers["access-control-allow-headers"].lower()
+    assert "POST" in preflight.headers["access-control-allow-methods"]
+    origin = {"Origin": "https://app.example"}
+    refused = httpx.get(f"{server.base_url}/v1/models", headers=origin)
+    assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == "*"
+    allowed = httpx.get(f"{server.base_url}/v1/models", headers={**origin, "Authorization": f"Bearer {KEY}"})
+    assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == "*"
+    assert "access-control-allow-origin" not in httpx.get(f"{server.base_url}/health").headers  # same-origin
+
+
+def test_allowed_origins_limit_which_pages_may_call(server_factory, tiny_llama):
+    server = server_factory(str(tiny_llama), "--dtype", "float32", "--kv-cache-memory", "8MiB",
+                            "--allowed-origins", '["https://app.example"]', "--allow-credentials")
+    url = f"{server.base_url}/v1/completions"
+    allowed = httpx.options(url, headers=PREFLIGHT)
+    assert allowed.status_code == 200
+    assert allowed.headers["access-control-allow-origin"] == "https://app.example"
+    assert allowed.headers["access-control-allow-credentials"] == "true"
+    other = httpx.options(url, headers={**PREFLIGHT, "Origin": "https://evil.example"})
+    assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+    reply = httpx.post(url, headers={"Origin": "https://evil.example"},
+                       json={"prompt": "hi", "max_tokens": 1})
+    assert reply.status_code == 200 and "access-control-allow-origin" not in reply.headers
+    closed = server_factory(str(tiny_llama), "--dtype", "float32", "--kv-cache-memory", "8MiB",
+                            "--allowed-origins", "[]")
+    assert "access-control-allow-origin" not in httpx.options(url.replace(str(server.port), str(closed.port)),
+                                                              headers=PREFLIGHT).headers

@@ -1,12 +1,14 @@
-"""The connection and body options `kvserve serve` and `kvserve router` share, and their checks.
+"""The connection, body and CORS options `kvserve serve` and `kvserve router` share, and their checks.
 
 A router holds two descriptors per proxied request (the client's connection and its backend
 connection), so its default connection limit is half of what the descriptor limit leaves."""
 from __future__ import annotations
 
 import argparse
+import json
 
 from kvserve.cli import UserError
+from kvserve.server.cors import CorsOptions
 from kvserve.server.connections import RESERVED_FDS, ConnectionLimits, raise_fd_limit
 from kvserve.units import parse_size
 
@@ -26,6 +28,34 @@ def add_connection_options(group: argparse._ActionGroup) -> None:
                        help="open connections at most; at the limit a new one closes the oldest connection that "
                             "sent no request, so /health stays reachable (default: what the file-descriptor limit "
                             "allows after a reserve)")
+
+
+def add_cors_options(group: argparse._ActionGroup) -> None:
+    """vLLM's CORS flags (kvserve/server/cors.py), lists as JSON."""
+    group.add_argument("--allowed-origins", default='["*"]', metavar="JSON",
+                       help="origins a browser page may call the API from, a JSON list, e.g. "
+                            "'[\"https://app.example.com\"]'; '[]' allows none (default: %(default)s)")
+    group.add_argument("--allow-credentials", action="store_true",
+                       help="let cross-origin pages send cookies and the Authorization header with credentials")
+    group.add_argument("--allowed-methods", default='["*"]', metavar="JSON",
+                       help="HTTP methods allowed cross-origin, a JSON list (default: %(default)s)")
+    group.add_argument("--allowed-headers", default='["*"]', metavar="JSON",
+                       help="request headers allowed cross-origin, a JSON list (default: %(default)s)")
+
+
+def cors_options(args: argparse.Namespace) -> CorsOptions:
+    """The checked CORS flags: each a JSON list of strings."""
+    lists = {}
+    for flag in ("--allowed-origins", "--allowed-methods", "--allowed-headers"):
+        text = getattr(args, flag[2:].replace("-", "_"))
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = None
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise UserError(f"{flag} must be a JSON list of strings such as '[\"*\"]', got {text!r}")
+        lists[flag[2:].replace("-", "_")] = value
+    return CorsOptions(allow_credentials=args.allow_credentials, **lists)
 
 
 def body_limits(args: argparse.Namespace) -> tuple[int, int]:

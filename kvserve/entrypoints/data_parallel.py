@@ -132,6 +132,7 @@ def run_data_parallel(args: argparse.Namespace, serve_argv: list[str], sock, uvi
     """Start the replicas, then the front end on `sock` (already bound); returns the exit status."""
     import uvicorn
 
+    from kvserve.entrypoints.connection_options import cors_options
     from kvserve.model.loader import load_tokenizer, resolve_model_path
     from kvserve.router.app import RouterConfig, build_router_app
     from kvserve.server.lifecycle import ServingServer
@@ -158,7 +159,8 @@ def run_data_parallel(args: argparse.Namespace, serve_argv: list[str], sock, uvi
         logger.info("%d replicas ready on %s", count, ", ".join(urls))
         config = RouterConfig(urls, policy, api_key=args.api_key, backend_api_key=key, tokenizer=model_path,
                               max_request_body_bytes=body_limits[0], max_body_bytes_in_flight=body_limits[1],
-                              max_backend_connections=max_connections, startup_wait_s=30.0)
+                              max_backend_connections=max_connections, startup_wait_s=30.0,
+                              cors=cors_options(args))
         app = build_router_app(config, tokenizer)
         # kvserve's server (lifecycle.py): the shutdown grace period, and a return instead of
         # uvicorn's re-raised signal, so the replicas are stopped below.

@@ -7,7 +7,8 @@ import os
 
 from kvserve.cli import UserError
 from kvserve.router import DEFAULT_LOAD_COST_TOKENS, POLICIES
-from kvserve.entrypoints.connection_options import add_connection_options, body_limits, connection_limits
+from kvserve.entrypoints.connection_options import (add_connection_options, add_cors_options, body_limits,
+                                                    connection_limits, cors_options)
 
 API_KEY_ENV = "KVSERVE_API_KEY"
 
@@ -35,7 +36,9 @@ def register(subparsers) -> None:
     parser.add_argument("--request-timeout", type=float, default=1800.0, metavar="SECONDS",
                         help="a request whose backend has not finished answering this long after it came is "
                              "ended: a 504, or an error event in a stream (default: %(default)s)")
-    add_connection_options(parser.add_argument_group("connection options (as `kvserve serve`)"))
+    connection = parser.add_argument_group("connection and CORS options (as `kvserve serve`)")
+    add_connection_options(connection)
+    add_cors_options(connection)
     parser.set_defaults(func=run_router)
 
 
@@ -71,11 +74,12 @@ def run_router(args: argparse.Namespace) -> int:
     if not 0 < args.request_timeout < float("inf"):
         raise UserError(f"--request-timeout must be a positive number of seconds, got {args.request_timeout}")
     max_body, in_flight = body_limits(args)
+    cors = cors_options(args)
     limits = connection_limits(args, fds_per_connection=2)  # a client connection and its backend connection
     config = RouterConfig(backends, args.routing_policy, api_key=args.api_key, tokenizer=args.tokenizer,
                           max_index_entries=args.max_index_entries, load_cost_tokens=args.load_cost_tokens,
                           max_request_body_bytes=max_body, max_body_bytes_in_flight=in_flight,
-                          request_timeout_s=args.request_timeout, max_backend_connections=limits.max_connections)
+                          request_timeout_s=args.request_timeout, max_backend_connections=limits.max_connections, cors=cors)
     sock = _bind(args.host, args.port)
     app = build_router_app(config)
     uvicorn.Server(uvicorn.Config(app, log_level=args.log_level.lower(), timeout_keep_alive=5,

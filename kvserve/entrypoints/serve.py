@@ -14,7 +14,8 @@ from pathlib import Path
 
 from kvserve.cli import UserError
 from kvserve.engine.args import EngineArgs
-from kvserve.entrypoints.connection_options import add_connection_options, body_limits, connection_limits
+from kvserve.entrypoints.connection_options import (add_connection_options, add_cors_options, body_limits,
+                                                    connection_limits, cors_options)
 
 API_KEY_ENV = "KVSERVE_API_KEY"
 
@@ -40,6 +41,7 @@ def register(subparsers) -> None:
                             "tokens have come (and one when it ends): fewer, larger SSE events, less server work "
                             "per token at high concurrency (SGLang's option; default: %(default)s, every token)")
     add_connection_options(group)
+    add_cors_options(group)
     group.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
                        help="run N engine replicas, each in its own process with its own KV pool, behind this "
                             "one endpoint (default: %(default)s)")
@@ -120,6 +122,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise UserError("--data-parallel-size > 1 runs its replicas on this machine: it does not take --nnodes, "
                         "--node-rank or --master-port (each replica's tensor-parallel ranks meet on a free port)")
     max_body, in_flight = body_limits(args)
+    cors = cors_options(args)
     parser_name = tool_call_parser(args)
     if args.stream_interval < 1:
         raise UserError(f"--stream-interval must be at least 1, got {args.stream_interval}")
@@ -149,7 +152,7 @@ def run_serve(args: argparse.Namespace) -> int:
     names = args.served_model_name or [args.model or Path(engine.model_path).name.removesuffix(".gguf")]
     app = build_app(engine, ServerConfig(names, args.api_key, max_body, max_body_bytes_in_flight=in_flight,
                                          fault_injection=fault_injection_enabled(), tool_call_parser=parser_name,
-                                         stream_interval=args.stream_interval))
+                                         stream_interval=args.stream_interval, cors=cors))
     async_engine = app.state.engine
     config = uvicorn.Config(app, log_level=args.log_level.lower(), timeout_keep_alive=5,
                             http=guarded_protocol(limits))

@@ -43,6 +43,7 @@ from kvserve.router.prompt_hashes import PromptTokens
 from kvserve.server.auth import APIKeyMiddleware
 from kvserve.server.body_limit import BodySizeLimitMiddleware
 from kvserve.server.connections import install_loop_error_throttle
+from kvserve.server.cors import CorsOptions, add_cors
 from kvserve.server.errors import error_body, install_error_handlers, speaks_anthropic
 from kvserve.server.messages import error_event
 from kvserve.server.streaming import DONE, EventStreamResponse, sse_error
@@ -81,6 +82,7 @@ class RouterConfig:
     max_backend_connections: int | None = None  # None: no limit
     names: list[str] = field(default_factory=list)  # labels per backend (default "0", "1", ...)
     startup_wait_s: float = 0.0  # serve only once every backend is up, or this long has passed
+    cors: CorsOptions | None = None  # browsers' cross-origin access (kvserve/server/cors.py); None: none
 
 
 class RouterService:
@@ -450,4 +452,5 @@ def build_router_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
                        max_bytes_in_flight=config.max_body_bytes_in_flight or 4 * config.max_request_body_bytes)
     if config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    add_cors(app, config.cors)  # outermost: preflights are answered before the key check
     return app

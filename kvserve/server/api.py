@@ -1,6 +1,6 @@
 """The FastAPI application: routes, middleware and the engine thread's lifetime.
 
-    client ──> APIKeyMiddleware (if --api-key) ──> BodySizeLimitMiddleware ──> FastAPI routes
+    client ──> CORSMiddleware ──> APIKeyMiddleware (if --api-key) ──> BodySizeLimitMiddleware ──> FastAPI routes
                                                                                    │
                /v1/completions, /v1/chat/completions ──> AsyncEngine (engine thread)
                /v1/responses, /v1/messages (Anthropic's) ──> the chat path
@@ -24,6 +24,7 @@ from kvserve.server.body_limit import BodySizeLimitMiddleware
 from kvserve.server.chat import ChatServing
 from kvserve.server.dashboard import add_dashboard
 from kvserve.server.completions import CompletionServing
+from kvserve.server.cors import CorsOptions, add_cors
 from kvserve.server.connections import install_loop_error_throttle
 from kvserve.server.embeddings import EmbeddingRequest, EmbeddingResponse, EmbeddingServing
 from kvserve.server.engine_loop import AsyncEngine
@@ -60,6 +61,7 @@ class ServerConfig:
     tool_call_parser: str | None = None  # reads `tool_choice: "auto"` replies (--enable-auto-tool-choice)
     kv_events_capacity: int = 65536  # prefix-cache events kept for routers (kv_events_api.py)
     stream_interval: int = 1  # --stream-interval (serving.ServingContext)
+    cors: CorsOptions | None = None  # browsers' cross-origin access (cors.py); None: none
 
 
 def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
@@ -203,5 +205,6 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_request_body_bytes,
                        max_bytes_in_flight=config.max_body_bytes_in_flight)
     if config.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)  # outermost: before the body is read
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)  # before the body is read
+    add_cors(app, config.cors)  # outermost: preflights are answered before the key check
     return app
