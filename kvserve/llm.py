@@ -86,15 +86,16 @@ class LLM:
     def chat(self, messages: list[Message] | list[list[Message]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool | Callable[..., tqdm] = True, add_generation_prompt: bool = True,
              tools: list[dict] | None = None, continue_final_message: bool = False,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to each conversation, then generate. `tools` (OpenAI
-        tool definitions) and messages with `tool_calls` or role "tool" render as in the server:
-        through the template where it handles them, else as hermes text (engine/tool_prompts.py).
-        `continue_final_message` (with add_generation_prompt=False) continues the last message;
-        `chat_template_kwargs` are extra template variables (vLLM's)."""
+             chat_template_kwargs: dict | None = None, chat_template: str | None = None) -> list[RequestOutput]:
+        """Apply the chat template (`chat_template`, Jinja text, else the tokenizer's) to each
+        conversation, then generate. `tools` (OpenAI tool definitions) and messages with
+        `tool_calls` or role "tool" render as in the server: through the template where it handles
+        them, else as hermes text (engine/tool_prompts.py). `continue_final_message` (with
+        add_generation_prompt=False) continues the last message; `chat_template_kwargs` are extra
+        template variables (vLLM's)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [{"prompt_token_ids": self.engine.apply_chat_template(
-            _checked(c), add_generation_prompt, tools, continue_final_message, chat_template_kwargs)}
+            _checked(c), add_generation_prompt, tools, continue_final_message, chat_template_kwargs, chat_template)}
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 

@@ -84,33 +84,39 @@ _RESERVED_TEMPLATE_KWARGS = ("conversation", "messages", "tools", "documents", "
 
 def apply_chat_template(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True,
                         tools: list[dict] | None = None, continue_final_message: bool = False,
-                        template_kwargs: dict[str, Any] | None = None) -> list[int]:
-    """Render a conversation with the tokenizer's chat template (render_chat_template), then
-    tokenize it (the template already holds the special tokens, so none are added)."""
+                        template_kwargs: dict[str, Any] | None = None, chat_template: str | None = None) -> list[int]:
+    """Render a conversation with the chat template (render_chat_template), then tokenize it (the
+    template already holds the special tokens, so none are added)."""
     text = render_chat_template(tokenizer, messages, add_generation_prompt, tools, continue_final_message,
-                                template_kwargs)
+                                template_kwargs, chat_template)
     return tokenizer.encode(text, add_special_tokens=False)
 
 
 def render_chat_template(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True,
                          tools: list[dict] | None = None, continue_final_message: bool = False,
-                         template_kwargs: dict[str, Any] | None = None) -> str:
-    """A conversation as the text the tokenizer's chat template makes of it. Tool definitions, assistant `tool_calls`
-    and `tool` results go to the template where it renders them, else into the turns as hermes
-    text (tool_prompts.py). `continue_final_message` leaves the last message open (no end-of-turn
-    after it) for the model to continue; `template_kwargs` are extra variables for the template
-    (vLLM's chat_template_kwargs, e.g. a reasoning switch)."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this model's tokenizer has no chat template; use the completions API")
+                         template_kwargs: dict[str, Any] | None = None, chat_template: str | None = None) -> str:
+    """A conversation as the text a chat template makes of it: `chat_template` (Jinja text;
+    `template_kwargs["chat_template"]` as vLLM takes it), else the tokenizer's. Tool definitions,
+    assistant `tool_calls` and `tool` results go to the template where it renders them, else into
+    the turns as hermes text (tool_prompts.py). `continue_final_message` leaves the last message
+    open (no end-of-turn after it) for the model to continue; `template_kwargs` are extra variables
+    for the template (vLLM's chat_template_kwargs, e.g. a reasoning switch)."""
+    template_kwargs = dict(template_kwargs or {})
+    from_kwargs = template_kwargs.pop("chat_template", None)
+    chat_template = chat_template or from_kwargs
+    if chat_template is not None and not isinstance(chat_template, str):
+        raise ValueError("chat_template must be a string holding a Jinja template")
+    if not chat_template and not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model's tokenizer has no chat template; use the completions API "
+                         "(or give one: `kvserve serve --chat-template`)")
     if continue_final_message and add_generation_prompt:  # vLLM's text
         raise ValueError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
-    template_kwargs = dict(template_kwargs or {})
     reserved = sorted(set(template_kwargs) & set(_RESERVED_TEMPLATE_KWARGS))
     if reserved:
         raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}: use the request's own fields")
-    messages, tools = render_messages(messages, tools, tokenizer.chat_template)
-    guard_chat_template(tokenizer, tools)
-    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+    messages, tools = render_messages(messages, tools, chat_template or tokenizer.chat_template)
+    guard_chat_template(tokenizer, tools, chat_template)
+    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, chat_template=chat_template,
                                          add_generation_prompt=add_generation_prompt,
                                          continue_final_message=continue_final_message, **template_kwargs)
 

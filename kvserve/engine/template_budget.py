@@ -60,12 +60,13 @@ def _budgeted_render(template: Any, *args: Any, **kwargs: Any) -> str:
     return "".join(parts)
 
 
-def guard_chat_template(tokenizer: Any, tools: list[dict] | None) -> None:
-    """Give the template `tokenizer.apply_chat_template` is about to render (transformers compiles
-    and caches it per template text) the budget; once per compiled template."""
+def guard_chat_template(tokenizer: Any, tools: list[dict] | None, chat_template: str | None = None) -> None:
+    """Give the template `tokenizer.apply_chat_template` is about to render (`chat_template`, else
+    the tokenizer's; transformers compiles and caches it per template text) the budget; once per
+    compiled template."""
     from transformers.utils.chat_template_utils import _compile_jinja_template
 
-    compiled = _compile_jinja_template(tokenizer.get_chat_template(None, tools))
+    compiled = _compile_jinja_template(tokenizer.get_chat_template(chat_template, tools))
     if getattr(compiled, "_kvserve_budget", False):
         return
     compiled.globals["range"] = _budgeted_range

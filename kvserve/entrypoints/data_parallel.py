@@ -133,6 +133,7 @@ def run_data_parallel(args: argparse.Namespace, serve_argv: list[str], sock, uvi
     import uvicorn
 
     from kvserve.entrypoints.connection_options import cors_options
+    from kvserve.entrypoints.serve import server_chat_template
     from kvserve.model.loader import load_tokenizer, resolve_model_path
     from kvserve.router.app import RouterConfig, build_router_app
     from kvserve.server.lifecycle import ServingServer
@@ -160,7 +161,7 @@ def run_data_parallel(args: argparse.Namespace, serve_argv: list[str], sock, uvi
         config = RouterConfig(urls, policy, api_key=args.api_key, backend_api_key=key, tokenizer=model_path,
                               max_request_body_bytes=body_limits[0], max_body_bytes_in_flight=body_limits[1],
                               max_backend_connections=max_connections, startup_wait_s=30.0,
-                              cors=cors_options(args))
+                              cors=cors_options(args), chat_template=server_chat_template(args))
         app = build_router_app(config, tokenizer)
         # kvserve's server (lifecycle.py): the shutdown grace period, and a return instead of
         # uvicorn's re-raised signal, so the replicas are stopped below.

@@ -23,6 +23,9 @@ def register(subparsers) -> None:
     parser.add_argument("--tokenizer", default=None, metavar="PATH",
                         help="model or tokenizer to tokenize prompts with for kv_aware (default: the backends' "
                              "model, when its path exists on this machine)")
+    parser.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                        help="kv_aware: the --chat-template the backends serve with, so that chat prompts are "
+                             "rendered as they render them (default: the tokenizer's)")
     parser.add_argument("--load-cost-tokens", type=float, default=DEFAULT_LOAD_COST_TOKENS, metavar="TOKENS",
                         help="kv_aware: cached prompt tokens one more request in a replica's queue is worth "
                              "(default: %(default)s)")
@@ -58,7 +61,7 @@ def check_backend_url(url: str) -> str:
 def run_router(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from kvserve.entrypoints.serve import _bind
+    from kvserve.entrypoints.serve import _bind, server_chat_template
     from kvserve.router.app import RouterConfig, build_router_app
     from kvserve.server.connections import guarded_protocol
 
@@ -75,11 +78,13 @@ def run_router(args: argparse.Namespace) -> int:
         raise UserError(f"--request-timeout must be a positive number of seconds, got {args.request_timeout}")
     max_body, in_flight = body_limits(args)
     cors = cors_options(args)
+    chat_template = server_chat_template(args)
     limits = connection_limits(args, fds_per_connection=2)  # a client connection and its backend connection
     config = RouterConfig(backends, args.routing_policy, api_key=args.api_key, tokenizer=args.tokenizer,
                           max_index_entries=args.max_index_entries, load_cost_tokens=args.load_cost_tokens,
                           max_request_body_bytes=max_body, max_body_bytes_in_flight=in_flight,
-                          request_timeout_s=args.request_timeout, max_backend_connections=limits.max_connections, cors=cors)
+                          request_timeout_s=args.request_timeout, max_backend_connections=limits.max_connections, cors=cors,
+                          chat_template=chat_template)
     sock = _bind(args.host, args.port)
     app = build_router_app(config)
     uvicorn.Server(uvicorn.Config(app, log_level=args.log_level.lower(), timeout_keep_alive=5,

@@ -7,6 +7,7 @@ shutdown grace period, a dead engine) is in kvserve/server/lifecycle.py.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import socket
 import sys
@@ -18,6 +19,7 @@ from kvserve.entrypoints.connection_options import (add_connection_options, add_
                                                     connection_limits, cors_options)
 
 API_KEY_ENV = "KVSERVE_API_KEY"
+logger = logging.getLogger("kvserve")
 
 
 def register(subparsers) -> None:
@@ -48,6 +50,13 @@ def register(subparsers) -> None:
     group.add_argument("--routing-policy", default=None, choices=("kv_aware", "round_robin", "least_loaded"),
                        help="with --data-parallel-size > 1: how requests are spread over the replicas "
                             "(`kvserve router --help`; default: kv_aware)")
+    templates = parser.add_argument_group("chat template")
+    templates.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                           help="the Jinja chat template conversations render with, instead of the model's: a "
+                                "file, or the template text itself (vLLM's flag)")
+    templates.add_argument("--trust-request-chat-template", action="store_true",
+                           help="render a request's own `chat_template` (or chat_template_kwargs.chat_template) "
+                                "instead of refusing it with a 400 (vLLM's flag)")
     tools = parser.add_argument_group("tool calling")
     tools.add_argument("--enable-auto-tool-choice", action="store_true",
                        help='answer `tool_choice: "auto"` (and requests with `tools` but no `tool_choice`): the '
@@ -75,6 +84,20 @@ def tool_call_parser(args: argparse.Namespace) -> str | None:
     if args.tool_call_parser is not None and not args.enable_auto_tool_choice:
         raise UserError("--tool-call-parser is only used with --enable-auto-tool-choice; add that flag")
     return args.tool_call_parser if args.enable_auto_tool_choice else None
+
+
+def server_chat_template(args: argparse.Namespace) -> str | None:
+    """--chat-template's text (chat_template_file.py), None without it; a bad one is a UserError."""
+    from kvserve.engine.chat_template_file import load_chat_template
+
+    if args.chat_template is None:
+        return None
+    try:
+        text = load_chat_template(args.chat_template)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    logger.info("chat template from --chat-template (%d characters), in place of the model's", len(text))
+    return text
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -123,6 +146,7 @@ def run_serve(args: argparse.Namespace) -> int:
                         "--node-rank or --master-port (each replica's tensor-parallel ranks meet on a free port)")
     max_body, in_flight = body_limits(args)
     cors = cors_options(args)
+    chat_template = server_chat_template(args)
     parser_name = tool_call_parser(args)
     if args.stream_interval < 1:
         raise UserError(f"--stream-interval must be at least 1, got {args.stream_interval}")
@@ -152,7 +176,8 @@ def run_serve(args: argparse.Namespace) -> int:
     names = args.served_model_name or [args.model or Path(engine.model_path).name.removesuffix(".gguf")]
     app = build_app(engine, ServerConfig(names, args.api_key, max_body, max_body_bytes_in_flight=in_flight,
                                          fault_injection=fault_injection_enabled(), tool_call_parser=parser_name,
-                                         stream_interval=args.stream_interval, cors=cors))
+                                         stream_interval=args.stream_interval, cors=cors, chat_template=chat_template,
+                                         trust_request_chat_template=args.trust_request_chat_template))
     async_engine = app.state.engine
     config = uvicorn.Config(app, log_level=args.log_level.lower(), timeout_keep_alive=5,
                             http=guarded_protocol(limits))

@@ -83,6 +83,7 @@ class RouterConfig:
     names: list[str] = field(default_factory=list)  # labels per backend (default "0", "1", ...)
     startup_wait_s: float = 0.0  # serve only once every backend is up, or this long has passed
     cors: CorsOptions | None = None  # browsers' cross-origin access (kvserve/server/cors.py); None: none
+    chat_template: str | None = None  # the replicas' --chat-template text, for rendering chat prompts alike
 
 
 class RouterService:
@@ -93,7 +94,7 @@ class RouterService:
         self.index = PrefixIndex(config.max_index_entries)
         self.hints = PendingHints()
         self.router = Router(config.policy, self.index, self.hints, config.load_cost_tokens)
-        self.prompts: PromptTokens | None = PromptTokens(tokenizer) if tokenizer is not None else None
+        self.prompts: PromptTokens | None = PromptTokens(tokenizer, config.chat_template) if tokenizer is not None else None
         self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="kvserve-router-tokenizer")
         own_key = config.backend_api_key or config.api_key
         self.own_headers = {"Authorization": f"Bearer {own_key}"} if own_key else {}
@@ -162,7 +163,7 @@ class RouterService:
         except Exception as exc:
             logger.error("cannot load the tokenizer from %s (%s): routing by load only", source, exc)
             return
-        self.prompts = PromptTokens(tokenizer)
+        self.prompts = PromptTokens(tokenizer, self.config.chat_template)
         logger.info("kv_aware routing with the tokenizer of %s", source)
 
     def up_backends(self) -> list[Backend]:

@@ -30,8 +30,10 @@ _CUT_TOKENS = 16  # dropped after a cut: the text's last pre-token may tokenize 
 
 
 class PromptTokens:
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, chat_template: str | None = None):
+        """`chat_template`: the replicas' --chat-template text (None: the tokenizer's)."""
         self.tokenizer = tokenizer
+        self.chat_template = chat_template
 
     def token_ids(self, route: str, body: Any) -> list[int] | None:
         """The first prompt's token ids for `route` ("completions", "chat" or "messages"), None if unreadable.
@@ -41,16 +43,18 @@ class PromptTokens:
         try:
             if route == "chat":
                 request = ChatCompletionRequest.model_validate(body)
+                if request.chat_template is not None or "chat_template" in (request.chat_template_kwargs or {}):
+                    return None  # its own template: not rendered here (the replica may refuse it)
                 tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
                 text = render_chat_template(self.tokenizer, conversation(request.messages),
-                                            request.add_generation_prompt, tools)
+                                            request.add_generation_prompt, tools, chat_template=self.chat_template)
                 return self._prefix_ids(text, add_special_tokens=False)
             if route == "messages":  # Anthropic's, rendered as the replica's chat path renders it
                 anthropic = MessagesRequest.model_validate(body)
                 messages = chat_messages(anthropic)
                 prefill = is_prefill(messages)
                 text = render_chat_template(self.tokenizer, messages, not prefill, chat_tools(anthropic.tools),
-                                            prefill)
+                                            prefill, chat_template=self.chat_template)
                 return self._prefix_ids(text, add_special_tokens=False)
             prompt = body.get("prompt")
             if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):

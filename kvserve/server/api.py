@@ -62,6 +62,8 @@ class ServerConfig:
     kv_events_capacity: int = 65536  # prefix-cache events kept for routers (kv_events_api.py)
     stream_interval: int = 1  # --stream-interval (serving.ServingContext)
     cors: CorsOptions | None = None  # browsers' cross-origin access (cors.py); None: none
+    chat_template: str | None = None  # --chat-template's text: replaces the tokenizer's (prompts.Tokenization)
+    trust_request_chat_template: bool = False  # a request may bring its own chat template (prompts.Tokenization)
 
 
 def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
@@ -70,7 +72,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
 
     metrics = ServerMetrics(config.served_model_names[0], config.log_interval_s)
     async_engine = AsyncEngine(engine, metrics)
-    tokens = Tokenization(engine)
+    tokens = Tokenization(engine, config.chat_template, config.trust_request_chat_template)
     ctx = ServingContext(async_engine, tokens, list(config.served_model_names), engine.max_model_len,
                          config.stream_interval)
     completions, chat = CompletionServing(ctx), ChatServing(ctx, config.tool_call_parser)
@@ -186,7 +188,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         if body.messages is not None:
             tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
             ids = await tokens.chat_prompt(conversation(body.messages), body.add_generation_prompt, tools,
-                                           body.continue_final_message, body.chat_template_kwargs)
+                                           body.continue_final_message, body.chat_template_kwargs, body.chat_template)
         else:
             ids = await tokens.encode(body.prompt, body.add_special_tokens is not False)
         strs = [tokens.token_text(t) for t in ids] if body.return_token_strs else None

@@ -91,7 +91,8 @@ class ChatServing:
         """The request's messages (and tools) through the chat template, tokenized."""
         return await self.ctx.tokens.chat_prompt(conversation(body.messages), body.add_generation_prompt,
                                                  plan.tools if plan is not None else None,
-                                                 body.continue_final_message, body.chat_template_kwargs)
+                                                 body.continue_final_message, body.chat_template_kwargs,
+                                                 body.chat_template)
 
     async def create(self, body: ChatCompletionRequest, request: Request, fit_context: bool = False) -> Response:
         """`fit_context` (Anthropic's context rules): a max_tokens past the context is cut to the

@@ -112,9 +112,19 @@ SMALL_JOB_CHARS = 16_384
 BODY_PROMPTS_BUDGET = 4
 
 
+UNTRUSTED_CHAT_TEMPLATE = ("Chat template is passed with request, but --trust-request-chat-template is not set. "
+                           "Refused request with untrusted chat template.")  # vLLM's text
+
+
 class Tokenization:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, chat_template: str | None = None, trust_request_chat_template: bool = False):
+        """`chat_template` (--chat-template): the template conversations render with instead of
+        the tokenizer's. `trust_request_chat_template` (--trust-request-chat-template): a request's
+        own (`chat_template`, or `chat_template_kwargs.chat_template`) is rendered rather than
+        refused, in jinja2's sandbox and under the rendering budget (template_budget.py)."""
         self._engine = engine
+        self.chat_template = chat_template
+        self.trust_request_chat_template = trust_request_chat_template
         self.tokenizer = engine.tokenizer
         self.vocab_size = engine.model_config.vocab_size
         self.max_model_len = engine.max_model_len
@@ -195,18 +205,24 @@ class Tokenization:
 
     async def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
                           tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
-                          template_kwargs: dict[str, Any] | None = None) -> list[int]:
-        """The conversation rendered by the model's chat template and tokenized; tool definitions,
-        calls and results go where the template puts them, or in hermes text (engine/tool_prompts.py)."""
+                          template_kwargs: dict[str, Any] | None = None,
+                          chat_template: str | None = None) -> list[int]:
+        """The conversation rendered by the chat template (the request's own, `chat_template`, only
+        when trusted) and tokenized; tool definitions, calls and results go where the template puts
+        them, or in hermes text (engine/tool_prompts.py)."""
+        own = chat_template if chat_template is not None else (template_kwargs or {}).get("chat_template")
+        if own is not None and not self.trust_request_chat_template:
+            raise APIError(400, UNTRUSTED_CHAT_TEMPLATE, param="chat_template")
         chars = sum(len(str(m.get("content") or "")) + len(json.dumps({k: v for k, v in m.items() if k != "content"}))
                     for m in messages)
-        chars += len(json.dumps(tools or [])) + len(json.dumps(template_kwargs or {}))
+        chars += len(json.dumps(tools or [])) + len(json.dumps(template_kwargs or {})) + len(chat_template or "")
+        chat_template = own if own is not None else self.chat_template
         self.check_length(chars, "messages")
 
         def render() -> list[int]:
             try:
                 return self._engine.apply_chat_template(messages, add_generation_prompt, tools, continue_final_message,
-                                                        template_kwargs)
+                                                        template_kwargs, chat_template)
             except ValueError as exc:
                 raise APIError(400, str(exc), param="messages") from exc
             except Exception as exc:  # a Jinja error raised by the template itself

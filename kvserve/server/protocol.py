@@ -343,6 +343,7 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's: continue the last (assistant) message, no new turn
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template
+    chat_template: str | None = None  # vLLM's: this request's Jinja template (--trust-request-chat-template)
     echo: bool = False  # vLLM's: the reply starts with the last message's content when it is the assistant's
     tools: list[ChatTool] | None = None
     # "none", "auto", "required" or {"type": "function", "function": {"name": ...}}; checked in
@@ -364,6 +365,7 @@ class TokenizeRequest(OpenAIModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None
     return_token_strs: bool = False
 
 
