@@ -41,6 +41,13 @@ class LLM:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: the SamplingParams a call without any uses, the model's generation config
+        (--generation-config) over SamplingParams' defaults (engine/generation_defaults.py)."""
+        defaults = self.engine.generation_defaults
+        return SamplingParams(**defaults.sampling, **({"max_tokens": defaults.max_tokens}
+                                                      if defaults.max_tokens is not None else {}))
+
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool | Callable[..., tqdm] = True) -> list[RequestOutput]:
@@ -48,7 +55,7 @@ class LLM:
         `use_tqdm` may be a tqdm-like class to show progress with (vLLM's)."""
         prompts = _prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+            sampling_params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         elif not isinstance(sampling_params, (list, tuple)):
             sampling_params = [sampling_params]  # refused just below
         wrong = [type(p).__name__ for p in sampling_params if not isinstance(p, SamplingParams)]

@@ -193,6 +193,7 @@ def test_bad_flags_are_one_line_errors(capsys):
              (["router", "--backend", "ftp://host:1"], "is not an http(s) URL"),
              (["router", "--backend", "http://a:1", "--backend", "http://a:1/"], "a --backend is given twice"),
              (["serve", "--allowed-origins", "https://a.example"], "--allowed-origins must be a JSON list"),
+             (["serve", "--override-generation-config", '{"temp": 1}'], "'temp' would do nothing"),
              (["router", "--backend", "http://a:1", "--allowed-headers", '["x", 1]'],
               "--allowed-headers must be a JSON list of strings")]
     for argv, message in cases:

@@ -16,6 +16,7 @@ from typing import Any
 from kvserve.bench.datasets import add_dataset_args, build_dataset, check_dataset_args
 from kvserve.bench.report import save_json
 from kvserve.engine.args import EngineArgs
+from kvserve.engine.generation_defaults import GENERATION_CONFIG_ARGS
 from kvserve.sampling_params import SamplingParams
 
 BACKENDS = ("kvserve", "hf")
@@ -87,7 +88,8 @@ def register(subparsers: Any) -> None:
                         "decode FLOP/s at 32 and 128 concurrent sequences as a share of the peak")
     p.add_argument("--output-json", default=None, metavar="PATH", help="write the results as JSON")
     add_dataset_args(p, num_prompts=64, input_len="32:512", output_len="32:256")
-    EngineArgs.add_cli_args(p, skip=("seed",))  # --seed is the workload's (and the engine's) seed
+    # --seed is the workload's (and the engine's) seed; the workload sets its sampling
+    EngineArgs.add_cli_args(p, skip=("seed", *GENERATION_CONFIG_ARGS))
     p.set_defaults(func=run_throughput_cli)
 
 

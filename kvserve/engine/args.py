@@ -11,6 +11,7 @@ import torch
 
 from kvserve.cache.eviction import NO_EVICTION, POLICY_CHOICES
 from kvserve.cache.formats import KV_CACHE_DTYPES
+from kvserve.engine.generation_defaults import parse_overrides
 from kvserve.units import parse_size
 from kvserve.hardware import triton_unavailable
 from kvserve.model.attention import attention_backend_names
@@ -172,6 +173,14 @@ class EngineArgs:
         "processes sharing a directory use one key. Absent: a CRC-32, which catches accidents only"))
     max_logprobs: int = field(default=20, metadata=_opt(
         "most logprobs (per generated token) and prompt_logprobs a request may ask for; -1: no limit"))
+    generation_config: str = field(default="auto", metadata=_opt(
+        "the model creator's sampling defaults (vLLM's flag): auto = the model's generation_config.json "
+        "(its temperature, top_p, top_k, min_p and repetition_penalty for requests that leave them unset; its "
+        "max_new_tokens caps HTTP requests' max_tokens and bounds requests without one); vllm = the engine's own defaults; or a directory "
+        "holding a generation_config.json"))
+    override_generation_config: str | dict | None = field(default=None, metadata=_opt(
+        "a JSON object of those keys (max_new_tokens included) laid over the generation config, e.g. "
+        "'{\"temperature\": 0.5}' (vLLM's flag)"))
     seed: int | None = field(default=0, metadata=_opt(
         "seed of the global random generator (unseeded requests draw from it); LLM(seed=None): a random seed"))
     tensor_parallel_size: int = field(default=1, metadata=_opt(
@@ -245,6 +254,9 @@ class EngineArgs:
         if (self.kv_offloading_size or path is not None) and not self.enable_prefix_caching:
             raise ValueError("the KV offload tiers (--kv-offloading-size, --kv-offloading-disk-path) hold "
                              "prefix-cache blocks: they need --enable-prefix-caching")
+        if not isinstance(self.generation_config, (str, os.PathLike)) or not str(self.generation_config):
+            raise ValueError(f"--generation-config must be auto, vllm or a directory, got {self.generation_config!r}")
+        parse_overrides(self.override_generation_config)
         _check_int("seed", self.seed, -(1 << 63), optional=True)
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         if self.tensor_parallel_size > 1 and (self.kv_offloading_size or path is not None):

@@ -101,6 +101,12 @@ class LLMEngine:
     def _start(self, args: EngineArgs, loaded_model: LoadedModel | None) -> None:
         built = load_engine_model(args, loaded_model, prepack=self.parallel is None)
         self.device, self.dtype = built.plan.device, built.plan.dtype
+        self.generation_defaults = built.plan.generation_defaults
+        if self.generation_defaults.sampling or self.generation_defaults.max_tokens is not None:
+            logger.info("Default sampling parameters from the generation config: %s%s (--generation-config vllm "
+                        "ignores the model's)", self.generation_defaults.sampling,
+                        f", max_tokens at most {self.generation_defaults.max_tokens}"
+                        if self.generation_defaults.max_tokens is not None else "")
         self._cuda_index = self.device.index if self.device.type == "cuda" else None
         if self._cuda_index is not None:
             self._bind_cuda_device()
@@ -188,9 +194,12 @@ class LLMEngine:
         if self.resolve_eviction(params.kv_eviction) is not None:
             # Under eviction max-model-len bounds the cache, not the sequence; "up to the context
             # limit" (no max_tokens) then means max-model-len new tokens.
-            max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len
+            max_tokens = params.max_tokens if params.max_tokens is not None \
+                else self.generation_defaults.cap(self.max_model_len)
         else:
-            max_tokens = params.max_tokens if params.max_tokens is not None else max(self.max_model_len - n, 1)
+            # No max_tokens: up to the context limit, and at most the generation config's max_new_tokens.
+            max_tokens = params.max_tokens if params.max_tokens is not None \
+                else self.generation_defaults.cap(max(self.max_model_len - n, 1))
             if n + max_tokens > self.max_model_len:
                 raise ValueError(
                     f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "

@@ -19,8 +19,10 @@ from kvserve.cache.kv_cache import KVCacheSpec
 from kvserve.cache.sizing import blocks_for_tokens, blocks_in_budget, bytes_per_block
 from kvserve.cache.tiers.disk import check_directory, key_path, load_key
 from kvserve.engine.args import EngineArgs
+from kvserve.engine.generation_defaults import GenerationDefaults, load_generation_defaults
 from kvserve.engine.platforms import platform_for
 from kvserve.hardware import native_bf16_missing
+from kvserve.model.loader import resolve_model_path
 from kvserve.model.parallel import check_quantized_shards, check_tensor_parallel_size, kv_heads_per_rank
 from kvserve.model.shape import ModelShape, read_model_shape
 from kvserve.units import GiB, parse_size
@@ -148,6 +150,7 @@ class Preflight:
     kv_spec: KVCacheSpec
     bytes_per_block: int  # all layers, in the --kv-cache-dtype format
     kv_budget: int | None  # None: measured on CUDA after loading
+    generation_defaults: GenerationDefaults  # the model's sampling defaults (--generation-config)
 
 
 def preflight(args: EngineArgs, shape: ModelShape | None = None) -> Preflight:
@@ -181,4 +184,6 @@ def preflight(args: EngineArgs, shape: ModelShape | None = None) -> Preflight:
         if args.kv_offloading_disk_key is not None:
             load_key(key_path(args.kv_offloading_disk_path, args.kv_offloading_disk_key))
     lowered = args.max_model_len is None and max_model_len < shape.max_position_embeddings
-    return Preflight(device, dtype, reason, shape, max_model_len, lowered, kv_spec, per_block, budget)
+    generation = load_generation_defaults(str(args.generation_config), resolve_model_path(args.model),
+                                          args.override_generation_config)
+    return Preflight(device, dtype, reason, shape, max_model_len, lowered, kv_spec, per_block, budget, generation)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from kvserve.engine.args import EngineArgs
 from kvserve.sampling_params import SamplingParams
@@ -13,16 +14,19 @@ def add_sampling_args(parser: argparse.ArgumentParser, default_max_tokens: int |
     group = parser.add_argument_group("sampling options")
     group.add_argument("--max-tokens", type=int, default=default_max_tokens,
                        help="tokens to generate (default: %(default)s; None = up to the context limit)")
-    group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    group.add_argument("--top-p", type=float, default=1.0)
-    group.add_argument("--top-k", type=int, default=0)
+    group.add_argument("--temperature", type=float, default=None,
+                       help="0 = greedy (default: the model's generation config, else 0)")
+    group.add_argument("--top-p", type=float, default=None, help="default: the model's generation config, else 1")
+    group.add_argument("--top-k", type=int, default=None, help="default: the model's generation config, else 0 (off)")
     group.add_argument("--seed", dest="sampling_seed", type=int, default=None, help="per-request sampling seed")
     group.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
 
 
-def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, seed=args.sampling_seed, ignore_eos=args.ignore_eos)
+def sampling_params_from_args(args: argparse.Namespace, defaults: dict[str, Any] | None = None) -> SamplingParams:
+    """The sampling flags given, over `defaults` (the model's generation config), over greedy."""
+    given = {name: getattr(args, name) for name in ("temperature", "top_p", "top_k") if getattr(args, name) is not None}
+    return SamplingParams(max_tokens=args.max_tokens, seed=args.sampling_seed, ignore_eos=args.ignore_eos,
+                          **{"temperature": 0.0, **(defaults or {}), **given})
 
 
 def register(subparsers) -> None:
@@ -64,16 +68,18 @@ def _make_llm(args: argparse.Namespace):
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    params = sampling_params_from_args(args)
+    sampling_params_from_args(args)  # bad values fail before the model loads
     llm = _make_llm(args)
+    params = sampling_params_from_args(args, llm.engine.generation_defaults.sampling)
     output = llm.generate([args.prompt], params, use_tqdm=False)[0]
     print(output.outputs[0].text)
     return 0
 
 
 def run_chat(args: argparse.Namespace) -> int:
-    params = sampling_params_from_args(args)
+    sampling_params_from_args(args)  # bad values fail before the model loads
     llm = _make_llm(args)
+    params = sampling_params_from_args(args, llm.engine.generation_defaults.sampling)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     if args.message is not None:
         messages.append({"role": "user", "content": args.message})

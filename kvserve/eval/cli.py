@@ -15,6 +15,7 @@ from typing import Callable
 
 from kvserve.cache.formats import KV_CACHE_DTYPES
 from kvserve.engine.args import EngineArgs
+from kvserve.engine.generation_defaults import GENERATION_CONFIG_ARGS
 from kvserve.eval.passkey import PasskeyConfig
 from kvserve.eval.perplexity import ScoringConfig
 from kvserve.eval.runner import DEFAULT_KV_CACHE_DTYPES, DEFAULT_TEXT
@@ -85,7 +86,7 @@ def register(subparsers) -> None:
     p.add_argument("--output-json", metavar="PATH", default=None, help="also write the results as JSON to this file")
     p.add_argument("--plot", metavar="PNG", default=None, help="save a memory-vs-quality chart to this file")
     add_long_context_args(p)
-    EngineArgs.add_cli_args(p, skip=("kv_cache_dtype",))
+    EngineArgs.add_cli_args(p, skip=("kv_cache_dtype", *GENERATION_CONFIG_ARGS))  # greedy scoring
     # Each configuration only needs room for one scoring window or one batch of passkey prompts.
     p.set_defaults(func=run_eval, kv_cache_memory="1GiB", parser=p)
 

@@ -193,11 +193,13 @@ class SamplingFields(OpenAIModel):
         return self
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
-        """Raises ValueError (a 400) for values out of range."""
+                        prompt_logprobs: int | None = None, defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """`defaults`: values for the sampling fields the request leaves unset (the model's
+        generation config). Raises ValueError (a 400) for values out of range."""
         given = {name: getattr(self, name) for name in (
             "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
             "repetition_penalty") if getattr(self, name) is not None}
+        given = {**(defaults or {}), **given}
         return SamplingParams(
             n=self.n, max_tokens=max_tokens, stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
             seed=self.seed, ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, logprobs=logprobs,

@@ -63,6 +63,9 @@ class ServingContext:
         """`prompt_only`: max_tokens 0 is allowed (completions with echo: the prompt alone)."""
         if max_tokens is not None and max_tokens < 1 and not (prompt_only and max_tokens == 0):
             raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens")
+        defaults = self.engine.engine.generation_defaults
+        if max_tokens is not None:  # the generation config's max_new_tokens caps every request (vLLM's)
+            max_tokens = defaults.cap(max_tokens)
         if num_prompts * body.n > MAX_CHOICES_PER_REQUEST:
             raise APIError(400, f"At most {MAX_CHOICES_PER_REQUEST} completions per request (prompts x n), "
                                 f"got {num_prompts} x {body.n}.", param="n")
@@ -70,7 +73,7 @@ class ServingContext:
         # fail the whole engine step, not just this request.
         self.tokens.check_token_ids(body.stop_token_ids or [], "stop_token_ids")
         try:
-            params = body.sampling_params(max_tokens, logprobs, prompt_logprobs)
+            params = body.sampling_params(max_tokens, logprobs, prompt_logprobs, defaults.sampling)
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
         self.tokens.check_token_ids(list(params.logit_bias or {}), "logit_bias")
