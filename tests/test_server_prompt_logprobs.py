@@ -183,3 +183,35 @@ def test_logprob_limits_and_bad_values_are_400s(client, server_factory, tiny_lla
         lambda: capped_client.completions.create(model="tiny", prompt="x", extra_body={"prompt_logprobs": 3}))["message"]
     ok = capped_client.completions.create(model="tiny", prompt="x y", max_tokens=1, echo=True, logprobs=2)
     assert len(ok.choices[0].logprobs.top_logprobs[1]) in (2, 3)
+
+
+def test_tokens_as_token_ids(tiny_server, client, server_factory, tiny_llama):
+    """vLLM's return_tokens_as_token_ids: every token logprobs name (sampled, alternatives, echoed
+    prompt) is "token_id:N" for the id the text names otherwise; offsets still count the text;
+    --return-tokens-as-token-ids makes it the default, and a request's `false` overrides it."""
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "echo": True, "logprobs": 2, "temperature": 0}
+    as_text = client.completions.create(**body).choices[0].logprobs
+    as_ids = client.completions.create(**body, extra_body={"return_tokens_as_token_ids": True}).choices[0].logprobs
+    ids = httpx.post(f"{tiny_server.base_url}/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    assert as_ids.tokens[:len(ids)] == [f"token_id:{t}" for t in ids]
+    assert all(t.startswith("token_id:") for t in as_ids.tokens)
+    assert all(all(k.startswith("token_id:") for k in top) for top in as_ids.top_logprobs if top)
+    assert as_ids.text_offset == as_text.text_offset and as_ids.token_logprobs == as_text.token_logprobs
+    response = httpx.post(f"{tiny_server.base_url}/v1/completions", timeout=60, json={
+        **body, "stream": True, "return_tokens_as_token_ids": True})
+    chunks = [json.loads(e) for e in sse_events(response) if e != "[DONE]"]
+    streamed = [lp for chunk in chunks for c in chunk["choices"] if (lp := c["logprobs"])]
+    assert [t for lp in streamed for t in lp["tokens"]] == as_ids.tokens
+    assert [o for lp in streamed for o in lp["text_offset"]] == as_text.text_offset
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 3, "temperature": 0,
+            "logprobs": True, "top_logprobs": 2}
+    text_reply = client.chat.completions.create(**chat).choices[0]
+    flagged = server_factory(str(tiny_llama), *TINY_SERVER_ARGS, "--return-tokens-as-token-ids")
+    flagged_client = openai.OpenAI(base_url=f"{flagged.base_url}/v1", api_key="unused", max_retries=0)
+    id_reply = flagged_client.chat.completions.create(**chat).choices[0]
+    assert id_reply.message.content == text_reply.message.content
+    for named, plain in zip(id_reply.logprobs.content, text_reply.logprobs.content):
+        assert named.token.startswith("token_id:") and named.bytes == plain.bytes
+        assert all(t.token.startswith("token_id:") for t in named.top_logprobs)
+    overridden = flagged_client.chat.completions.create(**chat, extra_body={"return_tokens_as_token_ids": False})
+    assert [c.token for c in overridden.choices[0].logprobs.content] == [c.token for c in text_reply.logprobs.content]

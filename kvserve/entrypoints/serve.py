@@ -42,6 +42,10 @@ def register(subparsers) -> None:
                        help="a streamed response sends its first token at once, then an event each time N more "
                             "tokens have come (and one when it ends): fewer, larger SSE events, less server work "
                             "per token at high concurrency (SGLang's option; default: %(default)s, every token)")
+    group.add_argument("--return-tokens-as-token-ids", action="store_true",
+                       help='logprobs name each token "token_id:N" instead of its text, so that tokens that are no '
+                            "text alone (part of a UTF-8 character) stay identifiable; a request's "
+                            "`return_tokens_as_token_ids` overrides it (vLLM's flag)")
     add_connection_options(group)
     add_cors_options(group)
     group.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
@@ -177,7 +181,8 @@ def run_serve(args: argparse.Namespace) -> int:
     app = build_app(engine, ServerConfig(names, args.api_key, max_body, max_body_bytes_in_flight=in_flight,
                                          fault_injection=fault_injection_enabled(), tool_call_parser=parser_name,
                                          stream_interval=args.stream_interval, cors=cors, chat_template=chat_template,
-                                         trust_request_chat_template=args.trust_request_chat_template))
+                                         trust_request_chat_template=args.trust_request_chat_template,
+                                         return_tokens_as_token_ids=args.return_tokens_as_token_ids))
     async_engine = app.state.engine
     config = uvicorn.Config(app, log_level=args.log_level.lower(), timeout_keep_alive=5,
                             http=guarded_protocol(limits))

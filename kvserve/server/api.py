@@ -64,6 +64,7 @@ class ServerConfig:
     cors: CorsOptions | None = None  # browsers' cross-origin access (cors.py); None: none
     chat_template: str | None = None  # --chat-template's text: replaces the tokenizer's (prompts.Tokenization)
     trust_request_chat_template: bool = False  # a request may bring its own chat template (prompts.Tokenization)
+    return_tokens_as_token_ids: bool = False  # --return-tokens-as-token-ids (serving.ServingContext)
 
 
 def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
@@ -74,7 +75,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     async_engine = AsyncEngine(engine, metrics)
     tokens = Tokenization(engine, config.chat_template, config.trust_request_chat_template)
     ctx = ServingContext(async_engine, tokens, list(config.served_model_names), engine.max_model_len,
-                         config.stream_interval)
+                         config.stream_interval, config.return_tokens_as_token_ids)
     completions, chat = CompletionServing(ctx), ChatServing(ctx, config.tool_call_parser)
     embeddings = EmbeddingServing(ctx, tokens, engine.model_config.hidden_size)
     responses = ResponsesServing(chat)

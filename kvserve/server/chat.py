@@ -40,11 +40,12 @@ def chat_request(fields: dict[str, Any]) -> ChatCompletionRequest:
                        param=str(first["loc"][0]) if first["loc"] else None) from None
 
 
-def chat_logprobs(tokens: Tokenization, entries: SampleLogprobs, k: int) -> ChatLogprobs:
-    """OpenAI's chat logprobs: each sampled token (its entry's first) with the k most likely."""
+def chat_logprobs(tokens: Tokenization, entries: SampleLogprobs, k: int, as_ids: bool = False) -> ChatLogprobs:
+    """OpenAI's chat logprobs: each sampled token (its entry's first) with the k most likely.
+    `as_ids`: tokens named "token_id:N" (Tokenization.token_name); `bytes` stay the text's."""
     def top(token_id: int, logprob: float) -> TopLogprob:
-        text = tokens.token_text(token_id)
-        return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode("utf-8")))
+        return TopLogprob(token=tokens.token_name(token_id, as_ids), logprob=logprob,
+                          bytes=list(tokens.token_text(token_id).encode("utf-8")))
 
     content = []
     for entry in entries:
@@ -129,7 +130,8 @@ class ChatServing:
             if echoed:
                 message.content = echoed + (message.content or "")
             choices.append(ChatChoice(index=c.index, message=message,
-                                      logprobs=chat_logprobs(ctx.tokens, c.logprobs, body.top_logprobs or 0)
+                                      logprobs=chat_logprobs(ctx.tokens, c.logprobs, body.top_logprobs or 0,
+                                                             ctx.tokens_as_ids(body))
                                       if c.logprobs is not None else None,
                                       finish_reason=finish_reason, stop_reason=c.stop_reason))
         response = ChatCompletionResponse(
@@ -208,7 +210,7 @@ class ChatServing:
                         if c.logprobs is not None:
                             choice.tokens_sent = len(c.logprobs)
                         choice.finished = c.finish_reason is not None
-                        logprobs = (chat_logprobs(ctx.tokens, new_logprobs, body.top_logprobs or 0)
+                        logprobs = (chat_logprobs(ctx.tokens, new_logprobs, body.top_logprobs or 0, ctx.tokens_as_ids(body))
                                     if new_logprobs is not None else None)
                         message = DeltaMessage(content=delta if delta or not calls else None, tool_calls=calls or None)
                         yield chunk([ChatChunkChoice(index=index, delta=message, logprobs=logprobs,

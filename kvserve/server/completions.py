@@ -25,21 +25,23 @@ from kvserve.server.serving import ServingContext, StreamState, usage
 from kvserve.server.streaming import DONE, EventStreamResponse, sse, sse_error, unless_disconnected
 
 
-def completion_logprobs(tokens: Tokenization, entries: SampleLogprobs, k: int, text_offset: int) -> CompletionLogprobs:
+def completion_logprobs(tokens: Tokenization, entries: SampleLogprobs, k: int, text_offset: int,
+                        as_ids: bool = False) -> CompletionLogprobs:
     """Legacy logprobs for `entries` (k alternatives each), the first token starting at `text_offset`
     in the choice's text. Each position's top_logprobs also holds the chosen token, as in vLLM;
-    where two tokens decode to the same text (the format keys by text), the chosen token's value is kept."""
+    where two tokens decode to the same text (the format keys by text), the chosen token's value is kept.
+    `as_ids`: tokens named "token_id:N" (Tokenization.token_name); offsets still count the text."""
     result = CompletionLogprobs()
     for entry in entries:
         token, sampled = sampled_logprob(entry)
-        text = tokens.token_text(token)
-        result.tokens.append(text)
+        name = tokens.token_name(token, as_ids)
+        result.tokens.append(name)
         result.token_logprobs.append(sampled.logprob)
         result.text_offset.append(text_offset)
-        top = {tokens.token_text(t): e.logprob for t, e in top_logprobs(entry, k)}
-        top[text] = sampled.logprob
+        top = {tokens.token_name(t, as_ids): e.logprob for t, e in top_logprobs(entry, k)}
+        top[name] = sampled.logprob
         result.top_logprobs.append(top)
-        text_offset += len(text)
+        text_offset += len(tokens.token_text(token))
     return result
 
 
@@ -71,6 +73,7 @@ class CompletionServing:
             await ctx.tokens.fill_in_the_middle(prompts, body.suffix)
         # As in vLLM: echo with logprobs computes the prompt's logprobs (k = logprobs).
         echo_logprobs = body.echo and body.logprobs is not None
+        as_ids = ctx.tokens_as_ids(body)
         params = ctx.sampling_params(body, body.max_tokens, body.logprobs, len(prompts),
                                      prompt_logprobs=body.logprobs if echo_logprobs else None, prompt_only=body.echo)
         best_of = body.best_of if body.best_of is not None and body.best_of > body.n else None
@@ -99,10 +102,11 @@ class CompletionServing:
         for p, (prompt, out) in enumerate(zip(prompts, outputs)):
             prefix = prompt.text if body.echo else ""
             for c in out.outputs:
-                logprobs = (completion_logprobs(ctx.tokens, c.logprobs, body.logprobs or 0, len(prefix))
+                logprobs = (completion_logprobs(ctx.tokens, c.logprobs, body.logprobs or 0, len(prefix), as_ids)
                             if c.logprobs is not None else None)
                 if echo_logprobs:
-                    echoed = echoed_prompt_logprobs(ctx.tokens, prompt.token_ids, out.prompt_logprobs, body.logprobs)
+                    echoed = echoed_prompt_logprobs(ctx.tokens, prompt.token_ids, out.prompt_logprobs, body.logprobs,
+                                                    as_ids)
                     logprobs = joined(echoed, logprobs or CompletionLogprobs())
                 choices.append(CompletionChoice(index=p * body.n + c.index, text=prefix + c.text, logprobs=logprobs,
                                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason,
@@ -120,6 +124,7 @@ class CompletionServing:
         prompt_lengths = [len(p.token_ids) for p in prompts]
         offsets: dict[int, int] = {}  # choice index -> text offset of its next logprob token
         echo_logprobs = body.echo and body.logprobs is not None
+        as_ids = ctx.tokens_as_ids(body)
 
         def chunk(choices: list[CompletionChoice], with_usage: bool) -> str:
             u = (usage(prompt_lengths, state.completion_tokens(), sum(state.cached_tokens.values()))
@@ -146,12 +151,13 @@ class CompletionServing:
                         logprobs = None
                         if echo and echo_logprobs:
                             logprobs = echoed_prompt_logprobs(ctx.tokens, prompts[p].token_ids, out.prompt_logprobs,
-                                                              body.logprobs)
+                                                              body.logprobs, as_ids)
                             offsets[index] = len(prompts[p].text)
                         if new_logprobs is not None:
                             generated = completion_logprobs(ctx.tokens, new_logprobs, body.logprobs or 0,
-                                                            offsets.get(index, 0))
-                            offsets[index] = offsets.get(index, 0) + sum(len(t) for t in generated.tokens)
+                                                            offsets.get(index, 0), as_ids)
+                            offsets[index] = offsets.get(index, 0) + sum(
+                                len(ctx.tokens.token_text(sampled_logprob(e)[0])) for e in new_logprobs)
                             logprobs = joined(logprobs, generated) if logprobs is not None else generated
                             choice.tokens_sent = len(c.logprobs)
                         choice.finished = c.finish_reason is not None

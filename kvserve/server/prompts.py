@@ -265,3 +265,8 @@ class Tokenization:
         if text is None:
             text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
         return text
+
+    def token_name(self, token_id: int, as_id: bool) -> str:
+        """How logprobs name a token: its text, or with `as_id` (vLLM's
+        return_tokens_as_token_ids) "token_id:N", which survives tokens that are no text alone."""
+        return f"token_id:{token_id}" if as_id else self.token_text(token_id)

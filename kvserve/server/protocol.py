@@ -168,6 +168,8 @@ class SamplingFields(OpenAIModel):
     guided_grammar: str | None = None
     # OpenAI's: token id (a JSON key, so a string) -> bias, clamped to [-100, 100] as vLLM does.
     logit_bias: dict[str, float] | None = None
+    # vLLM's: logprobs name tokens "token_id:N" (default: --return-tokens-as-token-ids)
+    return_tokens_as_token_ids: bool | None = None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> "SamplingFields":

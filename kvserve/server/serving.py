@@ -39,6 +39,7 @@ class ServingContext:
     model_names: list[str]
     max_model_len: int
     stream_interval: int = 1  # --stream-interval: a streamed request gets its output every N tokens
+    return_tokens_as_token_ids: bool = False  # --return-tokens-as-token-ids: logprobs name tokens "token_id:N"
 
     @property
     def model_name(self) -> str:
@@ -47,6 +48,11 @@ class ServingContext:
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.model_names:
             raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+
+    def tokens_as_ids(self, body: SamplingFields) -> bool:
+        """Whether this request's logprobs name tokens "token_id:N": its own field, else the flag."""
+        own = body.return_tokens_as_token_ids
+        return self.return_tokens_as_token_ids if own is None else own
 
     def check_fields(self, body: SamplingFields) -> None:
         """Refuse OpenAI features kvserve lacks; log keys no API defines (vLLM's behaviour)."""
