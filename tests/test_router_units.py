@@ -179,7 +179,8 @@ def test_merged_metrics_label_each_replica_and_keep_families_together():
 
 def test_replicas_do_not_get_the_front_ends_options():
     argv = ["model", "--dtype", "float32", "--data-parallel-size", "2", "--port=9000", "--host", "0.0.0.0",
-            "--api-key", "k", "--routing-policy", "round_robin", "--max-num-seqs", "8"]
+            "--api-key", "k", "--routing-policy", "round_robin", "--ssl-certfile", "c.pem", "--ssl-keyfile=k.pem",
+            "--max-num-seqs", "8"]
     assert replica_argv(argv) == ["model", "--dtype", "float32", "--max-num-seqs", "8"]
 
 

@@ -1,4 +1,4 @@
-"""The connection, body and CORS options `kvserve serve` and `kvserve router` share, and their checks.
+"""The connection, body, TLS and CORS options `kvserve serve` and `kvserve router` share, and their checks.
 
 A router holds two descriptors per proxied request (the client's connection and its backend
 connection), so its default connection limit is half of what the descriptor limit leaves."""
@@ -56,6 +56,40 @@ def cors_options(args: argparse.Namespace) -> CorsOptions:
             raise UserError(f"{flag} must be a JSON list of strings such as '[\"*\"]', got {text!r}")
         lists[flag[2:].replace("-", "_")] = value
     return CorsOptions(allow_credentials=args.allow_credentials, **lists)
+
+
+def add_tls_options(group: argparse._ActionGroup) -> None:
+    """vLLM's TLS flags: serve HTTPS with a certificate and key (uvicorn's)."""
+    group.add_argument("--ssl-certfile", default=None, metavar="PATH",
+                       help="serve HTTPS with this PEM certificate (chain); needs --ssl-keyfile")
+    group.add_argument("--ssl-keyfile", default=None, metavar="PATH", help="the certificate's PEM private key")
+    group.add_argument("--ssl-ca-certs", default=None, metavar="PATH",
+                       help="CA certificates to verify client certificates against (with --ssl-cert-reqs)")
+    group.add_argument("--ssl-cert-reqs", type=int, default=0, choices=(0, 1, 2),
+                       help="client certificates: 0 not asked for, 1 optional, 2 required (Python's ssl.CERT_*; "
+                            "default: %(default)s)")
+
+
+def tls_options(args: argparse.Namespace) -> dict[str, object]:
+    """uvicorn's TLS settings from the checked flags ({} without TLS): the certificate and key are
+    loaded here, so a missing file or a key that does not match fails before the model loads."""
+    import ssl
+
+    if (args.ssl_certfile is None) != (args.ssl_keyfile is None):
+        raise UserError("--ssl-certfile and --ssl-keyfile go together (HTTPS needs the certificate and its key)")
+    if args.ssl_certfile is None:
+        if args.ssl_ca_certs is not None or args.ssl_cert_reqs:
+            raise UserError("--ssl-ca-certs and --ssl-cert-reqs need HTTPS: add --ssl-certfile and --ssl-keyfile")
+        return {}
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
+        if args.ssl_ca_certs is not None:
+            context.load_verify_locations(args.ssl_ca_certs)
+    except (OSError, ssl.SSLError) as exc:
+        raise UserError(f"cannot load the TLS certificate, key or CA certificates: {exc}") from None
+    return {"ssl_certfile": args.ssl_certfile, "ssl_keyfile": args.ssl_keyfile, "ssl_ca_certs": args.ssl_ca_certs,
+            "ssl_cert_reqs": args.ssl_cert_reqs}
 
 
 def body_limits(args: argparse.Namespace) -> tuple[int, int]:

@@ -34,7 +34,8 @@ logger = logging.getLogger("kvserve.server")
 START_TIMEOUT_S = 600.0
 # Front-end options the replicas do not take (each with a value).
 _FRONT_ONLY = ("--data-parallel-size", "-dp", "--routing-policy", "--host", "--port", "--api-key",
-               "--max-connections", "--timeout-header", "--timeout-body", "--max-body-bytes-in-flight")
+               "--max-connections", "--timeout-header", "--timeout-body", "--max-body-bytes-in-flight",
+               "--ssl-certfile", "--ssl-keyfile", "--ssl-ca-certs", "--ssl-cert-reqs")
 
 
 def replica_argv(serve_argv: list[str]) -> list[str]:

@@ -7,8 +7,8 @@ import os
 
 from kvserve.cli import UserError
 from kvserve.router import DEFAULT_LOAD_COST_TOKENS, POLICIES
-from kvserve.entrypoints.connection_options import (add_connection_options, add_cors_options, body_limits,
-                                                    connection_limits, cors_options)
+from kvserve.entrypoints.connection_options import (add_connection_options, add_cors_options, add_tls_options,
+                                                    body_limits, connection_limits, cors_options, tls_options)
 
 API_KEY_ENV = "KVSERVE_API_KEY"
 
@@ -39,8 +39,9 @@ def register(subparsers) -> None:
     parser.add_argument("--request-timeout", type=float, default=1800.0, metavar="SECONDS",
                         help="a request whose backend has not finished answering this long after it came is "
                              "ended: a 504, or an error event in a stream (default: %(default)s)")
-    connection = parser.add_argument_group("connection and CORS options (as `kvserve serve`)")
+    connection = parser.add_argument_group("connection, TLS and CORS options (as `kvserve serve`)")
     add_connection_options(connection)
+    add_tls_options(connection)
     add_cors_options(connection)
     parser.set_defaults(func=run_router)
 
@@ -78,6 +79,7 @@ def run_router(args: argparse.Namespace) -> int:
         raise UserError(f"--request-timeout must be a positive number of seconds, got {args.request_timeout}")
     max_body, in_flight = body_limits(args)
     cors = cors_options(args)
+    tls = tls_options(args)
     chat_template = server_chat_template(args)
     limits = connection_limits(args, fds_per_connection=2)  # a client connection and its backend connection
     config = RouterConfig(backends, args.routing_policy, api_key=args.api_key, tokenizer=args.tokenizer,
@@ -87,6 +89,6 @@ def run_router(args: argparse.Namespace) -> int:
                           chat_template=chat_template)
     sock = _bind(args.host, args.port)
     app = build_router_app(config)
-    uvicorn.Server(uvicorn.Config(app, log_level=args.log_level.lower(), timeout_keep_alive=5,
+    uvicorn.Server(uvicorn.Config(app, log_level=args.log_level.lower(), timeout_keep_alive=5, **tls,
                                   http=guarded_protocol(limits))).run(sockets=[sock])
     return 0

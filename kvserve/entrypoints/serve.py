@@ -15,8 +15,8 @@ from pathlib import Path
 
 from kvserve.cli import UserError
 from kvserve.engine.args import EngineArgs
-from kvserve.entrypoints.connection_options import (add_connection_options, add_cors_options, body_limits,
-                                                    connection_limits, cors_options)
+from kvserve.entrypoints.connection_options import (add_connection_options, add_cors_options, add_tls_options,
+                                                    body_limits, connection_limits, cors_options, tls_options)
 
 API_KEY_ENV = "KVSERVE_API_KEY"
 logger = logging.getLogger("kvserve")
@@ -47,6 +47,7 @@ def register(subparsers) -> None:
                             "text alone (part of a UTF-8 character) stay identifiable; a request's "
                             "`return_tokens_as_token_ids` overrides it (vLLM's flag)")
     add_connection_options(group)
+    add_tls_options(group)
     add_cors_options(group)
     group.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
                        help="run N engine replicas, each in its own process with its own KV pool, behind this "
@@ -150,6 +151,7 @@ def run_serve(args: argparse.Namespace) -> int:
                         "--node-rank or --master-port (each replica's tensor-parallel ranks meet on a free port)")
     max_body, in_flight = body_limits(args)
     cors = cors_options(args)
+    tls = tls_options(args)
     chat_template = server_chat_template(args)
     parser_name = tool_call_parser(args)
     if args.stream_interval < 1:
@@ -173,7 +175,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
         argv = getattr(args, "argv", None) or sys.argv[1:]
         serve_argv = argv[argv.index("serve") + 1:]
-        return run_data_parallel(args, serve_argv, sock, {"log_level": args.log_level.lower(), "timeout_keep_alive": 5,
+        return run_data_parallel(args, serve_argv, sock, {"log_level": args.log_level.lower(), "timeout_keep_alive": 5, **tls,
                                                           "http": guarded_protocol(limits)},
                                  (max_body, in_flight), limits.max_connections)
     engine = LLMEngine(engine_args, serving=True)
@@ -184,7 +186,7 @@ def run_serve(args: argparse.Namespace) -> int:
                                          trust_request_chat_template=args.trust_request_chat_template,
                                          return_tokens_as_token_ids=args.return_tokens_as_token_ids))
     async_engine = app.state.engine
-    config = uvicorn.Config(app, log_level=args.log_level.lower(), timeout_keep_alive=5,
+    config = uvicorn.Config(app, log_level=args.log_level.lower(), timeout_keep_alive=5, **tls,
                             http=guarded_protocol(limits))
     ending = "the server is shutting down and its grace period (--shutdown-timeout) ended"
 
