@@ -67,6 +67,11 @@ def test_an_untrusted_request_template_is_refused(tiny_server):
         with pytest.raises(openai.BadRequestError, match=UNTRUSTED):
             client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1, extra_body=extra)
         assert UNTRUSTED in rendered(tiny_server, **extra)
+        for path, body in (("/v1/responses", {"input": "Hello"}),
+                           ("/v1/messages", {"messages": MESSAGES, "max_tokens": 1}),
+                           ("/v1/messages/count_tokens", {"messages": MESSAGES})):
+            reply = httpx.post(f"{tiny_server.base_url}{path}", json={"model": "tiny", **body, **extra})
+            assert reply.status_code == 400 and UNTRUSTED in reply.text, (path, reply.text)
     assert rendered(tiny_server).startswith("<|im_start|>user\nHello")
 
 

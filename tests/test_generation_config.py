@@ -7,6 +7,7 @@ import json
 import shutil
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 from server_process import TINY_SERVER_ARGS
@@ -15,7 +16,7 @@ from kvserve import LLM, SamplingParams
 from kvserve.engine.generation_defaults import load_generation_defaults
 
 SHIPPED = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_new_tokens": 7, "do_sample": True,
-           "bos_token_id": 1, "eos_token_id": 2}
+           "repetition_penalty": 1.0, "bos_token_id": 1, "eos_token_id": 2}
 
 
 def with_generation_config(model: Path, directory: Path, config: dict) -> Path:
@@ -31,6 +32,9 @@ def test_defaults_are_read_as_vllm_reads_them(tmp_path):
     defaults = load_generation_defaults("auto", model, None)
     assert defaults.sampling == {"temperature": 0.6, "top_p": 0.9, "top_k": 20} and defaults.max_tokens == 7
     assert load_generation_defaults("vllm", model, None).sampling == {}
+    (model / "generation_config.json").write_text(json.dumps({"top_k": 50, "temperature": 0.7}))
+    assert load_generation_defaults("auto", model, None).sampling == {"temperature": 0.7}  # vLLM skips top_k 50
+    (model / "generation_config.json").write_text(json.dumps(SHIPPED))
     assert load_generation_defaults(str(model), tmp_path / "elsewhere.gguf", None).max_tokens == 7
     assert load_generation_defaults("auto", tmp_path / "model.gguf", None).sampling == {}  # a GGUF has none
     overridden = load_generation_defaults("auto", model, '{"temperature": 0.2, "max_new_tokens": 3}')
@@ -75,10 +79,17 @@ def test_the_server_fills_unset_fields_and_caps_max_tokens(server_factory, tiny_
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x")
     messages = [{"role": "user", "content": "Hello"}]
     ignore_eos = {"extra_body": {"ignore_eos": True}}
-    # no temperature: the model's 0 (greedy, so repeatable); no max_tokens: at most 6
-    first = client.chat.completions.create(model="tiny", messages=messages, **ignore_eos)
-    again = client.chat.completions.create(model="tiny", messages=messages, **ignore_eos)
-    assert first.usage.completion_tokens == 6 and first.choices[0].message.content == again.choices[0].message.content
+    # no temperature: the model's 0, so the reply is the greedy one; no max_tokens: at most 6
+    first = client.chat.completions.create(model="tiny", messages=messages, logprobs=True, **ignore_eos)
+    greedy = client.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=6,
+                                            logprobs=True, top_logprobs=1, **ignore_eos)
+    assert first.usage.completion_tokens == 6
+    assert [t.token for t in first.choices[0].logprobs.content] == [t.top_logprobs[0].token
+                                                                   for t in greedy.choices[0].logprobs.content]
+    # Anthropic's Messages: the cap is reported as max_tokens, not as a full context window
+    anthropic = httpx.post(f"{server.base_url}/v1/messages", json={
+        "model": "tiny", "max_tokens": 100, "messages": messages, "ignore_eos": True}).json()
+    assert anthropic["usage"]["output_tokens"] == 6 and anthropic["stop_reason"] == "max_tokens"
     capped = client.completions.create(model="tiny", prompt="It is", max_tokens=50, **ignore_eos)
     assert capped.usage.completion_tokens == 6 and capped.choices[0].finish_reason == "length"
     overridden = server_factory(str(model), *TINY_SERVER_ARGS, "--override-generation-config",

@@ -260,7 +260,8 @@ def test_a_prefix_only_on_one_replicas_disk_is_routed_there(cluster):
 def test_no_reachable_backend_is_a_503_with_an_openai_error(tmp_path):
     from server_process import free_port
 
-    router = RouterProcess.start([f"http://127.0.0.1:{free_port()}"], tmp_path, "--routing-policy", "round_robin")
+    router = RouterProcess.start([f"http://127.0.0.1:{free_port()}"], tmp_path, "--routing-policy", "round_robin",
+                                 "--allowed-origins", '["https://app.example"]')
     try:
         deadline = time.monotonic() + 30
         while True:
@@ -273,8 +274,22 @@ def test_no_reachable_backend_is_a_503_with_an_openai_error(tmp_path):
         assert response.status_code == 503
         assert response.json()["error"]["type"] == "server_error" and "No backend" in response.json()["error"]["message"]
         assert httpx.get(f"{router.base_url}/health").status_code == 503
+        for origin, allowed in (("https://app.example", True), ("https://other.example", False)):  # --allowed-origins
+            preflight = httpx.options(f"{router.base_url}/v1/completions", headers={
+                "Origin": origin, "Access-Control-Request-Method": "POST"})
+            assert (preflight.headers.get("access-control-allow-origin") == origin) == allowed
     finally:
         router.stop()
+
+
+def test_the_front_ends_answer_browsers_preflights_without_the_key(cluster):
+    """CORS on `kvserve router` and on serve --data-parallel-size's front end (vLLM's default: every origin)."""
+    _, _, router, dp = cluster
+    for front in (router, dp):
+        preflight = httpx.options(f"{front.base_url}/v1/chat/completions", headers={
+            "Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization"})
+        assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == "*"
 
 
 def test_a_killed_backend_fails_its_requests_quickly_is_routed_around_and_used_again_when_back(cluster, tmp_path):

@@ -13,7 +13,7 @@ import numpy as np
 from kvserve.bench.report import save_json
 from kvserve.bench.throughput import parse_backends
 from kvserve.engine.args import EngineArgs
-from kvserve.engine.generation_defaults import GENERATION_CONFIG_ARGS
+from kvserve.engine.generation_defaults import ENGINE_DEFAULTS, GENERATION_CONFIG_ARGS
 from kvserve.sampling_params import SamplingParams
 
 PERCENTILES = (10, 25, 50, 75, 90, 99)
@@ -53,7 +53,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--num-iters", type=int, default=5)
     p.add_argument("--output-json", default=None, metavar="PATH", help="write the results as JSON")
     EngineArgs.add_cli_args(p, skip=GENERATION_CONFIG_ARGS)  # the workload sets its sampling
-    p.set_defaults(func=run_latency_cli)
+    p.set_defaults(func=run_latency_cli, generation_config=ENGINE_DEFAULTS)
 
 
 def run_latency_cli(args: argparse.Namespace) -> int:

@@ -16,7 +16,7 @@ from typing import Any
 from kvserve.bench.datasets import add_dataset_args, build_dataset, check_dataset_args
 from kvserve.bench.report import save_json
 from kvserve.engine.args import EngineArgs
-from kvserve.engine.generation_defaults import GENERATION_CONFIG_ARGS
+from kvserve.engine.generation_defaults import ENGINE_DEFAULTS, GENERATION_CONFIG_ARGS
 from kvserve.sampling_params import SamplingParams
 
 BACKENDS = ("kvserve", "hf")
@@ -90,7 +90,7 @@ def register(subparsers: Any) -> None:
     add_dataset_args(p, num_prompts=64, input_len="32:512", output_len="32:256")
     # --seed is the workload's (and the engine's) seed; the workload sets its sampling
     EngineArgs.add_cli_args(p, skip=("seed", *GENERATION_CONFIG_ARGS))
-    p.set_defaults(func=run_throughput_cli)
+    p.set_defaults(func=run_throughput_cli, generation_config=ENGINE_DEFAULTS)
 
 
 def run_throughput_cli(args: argparse.Namespace) -> int:

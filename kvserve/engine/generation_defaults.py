@@ -5,8 +5,10 @@ A request that leaves temperature, top_p, top_k, min_p or repetition_penalty uns
 value the model ships (Qwen's temperature 0.7, top_p 0.8, ...) instead of the engine's own. The
 file's `max_new_tokens` bounds a request without max_tokens (up to the context otherwise), caps
 every HTTP request's max_tokens (vLLM's server-wide limit) and is `LLM.generate`'s default;
-offline SamplingParams that set max_tokens keep it, as in vLLM. Only values that differ from
-transformers' defaults count (`GenerationConfig.to_diff_dict`, as vLLM reads it), and `do_sample`
+offline SamplingParams that set max_tokens keep it, as in vLLM. A value equal to transformers'
+classic default (temperature 1.0, top_p 1.0, top_k 50, repetition_penalty 1.0) is not applied:
+vLLM reads the file through `GenerationConfig.to_diff_dict`, which drops those on transformers 4
+(on 5 the defaults are unset, and a shipped `top_k: 50` would otherwise switch top-k on). `do_sample`
 is not read: a model that ships a temperature samples with it. `vllm` reads nothing (the
 engine's defaults); a directory reads its generation_config.json. `--override-generation-config`
 (a JSON object of the same six keys) is laid over either. A GGUF carries no generation config.
@@ -21,9 +23,11 @@ from typing import Any
 from kvserve.sampling_params import SamplingParams
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+_CLASSIC_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "repetition_penalty": 1.0}
 GENERATION_KEYS = (*SAMPLING_KEYS, "max_new_tokens")
 ENGINE_DEFAULTS = "vllm"  # vLLM's name for "the engine's own defaults"
-# Commands whose workloads set every sampling field themselves do not take the two flags.
+# Commands whose workloads set every sampling field themselves do not take the two flags (and read
+# no generation config: ENGINE_DEFAULTS).
 GENERATION_CONFIG_ARGS = ("generation_config", "override_generation_config")
 
 
@@ -62,7 +66,7 @@ def _read(directory: Path) -> dict[str, Any]:
         config = GenerationConfig.from_pretrained(directory, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise ValueError(f"--generation-config: cannot read {directory / 'generation_config.json'}: {exc}") from None
-    return config.to_diff_dict()
+    return {k: v for k, v in config.to_diff_dict().items() if k not in _CLASSIC_DEFAULTS or v != _CLASSIC_DEFAULTS[k]}
 
 
 def load_generation_defaults(setting: str, model_path: Path, overrides: str | dict | None) -> GenerationDefaults:

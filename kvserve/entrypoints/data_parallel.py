@@ -28,6 +28,7 @@ import httpx
 
 from kvserve.cli import UserError
 from kvserve.engine.parallel.group import CORES_ENV
+from kvserve.server.cors import CorsOptions
 
 logger = logging.getLogger("kvserve.server")
 
@@ -129,12 +130,12 @@ def _stop(processes: list[subprocess.Popen], grace_s: float) -> None:
 
 
 def run_data_parallel(args: argparse.Namespace, serve_argv: list[str], sock, uvicorn_config_kwargs: dict,
-                      body_limits: tuple[int, int], max_connections: int) -> int:
-    """Start the replicas, then the front end on `sock` (already bound); returns the exit status."""
+                      body_limits: tuple[int, int], max_connections: int, cors: CorsOptions | None = None,
+                      chat_template: str | None = None) -> int:
+    """Start the replicas, then the front end on `sock` (already bound); returns the exit status.
+    `cors` and `chat_template` (--chat-template's text) are the front end's, checked by serve."""
     import uvicorn
 
-    from kvserve.entrypoints.connection_options import cors_options
-    from kvserve.entrypoints.serve import server_chat_template
     from kvserve.model.loader import load_tokenizer, resolve_model_path
     from kvserve.router.app import RouterConfig, build_router_app
     from kvserve.server.lifecycle import ServingServer
@@ -162,7 +163,7 @@ def run_data_parallel(args: argparse.Namespace, serve_argv: list[str], sock, uvi
         config = RouterConfig(urls, policy, api_key=args.api_key, backend_api_key=key, tokenizer=model_path,
                               max_request_body_bytes=body_limits[0], max_body_bytes_in_flight=body_limits[1],
                               max_backend_connections=max_connections, startup_wait_s=30.0,
-                              cors=cors_options(args), chat_template=server_chat_template(args))
+                              cors=cors, chat_template=chat_template)
         app = build_router_app(config, tokenizer)
         # kvserve's server (lifecycle.py): the shutdown grace period, and a return instead of
         # uvicorn's re-raised signal, so the replicas are stopped below.

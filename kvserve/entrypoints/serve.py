@@ -150,9 +150,6 @@ def run_serve(args: argparse.Namespace) -> int:
         raise UserError("--data-parallel-size > 1 runs its replicas on this machine: it does not take --nnodes, "
                         "--node-rank or --master-port (each replica's tensor-parallel ranks meet on a free port)")
     max_body, in_flight = body_limits(args)
-    cors = cors_options(args)
-    tls = tls_options(args)
-    chat_template = server_chat_template(args)
     parser_name = tool_call_parser(args)
     if args.stream_interval < 1:
         raise UserError(f"--stream-interval must be at least 1, got {args.stream_interval}")
@@ -168,6 +165,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
         engine_args.validate()
         return run_node(engine_args)
+    cors, tls, chat_template = cors_options(args), tls_options(args), server_chat_template(args)  # the front end's
     preflight(engine_args)  # bad engine options fail before the port is taken
     sock = _bind(args.host, args.port)
     if args.data_parallel_size > 1:
@@ -177,7 +175,7 @@ def run_serve(args: argparse.Namespace) -> int:
         serve_argv = argv[argv.index("serve") + 1:]
         return run_data_parallel(args, serve_argv, sock, {"log_level": args.log_level.lower(), "timeout_keep_alive": 5, **tls,
                                                           "http": guarded_protocol(limits)},
-                                 (max_body, in_flight), limits.max_connections)
+                                 (max_body, in_flight), limits.max_connections, cors, chat_template)
     engine = LLMEngine(engine_args, serving=True)
     names = args.served_model_name or [args.model or Path(engine.model_path).name.removesuffix(".gguf")]
     app = build_app(engine, ServerConfig(names, args.api_key, max_body, max_body_bytes_in_flight=in_flight,

@@ -15,7 +15,7 @@ from typing import Callable
 
 from kvserve.cache.formats import KV_CACHE_DTYPES
 from kvserve.engine.args import EngineArgs
-from kvserve.engine.generation_defaults import GENERATION_CONFIG_ARGS
+from kvserve.engine.generation_defaults import ENGINE_DEFAULTS, GENERATION_CONFIG_ARGS
 from kvserve.eval.passkey import PasskeyConfig
 from kvserve.eval.perplexity import ScoringConfig
 from kvserve.eval.runner import DEFAULT_KV_CACHE_DTYPES, DEFAULT_TEXT
@@ -88,7 +88,7 @@ def register(subparsers) -> None:
     add_long_context_args(p)
     EngineArgs.add_cli_args(p, skip=("kv_cache_dtype", *GENERATION_CONFIG_ARGS))  # greedy scoring
     # Each configuration only needs room for one scoring window or one batch of passkey prompts.
-    p.set_defaults(func=run_eval, kv_cache_memory="1GiB", parser=p)
+    p.set_defaults(func=run_eval, kv_cache_memory="1GiB", parser=p, generation_config=ENGINE_DEFAULTS)
 
 
 # Options of one protocol that the other never reads: given to it, they are refused, not ignored.

@@ -44,7 +44,7 @@ _REFUSED = {
 # keys are logged as ignored (chat-only ones, `echo` or `logprobs`, have no place in a message).
 _CHAT_EXTRAS = ("seed", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos",
                 "min_tokens", "stop_token_ids", "logit_bias", "skip_special_tokens", "include_stop_str_in_output",
-                "cache_salt", "kv_eviction", "chat_template_kwargs")
+                "cache_salt", "kv_eviction", "chat_template_kwargs", "chat_template")
 # Roles Claude Code sends beside user and assistant (vLLM reads them as user turns).
 _USER_ROLES = ("user", "ctx", "msg")
 # The first system block Claude Code sends, different on every request (a per-request hash).
@@ -310,8 +310,10 @@ class MessagesServing:
         chat_body = self._chat_body(body, body.max_tokens)
         message_id = f"msg_{uuid.uuid4().hex}"
         reply = await self.chat.create(chat_body, request, fit_context=True)
+        # what the reply may reach: a generation config's max_new_tokens caps it (serving.py)
+        max_tokens = self.chat.ctx.engine.engine.generation_defaults.cap(body.max_tokens)
         if body.stream:
-            return EventStreamResponse(self._events(reply, message_id, body.max_tokens), reply.on_close)
+            return EventStreamResponse(self._events(reply, message_id, max_tokens), reply.on_close)
         chat = json.loads(reply.body)
         choice = chat["choices"][0]
         text, calls = choice["message"].get("content") or "", choice["message"].get("tool_calls") or []
@@ -320,7 +322,7 @@ class MessagesServing:
                      "input": _input(c["function"]["arguments"])} for c in calls]
         usage = anthropic_usage(chat["usage"])
         reason, sequence = stop_reason(choice["finish_reason"], choice.get("stop_reason"), bool(calls),
-                                       usage["output_tokens"], body.max_tokens)
+                                       usage["output_tokens"], max_tokens)
         return Response(json.dumps({"id": message_id, "type": "message", "role": "assistant",
                                     "model": self.chat.ctx.model_name, "content": content, "stop_reason": reason,
                                     "stop_sequence": sequence, "usage": usage}), media_type="application/json")

@@ -216,7 +216,7 @@ class Tokenization:
         chars = sum(len(str(m.get("content") or "")) + len(json.dumps({k: v for k, v in m.items() if k != "content"}))
                     for m in messages)
         chars += len(json.dumps(tools or [])) + len(json.dumps(template_kwargs or {})) + len(chat_template or "")
-        chat_template = own if own is not None else self.chat_template
+        chat_template = own or self.chat_template  # (an empty one: the server's)
         self.check_length(chars, "messages")
 
         def render() -> list[int]:

@@ -273,6 +273,8 @@ class ResponsesServing:
                     return False
                 raise
             reply = probe.max_completion_tokens if probe.max_completion_tokens is not None else probe.max_tokens
+            if reply is not None:  # a generation config's max_new_tokens caps it (serving.py)
+                reply = self.chat.ctx.engine.engine.generation_defaults.cap(reply)
             return len(prompt) + (reply or 1) <= self.chat.ctx.tokens.max_model_len
 
         cuts = [i for i in range(1, len(conversation)) if conversation[i]["role"] != "tool"]
