@@ -38,7 +38,9 @@ class StructuredOutputsParams:
     """Constrain the output (vLLM's structured outputs): to a JSON schema (`json`), a regular
     expression (`regex`), one of a list of strings (`choice`), a grammar (`grammar`: Lark or GBNF
     text) or any JSON object (`json_object`). Exactly one is set. `disable_any_whitespace` (on by
-    default) lets JSON carry no free whitespace, so a small model cannot pad until max_tokens."""
+    default) lets JSON carry no free whitespace, so a small model cannot pad until max_tokens.
+    `starts_after_token_id`: the output is free until this token (a reasoning model's `</think>`),
+    constrained after it, as vLLM enforces a grammar only once the reasoning has ended."""
 
     json: str | dict | None = None
     regex: str | None = None
@@ -46,6 +48,7 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool = False
     disable_any_whitespace: bool = True
+    starts_after_token_id: int | None = None
 
     def __post_init__(self) -> None:
         given = [name for name, value in (("json", self.json), ("regex", self.regex), ("choice", self.choice),

@@ -117,3 +117,5 @@ class ServerProcess:
 TINY_ENGINE_OPTIONS = {"dtype": "float32", "kv_cache_memory": "16MiB"}
 TINY_SERVER_ARGS = ("--dtype", "float32", "--kv-cache-memory", "16MiB", "--max-request-body-bytes", "1MiB",
                     "--served-model-name", "tiny", "tiny-alias")
+# The tiny server with the response-shaping flags that are off by default (one process for their tests).
+FLAGGED_SERVER_ARGS = (*TINY_SERVER_ARGS, "--return-tokens-as-token-ids", "--enable-request-id-headers")

@@ -6,11 +6,12 @@ import asyncio
 import json
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
-from server_process import TINY_ENGINE_OPTIONS
+from server_process import FLAGGED_SERVER_ARGS, TINY_ENGINE_OPTIONS
 from tiny_models import BOOK
 
 import kvserve
@@ -83,6 +84,32 @@ def test_models_health_version(tiny_server, client):
     assert client.models.retrieve("tiny-alias").id == "tiny-alias"
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-nope")
+
+
+def test_a_clients_request_id_names_the_response(tiny_server, server_factory, tiny_llama):
+    """vLLM's: X-Request-Id, else the body's request_id, names a chat or completions response (the
+    header wins); two requests with one id both run; --enable-request-id-headers echoes the header
+    (or a new id) on every response."""
+    url = tiny_server.base_url
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    assert httpx.post(f"{url}/v1/chat/completions", json=chat, headers={"X-Request-Id": "abc"}).json()["id"] \
+        == "chatcmpl-abc"
+    assert httpx.post(f"{url}/v1/chat/completions", json={**chat, "request_id": "xyz"}).json()["id"] == "chatcmpl-xyz"
+    assert httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 2,
+                                                     "request_id": "xyz"}, headers={"X-Request-Id": "abc"}
+                      ).json()["id"] == "cmpl-abc"
+    stream = {**chat, "stream": True, "max_tokens": 8, "ignore_eos": True}
+    with ThreadPoolExecutor(2) as pool:  # one id twice at once: both answered in full
+        replies = list(pool.map(lambda _: httpx.post(f"{url}/v1/chat/completions", json=stream, timeout=60,
+                                                     headers={"X-Request-Id": "same"}), range(2)))
+    for reply in replies:
+        chunks = [json.loads(e) for e in sse_events(reply) if e != "[DONE]"]
+        assert {c["id"] for c in chunks} == {"chatcmpl-same"}
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert "x-request-id" not in httpx.get(f"{url}/health").headers
+    flagged = server_factory(str(tiny_llama), *FLAGGED_SERVER_ARGS)
+    assert httpx.get(f"{flagged.base_url}/health", headers={"X-Request-Id": "abc"}).headers["x-request-id"] == "abc"
+    assert len(httpx.post(f"{flagged.base_url}/v1/chat/completions", json=chat).headers["x-request-id"]) == 32
 
 
 def test_no_redirect_takes_its_host_from_the_request(tiny_server):

@@ -9,7 +9,7 @@ import json
 import httpx
 import openai
 import pytest
-from server_process import TINY_ENGINE_OPTIONS, TINY_SERVER_ARGS
+from server_process import FLAGGED_SERVER_ARGS, TINY_ENGINE_OPTIONS, TINY_SERVER_ARGS
 from test_server import sse_events
 
 from kvserve import LLM, SamplingParams
@@ -206,7 +206,7 @@ def test_tokens_as_token_ids(tiny_server, client, server_factory, tiny_llama):
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 3, "temperature": 0,
             "logprobs": True, "top_logprobs": 2}
     text_reply = client.chat.completions.create(**chat).choices[0]
-    flagged = server_factory(str(tiny_llama), *TINY_SERVER_ARGS, "--return-tokens-as-token-ids")
+    flagged = server_factory(str(tiny_llama), *FLAGGED_SERVER_ARGS)
     flagged_client = openai.OpenAI(base_url=f"{flagged.base_url}/v1", api_key="unused", max_retries=0)
     id_reply = flagged_client.chat.completions.create(**chat).choices[0]
     assert id_reply.message.content == text_reply.message.content

@@ -76,3 +76,50 @@ def build_tiny_model(path: Path, arch: str = "llama", tokenizer=None, seed: int 
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path
+
+
+# A ChatML template whose generation prompt opens the thinking, as DeepSeek-R1's templates do;
+# an assistant turn's `reasoning_content` is written back inside <think> ... </think>.
+THINKING_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n'}}"
+    "{% if message.reasoning_content %}{{ '<think>' + message.reasoning_content + '</think>' }}{% endif %}"
+    "{{ (message['content'] or '') + '<|im_end|>' + '\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n<think>\n' }}{% endif %}"
+)
+
+
+def build_scripted_reasoning_model(path: Path, reasoning: str, answer: str) -> Path:
+    """A tiny llama that, greedy, always writes `reasoning` + "</think>" + `answer` + EOS after a
+    prompt ending in "\\n" (THINKING_TEMPLATE's generation prompt): a reasoning model whose output a
+    test knows. Its attention and MLP write nothing (o_proj and down_proj are zero), so the final
+    hidden state is the current token's embedding; each script token's embedding is its own unit
+    vector, and the LM head maps it to the next script token (anything else to EOS)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = build_tokenizer()
+    tokenizer.add_tokens(["<think>", "</think>"])  # plain added tokens, as in DeepSeek-R1's tokenizer
+    tokenizer.chat_template = THINKING_TEMPLATE
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    [newline], [end] = encode("\n"), encode("</think>")
+    script = [newline, *encode(reasoning), end, *encode(answer), tokenizer.eos_token_id]
+    assert len(set(script)) == len(script), "each script token may appear once (it decides its successor)"
+    hidden = 64
+    assert len(script) < hidden
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.fill_(1.0 if name.endswith("norm.weight") else 0.0)
+        other = hidden - 1  # every token off the script: this slot, followed by EOS
+        model.model.embed_tokens.weight[:, other] = 1.0
+        model.lm_head.weight[tokenizer.eos_token_id, other] = 1.0
+        for slot, (token, successor) in enumerate(zip(script, script[1:])):
+            model.model.embed_tokens.weight[token] = 0.0
+            model.model.embed_tokens.weight[token, slot] = 1.0
+            model.lm_head.weight[successor, slot] = 1.0
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path

@@ -217,6 +217,9 @@ class LLMEngine:
             raise ValueError(f"min_tokens must be less than or equal to max_tokens={max_tokens}, "
                              f"got {params.min_tokens}.")
         if params.structured_outputs is not None:
+            after = params.structured_outputs.starts_after_token_id
+            if after is not None and not (isinstance(after, int) and 0 <= after < vocab):
+                raise ValueError(f"structured_outputs.starts_after_token_id must be a token id, got {after!r}")
             self.grammars.compile(params.structured_outputs)  # a bad schema/regex/grammar fails here
         return max_tokens
 

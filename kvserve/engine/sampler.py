@@ -176,7 +176,7 @@ class Sampler:
     def _apply_grammars(self, logits: torch.Tensor, requests: list[Request], cloned: bool) -> torch.Tensor:
         """Tokens a request's grammar does not allow next become -inf (on a copy unless `cloned`:
         the raw logits stay as they are, for logprobs)."""
-        rows = [i for i, r in enumerate(requests) if r.grammar is not None and r.error is None
+        rows = [i for i, r in enumerate(requests) if r.grammar is not None and r.grammar.active and r.error is None
                 and not r.status.finished]
         if not rows:
             return logits

@@ -123,15 +123,22 @@ def serialize_grammar(kind: str, text: str, disable_any_whitespace: bool) -> str
 
 
 class GrammarMatcher:
-    """One sequence's place in its grammar: which tokens may come next, advanced token by token."""
+    """One sequence's place in its grammar: which tokens may come next, advanced token by token.
+    With `starts_after` (a token id) the grammar waits: tokens pass freely until that one has
+    been sampled, then the grammar applies to the tokens after it (`active`)."""
 
-    __slots__ = ("matcher",)
+    __slots__ = ("matcher", "starts_after", "active")
 
-    def __init__(self, matcher: Any):
+    def __init__(self, matcher: Any, starts_after: int | None = None):
         self.matcher = matcher
+        self.starts_after = starts_after
+        self.active = starts_after is None
 
     def accept(self, token_id: int) -> str | None:
         """Advance past a sampled token; returns why it was refused (None when accepted)."""
+        if not self.active:
+            self.active = token_id == self.starts_after
+            return None
         if self.matcher.consume_token(token_id):
             return None
         error = self.matcher.get_error() or f"token {token_id} is not allowed by the grammar"
@@ -140,7 +147,7 @@ class GrammarMatcher:
     @property
     def finished(self) -> bool:
         """True once the grammar is complete and nothing but EOS may follow."""
-        return self.matcher.is_stopped()
+        return self.active and self.matcher.is_stopped()
 
 
 class GrammarCompiler:
@@ -198,7 +205,7 @@ class GrammarCompiler:
 
     def matcher(self, spec: StructuredOutputsParams) -> GrammarMatcher:
         """A fresh matcher for one sequence (a copy of the cached compiled grammar)."""
-        return GrammarMatcher(self.compile(spec).deep_copy())
+        return GrammarMatcher(self.compile(spec).deep_copy(), spec.starts_after_token_id)
 
     @property
     def num_cached(self) -> int:

@@ -34,6 +34,8 @@ def register(subparsers) -> None:
     parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
                         help=f"require `Authorization: Bearer KEY` from clients (passed on to the backends as "
                              f"sent) and send it on the router's own calls to them (default: ${API_KEY_ENV})")
+    parser.add_argument("--enable-request-id-headers", action="store_true",
+                        help="every response carries an X-Request-Id header: the request's, or a new id")
     parser.add_argument("--host", default="127.0.0.1", help="default: %(default)s")
     parser.add_argument("--port", type=int, default=8000, help="default: %(default)s")
     parser.add_argument("--request-timeout", type=float, default=1800.0, metavar="SECONDS",
@@ -86,7 +88,7 @@ def run_router(args: argparse.Namespace) -> int:
                           max_index_entries=args.max_index_entries, load_cost_tokens=args.load_cost_tokens,
                           max_request_body_bytes=max_body, max_body_bytes_in_flight=in_flight,
                           request_timeout_s=args.request_timeout, max_backend_connections=limits.max_connections, cors=cors,
-                          chat_template=chat_template)
+                          chat_template=chat_template, request_id_headers=args.enable_request_id_headers)
     sock = _bind(args.host, args.port)
     app = build_router_app(config)
     uvicorn.Server(uvicorn.Config(app, log_level=args.log_level.lower(), timeout_keep_alive=5, **tls,

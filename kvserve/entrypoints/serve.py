@@ -46,6 +46,8 @@ def register(subparsers) -> None:
                        help='logprobs name each token "token_id:N" instead of its text, so that tokens that are no '
                             "text alone (part of a UTF-8 character) stay identifiable; a request's "
                             "`return_tokens_as_token_ids` overrides it (vLLM's flag)")
+    group.add_argument("--enable-request-id-headers", action="store_true",
+                       help="every response carries an X-Request-Id header: the request's, or a new id (vLLM's flag)")
     add_connection_options(group)
     add_tls_options(group)
     add_cors_options(group)
@@ -62,6 +64,10 @@ def register(subparsers) -> None:
     templates.add_argument("--trust-request-chat-template", action="store_true",
                            help="render a request's own `chat_template` (or chat_template_kwargs.chat_template) "
                                 "instead of refusing it with a 400 (vLLM's flag)")
+    templates.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                           help="a reasoning model's thinking goes out as `reasoning`, apart from the answer, "
+                                f"which tool calls and structured outputs apply to: {', '.join(_reasoning_parser_names())} "
+                                "(vLLM's flag)")
     tools = parser.add_argument_group("tool calling")
     tools.add_argument("--enable-auto-tool-choice", action="store_true",
                        help='answer `tool_choice: "auto"` (and requests with `tools` but no `tool_choice`): the '
@@ -71,6 +77,25 @@ def register(subparsers) -> None:
                        help=f"the format the model writes tool calls in: {', '.join(_tool_parser_names())}")
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(func=run_serve)
+
+
+def _reasoning_parser_names() -> list[str]:
+    from kvserve.server.reasoning import REASONING_PARSERS
+
+    return sorted(REASONING_PARSERS)
+
+
+def check_reasoning_parser(args: argparse.Namespace) -> None:
+    """--reasoning-parser against the model's tokenizer (loaded alone, before the weights)."""
+    from kvserve.model.loader import load_tokenizer
+    from kvserve.server.reasoning import ReasoningParser
+
+    if args.reasoning_parser is None:
+        return
+    try:
+        ReasoningParser.for_tokenizer(args.reasoning_parser, load_tokenizer(args.model))
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
 
 
 def _tool_parser_names() -> list[str]:
@@ -166,7 +191,8 @@ def run_serve(args: argparse.Namespace) -> int:
         engine_args.validate()
         return run_node(engine_args)
     cors, tls, chat_template = cors_options(args), tls_options(args), server_chat_template(args)  # the front end's
-    preflight(engine_args)  # bad engine options fail before the port is taken
+    preflight(engine_args)
+    check_reasoning_parser(args)  # bad engine options fail before the port is taken
     sock = _bind(args.host, args.port)
     if args.data_parallel_size > 1:
         from kvserve.entrypoints.data_parallel import run_data_parallel
@@ -182,7 +208,9 @@ def run_serve(args: argparse.Namespace) -> int:
                                          fault_injection=fault_injection_enabled(), tool_call_parser=parser_name,
                                          stream_interval=args.stream_interval, cors=cors, chat_template=chat_template,
                                          trust_request_chat_template=args.trust_request_chat_template,
-                                         return_tokens_as_token_ids=args.return_tokens_as_token_ids))
+                                         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                                         request_id_headers=args.enable_request_id_headers,
+                                         reasoning_parser=args.reasoning_parser))
     async_engine = app.state.engine
     config = uvicorn.Config(app, log_level=args.log_level.lower(), timeout_keep_alive=5, **tls,
                             http=guarded_protocol(limits))

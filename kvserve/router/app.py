@@ -46,6 +46,7 @@ from kvserve.server.connections import install_loop_error_throttle
 from kvserve.server.cors import CorsOptions, add_cors
 from kvserve.server.errors import error_body, install_error_handlers, speaks_anthropic
 from kvserve.server.messages import error_event
+from kvserve.server.request_id import RequestIdHeaderMiddleware
 from kvserve.server.streaming import DONE, EventStreamResponse, sse_error
 
 logger = logging.getLogger("kvserve.router")
@@ -84,6 +85,7 @@ class RouterConfig:
     startup_wait_s: float = 0.0  # serve only once every backend is up, or this long has passed
     cors: CorsOptions | None = None  # browsers' cross-origin access (kvserve/server/cors.py); None: none
     chat_template: str | None = None  # the replicas' --chat-template text, for rendering chat prompts alike
+    request_id_headers: bool = False  # --enable-request-id-headers: X-Request-Id on every response
 
 
 class RouterService:
@@ -453,5 +455,7 @@ def build_router_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
                        max_bytes_in_flight=config.max_body_bytes_in_flight or 4 * config.max_request_body_bytes)
     if config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    if config.request_id_headers:
+        app.add_middleware(RequestIdHeaderMiddleware)
     add_cors(app, config.cors)  # outermost: preflights are answered before the key check
     return app

@@ -35,6 +35,8 @@ from kvserve.server.kv_events_api import add_kv_event_routes, attach_kv_events
 from kvserve.server.messages import MessagesRequest, MessagesServing
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.prompts import Tokenization, conversation
+from kvserve.server.reasoning import ReasoningParser
+from kvserve.server.request_id import RequestIdHeaderMiddleware
 from kvserve.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                      CompletionResponse, DetokenizeRequest, DetokenizeResponse, ErrorResponse,
                                      ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
@@ -65,6 +67,8 @@ class ServerConfig:
     chat_template: str | None = None  # --chat-template's text: replaces the tokenizer's (prompts.Tokenization)
     trust_request_chat_template: bool = False  # a request may bring its own chat template (prompts.Tokenization)
     return_tokens_as_token_ids: bool = False  # --return-tokens-as-token-ids (serving.ServingContext)
+    request_id_headers: bool = False  # --enable-request-id-headers: X-Request-Id on every response
+    reasoning_parser: str | None = None  # --reasoning-parser: a reasoning model's thinking as `reasoning`
 
 
 def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
@@ -76,7 +80,9 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     tokens = Tokenization(engine, config.chat_template, config.trust_request_chat_template)
     ctx = ServingContext(async_engine, tokens, list(config.served_model_names), engine.max_model_len,
                          config.stream_interval, config.return_tokens_as_token_ids)
-    completions, chat = CompletionServing(ctx), ChatServing(ctx, config.tool_call_parser)
+    reasoning = (ReasoningParser.for_tokenizer(config.reasoning_parser, engine.tokenizer)
+                 if config.reasoning_parser else None)
+    completions, chat = CompletionServing(ctx), ChatServing(ctx, config.tool_call_parser, reasoning)
     embeddings = EmbeddingServing(ctx, tokens, engine.model_config.hidden_size)
     responses = ResponsesServing(chat)
     messages = MessagesServing(chat)
@@ -209,5 +215,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
                        max_bytes_in_flight=config.max_body_bytes_in_flight)
     if config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)  # before the body is read
+    if config.request_id_headers:  # outside the key check: a 401 carries the id too
+        app.add_middleware(RequestIdHeaderMiddleware)
     add_cors(app, config.cors)  # outermost: preflights are answered before the key check
     return app

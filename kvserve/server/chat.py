@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import uuid
 from typing import Any, AsyncIterator
 
 from pydantic import ValidationError
@@ -19,6 +18,8 @@ from kvserve.server.engine_loop import EngineError, PromptSpec, RequestStream
 from kvserve.server.errors import APIError
 from kvserve.server.prompt_logprobs import prompt_logprobs_field
 from kvserve.server.prompts import Tokenization, conversation
+from kvserve.server.reasoning import ReasoningParser
+from kvserve.server.request_id import request_ids
 from kvserve.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                      ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, DeltaMessage,
                                      TokenLogprob, TopLogprob)
@@ -84,9 +85,10 @@ def echoed_content(body: ChatCompletionRequest, messages: list[dict]) -> str:
 
 
 class ChatServing:
-    def __init__(self, ctx: ServingContext, tool_parser: str | None = None):
+    def __init__(self, ctx: ServingContext, tool_parser: str | None = None, reasoning: ReasoningParser | None = None):
         self.ctx = ctx
         self.tool_parser = tool_parser  # --tool-call-parser, set when --enable-auto-tool-choice is on
+        self.reasoning = reasoning  # --reasoning-parser (reasoning.py)
 
     async def prompt(self, body: ChatCompletionRequest, plan: ToolPlan | None) -> list[int]:
         """The request's messages (and tools) through the chat template, tokenized."""
@@ -111,22 +113,33 @@ class ChatServing:
             params = dataclasses.replace(params, structured_outputs=constraint)
         # A client that leaves while its prompt waits for the tokenizer drops the job.
         prompt_ids = await unless_disconnected(self.prompt(body, plan), request)
+        thinks = self.reasoning is not None and not self.reasoning.ended_in(prompt_ids)
+        if thinks and params.structured_outputs is not None:  # the constraint is the answer's
+            params = dataclasses.replace(params, structured_outputs=dataclasses.replace(
+                params.structured_outputs, starts_after_token_id=self.reasoning.end_id))
         if fit_context:
             params = self._fit_context(params, len(prompt_ids))
         echoed = echoed_content(body, messages)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = await ctx.submit([PromptSpec(prompt_ids, params, body.cache_salt)], request_id, streaming=body.stream)
+        request_id, engine_id = request_ids("chatcmpl-", request, body.request_id)
+        stream = await ctx.submit([PromptSpec(prompt_ids, params, body.cache_salt)], engine_id, streaming=body.stream)
         created = int(time.time())
         if body.stream:
             return EventStreamResponse(self._events(body, plan, len(prompt_ids), stream, request_id, created,
-                                                    echoed), stream.close)
+                                                    echoed, thinks), stream.close)
         try:
             [output] = await ctx.final_outputs(stream, request)
         finally:
             stream.close()
         choices = []
         for c in output.outputs:
+            thinking = None
+            if thinks:  # the tool plan reads the answer only
+                thinking, answer, _ = self.reasoning.split(c.text, final=True)
+                c = dataclasses.replace(c, text=answer)
             message, finish_reason = assistant_message(plan, c)
+            if thinks:
+                message.reasoning = thinking if body.include_reasoning else None
+                message.content = message.content or None
             if echoed:
                 message.content = echoed + (message.content or "")
             choices.append(ChatChoice(index=c.index, message=message,
@@ -136,7 +149,8 @@ class ChatServing:
                                       finish_reason=finish_reason, stop_reason=c.stop_reason))
         response = ChatCompletionResponse(
             id=request_id, created=created, model=ctx.model_name, choices=choices,
-            usage=usage([len(prompt_ids)], sum(len(c.token_ids) for c in output.outputs), output.num_cached_tokens),
+            usage=usage([len(prompt_ids)], sum(len(c.token_ids) for c in output.outputs), output.num_cached_tokens,
+                        self._reasoning_tokens(output.outputs, thinks)),
             prompt_logprobs=prompt_logprobs_field(output.prompt_logprobs))
         return Response(response.model_dump_json(), media_type="application/json")
 
@@ -161,14 +175,23 @@ class ChatServing:
             return dataclasses.replace(params, max_tokens=room)
         return params
 
+    def _reasoning_tokens(self, outputs: list[CompletionOutput], thinks: bool) -> int | None:
+        """The thinking tokens of a reply's choices; None without --reasoning-parser."""
+        if self.reasoning is None:
+            return None
+        return sum(self.reasoning.reasoning_tokens(c.token_ids) for c in outputs) if thinks else 0
+
     async def _events(self, body: ChatCompletionRequest, plan: ToolPlan | None, prompt_len: int,
-                      stream: RequestStream, request_id: str, created: int, echoed: str) -> AsyncIterator[str]:
+                      stream: RequestStream, request_id: str, created: int, echoed: str,
+                      thinks: bool = False) -> AsyncIterator[str]:
         ctx = self.ctx
         state = StreamState(body.n)
         tool_deltas: dict[int, ToolDeltas] = {}  # choice index -> its tool-call progress
+        latest: dict[int, CompletionOutput] = {}  # choice index -> its output so far (reasoning tokens)
 
         def chunk(choices: list[ChatChunkChoice], with_usage: bool) -> str:
-            u = (usage([prompt_len], state.completion_tokens(), sum(state.cached_tokens.values()))
+            u = (usage([prompt_len], state.completion_tokens(), sum(state.cached_tokens.values()),
+                       self._reasoning_tokens(list(latest.values()), thinks))
                  if with_usage else None)
             return sse(ChatCompletionChunk(id=request_id, created=created, model=ctx.model_name, choices=choices,
                                            usage=u))
@@ -192,27 +215,34 @@ class ChatServing:
                     state.record(p, out)
                     for c in out.outputs:
                         index, choice = state.choice(p, c.index)
+                        latest[index] = c
                         finish_reason, calls = c.finish_reason, []
+                        text, thinking = c.text, ""
+                        if thinks:  # the thinking goes out as `reasoning`; the rest is the answer
+                            reasoning, text, _ = self.reasoning.split(c.text, final=c.finish_reason is not None)
+                            thinking = reasoning[choice.reasoning_sent:] if body.include_reasoning else ""
+                            choice.reasoning_sent = len(reasoning)
                         reader = plan.reader() if plan is not None and index not in tool_deltas else None
                         if reader is not None:
                             tool_deltas[index] = ToolDeltas(reader, None if plan.parallel else 1)
                         if index in tool_deltas:
                             tracker = tool_deltas[index]
-                            delta, calls = tracker.step(c.text, final=c.finish_reason is not None)
+                            delta, calls = tracker.step(text, final=c.finish_reason is not None)
                             finish_reason = plan.finish_reason(c.finish_reason, tracker.called)
                         else:
-                            delta = c.text[choice.chars_sent:]
+                            delta = text[choice.chars_sent:]
                         new_logprobs = c.logprobs[choice.tokens_sent:] if c.logprobs is not None else None
                         finishing = c.finish_reason is not None and not choice.finished
-                        choice.chars_sent, choice.num_tokens = len(c.text), len(c.token_ids)
-                        if not (delta or calls or new_logprobs or finishing):
+                        choice.chars_sent, choice.num_tokens = len(text), len(c.token_ids)
+                        if not (delta or calls or thinking or new_logprobs or finishing):
                             continue
                         if c.logprobs is not None:
                             choice.tokens_sent = len(c.logprobs)
                         choice.finished = c.finish_reason is not None
                         logprobs = (chat_logprobs(ctx.tokens, new_logprobs, body.top_logprobs or 0, ctx.tokens_as_ids(body))
                                     if new_logprobs is not None else None)
-                        message = DeltaMessage(content=delta if delta or not calls else None, tool_calls=calls or None)
+                        message = DeltaMessage(reasoning=thinking or None, tool_calls=calls or None,
+                                               content=delta if delta or not (calls or thinking) else None)
                         yield chunk([ChatChunkChoice(index=index, delta=message, logprobs=logprobs,
                                                      finish_reason=finish_reason, stop_reason=c.stop_reason)],
                                     continuous)

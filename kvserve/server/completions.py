@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import uuid
 from typing import AsyncIterator
 
 from starlette.requests import Request
@@ -19,6 +18,7 @@ from kvserve.server.errors import APIError
 from kvserve.server.engine_loop import EngineError, PromptSpec, RequestStream
 from kvserve.server.prompt_logprobs import echoed_prompt_logprobs, prompt_logprobs_field
 from kvserve.server.prompts import Prompt, Tokenization
+from kvserve.server.request_id import request_ids
 from kvserve.server.protocol import (MAX_CHOICES_PER_REQUEST, CompletionChoice, CompletionLogprobs, CompletionRequest,
                                      CompletionResponse)
 from kvserve.server.serving import ServingContext, StreamState, usage
@@ -86,8 +86,8 @@ class CompletionServing:
             for prompt in prompts:
                 if prompt.text is None:
                     prompt.text = await ctx.tokens.decode(prompt.token_ids)
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        stream = await ctx.submit([PromptSpec(p.token_ids, params, body.cache_salt) for p in prompts], request_id,
+        request_id, engine_id = request_ids("cmpl-", request, body.request_id)
+        stream = await ctx.submit([PromptSpec(p.token_ids, params, body.cache_salt) for p in prompts], engine_id,
                                   streaming=body.stream)
         created = int(time.time())
         if body.stream:

@@ -13,9 +13,11 @@ Choices where the API leaves room (README, "Anthropic Messages API"): `max_token
 is cut to the room left and such a stop says `model_context_window_exceeded`, as Anthropic's newer
 models answer; `usage.input_tokens` excludes the prefix-cache hits, which are
 `cache_read_input_tokens`; `cache_control` marks need nothing (every full block is cached);
-`thinking` and `output_config.effort` permit thinking that the served models do not do, so replies
-have no thinking blocks; a Claude Code billing-header system block, new text every request, is
-dropped so it does not defeat the prefix cache (vLLM drops it too).
+`thinking` and `output_config.effort` ask nothing of a model that does not think; a reasoning model
+served with --reasoning-parser answers with a `thinking` block first (its `signature` empty: there
+is nothing to verify), unless `thinking.type` is "disabled", and an earlier turn's thinking block
+is that turn's `reasoning_content` for the template; a Claude Code billing-header system block,
+new text every request, is dropped so it does not defeat the prefix cache (vLLM drops it too).
 """
 from __future__ import annotations
 
@@ -152,10 +154,12 @@ def chat_messages(body: MessagesRequest) -> list[dict[str, Any]]:
             if texts:
                 turns.append({"role": "user", "content": "\n".join(texts)})
         elif role == "assistant":
-            texts, calls = [], []
+            texts, calls, thoughts = [], [], []
             for j, block in enumerate(_blocks(content, where)):
                 kind = block.get("type")
-                if kind == "tool_use":
+                if kind == "thinking" and isinstance(block.get("thinking"), str):
+                    thoughts.append(block["thinking"])
+                elif kind == "tool_use":
                     arguments = block.get("input", {})
                     if not isinstance(arguments, dict):
                         raise APIError(400, f"{where}[{j}].input must be an object.", param="messages")
@@ -163,7 +167,8 @@ def chat_messages(body: MessagesRequest) -> list[dict[str, Any]]:
                         "name": _string(block, "name", f"{where}[{j}]"), "arguments": arguments}})
                 elif kind not in ("thinking", "redacted_thinking"):
                     texts.append(_block_text(block, f"{where}[{j}]"))
-            turns.append({"role": "assistant", "content": "\n".join(texts), **({"tool_calls": calls} if calls else {})})
+            turns.append({"role": "assistant", "content": "\n".join(texts), **({"tool_calls": calls} if calls else {}),
+                          **({"reasoning_content": "\n".join(thoughts)} if thoughts else {})})
         else:
             raise APIError(400, f"messages[{i}].role must be user, assistant or system, not {role!r}.",
                            param="messages")
@@ -293,6 +298,7 @@ class MessagesServing:
             "stop": body.stop_sequences, "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
             "user": user, "stream": body.stream,
             "add_generation_prompt": not prefill, "continue_final_message": prefill,
+            "include_reasoning": (body.thinking or {}).get("type") != "disabled",
             **({"stream_options": {"include_usage": True, "continuous_usage_stats": True}} if body.stream else {})}
         return chat_request(fields)
 
@@ -317,7 +323,9 @@ class MessagesServing:
         chat = json.loads(reply.body)
         choice = chat["choices"][0]
         text, calls = choice["message"].get("content") or "", choice["message"].get("tool_calls") or []
-        content = [{"type": "text", "text": text}] if text or not calls else []
+        thinking = choice["message"].get("reasoning")
+        content = [{"type": "thinking", "thinking": thinking, "signature": ""}] if thinking else []
+        content += [{"type": "text", "text": text}] if text or not (calls or content) else []
         content += [{"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
                      "input": _input(c["function"]["arguments"])} for c in calls]
         usage = anthropic_usage(chat["usage"])
@@ -356,6 +364,15 @@ class MessagesServing:
                 delta = choice.get("delta") or {}
                 finish_reason = choice.get("finish_reason") or finish_reason
                 matched = choice.get("stop_reason") if choice.get("finish_reason") else matched
+                if delta.get("reasoning"):
+                    if open_block != "thinking":
+                        if open_block is not None:
+                            yield close()
+                        yield sse_event("content_block_start", index=blocks,
+                                        content_block={"type": "thinking", "thinking": "", "signature": ""})
+                        blocks, open_block = blocks + 1, "thinking"
+                    yield sse_event("content_block_delta", index=blocks - 1,
+                                    delta={"type": "thinking_delta", "thinking": delta["reasoning"]})
                 # Text after a call is chat's stream retelling, as text, an auto call max_tokens cut
                 # off (README): its tool_use block already went out, so it is not sent twice.
                 if delta.get("content") and not called:

@@ -51,7 +51,8 @@ def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Chat messages as the template expects them; text content parts are joined by newlines.
     An assistant message's `tool_calls` keep their arguments as objects (what chat templates
     render), a tool message its `tool_call_id`. Other keys (a reasoning model's earlier
-    `reasoning_content`, say) reach the template as they are, as vLLM passes them."""
+    `reasoning_content`, say) reach the template as they are, as vLLM passes them; an earlier
+    turn's `reasoning` (vLLM's reply field) is also its `reasoning_content`, what templates read."""
     if not messages:
         raise APIError(400, "messages must contain at least one message.", param="messages")
     result = []
@@ -74,6 +75,8 @@ def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             content = "\n".join(texts)
         extra = {k: v for k, v in (message.model_extra or {}).items() if k not in _UNSUPPORTED_MESSAGE_FIELDS}
         entry = {**extra, "role": message.role, "content": content or ""}
+        if entry.get("reasoning") is not None and entry.get("reasoning_content") is None:
+            entry["reasoning_content"] = entry["reasoning"]
         if message.name is not None:
             entry["name"] = message.name
         if message.tool_calls:

@@ -170,6 +170,7 @@ class SamplingFields(OpenAIModel):
     logit_bias: dict[str, float] | None = None
     # vLLM's: logprobs name tokens "token_id:N" (default: --return-tokens-as-token-ids)
     return_tokens_as_token_ids: bool | None = None
+    request_id: str | None = None  # vLLM's: names the response unless an X-Request-Id header does (request_id.py)
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> "SamplingFields":
@@ -354,6 +355,7 @@ class ChatCompletionRequest(SamplingFields):
     # kvserve/server/tools.py with vLLM's messages.
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None  # False: at most one call per reply
+    include_reasoning: bool = True  # vLLM's: false leaves a reasoning model's thinking out of the reply
 
     unsupported_fields: ClassVar[dict[str, Callable[[Any], bool]]] = UNSUPPORTED_CHAT_FIELDS
 
@@ -384,6 +386,7 @@ class UsageInfo(BaseModel):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: dict[str, int] | None = None
+    completion_tokens_details: dict[str, int] | None = None  # reasoning_tokens, with --reasoning-parser
 
 
 class CompletionLogprobs(BaseModel):
@@ -453,6 +456,7 @@ class ToolCall(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning: str | None = None  # a reasoning model's thinking (--reasoning-parser; vLLM's field)
     tool_calls: list[ToolCall] = Field(default_factory=list)  # always present, empty without calls (vLLM)
 
 
@@ -498,6 +502,7 @@ class DeltaToolCall(_Sparse):
 
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
+    reasoning: str | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 

@@ -101,24 +101,36 @@ def _text_of(content: Any, where: str) -> str:
 def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Responses input items as chat messages. Function calls join the assistant message before
     them (its text, then its calls: one turn, as the model wrote it); a call after a tool result or
-    a user turn starts an assistant message of its own."""
+    a user turn starts an assistant message of its own. A `reasoning` item (a reasoning model's
+    earlier thinking) starts the assistant turn that follows it, as its `reasoning_content`."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     messages: list[dict[str, Any]] = []
     for i, item in enumerate(items):
         where = f"input[{i}]"
         kind = item.get("type", "message")
+        last = messages[-1] if messages else None
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
                 raise APIError(400, f"{where}.role must be user, assistant, system or developer.", param="input")
-            messages.append({"role": "system" if role == "developer" else role,
-                             "content": _text_of(item.get("content"), f"{where}.content")})
+            text = _text_of(item.get("content"), f"{where}.content")
+            if role == "assistant" and last is not None and last.get("thinking_only"):
+                del last["thinking_only"]
+                last["content"] = text
+                continue
+            messages.append({"role": "system" if role == "developer" else role, "content": text})
+        elif kind == "reasoning":
+            parts = item.get("content") or item.get("summary") or []
+            if not isinstance(parts, list):
+                raise APIError(400, f"{where}.content must be a list of reasoning_text parts.", param="input")
+            thinking = "".join(p.get("text") or "" for p in parts if isinstance(p, dict))
+            messages.append({"role": "assistant", "content": "", "reasoning_content": thinking, "thinking_only": True})
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
-            last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
+                last.pop("thinking_only", None)
                 last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
@@ -129,8 +141,10 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
                              "content": _text_of("" if output is None else output, f"{where}.output")})
         else:
-            raise APIError(400, f"{where}.type {kind!r} is not supported; use message, function_call or "
-                                f"function_call_output.", param="input")
+            raise APIError(400, f"{where}.type {kind!r} is not supported; use message, reasoning, function_call "
+                                f"or function_call_output.", param="input")
+    for message in messages:
+        message.pop("thinking_only", None)
     return messages
 
 
@@ -180,6 +194,12 @@ def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
 def _message_item(text: str, status: str = "completed", logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     return {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": status, "role": "assistant",
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}]}
+
+
+def _reasoning_item(text: str, status: str = "completed") -> dict[str, Any]:
+    """A reasoning model's thinking (--reasoning-parser) as OpenAI's reasoning item, its text whole."""
+    return {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}], "status": status}
 
 
 def _call_item(call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
@@ -245,8 +265,8 @@ class ResponsesServing:
         reply = json.loads((await self.chat.create(chat_body, request)).body)
         choice = reply["choices"][0]
         message = choice["message"]
-        output = []
-        if message.get("content") or not message.get("tool_calls"):
+        output = [_reasoning_item(message["reasoning"])] if message.get("reasoning") else []
+        if message.get("content") or not (message.get("tool_calls") or output):
             # the tokens' logprobs are the text's when no call was cut out of it
             logprobs = (choice.get("logprobs") or {}).get("content") if not message.get("tool_calls") else None
             output.append(_message_item(message.get("content") or "", logprobs=logprobs))
@@ -323,7 +343,8 @@ class ResponsesServing:
             response["usage"] = {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
                                  "total_tokens": usage["total_tokens"],
                                  "input_tokens_details": {"cached_tokens": cached},
-                                 "output_tokens_details": {"reasoning_tokens": 0}}
+                                 "output_tokens_details": {"reasoning_tokens": (
+                                     usage.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)}}
         return response
 
     @staticmethod
@@ -345,7 +366,8 @@ class ResponsesServing:
         yield event("response.created", response=base)
         yield event("response.in_progress", response=base)
         text_item: dict[str, Any] | None = None
-        text = ""
+        thinking_item: dict[str, Any] | None = None  # a reasoning model's (--reasoning-parser)
+        text, thinking = "", ""
         text_logprobs: list[dict[str, Any]] = []
         pending_logprobs: list[dict[str, Any]] = []  # tokens whose text is not out yet (a split character)
         calls: dict[int, dict[str, Any]] = {}  # chat tool-call index -> its output item
@@ -360,6 +382,14 @@ class ResponsesServing:
                 delta = choice.get("delta") or {}
                 finish_reason = choice.get("finish_reason") or finish_reason
                 pending_logprobs += (choice.get("logprobs") or {}).get("content") or []
+                if delta.get("reasoning"):
+                    if thinking_item is None:
+                        thinking_item = _reasoning_item("", status="in_progress")
+                        output.append(thinking_item)
+                        yield event("response.output_item.added", output_index=len(output) - 1, item=thinking_item)
+                    thinking += delta["reasoning"]
+                    yield event("response.reasoning_text.delta", item_id=thinking_item["id"],
+                                output_index=output.index(thinking_item), content_index=0, delta=delta["reasoning"])
                 if delta.get("content"):
                     if text_item is None:
                         text_item = _message_item("", status="in_progress")
@@ -389,7 +419,11 @@ class ResponsesServing:
                                     output_index=output.index(item), delta=function["arguments"])
         self._settle(output, finish_reason)
         for index, item in enumerate(output):
-            if item is text_item:
+            if item is thinking_item:
+                item["content"] = [{"type": "reasoning_text", "text": thinking}]
+                yield event("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0,
+                            text=thinking)
+            elif item is text_item:
                 part = {"type": "output_text", "text": text, "annotations": [], "logprobs": text_logprobs}
                 item["content"] = [part]
                 yield event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,

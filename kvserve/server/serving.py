@@ -118,11 +118,15 @@ class ServingContext:
             raise APIError(exc.status, str(exc)) from exc
 
 
-def usage(prompt_lengths: list[int], completion_tokens: int, cached_tokens: int) -> UsageInfo:
+def usage(prompt_lengths: list[int], completion_tokens: int, cached_tokens: int,
+          reasoning_tokens: int | None = None) -> UsageInfo:
+    """`reasoning_tokens`: the thinking among the completion tokens (only with --reasoning-parser)."""
     prompt_tokens = sum(prompt_lengths)
     return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                      total_tokens=prompt_tokens + completion_tokens,
-                     prompt_tokens_details={"cached_tokens": cached_tokens})
+                     prompt_tokens_details={"cached_tokens": cached_tokens},
+                     completion_tokens_details=None if reasoning_tokens is None
+                     else {"reasoning_tokens": reasoning_tokens})
 
 
 @dataclass
@@ -131,6 +135,7 @@ class ChoiceState:
 
     started: bool = False
     chars_sent: int = 0
+    reasoning_sent: int = 0  # characters of its reasoning (--reasoning-parser)
     tokens_sent: int = 0
     num_tokens: int = 0
     finished: bool = False

@@ -1,0 +1,82 @@
+"""A reasoning model's thinking, told apart from its answer (vLLM's `--reasoning-parser`).
+
+DeepSeek-R1's distills (Llama and Qwen2 architectures) and QwQ think first, between `<think>`
+and `</think>` (their chat templates open the `<think>` in the prompt), then answer. The
+`deepseek_r1` parser, as vLLM's: the text before the first `</think>` is the reasoning, the text
+after it the answer (`content`, null when empty); without a `</think>` all of it is reasoning (a
+max_tokens cut before the answer); a leading `<think>` is dropped. When the prompt itself closed the
+thinking (a template switch that writes `<think></think>`, or a continued message past it), all
+output is the answer. The reasoning goes out as vLLM's `reasoning` field, on the message and on
+stream deltas; tool calls are read from the answer only, and a request's structured output applies
+from the token after `</think>` (`StructuredOutputsParams.starts_after_token_id`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ThinkTags:
+    start: str
+    end: str
+
+
+REASONING_PARSERS = {"deepseek_r1": ThinkTags("<think>", "</think>")}
+
+
+@dataclass(frozen=True)
+class ReasoningParser:
+    """A parser bound to the model's tokenizer: its end tag is one token, so that a grammar can
+    start after it and reasoning tokens can be counted."""
+
+    tags: ThinkTags
+    start_id: int | None
+    end_id: int
+
+    @classmethod
+    def for_tokenizer(cls, name: str, tokenizer: Any) -> "ReasoningParser":
+        """ValueError with one line for an unknown name or a model without the tags as tokens."""
+        if name not in REASONING_PARSERS:
+            raise ValueError(f"invalid reasoning parser: {name} (choose from {', '.join(sorted(REASONING_PARSERS))})")
+        tags = REASONING_PARSERS[name]
+        ids = {tag: tokenizer.encode(tag, add_special_tokens=False) for tag in (tags.start, tags.end)}
+        if len(ids[tags.end]) != 1:
+            raise ValueError(f"--reasoning-parser {name} needs a model whose tokenizer has {tags.end} as one token "
+                             f"(a reasoning model's); this one spells it in {len(ids[tags.end])} tokens")
+        start = ids[tags.start]
+        return cls(tags, start[0] if len(start) == 1 else None, ids[tags.end][0])
+
+    def ended_in(self, prompt_ids: list[int]) -> bool:
+        """True if the prompt closed the thinking: its last tag token is the end tag."""
+        for token in reversed(prompt_ids):
+            if token == self.end_id:
+                return True
+            if token == self.start_id:
+                return False
+        return False
+
+    def split(self, text: str, final: bool) -> tuple[str, str, bool]:
+        """(reasoning, content, ended) of the text so far. Before the output is `final`, text that
+        may still become a tag (a trailing "</thi") is held back from both."""
+        start, end = self.tags.start, self.tags.end
+        if text.startswith(start):
+            text = text[len(start):]
+        elif not final and text and start.startswith(text):
+            return "", "", False
+        at = text.find(end)
+        if at >= 0:
+            return text[:at], text[at + len(end):], True
+        if not final:
+            held = next((k for k in range(len(end) - 1, 0, -1) if text.endswith(end[:k])), 0)
+            text = text[:len(text) - held]
+        return text, "", False
+
+    def reasoning_tokens(self, token_ids: list[int]) -> int:
+        """How many of the output's tokens are thinking: those before `</think>` (all without one),
+        a leading `<think>` not counted."""
+        first = 1 if token_ids and token_ids[0] == self.start_id else 0
+        try:
+            return token_ids.index(self.end_id) - first
+        except ValueError:
+            return len(token_ids) - first

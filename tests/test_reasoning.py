@@ -1,0 +1,166 @@
+"""`--reasoning-parser deepseek_r1` (vLLM's): a reasoning model's thinking goes out as `reasoning`,
+apart from the answer, streamed or not; structured outputs constrain the answer only; usage counts
+the reasoning tokens. The model is scripted (tiny_models.build_scripted_reasoning_model): greedy, it
+writes REASONING + "</think>" + ANSWER, so every split is known."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+from test_server import sse_events
+from tiny_models import build_scripted_reasoning_model, build_tokenizer
+
+from kvserve.server.reasoning import ReasoningParser
+
+REASONING, ANSWER = "Elizabeth smiled", " Mr. Darcy"
+MESSAGES = [{"role": "user", "content": "Hello there"}]
+GREEDY = {"temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def thinking_model(tmp_path_factory):
+    return build_scripted_reasoning_model(tmp_path_factory.mktemp("thinking") / "model", REASONING, ANSWER)
+
+
+@pytest.fixture(scope="module")
+def server(server_factory, thinking_model):
+    return server_factory(str(thinking_model), "--dtype", "float32", "--kv-cache-memory", "8MiB",
+                          "--served-model-name", "thinker", "--reasoning-parser", "deepseek_r1")
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
+
+
+def typed_events(response: httpx.Response) -> list[dict]:
+    """The data of an SSE body whose events also carry `event:` lines (Responses, Messages)."""
+    return [json.loads(line[len("data: "):]) for line in response.text.splitlines() if line.startswith("data: ")]
+
+
+def parser() -> ReasoningParser:
+    tokenizer = build_tokenizer()
+    tokenizer.add_tokens(["<think>", "</think>"])
+    return ReasoningParser.for_tokenizer("deepseek_r1", tokenizer)
+
+
+def test_the_split_holds_back_what_may_become_a_tag():
+    p = parser()
+    assert p.split("a b</think>c", final=True) == ("a b", "c", True)
+    assert p.split("<think>a</think>", final=True) == ("a", "", True)
+    assert p.split("a b", final=True) == ("a b", "", False)  # no end: all of it is thinking
+    assert p.split("a b</thi", final=False) == ("a b", "", False)  # perhaps a tag: held back
+    assert p.split("a b</thi", final=True) == ("a b</thi", "", False)
+    assert p.split("<thi", final=False) == ("", "", False)
+    assert p.ended_in([1, p.start_id, 5, p.end_id]) and not p.ended_in([p.end_id, 7, p.start_id, 9])
+    assert not p.ended_in([1, 2, 3]) and p.reasoning_tokens([p.start_id, 4, 5, p.end_id, 6]) == 2
+
+
+def test_the_reply_carries_thinking_and_answer_apart(client, server):
+    reply = client.chat.completions.create(model="thinker", messages=MESSAGES, max_tokens=30, **GREEDY)
+    message = reply.model_dump()["choices"][0]["message"]
+    assert message["reasoning"] == REASONING and message["content"] == ANSWER
+    assert reply.choices[0].finish_reason == "stop"
+    reasoning_tokens = len(build_tokenizer().encode(REASONING, add_special_tokens=False))
+    assert reply.usage.completion_tokens_details.reasoning_tokens == reasoning_tokens
+    # the raw text (completions are never parsed) has the tag; the chat reply does not
+    raw = httpx.post(f"{server.base_url}/v1/completions", json={
+        "model": "thinker", "prompt": "<|im_start|>user\nHello there<|im_end|>\n<|im_start|>assistant\n<think>\n",
+        "max_tokens": 30, "temperature": 0}).json()
+    assert raw["choices"][0]["text"] == f"{REASONING}</think>{ANSWER}"
+    hidden = client.chat.completions.create(model="thinker", messages=MESSAGES, max_tokens=30, **GREEDY,
+                                            extra_body={"include_reasoning": False}).model_dump()
+    assert hidden["choices"][0]["message"]["reasoning"] is None and hidden["choices"][0]["message"]["content"] == ANSWER
+
+
+def test_the_stream_sends_thinking_then_answer(server):
+    body = {"model": "thinker", "messages": MESSAGES, "max_tokens": 30, "stream": True, "temperature": 0,
+            "stream_options": {"include_usage": True}}
+    chunks = [json.loads(e) for e in sse_events(httpx.post(f"{server.base_url}/v1/chat/completions", json=body,
+                                                           timeout=60)) if e != "[DONE]"]
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert "".join(d.get("reasoning", "") for d in deltas) == REASONING
+    assert "".join(d.get("content") or "" for d in deltas) == ANSWER
+    first_answer = next(i for i, d in enumerate(deltas) if d.get("content"))
+    last_thought = max(i for i, d in enumerate(deltas) if d.get("reasoning"))
+    assert last_thought <= first_answer, deltas  # the answer comes after the thinking (a delta may hold both)
+    assert chunks[-1]["usage"]["completion_tokens_details"]["reasoning_tokens"] > 0
+    hidden = [json.loads(e) for e in sse_events(httpx.post(f"{server.base_url}/v1/chat/completions", timeout=60,
+                                                           json={**body, "include_reasoning": False}))
+              if e != "[DONE]"]
+    assert not any("reasoning" in c["choices"][0]["delta"] for c in hidden if c["choices"])
+
+
+def test_a_cut_in_the_thinking_leaves_no_answer(client):
+    reply = client.chat.completions.create(model="thinker", messages=MESSAGES, max_tokens=2, **GREEDY)
+    message = reply.model_dump()["choices"][0]["message"]
+    assert message["content"] is None and REASONING.startswith(message["reasoning"]) and message["reasoning"]
+    assert reply.choices[0].finish_reason == "length"
+
+
+def test_structured_outputs_constrain_the_answer_only(client):
+    """The grammar starts after </think>: the thinking is the model's own, the answer one of the choices."""
+    reply = client.chat.completions.create(model="thinker", messages=MESSAGES, max_tokens=30, **GREEDY,
+                                           extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    message = reply.model_dump()["choices"][0]["message"]
+    assert message["reasoning"] == REASONING and message["content"] in ("yes", "no")
+
+
+def test_a_prompt_that_closed_the_thinking_gets_all_answer(client):
+    """A continued assistant message past </think>: the output is the answer from its first token."""
+    messages = [*MESSAGES, {"role": "assistant", "content": "<think>done</think>"}]
+    reply = client.chat.completions.create(model="thinker", messages=messages, max_tokens=5, **GREEDY,
+                                           extra_body={"continue_final_message": True,
+                                                       "add_generation_prompt": False})
+    message = reply.model_dump()["choices"][0]["message"]
+    assert message["reasoning"] is None and message["content"]
+
+
+def test_earlier_thinking_reaches_the_template(server):
+    """An assistant turn's `reasoning` (vLLM's field) or `reasoning_content` is the template's reasoning_content."""
+    for field in ("reasoning", "reasoning_content"):
+        messages = [*MESSAGES, {"role": "assistant", "content": "Hi", field: "hmm"},
+                    {"role": "user", "content": "Again"}]
+        ids = httpx.post(f"{server.base_url}/tokenize", json={"messages": messages}).json()["tokens"]
+        text = httpx.post(f"{server.base_url}/detokenize", json={"tokens": ids}).json()["prompt"]
+        assert "<|im_start|>assistant\n<think>hmm</think>Hi<|im_end|>" in text, (field, text)
+
+
+def test_responses_put_the_thinking_in_a_reasoning_item(server):
+    """/v1/responses: a reasoning item before the message, streamed as reasoning_text events; sent back
+    as input (the openai-agents SDK replays it), it is the assistant turn's reasoning_content."""
+    url = f"{server.base_url}/v1/responses"
+    body = {"model": "thinker", "input": "Hello there", "max_output_tokens": 30, "temperature": 0}
+    response = httpx.post(url, json=body, timeout=60).json()
+    kinds = [item["type"] for item in response["output"]]
+    assert kinds == ["reasoning", "message"], response
+    assert response["output"][0]["content"][0] == {"type": "reasoning_text", "text": REASONING}
+    assert response["output"][1]["content"][0]["text"] == ANSWER
+    assert response["usage"]["output_tokens_details"]["reasoning_tokens"] > 0
+    events = typed_events(httpx.post(url, json={**body, "stream": True}, timeout=60))
+    assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == REASONING
+    done = next(e for e in events if e["type"] == "response.reasoning_text.done")
+    assert done["text"] == REASONING and events[-1]["response"]["output"][0]["type"] == "reasoning"
+    follow_up = httpx.post(url, timeout=60, json={**body, "input": [
+        {"role": "user", "content": "Hello there"}, *response["output"], {"role": "user", "content": "And?"}]})
+    assert follow_up.status_code == 200, follow_up.text
+    chained = httpx.post(url, timeout=60, json={**body, "input": "And?", "previous_response_id": response["id"]})
+    assert chained.status_code == 200 and chained.json()["usage"]["input_tokens"] == \
+        follow_up.json()["usage"]["input_tokens"]
+
+
+def test_messages_answer_with_a_thinking_block_first(server):
+    url = f"{server.base_url}/v1/messages"
+    body = {"model": "thinker", "max_tokens": 30, "messages": MESSAGES, "temperature": 0}
+    message = httpx.post(url, json=body, timeout=60).json()
+    assert message["content"] == [{"type": "thinking", "thinking": REASONING, "signature": ""},
+                                  {"type": "text", "text": ANSWER}]
+    events = typed_events(httpx.post(url, json={**body, "stream": True}, timeout=60))
+    starts = [e["content_block"]["type"] for e in events if e["type"] == "content_block_start"]
+    assert starts == ["thinking", "text"]
+    assert "".join(e["delta"]["thinking"] for e in events
+                   if e["type"] == "content_block_delta" and e["delta"]["type"] == "thinking_delta") == REASONING
+    off = httpx.post(url, json={**body, "thinking": {"type": "disabled"}}, timeout=60).json()
+    assert off["content"] == [{"type": "text", "text": ANSWER}]
