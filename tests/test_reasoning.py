@@ -17,6 +17,8 @@ from kvserve.server.reasoning import ReasoningParser
 REASONING, ANSWER = "Elizabeth smiled", " Mr. Darcy"
 MESSAGES = [{"role": "user", "content": "Hello there"}]
 GREEDY = {"temperature": 0}
+REASONING_TOKENS = len(build_tokenizer().encode(REASONING, add_special_tokens=False))
+NO_ARGUMENTS = [{"type": "function", "function": {"name": "look", "parameters": {"type": "object", "properties": {}}}}]
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +65,7 @@ def test_the_reply_carries_thinking_and_answer_apart(client, server):
     message = reply.model_dump()["choices"][0]["message"]
     assert message["reasoning"] == REASONING and message["content"] == ANSWER
     assert reply.choices[0].finish_reason == "stop"
-    reasoning_tokens = len(build_tokenizer().encode(REASONING, add_special_tokens=False))
-    assert reply.usage.completion_tokens_details.reasoning_tokens == reasoning_tokens
+    assert reply.usage.completion_tokens_details.reasoning_tokens == REASONING_TOKENS
     # the raw text (completions are never parsed) has the tag; the chat reply does not
     raw = httpx.post(f"{server.base_url}/v1/completions", json={
         "model": "thinker", "prompt": "<|im_start|>user\nHello there<|im_end|>\n<|im_start|>assistant\n<think>\n",
@@ -86,7 +87,7 @@ def test_the_stream_sends_thinking_then_answer(server):
     first_answer = next(i for i, d in enumerate(deltas) if d.get("content"))
     last_thought = max(i for i, d in enumerate(deltas) if d.get("reasoning"))
     assert last_thought <= first_answer, deltas  # the answer comes after the thinking (a delta may hold both)
-    assert chunks[-1]["usage"]["completion_tokens_details"]["reasoning_tokens"] > 0
+    assert chunks[-1]["usage"]["completion_tokens_details"]["reasoning_tokens"] == REASONING_TOKENS
     hidden = [json.loads(e) for e in sse_events(httpx.post(f"{server.base_url}/v1/chat/completions", timeout=60,
                                                            json={**body, "include_reasoning": False}))
               if e != "[DONE]"]
@@ -108,14 +109,41 @@ def test_structured_outputs_constrain_the_answer_only(client):
     assert message["reasoning"] == REASONING and message["content"] in ("yes", "no")
 
 
-def test_a_prompt_that_closed_the_thinking_gets_all_answer(client):
-    """A continued assistant message past </think>: the output is the answer from its first token."""
-    messages = [*MESSAGES, {"role": "assistant", "content": "<think>done</think>"}]
-    reply = client.chat.completions.create(model="thinker", messages=messages, max_tokens=5, **GREEDY,
-                                           extra_body={"continue_final_message": True,
-                                                       "add_generation_prompt": False})
-    message = reply.model_dump()["choices"][0]["message"]
-    assert message["reasoning"] is None and message["content"]
+def test_a_continued_message_is_thinking_only_while_its_think_is_open(client):
+    """Continuing a final message: past </think> (or with no tag) the output is the answer; after an
+    open <think> it is thinking until </think>."""
+    for prefill, thinking in (("<think>done</think>", False), ("Sure", False), ("<think>\n", True)):
+        messages = [*MESSAGES, {"role": "assistant", "content": prefill}]
+        reply = client.chat.completions.create(model="thinker", messages=messages, max_tokens=30, **GREEDY,
+                                               extra_body={"continue_final_message": True,
+                                                           "add_generation_prompt": False})
+        message = reply.model_dump()["choices"][0]["message"]
+        assert (message["reasoning"] is not None) == thinking, (prefill, message)
+        assert message["content"] == (ANSWER if prefill != "Sure" else "")  # (off its script the model stops)
+
+
+def test_a_named_tool_call_comes_after_the_thinking(server, client):
+    """The call's grammar starts after </think>; streamed, no call delta goes out while the model
+    thinks, and /v1/messages tells a thinking block, then one tool_use block."""
+    body = {"model": "thinker", "messages": MESSAGES, "max_tokens": 40, "temperature": 0, "tools": NO_ARGUMENTS,
+            "tool_choice": {"type": "function", "function": {"name": "look"}}}
+    reply = client.chat.completions.create(**body).model_dump()["choices"][0]
+    assert reply["message"]["reasoning"] == REASONING
+    assert [c["function"]["name"] for c in reply["message"]["tool_calls"]] == ["look"]
+    chunks = [json.loads(e) for e in sse_events(httpx.post(f"{server.base_url}/v1/chat/completions", timeout=60,
+                                                           json={**body, "stream": True})) if e != "[DONE]"]
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    first_call = next(i for i, d in enumerate(deltas) if d.get("tool_calls"))
+    last_thought = max(i for i, d in enumerate(deltas) if d.get("reasoning"))
+    assert last_thought <= first_call and "".join(d.get("reasoning", "") for d in deltas) == REASONING
+    anthropic = {"model": "thinker", "max_tokens": 40, "messages": MESSAGES, "temperature": 0, "stream": True,
+                 "tools": [{"name": "look", "input_schema": {"type": "object", "properties": {}}}],
+                 "tool_choice": {"type": "tool", "name": "look"}}
+    events = typed_events(httpx.post(f"{server.base_url}/v1/messages", json=anthropic, timeout=60))
+    blocks = [e["content_block"] for e in events if e["type"] == "content_block_start"]
+    assert [b["type"] for b in blocks] == ["thinking", "tool_use"] and blocks[1]["name"] == "look"
+    signatures = [e for e in events if e["type"] == "content_block_delta" and e["delta"]["type"] == "signature_delta"]
+    assert [e["index"] for e in signatures] == [0]
 
 
 def test_earlier_thinking_reaches_the_template(server):
@@ -143,12 +171,24 @@ def test_responses_put_the_thinking_in_a_reasoning_item(server):
     assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == REASONING
     done = next(e for e in events if e["type"] == "response.reasoning_text.done")
     assert done["text"] == REASONING and events[-1]["response"]["output"][0]["type"] == "reasoning"
-    follow_up = httpx.post(url, timeout=60, json={**body, "input": [
-        {"role": "user", "content": "Hello there"}, *response["output"], {"role": "user", "content": "And?"}]})
+    history = [{"role": "user", "content": "Hello there"}, *response["output"], {"role": "user", "content": "And?"}]
+    follow_up = httpx.post(url, timeout=60, json={**body, "input": history})
     assert follow_up.status_code == 200, follow_up.text
+    without = httpx.post(url, timeout=60, json={**body, "input": [history[0], *history[2:]]}).json()
+    # the replayed thinking is written back (<think>...</think> in the assistant turn)
+    assert follow_up.json()["usage"]["input_tokens"] == without["usage"]["input_tokens"] + REASONING_TOKENS + 2
     chained = httpx.post(url, timeout=60, json={**body, "input": "And?", "previous_response_id": response["id"]})
     assert chained.status_code == 200 and chained.json()["usage"]["input_tokens"] == \
         follow_up.json()["usage"]["input_tokens"]
+    lonely = httpx.post(url, timeout=60, json={**body, "input": [*history[:2], {"role": "user", "content": "And?"}]})
+    assert lonely.status_code == 200  # thinking that nothing followed is dropped
+    logprobs = httpx.post(url, timeout=60, json={**body, "include": ["message.output_text.logprobs"]}).json()
+    text = logprobs["output"][1]["content"][0]
+    assert "".join(entry["token"] for entry in text["logprobs"]) == ANSWER + "<|im_end|>"  # the answer's tokens only
+    streamed = typed_events(httpx.post(url, timeout=60, json={**body, "stream": True,
+                                                              "include": ["message.output_text.logprobs"]}))
+    done = next(e for e in streamed if e["type"] == "response.output_text.done")
+    assert "".join(entry["token"] for entry in done["logprobs"]).startswith(ANSWER)
 
 
 def test_messages_answer_with_a_thinking_block_first(server):
@@ -164,3 +204,7 @@ def test_messages_answer_with_a_thinking_block_first(server):
                    if e["type"] == "content_block_delta" and e["delta"]["type"] == "thinking_delta") == REASONING
     off = httpx.post(url, json={**body, "thinking": {"type": "disabled"}}, timeout=60).json()
     assert off["content"] == [{"type": "text", "text": ANSWER}]
+    history = [*MESSAGES, {"role": "assistant", "content": message["content"]}, {"role": "user", "content": "And?"}]
+    counts = [httpx.post(f"{url}/count_tokens", json={"model": "thinker", "messages": h}).json()["input_tokens"]
+              for h in (history, [history[0], {"role": "assistant", "content": message["content"][1:]}, history[2]])]
+    assert counts[0] == counts[1] + REASONING_TOKENS + 2  # an earlier thinking block reaches the template

@@ -113,7 +113,8 @@ class ChatServing:
             params = dataclasses.replace(params, structured_outputs=constraint)
         # A client that leaves while its prompt waits for the tokenizer drops the job.
         prompt_ids = await unless_disconnected(self.prompt(body, plan), request)
-        thinks = self.reasoning is not None and not self.reasoning.ended_in(prompt_ids)
+        thinks = self.reasoning is not None and self.reasoning.thinks_after(prompt_ids, body.continue_final_message,
+                                                                            messages[-1].get("content") or "")
         if thinks and params.structured_outputs is not None:  # the constraint is the answer's
             params = dataclasses.replace(params, structured_outputs=dataclasses.replace(
                 params.structured_outputs, starts_after_token_id=self.reasoning.end_id))
@@ -139,7 +140,8 @@ class ChatServing:
             message, finish_reason = assistant_message(plan, c)
             if thinks:
                 message.reasoning = thinking if body.include_reasoning else None
-                message.content = message.content or None
+                if not message.tool_calls:  # nothing after the thinking: no answer (vLLM's null)
+                    message.content = message.content or None
             if echoed:
                 message.content = echoed + (message.content or "")
             choices.append(ChatChoice(index=c.index, message=message,
@@ -217,12 +219,15 @@ class ChatServing:
                         index, choice = state.choice(p, c.index)
                         latest[index] = c
                         finish_reason, calls = c.finish_reason, []
-                        text, thinking = c.text, ""
+                        text, thinking, answering = c.text, "", True
                         if thinks:  # the thinking goes out as `reasoning`; the rest is the answer
-                            reasoning, text, _ = self.reasoning.split(c.text, final=c.finish_reason is not None)
+                            final = c.finish_reason is not None
+                            reasoning, text, ended = self.reasoning.split(c.text, final)
                             thinking = reasoning[choice.reasoning_sent:] if body.include_reasoning else ""
                             choice.reasoning_sent = len(reasoning)
-                        reader = plan.reader() if plan is not None and index not in tool_deltas else None
+                            answering = ended or final  # tool calls start after the thinking
+                        reader = (plan.reader() if plan is not None and answering and index not in tool_deltas
+                                  else None)
                         if reader is not None:
                             tool_deltas[index] = ToolDeltas(reader, None if plan.parallel else 1)
                         if index in tool_deltas:

@@ -345,8 +345,11 @@ class MessagesServing:
 
         def close() -> str:
             nonlocal open_block
+            # a thinking block ends with its signature, as Anthropic's do (empty: nothing to verify)
+            signed = (sse_event("content_block_delta", index=blocks - 1,
+                                delta={"type": "signature_delta", "signature": ""}) if open_block == "thinking" else "")
             open_block = None
-            return sse_event("content_block_stop", index=blocks - 1)
+            return signed + sse_event("content_block_stop", index=blocks - 1)
 
         async for chunk in sse_payloads(reply):
             if "error" in chunk and "choices" not in chunk:

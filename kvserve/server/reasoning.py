@@ -6,9 +6,12 @@ and `</think>` (their chat templates open the `<think>` in the prompt), then ans
 after it the answer (`content`, null when empty); without a `</think>` all of it is reasoning (a
 max_tokens cut before the answer); a leading `<think>` is dropped. When the prompt itself closed the
 thinking (a template switch that writes `<think></think>`, or a continued message past it), all
-output is the answer. The reasoning goes out as vLLM's `reasoning` field, on the message and on
-stream deltas; tool calls are read from the answer only, and a request's structured output applies
-from the token after `</think>` (`StructuredOutputsParams.starts_after_token_id`).
+output is the answer; so is the continuation of a final message that did not leave a `<think>` open.
+The prompt decides, as in vLLM: a template that writes earlier turns' thinking but does not open
+`<think>` in its generation prompt leaves `</think>` as the prompt's last tag, and the new thinking
+is then taken for the answer. The reasoning goes out as vLLM's `reasoning` field, on the message
+and on stream deltas; tool calls are read from the answer only, and a request's structured output
+applies from the token after `</think>` (`StructuredOutputsParams.starts_after_token_id`).
 """
 from __future__ import annotations
 
@@ -46,6 +49,13 @@ class ReasoningParser:
                              f"(a reasoning model's); this one spells it in {len(ids[tags.end])} tokens")
         start = ids[tags.start]
         return cls(tags, start[0] if len(start) == 1 else None, ids[tags.end][0])
+
+    def thinks_after(self, prompt_ids: list[int], continues_message: bool, final_message: str) -> bool:
+        """Whether the output starts as thinking: after a generation prompt, unless the prompt
+        closed the thinking; continuing a final message, only if that message left a <think> open."""
+        if continues_message:
+            return final_message.rfind(self.tags.start) > final_message.rfind(self.tags.end)
+        return not self.ended_in(prompt_ids)
 
     def ended_in(self, prompt_ids: list[int]) -> bool:
         """True if the prompt closed the thinking: its last tag token is the end tag."""

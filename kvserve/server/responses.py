@@ -124,7 +124,7 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             parts = item.get("content") or item.get("summary") or []
             if not isinstance(parts, list):
                 raise APIError(400, f"{where}.content must be a list of reasoning_text parts.", param="input")
-            thinking = "".join(p.get("text") or "" for p in parts if isinstance(p, dict))
+            thinking = "".join(p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str))
             messages.append({"role": "assistant", "content": "", "reasoning_content": thinking, "thinking_only": True})
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function",
@@ -143,9 +143,8 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
         else:
             raise APIError(400, f"{where}.type {kind!r} is not supported; use message, reasoning, function_call "
                                 f"or function_call_output.", param="input")
-    for message in messages:
-        message.pop("thinking_only", None)
-    return messages
+    # thinking that no assistant text or call followed is dropped: no empty assistant turn
+    return [m for m in messages if not m.pop("thinking_only", False)]
 
 
 def strict_by_default(tool: dict[str, Any]) -> dict[str, Any]:
@@ -194,6 +193,12 @@ def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
 def _message_item(text: str, status: str = "completed", logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     return {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": status, "role": "assistant",
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}]}
+
+
+def _after_thinking(logprobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The answer's token logprobs: those after the `</think>` token (none if it never came)."""
+    ends = [i for i, entry in enumerate(logprobs) if entry.get("token") == "</think>"]
+    return logprobs[ends[-1] + 1:] if ends else []
 
 
 def _reasoning_item(text: str, status: str = "completed") -> dict[str, Any]:
@@ -269,6 +274,8 @@ class ResponsesServing:
         if message.get("content") or not (message.get("tool_calls") or output):
             # the tokens' logprobs are the text's when no call was cut out of it
             logprobs = (choice.get("logprobs") or {}).get("content") if not message.get("tool_calls") else None
+            if message.get("reasoning") and logprobs:
+                logprobs = _after_thinking(logprobs)
             output.append(_message_item(message.get("content") or "", logprobs=logprobs))
         output += [_call_item(c["id"], c["function"]["name"], c["function"]["arguments"])
                    for c in message.get("tool_calls") or []]
@@ -367,7 +374,7 @@ class ResponsesServing:
         yield event("response.in_progress", response=base)
         text_item: dict[str, Any] | None = None
         thinking_item: dict[str, Any] | None = None  # a reasoning model's (--reasoning-parser)
-        text, thinking = "", ""
+        text, thinking, answered = "", "", False
         text_logprobs: list[dict[str, Any]] = []
         pending_logprobs: list[dict[str, Any]] = []  # tokens whose text is not out yet (a split character)
         calls: dict[int, dict[str, Any]] = {}  # chat tool-call index -> its output item
@@ -381,7 +388,11 @@ class ResponsesServing:
             for choice in chunk.get("choices") or []:
                 delta = choice.get("delta") or {}
                 finish_reason = choice.get("finish_reason") or finish_reason
-                pending_logprobs += (choice.get("logprobs") or {}).get("content") or []
+                entries = (choice.get("logprobs") or {}).get("content") or []
+                if (thinking_item is not None or delta.get("reasoning")) and not answered:  # thinking: not the text's
+                    ended = [i for i, entry in enumerate(entries) if entry.get("token") == "</think>"]
+                    entries, answered = (entries[ended[-1] + 1:], True) if ended else ([], False)
+                pending_logprobs += entries
                 if delta.get("reasoning"):
                     if thinking_item is None:
                         thinking_item = _reasoning_item("", status="in_progress")
