@@ -30,6 +30,7 @@ _UNSUPPORTED_COMMON: dict[str, Callable[[Any], bool]] = {
     "guided_whitespace_pattern": is_off,
     "guided_decoding_backend": is_off,
     "lora_request": is_off,
+    "priority": lambda v: v is None or v == 0,  # vLLM's --scheduling-policy priority: not built
 }
 UNSUPPORTED_COMPLETION_FIELDS = dict(_UNSUPPORTED_COMMON)
 UNSUPPORTED_CHAT_FIELDS = {
