@@ -176,8 +176,8 @@ class EngineArgs:
     generation_config: str = field(default="auto", metadata=_opt(
         "the model creator's sampling defaults (vLLM's flag): auto = the model's generation_config.json "
         "(its temperature, top_p, top_k, min_p and repetition_penalty for requests that leave them unset; its "
-        "max_new_tokens caps HTTP requests' max_tokens and bounds requests without one); vllm = the engine's own defaults; or a directory "
-        "holding a generation_config.json"))
+        "max_new_tokens caps HTTP requests' max_tokens and bounds requests without one); vllm = the engine's "
+        "own defaults; or a directory holding a generation_config.json"))
     override_generation_config: str | dict | None = field(default=None, metadata=_opt(
         "a JSON object of those keys (max_new_tokens included) laid over the generation config, e.g. "
         "'{\"temperature\": 0.5}' (vLLM's flag)"))

@@ -87,8 +87,8 @@ def run_router(args: argparse.Namespace) -> int:
     config = RouterConfig(backends, args.routing_policy, api_key=args.api_key, tokenizer=args.tokenizer,
                           max_index_entries=args.max_index_entries, load_cost_tokens=args.load_cost_tokens,
                           max_request_body_bytes=max_body, max_body_bytes_in_flight=in_flight,
-                          request_timeout_s=args.request_timeout, max_backend_connections=limits.max_connections, cors=cors,
-                          chat_template=chat_template, request_id_headers=args.enable_request_id_headers)
+                          request_timeout_s=args.request_timeout, max_backend_connections=limits.max_connections,
+                          cors=cors, chat_template=chat_template, request_id_headers=args.enable_request_id_headers)
     sock = _bind(args.host, args.port)
     app = build_router_app(config)
     uvicorn.Server(uvicorn.Config(app, log_level=args.log_level.lower(), timeout_keep_alive=5, **tls,

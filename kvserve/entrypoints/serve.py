@@ -66,8 +66,8 @@ def register(subparsers) -> None:
                                 "instead of refusing it with a 400 (vLLM's flag)")
     templates.add_argument("--reasoning-parser", default=None, metavar="NAME",
                            help="a reasoning model's thinking goes out as `reasoning`, apart from the answer, "
-                                f"which tool calls and structured outputs apply to: {', '.join(_reasoning_parser_names())} "
-                                "(vLLM's flag)")
+                                "which tool calls and structured outputs apply to: "
+                                f"{', '.join(_reasoning_parser_names())} (vLLM's flag)")
     tools = parser.add_argument_group("tool calling")
     tools.add_argument("--enable-auto-tool-choice", action="store_true",
                        help='answer `tool_choice: "auto"` (and requests with `tools` but no `tool_choice`): the '
@@ -199,8 +199,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
         argv = getattr(args, "argv", None) or sys.argv[1:]
         serve_argv = argv[argv.index("serve") + 1:]
-        return run_data_parallel(args, serve_argv, sock, {"log_level": args.log_level.lower(), "timeout_keep_alive": 5, **tls,
-                                                          "http": guarded_protocol(limits)},
+        uvicorn_kwargs = {"log_level": args.log_level.lower(), "timeout_keep_alive": 5, **tls,
+                          "http": guarded_protocol(limits)}
+        return run_data_parallel(args, serve_argv, sock, uvicorn_kwargs,
                                  (max_body, in_flight), limits.max_connections, cors, chat_template)
     engine = LLMEngine(engine_args, serving=True)
     names = args.served_model_name or [args.model or Path(engine.model_path).name.removesuffix(".gguf")]

@@ -96,7 +96,8 @@ class RouterService:
         self.index = PrefixIndex(config.max_index_entries)
         self.hints = PendingHints()
         self.router = Router(config.policy, self.index, self.hints, config.load_cost_tokens)
-        self.prompts: PromptTokens | None = PromptTokens(tokenizer, config.chat_template) if tokenizer is not None else None
+        self.prompts: PromptTokens | None = (PromptTokens(tokenizer, config.chat_template) if tokenizer is not None
+                                             else None)
         self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="kvserve-router-tokenizer")
         own_key = config.backend_api_key or config.api_key
         self.own_headers = {"Authorization": f"Bearer {own_key}"} if own_key else {}

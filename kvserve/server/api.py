@@ -1,6 +1,6 @@
 """The FastAPI application: routes, middleware and the engine thread's lifetime.
 
-    client ──> CORSMiddleware ──> APIKeyMiddleware (if --api-key) ──> BodySizeLimitMiddleware ──> FastAPI routes
+    client ──> CORSMiddleware ──> APIKeyMiddleware (if --api-key) ──> BodySizeLimitMiddleware ──> routes
                                                                                    │
                /v1/completions, /v1/chat/completions ──> AsyncEngine (engine thread)
                /v1/responses, /v1/messages (Anthropic's) ──> the chat path
@@ -35,11 +35,11 @@ from kvserve.server.kv_events_api import add_kv_event_routes, attach_kv_events
 from kvserve.server.messages import MessagesRequest, MessagesServing
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.prompts import Tokenization, conversation
-from kvserve.server.reasoning import ReasoningParser
-from kvserve.server.request_id import RequestIdHeaderMiddleware
 from kvserve.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                      CompletionResponse, DetokenizeRequest, DetokenizeResponse, ErrorResponse,
                                      ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
+from kvserve.server.reasoning import ReasoningParser
+from kvserve.server.request_id import RequestIdHeaderMiddleware
 from kvserve.server.serving import ServingContext, log_ignored_fields
 from kvserve.server.streaming import ClientDisconnected
 

@@ -18,11 +18,11 @@ from kvserve.server.engine_loop import EngineError, PromptSpec, RequestStream
 from kvserve.server.errors import APIError
 from kvserve.server.prompt_logprobs import prompt_logprobs_field
 from kvserve.server.prompts import Tokenization, conversation
-from kvserve.server.reasoning import ReasoningParser
-from kvserve.server.request_id import request_ids
 from kvserve.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                      ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, DeltaMessage,
                                      TokenLogprob, TopLogprob)
+from kvserve.server.reasoning import ReasoningParser
+from kvserve.server.request_id import request_ids
 from kvserve.server.serving import ServingContext, StreamState, usage
 from kvserve.server.streaming import DONE, EventStreamResponse, sse, sse_error, unless_disconnected
 from kvserve.server.tool_stream import ToolDeltas, final_message
@@ -244,8 +244,8 @@ class ChatServing:
                         if c.logprobs is not None:
                             choice.tokens_sent = len(c.logprobs)
                         choice.finished = c.finish_reason is not None
-                        logprobs = (chat_logprobs(ctx.tokens, new_logprobs, body.top_logprobs or 0, ctx.tokens_as_ids(body))
-                                    if new_logprobs is not None else None)
+                        logprobs = (chat_logprobs(ctx.tokens, new_logprobs, body.top_logprobs or 0,
+                                                  ctx.tokens_as_ids(body)) if new_logprobs is not None else None)
                         message = DeltaMessage(reasoning=thinking or None, tool_calls=calls or None,
                                                content=delta if delta or not (calls or thinking) else None)
                         yield chunk([ChatChunkChoice(index=index, delta=message, logprobs=logprobs,

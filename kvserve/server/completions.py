@@ -18,9 +18,9 @@ from kvserve.server.errors import APIError
 from kvserve.server.engine_loop import EngineError, PromptSpec, RequestStream
 from kvserve.server.prompt_logprobs import echoed_prompt_logprobs, prompt_logprobs_field
 from kvserve.server.prompts import Prompt, Tokenization
-from kvserve.server.request_id import request_ids
 from kvserve.server.protocol import (MAX_CHOICES_PER_REQUEST, CompletionChoice, CompletionLogprobs, CompletionRequest,
                                      CompletionResponse)
+from kvserve.server.request_id import request_ids
 from kvserve.server.serving import ServingContext, StreamState, usage
 from kvserve.server.streaming import DONE, EventStreamResponse, sse, sse_error, unless_disconnected
 
