@@ -317,7 +317,7 @@ class MessagesServing:
         message_id = f"msg_{uuid.uuid4().hex}"
         reply = await self.chat.create(chat_body, request, fit_context=True)
         # what the reply may reach: a generation config's max_new_tokens caps it (serving.py)
-        max_tokens = self.chat.ctx.engine.engine.generation_defaults.cap(body.max_tokens)
+        max_tokens = self.chat.ctx.generation_defaults.cap(body.max_tokens)
         if body.stream:
             return EventStreamResponse(self._events(reply, message_id, max_tokens), reply.on_close)
         chat = json.loads(reply.body)

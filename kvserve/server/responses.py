@@ -195,10 +195,10 @@ def _message_item(text: str, status: str = "completed", logprobs: list[dict[str,
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}]}
 
 
-def _after_thinking(logprobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The answer's token logprobs: those after the `</think>` token (none if it never came)."""
-    ends = [i for i, entry in enumerate(logprobs) if entry.get("token") == "</think>"]
-    return logprobs[ends[-1] + 1:] if ends else []
+def _after_thinking(logprobs: list[dict[str, Any]], end_tag: str) -> list[dict[str, Any]] | None:
+    """The answer's token logprobs: those after the thinking's end-tag token; None if it is not among them."""
+    ends = [i for i, entry in enumerate(logprobs) if entry.get("token") == end_tag]
+    return logprobs[ends[-1] + 1:] if ends else None
 
 
 def _reasoning_item(text: str, status: str = "completed") -> dict[str, Any]:
@@ -275,7 +275,7 @@ class ResponsesServing:
             # the tokens' logprobs are the text's when no call was cut out of it
             logprobs = (choice.get("logprobs") or {}).get("content") if not message.get("tool_calls") else None
             if message.get("reasoning") and logprobs:
-                logprobs = _after_thinking(logprobs)
+                logprobs = _after_thinking(logprobs, self.chat.reasoning.tags.end) or []
             output.append(_message_item(message.get("content") or "", logprobs=logprobs))
         output += [_call_item(c["id"], c["function"]["name"], c["function"]["arguments"])
                    for c in message.get("tool_calls") or []]
@@ -301,7 +301,7 @@ class ResponsesServing:
                 raise
             reply = probe.max_completion_tokens if probe.max_completion_tokens is not None else probe.max_tokens
             if reply is not None:  # a generation config's max_new_tokens caps it (serving.py)
-                reply = self.chat.ctx.engine.engine.generation_defaults.cap(reply)
+                reply = self.chat.ctx.generation_defaults.cap(reply)
             return len(prompt) + (reply or 1) <= self.chat.ctx.tokens.max_model_len
 
         cuts = [i for i in range(1, len(conversation)) if conversation[i]["role"] != "tool"]
@@ -390,8 +390,8 @@ class ResponsesServing:
                 finish_reason = choice.get("finish_reason") or finish_reason
                 entries = (choice.get("logprobs") or {}).get("content") or []
                 if (thinking_item is not None or delta.get("reasoning")) and not answered:  # thinking: not the text's
-                    ended = [i for i, entry in enumerate(entries) if entry.get("token") == "</think>"]
-                    entries, answered = (entries[ended[-1] + 1:], True) if ended else ([], False)
+                    after = _after_thinking(entries, self.chat.reasoning.tags.end)
+                    entries, answered = (after, True) if after is not None else ([], False)
                 pending_logprobs += entries
                 if delta.get("reasoning"):
                     if thinking_item is None:

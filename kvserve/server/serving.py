@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from starlette.requests import Request
 
+from kvserve.engine.generation_defaults import GenerationDefaults
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.engine_loop import AsyncEngine, EngineDeadError, EngineError, PromptSpec, RequestStream
@@ -49,6 +50,11 @@ class ServingContext:
         if name is not None and name not in self.model_names:
             raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
 
+    @property
+    def generation_defaults(self) -> GenerationDefaults:
+        """The model's sampling defaults and max_tokens cap (--generation-config)."""
+        return self.engine.engine.generation_defaults
+
     def tokens_as_ids(self, body: SamplingFields) -> bool:
         """Whether this request's logprobs name tokens "token_id:N": its own field, else the flag."""
         own = body.return_tokens_as_token_ids
@@ -69,7 +75,7 @@ class ServingContext:
         """`prompt_only`: max_tokens 0 is allowed (completions with echo: the prompt alone)."""
         if max_tokens is not None and max_tokens < 1 and not (prompt_only and max_tokens == 0):
             raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens")
-        defaults = self.engine.engine.generation_defaults
+        defaults = self.generation_defaults
         if max_tokens is not None:  # the generation config's max_new_tokens caps every request (vLLM's)
             max_tokens = defaults.cap(max_tokens)
         if num_prompts * body.n > MAX_CHOICES_PER_REQUEST:
