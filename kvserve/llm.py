@@ -50,10 +50,13 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool | Callable[..., tqdm] = True) -> list[RequestOutput]:
+                 use_tqdm: bool | Callable[..., tqdm] = True,
+                 priority: int | Sequence[int] | None = None) -> list[RequestOutput]:
         """Generate for every prompt, batched by the scheduler; results in prompt order.
-        `use_tqdm` may be a tqdm-like class to show progress with (vLLM's)."""
+        `use_tqdm` may be a tqdm-like class to show progress with (vLLM's). `priority` (one for
+        all, or one per prompt; lower first) orders them under --scheduling-policy priority."""
         prompts = _prompt_list(prompts)
+        priorities = _per_prompt(priority, len(prompts))
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         elif not isinstance(sampling_params, (list, tuple)):
@@ -66,8 +69,8 @@ class LLM:
             raise ValueError("give one SamplingParams, or one per prompt")
         ids: list[str] = []
         try:
-            for prompt, params in zip(prompts, sampling_params):
-                ids.append(self.engine.add_request(prompt, params, final_only=True))
+            for prompt, params, rank in zip(prompts, sampling_params, priorities):
+                ids.append(self.engine.add_request(prompt, params, final_only=True, priority=rank))
         except Exception:
             for request_id in ids:  # all or nothing: no orphans left queued for the next call
                 self.engine.abort_request(request_id)
@@ -93,7 +96,8 @@ class LLM:
     def chat(self, messages: list[Message] | list[list[Message]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool | Callable[..., tqdm] = True, add_generation_prompt: bool = True,
              tools: list[dict] | None = None, continue_final_message: bool = False,
-             chat_template_kwargs: dict | None = None, chat_template: str | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, chat_template: str | None = None,
+             priority: int | Sequence[int] | None = None) -> list[RequestOutput]:
         """Apply the chat template (`chat_template`, Jinja text, else the tokenizer's) to each
         conversation, then generate. `tools` (OpenAI tool definitions) and messages with
         `tool_calls` or role "tool" render as in the server: through the template where it handles
@@ -104,7 +108,7 @@ class LLM:
         prompts = [{"prompt_token_ids": self.engine.apply_chat_template(
             _checked(c), add_generation_prompt, tools, continue_final_message, chat_template_kwargs, chat_template)}
                    for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, priority)
 
     def _run(self, request_ids: list[str], use_tqdm: bool | Callable[..., tqdm]) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}
@@ -115,6 +119,17 @@ class LLM:
                         results[output.request_id] = output
                         bar.update(1)
         return [results[i] for i in request_ids]
+
+
+def _per_prompt(priority: int | Sequence[int] | None, count: int) -> list[int]:
+    """One priority per prompt: none (0), one for all, or a list as long as the prompts."""
+    if priority is None:
+        return [0] * count
+    if isinstance(priority, (list, tuple)):
+        if len(priority) != count:
+            raise ValueError(f"give one priority, or one per prompt ({count}); got {len(priority)}")
+        return list(priority)
+    return [priority] * count
 
 
 def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -96,6 +96,15 @@ def test_router_and_data_parallel_answer_the_openai_client_as_one_engine_does(cl
     assert httpx.post(f"{router.base_url}/v1/completions", json={"prompt": "x"}).status_code == 401
 
 
+def test_the_front_ends_pass_the_priority_header_on(cluster):
+    """X-Vllm-Priority reaches the replicas (fcfs here, so a priority other than 0 is their 400)."""
+    a, b, router, dp = cluster
+    for base_url in (router.base_url, dp.base_url):
+        response = httpx.post(f"{base_url}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1},
+                              headers={"Authorization": f"Bearer {KEY}", "X-Vllm-Priority": "2"}, timeout=60)
+        assert response.status_code == 400 and "Priority scheduling is not enabled" in response.text
+
+
 def test_requests_sharing_a_prefix_land_on_the_replica_that_holds_it(cluster):
     a, b, router, dp = cluster
     for base_url, key, hits in ((router.base_url, KEY, lambda: [prefix_counters(a)[1], prefix_counters(b)[1]]),

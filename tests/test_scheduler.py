@@ -11,15 +11,28 @@ from kvserve.sampling_params import SamplingParams
 BS = 4
 
 
-def make_request(rid: str, prompt_len: int, max_tokens: int, start_token: int = 0) -> Request:
+def make_request(rid: str, prompt_len: int, max_tokens: int, start_token: int = 0, priority: int = 0) -> Request:
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    return Request(rid, list(range(start_token, start_token + prompt_len)), params)
+    return Request(rid, list(range(start_token, start_token + prompt_len)), params, priority=priority)
 
 
 def make_scheduler(num_blocks: int, max_num_seqs: int = 16, budget: int = 64, max_model_len: int = 256,
-                   prefix_caching: bool = False) -> Scheduler:
+                   prefix_caching: bool = False, policy: str = "fcfs") -> Scheduler:
     kv = KVCacheManager(num_blocks, BS, prefix_caching)
-    return Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len), kv)
+    return Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len, policy), kv)
+
+
+def step_and_sample(sched: Scheduler) -> list:
+    scheduled = sched.schedule()
+    sched.update(scheduled, {s.request.request_id: 7 for s in scheduled if s.samples})
+    return scheduled
+
+
+def first_scheduled_order(steps: list[list[tuple[str, int]]]) -> list[str]:
+    order = []
+    for step in steps:
+        order.extend(rid for rid, _ in step if rid not in order)
+    return order
 
 
 def run_to_completion(sched: Scheduler, max_steps: int = 10_000) -> list[list[tuple[str, int]]]:
@@ -97,13 +110,7 @@ def test_fcfs_admission_order():
     sched = make_scheduler(num_blocks=64, max_num_seqs=1)
     for i in range(3):
         sched.add(make_request(f"r{i}", 4, 2))
-    steps = run_to_completion(sched)
-    first_seen = []
-    for step in steps:
-        for rid, _ in step:
-            if rid not in first_seen:
-                first_seen.append(rid)
-    assert first_seen == ["r0", "r1", "r2"]
+    assert first_scheduled_order(run_to_completion(sched)) == ["r0", "r1", "r2"]
 
 
 def test_preemption_of_newest_running_request_when_pool_runs_dry():
@@ -173,6 +180,69 @@ def test_max_model_len_ends_generation():
     sched.add(r)
     run_to_completion(sched)
     assert r.num_tokens == 10 and r.status == RequestStatus.FINISHED_LENGTH
+
+
+# ---------------------------------------------------------------------------- priority policy
+def test_priority_policy_admits_lower_values_first_and_equals_by_arrival():
+    sched = make_scheduler(num_blocks=64, max_num_seqs=1, policy="priority")
+    for rid, priority in (("a", 5), ("b", 0), ("c", 5), ("d", -1), ("e", 0)):
+        sched.add(make_request(rid, 4, 2, priority=priority))
+    assert first_scheduled_order(run_to_completion(sched)) == ["d", "b", "e", "a", "c"]
+
+
+def test_fcfs_policy_keeps_arrival_order_whatever_the_priorities():
+    sched = make_scheduler(num_blocks=64, max_num_seqs=1)
+    for rid, priority in (("a", 5), ("b", 0), ("c", -1)):
+        sched.add(make_request(rid, 4, 2, priority=priority))
+    assert first_scheduled_order(run_to_completion(sched)) == ["a", "b", "c"]
+
+
+def test_priority_policy_preempts_the_least_urgent_running_request_not_the_newest():
+    # As test_preemption_of_newest_running_request_when_pool_runs_dry, but the newest request is
+    # urgent: FCFS would preempt it, the priority policy preempts the least urgent one instead.
+    results = {}
+    for policy in ("fcfs", "priority"):
+        sched = make_scheduler(num_blocks=6, policy=policy)
+        first, lax = make_request("first", 4, 8, priority=0), make_request("lax", 4, 8, priority=5)
+        urgent = make_request("urgent", 4, 8, priority=1)
+        sched.add(first)
+        sched.add(lax)
+        step_and_sample(sched)
+        sched.add(urgent)  # admitted last: the newest running request
+        run_to_completion(sched)
+        assert all(r.num_output_tokens == 8 for r in (first, lax, urgent))
+        assert sched.kv.pool.num_free_blocks == 6 and first.num_preemptions == 0
+        results[policy] = (lax.num_preemptions, urgent.num_preemptions)
+    assert results["fcfs"][0] == 0 and results["fcfs"][1] > 0
+    assert results["priority"][0] > 0 and results["priority"][1] == 0
+
+
+def test_priority_victim_scheduled_earlier_in_the_step_gives_its_tokens_back():
+    """The least urgent request runs first in admission order, so it has been scheduled (and its
+    blocks allocated) by the time an urgent one finds the pool dry and preempts it: it must leave
+    the step's batch, and its tokens the budget."""
+    sched = make_scheduler(num_blocks=5, max_num_seqs=2, budget=16, policy="priority")
+    lax, urgent = make_request("lax", 4, 12, priority=9), make_request("urgent", 4, 12, start_token=40)
+    sched.add(lax)
+    step_and_sample(sched)
+    sched.add(urgent)
+    waiting = make_request("waiting", 4, 1, start_token=80, priority=3)  # no room: max_num_seqs is 2
+    sched.add(waiting)
+    while lax.num_preemptions == 0:
+        scheduled = sched.schedule()
+        assert all(s.request.status == RequestStatus.RUNNING for s in scheduled)
+        assert sum(s.num_new_tokens for s in scheduled) <= 16
+        sched.update(scheduled, {s.request.request_id: 7 for s in scheduled if s.samples})
+    assert [s.request for s in scheduled] == [urgent]
+    assert list(sched.waiting) == [waiting, lax]  # back in its place by priority, not at the front
+    run_to_completion(sched)
+    assert lax.num_output_tokens == urgent.num_output_tokens == 12 and urgent.num_preemptions == 0
+    assert sched.kv.pool.num_free_blocks == 5
+
+
+def test_unknown_scheduling_policy_is_refused():
+    with pytest.raises(ValueError, match="fcfs, priority"):
+        make_scheduler(num_blocks=4, policy="lifo")
 
 
 # ---------------------------------------------------------------------------- async scheduling

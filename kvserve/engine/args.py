@@ -112,6 +112,11 @@ class EngineArgs:
         "its input token on the device; the host waits for a step's tokens only after launching the next. "
         "Steps with requests under KV eviction or asking for prompt logprobs run one at a time. On CPU the "
         "forward pass runs in the engine's thread, so nothing overlaps there", action="store_true"))
+    scheduling_policy: str = field(default="fcfs", metadata=_opt(
+        "which waiting request is admitted first and which running one is preempted when the KV pool runs "
+        "dry (vLLM's flag): fcfs = arrival order, the newest preempted; priority = by each request's "
+        "`priority` (lower first, ties by arrival), the least urgent preempted. Under fcfs a priority "
+        "other than 0 is refused", choices=("fcfs", "priority")))
     gpu_memory_utilization: float = field(default=0.9, metadata=_opt(
         "fraction of GPU memory kvserve may use (weights + activations + KV cache); CUDA only"))
     max_model_len: int | None = field(default=None, metadata=_opt(
@@ -262,6 +267,8 @@ class EngineArgs:
         if self.tensor_parallel_size > 1 and (self.kv_offloading_size or path is not None):
             raise ValueError("the KV offload tiers (--kv-offloading-size, --kv-offloading-disk-path) copy one "
                              "process's pool: they do not work with --tensor-parallel-size > 1 yet")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
         if not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be True or False, got {self.async_scheduling!r}")
         if self.async_scheduling and self.tensor_parallel_size > 1:

@@ -146,7 +146,8 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(pool.num_blocks, self.kv_spec.block_size, args.enable_prefix_caching,
                                          namespace=namespace, evictor=self.evictor, tiers=self.tiers)
         self.scheduler = Scheduler(
-            SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len), self.kv_manager)
+            SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len, args.scheduling_policy),
+            self.kv_manager)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler.finish, self.runner.sampler.forget)
         self._ids = itertools.count()
@@ -224,11 +225,13 @@ class LLMEngine:
         return max_tokens
 
     def add_request(self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str | None = None,
-                    cache_salt: str | None = None, final_only: bool = False) -> str:
+                    cache_salt: str | None = None, final_only: bool = False, priority: int = 0) -> str:
         """Queue a prompt (text, token ids or {"prompt_token_ids": [...]}, whose "cache_salt" is
         `cache_salt`'s). Raises ValueError for bad input.
         `final_only`: `step()` reports the request once, when it finishes (vLLM's FINAL_ONLY output
-        kind, what offline generation reads), not after every token."""
+        kind, what offline generation reads), not after every token.
+        `priority`: its place under --scheduling-policy priority (lower first)."""
+        self.check_priority(priority)
         if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
             if cache_salt is not None and cache_salt != prompt["cache_salt"]:
                 raise ValueError("the prompt's cache_salt and the cache_salt argument differ")
@@ -250,11 +253,21 @@ class LLMEngine:
             child_id = request_id if params.n == 1 else f"{index}_{request_id}"
             grammar = None if params.structured_outputs is None else self.grammars.matcher(params.structured_outputs)
             sequences.append(Request(child_id, token_ids, child_params, self.eos_token_ids, cache_salt,
-                                     eviction=eviction, grammar=grammar))
+                                     priority=priority, eviction=eviction, grammar=grammar))
         self.output_processor.add(request_id, text, token_ids, sequences, final_only)
         for request in sequences:
             self.scheduler.add(request)
         return request_id
+
+    def check_priority(self, priority: object) -> None:
+        """A request's priority: an integer (int64, as vLLM's field), and 0 unless the scheduler
+        orders by it (vLLM's text, from its V0 engine; vLLM v1 ignores it under fcfs, kvserve
+        refuses what it would ignore)."""
+        if isinstance(priority, bool) or not isinstance(priority, int) or not -(1 << 63) <= priority < (1 << 63):
+            raise ValueError(f"priority must be a 64-bit integer, got {priority!r:.40}")
+        if priority != 0 and self.args.scheduling_policy != "priority":
+            raise ValueError(f"Got priority {priority} but Priority scheduling is not enabled "
+                             f"(--scheduling-policy priority).")
 
     def abort_request(self, request_id: str,
                       status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> RequestOutput | None:

@@ -44,6 +44,7 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0  # --scheduling-policy priority: lower is served first (vLLM's)
     token_ids: list[int] = field(init=False)
     _output_ids: list[int] = field(init=False, repr=False)  # token_ids after the prompt, kept as they come
     num_computed_tokens: int = 0

@@ -7,6 +7,13 @@ requests then join while the budget, `max_num_seqs` and free blocks allow. When 
 dry, the most recently admitted running request is preempted by recompute: its blocks are freed
 and it goes back to the front of the waiting queue (vLLM's policy; never an OOM).
 
+Under the priority policy (vLLM's `--scheduling-policy priority`) the waiting queue is ordered by
+(priority, arrival time), lower values first, a preempted request going back to its place in that
+order, and the victim when the pool runs dry is the running request with the highest (priority,
+arrival time): the least urgent, newest first. As in vLLM, priority orders admission and victims;
+a waiting request never preempts a running one, and running requests take the budget in
+admission order.
+
 A request that asks for prompt logprobs takes no prefix-cache hit until they are computed (the
 skipped positions would have no logits); a request with max_tokens 0 finishes with "length" once
 its prompt is computed, without a token sampled.
@@ -28,6 +35,7 @@ stop string) has computed one token too many, which is discarded.
 """
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass
 
@@ -40,6 +48,15 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    policy: str = "fcfs"  # or "priority" (SCHEDULING_POLICIES)
+
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+def urgency(request: Request) -> tuple[int, float]:
+    """The priority policy's order: lower first, then earlier arrival."""
+    return request.priority, request.arrival_time
 
 
 @dataclass(slots=True)
@@ -65,11 +82,24 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.num_needing_host_tokens = 0  # unfinished requests with `needs_host_tokens` (no overlap while any)
+        if config.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {config.policy!r}")
+        self.by_priority = config.policy == "priority"
 
     # ------------------------------------------------------------------ queue management
     def add(self, request: Request) -> None:
-        self.waiting.append(request)
+        self._enqueue(request, front=False)
         self.num_needing_host_tokens += request.needs_host_tokens
+
+    def _enqueue(self, request: Request, front: bool) -> None:
+        """FCFS: at the back (new) or the front (preempted). Priority: at its place in the order,
+        after the requests that compare equal."""
+        if self.by_priority:
+            self.waiting.insert(bisect.bisect_right(self.waiting, urgency(request), key=urgency), request)
+        elif front:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -94,7 +124,14 @@ class Scheduler:
         request.num_evicted_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self._enqueue(request, front=True)
+
+    def _victim(self) -> Request:
+        """The running request to preempt: the newest (FCFS), or the least urgent (priority; of
+        equals, the latest admitted)."""
+        if self.by_priority:
+            return max(reversed(self.running), key=urgency)
+        return self.running[-1]
 
     def preempt_running(self) -> int:
         """Preempt every running request (newest first, so the queue keeps their order): their
@@ -120,9 +157,16 @@ class Scheduler:
                 continue  # (async scheduling) all in flight, or its pending token ends it
             num_new = min(remaining, budget, self.kv.max_new_tokens(request))
             while not self.kv.allocate(request, num_new):
-                victim = self.running[-1]
+                victim = self._victim()
                 self._preempt(victim)
                 preempted = True
+                # (priority: the victim may have been scheduled earlier in this loop; its tokens
+                # go back to the budget)
+                for index, item in enumerate(scheduled):
+                    if item.request is victim:
+                        budget += item.num_new_tokens
+                        del scheduled[index]
+                        break
                 if victim is request:
                     break
             else:

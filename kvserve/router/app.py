@@ -53,7 +53,7 @@ logger = logging.getLogger("kvserve.router")
 
 NO_BACKEND = "No backend is available to serve the request (every replica is down or unreachable)."
 TOO_DEEP = "The request body is not valid JSON: it is nested too deeply."
-_PASSED_HEADERS = ("authorization", "x-api-key", "content-type", "accept", "x-request-id")
+_PASSED_HEADERS = ("authorization", "x-api-key", "content-type", "accept", "x-request-id", "x-vllm-priority")
 ROUTING_PARSE_MAX_BYTES = 4 * 1024 * 1024
 # How long a request waits for the router's tokenizer before it is routed by load instead (the
 # tokenizer thread is busy with other prompts).

@@ -180,8 +180,8 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         return Response(status_code=200)
 
     @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=_ERRORS)
-    async def create_embedding(body: EmbeddingRequest) -> EmbeddingResponse:
-        return await embeddings.create(body)
+    async def create_embedding(body: EmbeddingRequest, request: Request) -> EmbeddingResponse:
+        return await embeddings.create(body, request)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:

@@ -104,6 +104,7 @@ class ChatServing:
         its clients (Claude Code's context compaction) look for."""
         ctx = self.ctx
         ctx.check_fields(body)
+        priority = ctx.priority(request, body.priority)
         plan = plan_tools(body, self.tool_parser)
         messages = conversation(body.messages)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -122,7 +123,8 @@ class ChatServing:
             params = self._fit_context(params, len(prompt_ids))
         echoed = echoed_content(body, messages)
         request_id, engine_id = request_ids("chatcmpl-", request, body.request_id)
-        stream = await ctx.submit([PromptSpec(prompt_ids, params, body.cache_salt)], engine_id, streaming=body.stream)
+        stream = await ctx.submit([PromptSpec(prompt_ids, params, body.cache_salt, priority)], engine_id,
+                                  streaming=body.stream)
         created = int(time.time())
         if body.stream:
             return EventStreamResponse(self._events(body, plan, len(prompt_ids), stream, request_id, created,

@@ -67,6 +67,7 @@ class CompletionServing:
     async def create(self, body: CompletionRequest, request: Request) -> Response:
         ctx = self.ctx
         ctx.check_fields(body)
+        priority = ctx.priority(request, body.priority)
         # A client that leaves while its prompt waits for the tokenizer drops the job.
         prompts = await unless_disconnected(ctx.tokens.completion_prompts(body.prompt), request)
         if body.suffix:
@@ -87,8 +88,8 @@ class CompletionServing:
                 if prompt.text is None:
                     prompt.text = await ctx.tokens.decode(prompt.token_ids)
         request_id, engine_id = request_ids("cmpl-", request, body.request_id)
-        stream = await ctx.submit([PromptSpec(p.token_ids, params, body.cache_salt) for p in prompts], engine_id,
-                                  streaming=body.stream)
+        stream = await ctx.submit([PromptSpec(p.token_ids, params, body.cache_salt, priority) for p in prompts],
+                                  engine_id, streaming=body.stream)
         created = int(time.time())
         if body.stream:
             return EventStreamResponse(self._events(body, prompts, stream, request_id, created), stream.close)

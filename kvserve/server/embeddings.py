@@ -11,8 +11,10 @@ import base64
 from typing import Literal
 
 import numpy as np
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
+from starlette.requests import Request
 
+from kvserve.sampling_params import INT64_MAX, INT64_MIN
 from kvserve.server.errors import APIError
 from kvserve.server.prompts import Tokenization
 from kvserve.server.protocol import OpenAIModel
@@ -27,6 +29,8 @@ class EmbeddingRequest(OpenAIModel):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None
+    # vLLM's; embeddings run between engine steps, never queued, so any priority the policy allows is met
+    priority: int = Field(default=0, ge=INT64_MIN, le=INT64_MAX)
 
 
 class Embedding(BaseModel):
@@ -53,8 +57,9 @@ class EmbeddingServing:
         self.tokens = tokens
         self.hidden_size = hidden_size
 
-    async def create(self, body: EmbeddingRequest) -> EmbeddingResponse:
+    async def create(self, body: EmbeddingRequest, request: Request) -> EmbeddingResponse:
         self.ctx.check_model(body.model)
+        self.ctx.priority(request, body.priority)
         log_ignored_fields(body.unknown_fields())
         if body.dimensions is not None and body.dimensions != self.hidden_size:  # vLLM's text, and the size
             raise APIError(400, f"Model does not support matryoshka representation, changing output dimensions "

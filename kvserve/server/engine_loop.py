@@ -78,6 +78,7 @@ class PromptSpec:
     token_ids: list[int]
     params: SamplingParams
     cache_salt: str | None = None
+    priority: int = 0
 
 
 class RequestStream:
@@ -423,7 +424,8 @@ class AsyncEngine:
         added = []
         try:
             for rid, spec in zip(command.stream.request_ids, command.specs):
-                self.engine.add_request({"prompt_token_ids": spec.token_ids}, spec.params, rid, spec.cache_salt)
+                self.engine.add_request({"prompt_token_ids": spec.token_ids}, spec.params, rid, spec.cache_salt,
+                                        priority=spec.priority)
                 added.append(rid)
         except Exception as exc:  # ValueError: bad input, reported to the client as a 400
             for rid in added:

@@ -30,7 +30,6 @@ _UNSUPPORTED_COMMON: dict[str, Callable[[Any], bool]] = {
     "guided_whitespace_pattern": is_off,
     "guided_decoding_backend": is_off,
     "lora_request": is_off,
-    "priority": lambda v: v is None or v == 0,  # vLLM's --scheduling-policy priority: not built
 }
 UNSUPPORTED_COMPLETION_FIELDS = dict(_UNSUPPORTED_COMMON)
 UNSUPPORTED_CHAT_FIELDS = {
@@ -172,6 +171,8 @@ class SamplingFields(OpenAIModel):
     # vLLM's: logprobs name tokens "token_id:N" (default: --return-tokens-as-token-ids)
     return_tokens_as_token_ids: bool | None = None
     request_id: str | None = None  # vLLM's: names the response unless an X-Request-Id header does (request_id.py)
+    # vLLM's: lower is served first under --scheduling-policy priority (priority.py); else only 0
+    priority: int = Field(default=0, ge=INT64_MIN, le=INT64_MAX)
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> "SamplingFields":

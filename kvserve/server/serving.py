@@ -13,6 +13,7 @@ from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.engine_loop import AsyncEngine, EngineDeadError, EngineError, PromptSpec, RequestStream
 from kvserve.server.errors import APIError
+from kvserve.server.priority import request_priority
 from kvserve.server.prompts import Tokenization
 from kvserve.server.protocol import MAX_CHOICES_PER_REQUEST, SamplingFields, UsageInfo
 from kvserve.server.streaming import unless_disconnected
@@ -54,6 +55,16 @@ class ServingContext:
     def generation_defaults(self) -> GenerationDefaults:
         """The model's sampling defaults and max_tokens cap (--generation-config)."""
         return self.engine.engine.generation_defaults
+
+    def priority(self, request: Request, body_priority: int) -> int:
+        """The request's scheduling priority (body or X-Vllm-Priority header), refused unless the
+        engine orders by it or it is 0."""
+        priority = request_priority(request, body_priority)
+        try:
+            self.engine.engine.check_priority(priority)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="priority") from exc
+        return priority
 
     def tokens_as_ids(self, body: SamplingFields) -> bool:
         """Whether this request's logprobs name tokens "token_id:N": its own field, else the flag."""
