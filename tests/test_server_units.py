@@ -87,6 +87,19 @@ def test_dashboard_totals_count_prefill_only_prompts_as_metrics_does():
     assert 'kvserve:prompt_tokens_total{model_name="m"} 6.0' in metrics.render().decode()
 
 
+def test_no_stats_line_without_an_interval(caplog):
+    """--disable-log-stats: the counters go on, no periodic line, and an idle engine sleeps."""
+    metrics = ServerMetrics("m", log_interval_s=None)
+    metrics.on_snapshot(_snapshot(), now=0.0)
+    with caplog.at_level(logging.INFO, logger="kvserve.server"):
+        metrics.on_arrival("r", arrival_time=1.0)
+        metrics.on_outputs([_output("r", 4, "length")], now=2.0)
+        assert metrics.seconds_until_log(2.0) is None
+        metrics.on_snapshot(_snapshot(queries=3), now=100.0)
+    assert not caplog.records
+    assert 'kvserve:generation_tokens_total{model_name="m"} 4.0' in metrics.render().decode()
+
+
 def test_metrics_follow_a_request_and_log_once_per_interval(caplog):
     metrics = ServerMetrics("m", log_interval_s=5.0)
     metrics.on_snapshot(_snapshot(), now=0.0)

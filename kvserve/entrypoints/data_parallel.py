@@ -164,7 +164,8 @@ def run_data_parallel(args: argparse.Namespace, serve_argv: list[str], sock, uvi
                               max_request_body_bytes=body_limits[0], max_body_bytes_in_flight=body_limits[1],
                               max_backend_connections=max_connections, startup_wait_s=30.0,
                               cors=cors, chat_template=chat_template,
-                              request_id_headers=args.enable_request_id_headers)
+                              request_id_headers=args.enable_request_id_headers,
+                              fastapi_docs=not args.disable_fastapi_docs)
         app = build_router_app(config, tokenizer)
         # kvserve's server (lifecycle.py): the shutdown grace period, and a return instead of
         # uvicorn's re-raised signal, so the replicas are stopped below.

@@ -9,6 +9,7 @@ from kvserve.cli import UserError
 from kvserve.router import DEFAULT_LOAD_COST_TOKENS, POLICIES
 from kvserve.entrypoints.connection_options import (add_connection_options, add_cors_options, add_tls_options,
                                                     body_limits, connection_limits, cors_options, tls_options)
+from kvserve.entrypoints.logging_options import add_http_log_options, uvicorn_log_options
 
 API_KEY_ENV = "KVSERVE_API_KEY"
 
@@ -45,6 +46,7 @@ def register(subparsers) -> None:
     add_connection_options(connection)
     add_tls_options(connection)
     add_cors_options(connection)
+    add_http_log_options(parser.add_argument_group("logging and docs (as `kvserve serve`)"))
     parser.set_defaults(func=run_router)
 
 
@@ -88,9 +90,10 @@ def run_router(args: argparse.Namespace) -> int:
                           max_index_entries=args.max_index_entries, load_cost_tokens=args.load_cost_tokens,
                           max_request_body_bytes=max_body, max_body_bytes_in_flight=in_flight,
                           request_timeout_s=args.request_timeout, max_backend_connections=limits.max_connections,
-                          cors=cors, chat_template=chat_template, request_id_headers=args.enable_request_id_headers)
+                          cors=cors, chat_template=chat_template, request_id_headers=args.enable_request_id_headers,
+                          fastapi_docs=not args.disable_fastapi_docs)
     sock = _bind(args.host, args.port)
     app = build_router_app(config)
-    uvicorn.Server(uvicorn.Config(app, log_level=args.log_level.lower(), timeout_keep_alive=5, **tls,
+    uvicorn.Server(uvicorn.Config(app, **uvicorn_log_options(args), timeout_keep_alive=5, **tls,
                                   http=guarded_protocol(limits))).run(sockets=[sock])
     return 0

@@ -17,6 +17,8 @@ from kvserve.cli import UserError
 from kvserve.engine.args import EngineArgs
 from kvserve.entrypoints.connection_options import (add_connection_options, add_cors_options, add_tls_options,
                                                     body_limits, connection_limits, cors_options, tls_options)
+from kvserve.entrypoints.logging_options import (add_http_log_options, add_request_log_options, request_log,
+                                                 uvicorn_log_options)
 
 API_KEY_ENV = "KVSERVE_API_KEY"
 logger = logging.getLogger("kvserve")
@@ -48,9 +50,15 @@ def register(subparsers) -> None:
                             "`return_tokens_as_token_ids` overrides it (vLLM's flag)")
     group.add_argument("--enable-request-id-headers", action="store_true",
                        help="every response carries an X-Request-Id header: the request's, or a new id (vLLM's flag)")
+    group.add_argument("--enable-force-include-usage", action="store_true",
+                       help="every stream reports usage, on each chunk and in a final chunk, whatever its "
+                            "stream_options (vLLM's flag)")
     add_connection_options(group)
     add_tls_options(group)
     add_cors_options(group)
+    logs = parser.add_argument_group("logging and docs")
+    add_http_log_options(logs)
+    add_request_log_options(logs)
     group.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
                        help="run N engine replicas, each in its own process with its own KV pool, behind this "
                             "one endpoint (default: %(default)s)")
@@ -191,6 +199,7 @@ def run_serve(args: argparse.Namespace) -> int:
         engine_args.validate()
         return run_node(engine_args)
     cors, tls, chat_template = cors_options(args), tls_options(args), server_chat_template(args)  # the front end's
+    requests_log = request_log(args)
     preflight(engine_args)
     check_reasoning_parser(args)  # bad engine options fail before the port is taken
     sock = _bind(args.host, args.port)
@@ -199,7 +208,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
         argv = getattr(args, "argv", None) or sys.argv[1:]
         serve_argv = argv[argv.index("serve") + 1:]
-        uvicorn_kwargs = {"log_level": args.log_level.lower(), "timeout_keep_alive": 5, **tls,
+        uvicorn_kwargs = {**uvicorn_log_options(args), "timeout_keep_alive": 5, **tls,
                           "http": guarded_protocol(limits)}
         return run_data_parallel(args, serve_argv, sock, uvicorn_kwargs,
                                  (max_body, in_flight), limits.max_connections, cors, chat_template)
@@ -211,9 +220,12 @@ def run_serve(args: argparse.Namespace) -> int:
                                          trust_request_chat_template=args.trust_request_chat_template,
                                          return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                                          request_id_headers=args.enable_request_id_headers,
-                                         reasoning_parser=args.reasoning_parser))
+                                         reasoning_parser=args.reasoning_parser, request_log=requests_log,
+                                         log_interval_s=None if args.disable_log_stats else 5.0,
+                                         fastapi_docs=not args.disable_fastapi_docs,
+                                         force_include_usage=args.enable_force_include_usage))
     async_engine = app.state.engine
-    config = uvicorn.Config(app, log_level=args.log_level.lower(), timeout_keep_alive=5, **tls,
+    config = uvicorn.Config(app, **uvicorn_log_options(args), timeout_keep_alive=5, **tls,
                             http=guarded_protocol(limits))
     ending = "the server is shutting down and its grace period (--shutdown-timeout) ended"
 

@@ -86,6 +86,7 @@ class RouterConfig:
     cors: CorsOptions | None = None  # browsers' cross-origin access (kvserve/server/cors.py); None: none
     chat_template: str | None = None  # the replicas' --chat-template text, for rendering chat prompts alike
     request_id_headers: bool = False  # --enable-request-id-headers: X-Request-Id on every response
+    fastapi_docs: bool = True  # /docs, /redoc, /openapi.json (off: --disable-fastapi-docs)
 
 
 class RouterService:
@@ -407,7 +408,8 @@ def build_router_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
         finally:
             await service.stop()
 
-    app = FastAPI(title="kvserve router", version=__version__, lifespan=lifespan, redirect_slashes=False)
+    app = FastAPI(title="kvserve router", version=__version__, lifespan=lifespan, redirect_slashes=False,
+                  **({} if config.fastapi_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}))
     app.state.router = service
     install_error_handlers(app)
 

@@ -40,6 +40,7 @@ from kvserve.server.protocol import (ChatCompletionRequest, ChatCompletionRespon
                                      ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
 from kvserve.server.reasoning import ReasoningParser
 from kvserve.server.request_id import RequestIdHeaderMiddleware
+from kvserve.server.request_log import RequestLog
 from kvserve.server.serving import ServingContext, log_ignored_fields
 from kvserve.server.streaming import ClientDisconnected
 
@@ -58,7 +59,7 @@ class ServerConfig:
     api_key: str | None = None
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_body_bytes_in_flight: int | None = None  # None: 4 x max_request_body_bytes
-    log_interval_s: float = 5.0
+    log_interval_s: float | None = 5.0  # the periodic stats line; None: none (--disable-log-stats)
     fault_injection: bool = False  # POST /debug/faults (kvserve/server/faults.py); tests only
     tool_call_parser: str | None = None  # reads `tool_choice: "auto"` replies (--enable-auto-tool-choice)
     kv_events_capacity: int = 65536  # prefix-cache events kept for routers (kv_events_api.py)
@@ -69,6 +70,9 @@ class ServerConfig:
     return_tokens_as_token_ids: bool = False  # --return-tokens-as-token-ids (serving.ServingContext)
     request_id_headers: bool = False  # --enable-request-id-headers: X-Request-Id on every response
     reasoning_parser: str | None = None  # --reasoning-parser: a reasoning model's thinking as `reasoning`
+    request_log: RequestLog | None = None  # --enable-log-requests: per-request log lines (request_log.py)
+    fastapi_docs: bool = True  # /docs, /redoc, /openapi.json (off: --disable-fastapi-docs)
+    force_include_usage: bool = False  # --enable-force-include-usage (serving.ServingContext)
 
 
 def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
@@ -76,10 +80,10 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     from kvserve import __version__
 
     metrics = ServerMetrics(config.served_model_names[0], config.log_interval_s)
-    async_engine = AsyncEngine(engine, metrics)
+    async_engine = AsyncEngine(engine, metrics, config.request_log)
     tokens = Tokenization(engine, config.chat_template, config.trust_request_chat_template)
     ctx = ServingContext(async_engine, tokens, list(config.served_model_names), engine.max_model_len,
-                         config.stream_interval, config.return_tokens_as_token_ids)
+                         config.stream_interval, config.return_tokens_as_token_ids, config.force_include_usage)
     reasoning = (ReasoningParser.for_tokenizer(config.reasoning_parser, engine.tokenizer)
                  if config.reasoning_parser else None)
     completions, chat = CompletionServing(ctx), ChatServing(ctx, config.tool_call_parser, reasoning)
@@ -100,7 +104,8 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
 
     # No trailing-slash redirects: Starlette builds their Location from the request's Host header,
     # an open redirect (/health/ with Host: evil.example -> http://evil.example/health).
-    app = FastAPI(title="kvserve", version=__version__, lifespan=lifespan, redirect_slashes=False)
+    app = FastAPI(title="kvserve", version=__version__, lifespan=lifespan, redirect_slashes=False,
+                  **({} if config.fastapi_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}))
     app.state.engine = async_engine
     app.state.tokens = tokens
     app.state.stopping = lambda: False  # kvserve serve replaces it: True once shutdown began

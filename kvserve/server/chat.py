@@ -200,7 +200,7 @@ class ChatServing:
             return sse(ChatCompletionChunk(id=request_id, created=created, model=ctx.model_name, choices=choices,
                                            usage=u))
 
-        continuous = body.include_usage and body.continuous_usage
+        final_usage, continuous = ctx.stream_usage(body)
         opened = False
         try:
             async for batch in stream:
@@ -253,7 +253,7 @@ class ChatServing:
                         yield chunk([ChatChunkChoice(index=index, delta=message, logprobs=logprobs,
                                                      finish_reason=finish_reason, stop_reason=c.stop_reason)],
                                     continuous)
-            if body.include_usage:
+            if final_usage:
                 yield chunk([], True)
         except EngineError as exc:
             yield sse_error(exc.status, str(exc))

@@ -125,6 +125,7 @@ class CompletionServing:
         prompt_lengths = [len(p.token_ids) for p in prompts]
         offsets: dict[int, int] = {}  # choice index -> text offset of its next logprob token
         echo_logprobs = body.echo and body.logprobs is not None
+        final_usage, continuous = ctx.stream_usage(body)
         as_ids = ctx.tokens_as_ids(body)
 
         def chunk(choices: list[CompletionChoice], with_usage: bool) -> str:
@@ -164,8 +165,8 @@ class CompletionServing:
                         choice.finished = c.finish_reason is not None
                         yield chunk([CompletionChoice(index=index, text=delta, logprobs=logprobs,
                                                       finish_reason=c.finish_reason, stop_reason=c.stop_reason)],
-                                    body.include_usage and body.continuous_usage)
-            if body.include_usage:
+                                    continuous)
+            if final_usage:
                 yield chunk([], True)
         except EngineError as exc:
             yield sse_error(exc.status, str(exc))

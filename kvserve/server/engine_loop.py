@@ -47,6 +47,7 @@ from kvserve.engine.state_view import EngineState, engine_state
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.metrics import EngineSnapshot, ServerMetrics
+from kvserve.server.request_log import RequestLog
 
 logger = logging.getLogger("kvserve.server")
 
@@ -246,9 +247,10 @@ def _settle(future: asyncio.Future, result: Any, error: BaseException | None) ->
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None):
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None, request_log: RequestLog | None = None):
         self.engine = engine
         self.metrics = metrics
+        self.request_log = request_log  # --enable-log-requests (request_log.py)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -427,6 +429,8 @@ class AsyncEngine:
                 self.engine.add_request({"prompt_token_ids": spec.token_ids}, spec.params, rid, spec.cache_salt,
                                         priority=spec.priority)
                 added.append(rid)
+                if self.request_log is not None:
+                    self.request_log.received(rid, spec.token_ids, spec.params, self.engine.tokenizer.decode)
         except Exception as exc:  # ValueError: bad input, reported to the client as a 400
             for rid in added:
                 self.engine.abort_request(rid)
@@ -444,6 +448,8 @@ class AsyncEngine:
             output = self.engine.abort_request(rid)
             if output is not None and self.metrics is not None:
                 self.metrics.on_outputs([output], time.monotonic())
+            if output is not None and self.request_log is not None:
+                self.request_log.finished(output)
 
     def _step(self) -> None:
         self.step_started_at = time.monotonic()
@@ -467,6 +473,8 @@ class AsyncEngine:
                 continue
             if output.finished:
                 del self._streams[output.request_id]
+                if self.request_log is not None:
+                    self.request_log.finished(output)
             if stream._due(output):
                 by_stream[stream].append(output)
         if by_stream:

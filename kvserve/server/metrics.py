@@ -63,7 +63,7 @@ class _Interval:
 @dataclass
 class ServerMetrics:
     model_name: str
-    log_interval_s: float = 5.0
+    log_interval_s: float | None = 5.0  # None: no periodic log line (--disable-log-stats); metrics still count
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
 
     def __post_init__(self) -> None:
@@ -116,7 +116,7 @@ class ServerMetrics:
     # ------------------------------------------------------------------ fed by the engine thread
     def _mark_active(self, now: float) -> None:
         """Work started: an interval that was idle restarts now, so idle time never dilutes a rate."""
-        if not self._interval.active:
+        if not self._interval.active and self.log_interval_s is not None:
             self._interval = _Interval(start=now, active=True)
 
     def on_arrival(self, request_id: str, arrival_time: float) -> None:

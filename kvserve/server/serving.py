@@ -42,6 +42,7 @@ class ServingContext:
     max_model_len: int
     stream_interval: int = 1  # --stream-interval: a streamed request gets its output every N tokens
     return_tokens_as_token_ids: bool = False  # --return-tokens-as-token-ids: logprobs name tokens "token_id:N"
+    force_include_usage: bool = False  # --enable-force-include-usage: every stream reports usage on every chunk
 
     @property
     def model_name(self) -> str:
@@ -65,6 +66,13 @@ class ServingContext:
         except ValueError as exc:
             raise APIError(400, str(exc), param="priority") from exc
         return priority
+
+    def stream_usage(self, body: SamplingFields) -> tuple[bool, bool]:
+        """(a final usage chunk, usage on every chunk) for a stream: the request's stream_options,
+        or both under --enable-force-include-usage (vLLM's)."""
+        if self.force_include_usage:
+            return True, True
+        return body.include_usage, body.include_usage and body.continuous_usage
 
     def tokens_as_ids(self, body: SamplingFields) -> bool:
         """Whether this request's logprobs name tokens "token_id:N": its own field, else the flag."""
