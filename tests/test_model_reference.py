@@ -189,3 +189,20 @@ def test_default_model_bfloat16_top1_agreement(hf_default_fp32):
         exact = hf_logits(hf_default_fp32, ids).argmax(-1)
         ours_to_fp32, hf_to_fp32 = ((tokens == exact).float().mean().item() for tokens in (ours, ref))
         assert ours_to_fp32 >= max(hf_to_fp32, 0.95), (agreement, ours_to_fp32, hf_to_fp32)
+
+
+def test_without_chunked_prefill_each_prompt_is_one_step_and_gives_the_same_tokens(tiny_llama):
+    """--no-enable-chunked-prefill: a 300-token prompt is computed in the first step (its first
+    token comes out of it), and greedy tokens equal those of the same prompts prefilled in chunks of
+    64 tokens, with continuous batching."""
+    prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 500 + 10 for j in range(300 - 40 * i)]} for i in range(3)]
+    whole = LLM(str(tiny_llama), dtype="float32", kv_cache_memory="8MiB", max_model_len=512,
+                enable_chunked_prefill=False, enable_prefix_caching=False)
+    assert whole.engine.args.max_num_batched_tokens >= 512
+    whole.engine.add_request(prompts[0], SamplingParams(temperature=0, max_tokens=1))
+    [first] = whole.engine.step()
+    assert first.finished and len(first.outputs[0].token_ids) == 1
+    chunked = LLM(str(tiny_llama), dtype="float32", kv_cache_memory="8MiB", max_model_len=512,
+                  max_num_batched_tokens=64, enable_prefix_caching=False)
+    expected = [o.outputs[0].token_ids for o in chunked.generate(prompts, GREEDY, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in whole.generate(prompts, GREEDY, use_tqdm=False)] == expected

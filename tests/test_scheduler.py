@@ -17,9 +17,9 @@ def make_request(rid: str, prompt_len: int, max_tokens: int, start_token: int = 
 
 
 def make_scheduler(num_blocks: int, max_num_seqs: int = 16, budget: int = 64, max_model_len: int = 256,
-                   prefix_caching: bool = False, policy: str = "fcfs") -> Scheduler:
+                   prefix_caching: bool = False, policy: str = "fcfs", chunked_prefill: bool = True) -> Scheduler:
     kv = KVCacheManager(num_blocks, BS, prefix_caching)
-    return Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len, policy), kv)
+    return Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len, policy, chunked_prefill), kv)
 
 
 def step_and_sample(sched: Scheduler) -> list:
@@ -96,6 +96,19 @@ def test_token_budget_mixes_decodes_and_chunked_prefill():
     # The running decode takes 1 token, the new prompt gets the remaining 9 (a chunk of 25).
     assert [(s.request.request_id, s.num_new_tokens) for s in second] == [("short", 1), ("long", 9)]
     assert second[0].samples and not second[1].samples
+
+
+def test_without_chunked_prefill_a_prompt_waits_for_a_step_that_holds_it_whole():
+    sched = make_scheduler(num_blocks=64, budget=10, chunked_prefill=False)
+    sched.add(make_request("short", 3, 3))
+    step_and_sample(sched)
+    sched.add(make_request("long", 10, 2, start_token=20))
+    sched.add(make_request("behind", 2, 2, start_token=40))  # would fit, but waits behind "long" (FIFO)
+    steps = run_to_completion(sched)
+    # While "short" decodes, 9 tokens are left per step: "long" (10) waits, then takes a whole step.
+    assert steps[0] == [("short", 1)] and steps[1] == [("short", 1)] and steps[2] == [("long", 10)]
+    assert steps[3] == [("long", 1), ("behind", 2)]
+    assert all(n in (1, 10) for step in steps for rid, n in step if rid == "long")
 
 
 def test_max_num_seqs_caps_the_batch():

@@ -130,6 +130,11 @@ class EngineArgs:
         "token budget per step (decodes + prefill chunks); longer prompts are prefilled in chunks. "
         "Default: 2048 on CPU; on CUDA vLLM's, 8192 served and 16384 offline on a GPU of 70 GiB or more "
         "other than an A100, else 2048 served and 8192 offline", type=int))
+    enable_chunked_prefill: bool = field(default=True, metadata=_opt(
+        "split a prompt longer than a step's token budget over several steps, beside the running decodes "
+        "(vLLM's flag and default). Without it a prompt is computed in one step or waits, and "
+        "--max-num-batched-tokens defaults to at least --max-model-len (it may not be less)",
+        action=argparse.BooleanOptionalAction))
     kv_cache_dtype: str = field(default="auto", metadata=_opt(
         "storage dtype of the KV cache; auto = the model dtype", choices=KV_CACHE_DTYPES))
     enable_prefix_caching: bool = field(default=True, metadata=_opt(
@@ -267,8 +272,9 @@ class EngineArgs:
         if self.tensor_parallel_size > 1 and (self.kv_offloading_size or path is not None):
             raise ValueError("the KV offload tiers (--kv-offloading-size, --kv-offloading-disk-path) copy one "
                              "process's pool: they do not work with --tensor-parallel-size > 1 yet")
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
+        if not self.enable_chunked_prefill and self.kv_eviction != NO_EVICTION:
+            raise ValueError("--kv-eviction needs chunked prefill: its policy drops tokens between a prompt's "
+                             "chunks (drop --no-enable-chunked-prefill)")
         if not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be True or False, got {self.async_scheduling!r}")
         if self.async_scheduling and self.tensor_parallel_size > 1:

@@ -146,8 +146,8 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(pool.num_blocks, self.kv_spec.block_size, args.enable_prefix_caching,
                                          namespace=namespace, evictor=self.evictor, tiers=self.tiers)
         self.scheduler = Scheduler(
-            SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len, args.scheduling_policy),
-            self.kv_manager)
+            SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len, args.scheduling_policy,
+                            args.enable_chunked_prefill), self.kv_manager)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler.finish, self.runner.sampler.forget)
         self._ids = itertools.count()

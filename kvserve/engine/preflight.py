@@ -69,8 +69,13 @@ def resolve_batch_limits(args: EngineArgs, serving: bool) -> tuple[EngineArgs, s
         device = select_device(args.device)
         limits = platform_for(device).batch_limits(device, serving)
         given = f"{limits.why}, where not given"
-        args = replace(args, max_num_seqs=args.max_num_seqs or limits.max_num_seqs,
-                       max_num_batched_tokens=args.max_num_batched_tokens or limits.max_num_batched_tokens)
+        max_num_seqs = args.max_num_seqs or limits.max_num_seqs
+        tokens = args.max_num_batched_tokens
+        if tokens is None and not args.enable_chunked_prefill:  # vLLM's: a whole prompt of max-model-len fits
+            longest = args.max_model_len or read_model_shape(args.model).max_position_embeddings
+            tokens = min(max(limits.max_num_batched_tokens, longest), max_num_seqs * longest)
+            given = f"{given}; at least --max-model-len without chunked prefill"
+        args = replace(args, max_num_seqs=max_num_seqs, max_num_batched_tokens=tokens or limits.max_num_batched_tokens)
     return args, f"Step limits: --max-num-seqs {args.max_num_seqs}, --max-num-batched-tokens " \
                  f"{args.max_num_batched_tokens} ({given})"
 
@@ -177,6 +182,12 @@ def preflight(args: EngineArgs, shape: ModelShape | None = None) -> Preflight:
     if budget is not None:
         max_model_len = fit_max_model_len(budget, per_block, args.block_size, max_model_len,
                                           given=args.max_model_len is not None)
+    if not args.enable_chunked_prefill and args.max_num_batched_tokens is not None \
+            and args.max_num_batched_tokens < max_model_len:  # vLLM's text
+        raise ValueError(f"max_num_batched_tokens ({args.max_num_batched_tokens}) is smaller than max_model_len "
+                         f"({max_model_len}). This effectively limits the maximum sequence length to "
+                         f"max_num_batched_tokens and makes kvserve reject longer sequences. Please increase "
+                         f"max_num_batched_tokens or decrease max_model_len (or keep chunked prefill on).")
     resolve_eviction(None, EvictionSpec(args.kv_eviction, args.kv_budget, args.sink_tokens, args.recent_tokens),
                      max_model_len, POLICIES)
     if args.kv_offloading_disk_path is not None:

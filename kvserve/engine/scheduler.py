@@ -3,7 +3,9 @@
 Each step the scheduler decides how many tokens every request advances (its output is plain
 data, `ScheduledRequest`s). Running requests go first in arrival order (FCFS): a decode takes one
 token of the budget, an unfinished prefill takes as much as is left (chunked prefill). Waiting
-requests then join while the budget, `max_num_seqs` and free blocks allow. When the pool runs
+requests then join while the budget, `max_num_seqs` and free blocks allow (without chunked
+prefill, vLLM's `--no-enable-chunked-prefill`, only while the budget holds the whole prompt; the
+first that does not fit waits, and those behind it). When the pool runs
 dry, the most recently admitted running request is preempted by recompute: its blocks are freed
 and it goes back to the front of the waiting queue (vLLM's policy; never an OOM).
 
@@ -49,6 +51,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     policy: str = "fcfs"  # or "priority" (SCHEDULING_POLICIES)
+    chunked_prefill: bool = True  # False: a prompt is computed in one step, or waits
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -193,6 +196,8 @@ class Scheduler:
                 index += 1
                 continue
             num_cached = (len(cached) + loaded.num_blocks) * self.kv.block_size
+            if request.num_tokens - num_cached > budget and not self.config.chunked_prefill:
+                break  # (vLLM's rule: it and those behind it wait for a step with room for its prompt)
             num_new = min(request.num_tokens - num_cached, budget, self.kv.max_new_tokens(request, num_cached))
             if not self.kv.allocate(request, num_new, cached, loaded):
                 break
