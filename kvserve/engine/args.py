@@ -89,6 +89,13 @@ def _check_size(name: str, value: Any) -> None:
 class EngineArgs:
     model: str | None = field(default=None, metadata=_opt(
         "HF model directory, GGUF file or locally cached hub id (default: the bundled SmolLM2-135M-Instruct)"))
+    tokenizer: str | None = field(default=None, metadata=_opt(
+        "load the tokenizer (and chat template) from here instead of the model (vLLM's flag): a directory "
+        "with a Hugging Face tokenizer, a GGUF file or a locally cached hub id; e.g. a GGUF's base model's "
+        "tokenizer. Its vocabulary must fit the model's"))
+    trust_remote_code: bool = field(default=False, metadata=_opt(
+        "let transformers run a checkpoint's own Python code for its tokenizer or config (vLLM's flag); "
+        "without it such a checkpoint is refused", action="store_true"))
     dtype: str = field(default="auto", metadata=_opt(
         "weight and activation dtype; auto = bfloat16 on CUDA, and on CPUs with native bf16 matmul, else float32",
         choices=("auto", "float32", "bfloat16", "float16")))

@@ -62,7 +62,7 @@ def load_engine_model(args: EngineArgs, loaded_model: LoadedModel | None = None,
     else:
         torch.manual_seed(args.seed)
     start = time.monotonic()
-    loaded = loaded_model or load_model(args.model)
+    loaded = loaded_model or load_model(args.model, tokenizer=args.tokenizer, trust_remote_code=args.trust_remote_code)
     if ModelShape.of(loaded.config) != plan.shape:  # the quick read disagreed: check with the real config
         plan = preflight(args, ModelShape.of(loaded.config))
     _log_dtype(args, plan)  # after the load, so that a bad model file still fails with one line

@@ -157,7 +157,8 @@ def run_data_parallel(args: argparse.Namespace, serve_argv: list[str], sock, uvi
         policy = args.routing_policy or "kv_aware"
         model_path = str(resolve_model_path(args.model))
         # Loaded while the replicas load their models, so that kv_aware routes from the first request.
-        tokenizer = load_tokenizer(model_path) if policy == "kv_aware" else None
+        tokenizer = (load_tokenizer(args.tokenizer or model_path, args.trust_remote_code) if policy == "kv_aware"
+                     else None)
         _wait_ready(processes, urls, key)
         logger.info("%d replicas ready on %s", count, ", ".join(urls))
         config = RouterConfig(urls, policy, api_key=args.api_key, backend_api_key=key, tokenizer=model_path,

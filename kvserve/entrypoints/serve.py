@@ -101,7 +101,8 @@ def check_reasoning_parser(args: argparse.Namespace) -> None:
     if args.reasoning_parser is None:
         return
     try:
-        ReasoningParser.for_tokenizer(args.reasoning_parser, load_tokenizer(args.model))
+        tokenizer = load_tokenizer(args.tokenizer or args.model, args.trust_remote_code)
+        ReasoningParser.for_tokenizer(args.reasoning_parser, tokenizer)
     except ValueError as exc:
         raise UserError(str(exc)) from None
 

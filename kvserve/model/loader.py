@@ -82,16 +82,21 @@ def resolve_model_path(model: str | os.PathLike | None) -> Path:
 TensorCut = Callable[[str], "tuple[int, int, int] | None"]
 
 
-def load_model(model: str | os.PathLike | None, cut: TensorCut | None = None) -> LoadedModel:
+def load_model(model: str | os.PathLike | None, cut: TensorCut | None = None, tokenizer: str | None = None,
+               trust_remote_code: bool = False) -> LoadedModel:
     """The checkpoint's config, tensors (HF names) and tokenizer. `cut`: read only that part of
     each tensor it names (safetensors slices, whole GGUF blocks), so that a tensor-parallel rank
-    never holds the full model; shapes are checked against the config before cutting."""
+    never holds the full model; shapes are checked against the config before cutting.
+    `tokenizer`: load the tokenizer from there instead (vLLM's --tokenizer; see load_tokenizer).
+    `trust_remote_code`: let transformers run a checkpoint's own tokenizer/config code (vLLM's flag;
+    without it such a checkpoint is refused, never asked about on stdin)."""
     path = resolve_model_path(model)
+    source = TokenizerSource(tokenizer, trust_remote_code)
     try:
         if path.suffix == ".gguf":
-            return _load_gguf(path, cut)
+            return _load_gguf(path, cut, source)
         if path.is_dir():
-            return _load_hf_dir(path, cut)
+            return _load_hf_dir(path, cut, source)
     except ModelLoadError:
         raise
     except UnsupportedModelError as exc:
@@ -101,18 +106,56 @@ def load_model(model: str | os.PathLike | None, cut: TensorCut | None = None) ->
     raise ModelLoadError(f"{path}: not a model (expected a .gguf file or a directory with config.json)")
 
 
-def load_tokenizer(model: str | os.PathLike | None) -> Any:
-    """Only the model's tokenizer (with its chat template), as `load_model` builds it: what a
-    router needs to tokenize requests exactly as the engine behind it does, without the weights."""
-    path = resolve_model_path(model)
+@dataclass(frozen=True)
+class TokenizerSource:
+    """Where a model's tokenizer comes from: `path` (None: the model's own) and whether its code may run."""
+
+    path: str | os.PathLike | None = None
+    trust_remote_code: bool = False
+
+
+def tokenizer_path(source: str | os.PathLike | None) -> Path:
+    """A model (as resolve_model_path) or a directory holding only a Hugging Face tokenizer."""
+    if source is not None:
+        path = Path(source).expanduser()
+        if path.is_dir() and not (path / "config.json").exists() and (path / "tokenizer_config.json").exists():
+            return path
+    return resolve_model_path(source)
+
+
+def load_tokenizer(model: str | os.PathLike | None, trust_remote_code: bool = False) -> Any:
+    """Only a tokenizer (with its chat template), as `load_model` builds it: what a router needs
+    to tokenize requests exactly as the engine behind it does, without the weights. `model`: a
+    model (GGUF file, HF directory, cached hub id) or a directory with only a tokenizer."""
+    path = tokenizer_path(model)
     try:
         if path.suffix == ".gguf":
             return _gguf_tokenizer(path, read_gguf(path))
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+        return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
     except Exception as exc:
-        raise ModelLoadError(f"{path}: cannot load the tokenizer: {type(exc).__name__}: {exc}") from None
+        raise _tokenizer_error(path, exc) from None
+
+
+def _tokenizer_error(path: Path, exc: Exception) -> ModelLoadError:
+    """One line; a checkpoint whose tokenizer is code says which flag runs it."""
+    hint = " (pass --trust-remote-code to run its code)" if "trust_remote_code" in str(exc) else ""
+    first_line = str(exc).splitlines()[0] if str(exc) else ""
+    return ModelLoadError(f"{path}: cannot load the tokenizer{hint}: {type(exc).__name__}: {first_line}")
+
+
+def _tokenizer_for(path: Path, config: ModelConfig, source: TokenizerSource, own: Callable[[], Any]) -> Any:
+    """The model's tokenizer (`own()`), or the one `source` names; checked against the vocabulary."""
+    if source.path is not None:
+        tokenizer = load_tokenizer(source.path, source.trust_remote_code)
+    else:
+        try:
+            tokenizer = own()
+        except Exception as exc:
+            raise _tokenizer_error(path, exc) from None
+    _check_tokenizer(path, tokenizer, config)
+    return tokenizer
 
 
 def load_model_config(model: str | os.PathLike | None) -> tuple[ModelConfig, int]:
@@ -176,12 +219,13 @@ def _check_tokenizer(path: Path, tokenizer: Any, config: ModelConfig) -> None:
 
 
 # --------------------------------------------------------------------------- Hugging Face directory
-def _load_hf_dir(path: Path, cut: TensorCut | None = None) -> LoadedModel:
+def _load_hf_dir(path: Path, cut: TensorCut | None = None, source: TokenizerSource = TokenizerSource()) -> LoadedModel:
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoTokenizer
 
     _check_config_json(path)
-    config = ModelConfig.from_hf(AutoConfig.from_pretrained(path, local_files_only=True))
+    config = ModelConfig.from_hf(AutoConfig.from_pretrained(path, local_files_only=True,
+                                                            trust_remote_code=source.trust_remote_code))
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{path}: no *.safetensors weights (kvserve does not load pickled .bin files)")
@@ -196,11 +240,8 @@ def _load_hf_dir(path: Path, cut: TensorCut | None = None) -> LoadedModel:
         except Exception as exc:
             raise ModelLoadError(f"{file}: cannot read safetensors file ({exc}); is it truncated?") from None
     _check_weights(path / "config.json", config, shapes or {name: tuple(t.shape) for name, t in weights.items()})
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except Exception as exc:
-        raise ModelLoadError(f"{path}: cannot load the tokenizer: {exc}") from None
-    _check_tokenizer(path, tokenizer, config)
+    tokenizer = _tokenizer_for(path, config, source, lambda: AutoTokenizer.from_pretrained(
+        path, local_files_only=True, trust_remote_code=source.trust_remote_code))
     return LoadedModel(config, weights, tokenizer, path, sum(f.stat().st_size for f in files))
 
 
@@ -287,7 +328,7 @@ def _gguf_hf_config(gguf_file: GGUFFile, has_output: bool) -> Any:
     return (LlamaConfig if arch == "llama" else Qwen2Config)(**kwargs)
 
 
-def _load_gguf(path: Path, cut: TensorCut | None = None) -> LoadedModel:
+def _load_gguf(path: Path, cut: TensorCut | None = None, source: TokenizerSource = TokenizerSource()) -> LoadedModel:
     try:
         gguf_file = read_gguf(path)
     except Exception as exc:
@@ -304,11 +345,7 @@ def _load_gguf(path: Path, cut: TensorCut | None = None) -> LoadedModel:
     if config.architecture == "llama":  # the permutation is within each head: a cut of whole heads keeps it
         for name in [n for n in weights if n.endswith(("q_proj.weight", "k_proj.weight"))]:
             weights[name] = _unpermute_rope(weights[name], weights[name].shape[0] // config.head_dim)
-    try:
-        tokenizer = _gguf_tokenizer(path, gguf_file)
-    except Exception as exc:
-        raise ModelLoadError(f"{path}: cannot build the tokenizer from GGUF metadata: {exc}") from None
-    _check_tokenizer(path, tokenizer, config)
+    tokenizer = _tokenizer_for(path, config, source, lambda: _gguf_tokenizer(path, gguf_file))
     return LoadedModel(config, weights, tokenizer, path, path.stat().st_size, gguf_file)
 
 

@@ -142,7 +142,7 @@ def build_shard(args: EngineArgs, layout: ShardLayout, setup: Setup, device: tor
     mode, dtype = args.quantization, setup.dtype
     reports: list[QuantizationReport] = []
     if mode == "int8":
-        loaded = load_model(args.model)
+        loaded = load_model(args.model, tokenizer=args.tokenizer, trust_remote_code=args.trust_remote_code)
         shards: dict[str, QuantizedMatrix] = {}
 
         def shard(model: LlamaForCausalLM) -> None:  # the full model's matrices, cut like its plain layers
@@ -153,7 +153,8 @@ def build_shard(args: EngineArgs, layout: ShardLayout, setup: Setup, device: tor
             reports.append(install_quantized(model, shards, mode, dtype, device))
     else:
         head_dim = read_model_shape(args.model).head_dim
-        loaded = load_model(args.model, cut=lambda name: layout.checkpoint_cut(name, head_dim))
+        loaded = load_model(args.model, cut=lambda name: layout.checkpoint_cut(name, head_dim),
+                            tokenizer=args.tokenizer, trust_remote_code=args.trust_remote_code)
 
         def shard(model: LlamaForCausalLM) -> None:  # the empty model, before its cut weights load
             shard_model(model, layout, reduce)
