@@ -519,3 +519,27 @@ def test_reset_prefix_cache_route(tiny_server):
         events = [json.loads(line[6:]) for line in [*first, *lines] if line.startswith("data: {")]
     text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
     assert text[:len(reference)] == reference and events[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_sagemaker_ping_and_invocations_dispatch_by_body(tiny_server):
+    """/ping is /health; /invocations answers a chat, a completion or an embeddings body as its own
+    endpoint does (vLLM's SageMaker routes)."""
+    url = tiny_server.base_url
+    assert httpx.get(f"{url}/ping").status_code == 200 and httpx.post(f"{url}/ping").status_code == 200
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Mr. Darcy"}], "max_tokens": 6, **GREEDY}
+    completion = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 6, **GREEDY}
+    embedding = {"model": "tiny", "input": PROMPTS[1]}
+    for path, body, pick in (("/v1/chat/completions", chat, lambda r: r["choices"][0]["message"]["content"]),
+                             ("/v1/completions", completion, lambda r: r["choices"][0]["text"]),
+                             ("/v1/embeddings", embedding, lambda r: r["data"][0]["embedding"])):
+        direct = httpx.post(f"{url}{path}", json=body, timeout=60).json()
+        via = httpx.post(f"{url}/invocations", json=body, timeout=60)
+        assert via.status_code == 200, via.text
+        assert pick(via.json()) == pick(direct)
+    streamed = httpx.post(f"{url}/invocations", json={**chat, "stream": True}, timeout=60)
+    assert sse_events(streamed)[-1] == "[DONE]"
+    bad = httpx.post(f"{url}/invocations", json={**chat, "temperature": "hot"}, timeout=60)
+    assert bad.status_code == 400 and "temperature" in bad.json()["error"]["message"]
+    for content in (b"{not json", b'{"neither": 1}', b"[1, 2]"):
+        answer = httpx.post(f"{url}/invocations", content=content, headers={"Content-Type": "application/json"})
+        assert answer.status_code == 400 and answer.json()["error"]["message"]

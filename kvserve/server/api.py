@@ -10,13 +10,16 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
 
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.server.auth import APIKeyMiddleware
@@ -187,6 +190,31 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=_ERRORS)
     async def create_embedding(body: EmbeddingRequest, request: Request) -> EmbeddingResponse:
         return await embeddings.create(body, request)
+
+    # Amazon SageMaker's hosting contract, as vLLM serves it: /ping for health, /invocations for every
+    # request, dispatched here by its body's defining key (messages, prompt, input) so that a bad
+    # field gets that endpoint's own 400 rather than "no handler".
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        return await health()
+
+    @app.post("/invocations", responses=_ERRORS)
+    async def invocations(request: Request) -> Response:
+        try:
+            body = json.loads(await request.body())
+        except ValueError as exc:
+            raise APIError(400, f"JSON decode error: {exc}") from None
+        kinds = (("messages", ChatCompletionRequest, create_chat_completion),
+                 ("prompt", CompletionRequest, create_completion), ("input", EmbeddingRequest, create_embedding))
+        for key, model, endpoint in kinds:
+            if isinstance(body, dict) and key in body:
+                try:
+                    parsed = model.model_validate(body)
+                except ValidationError as exc:
+                    raise RequestValidationError(exc.errors()) from None
+                return await endpoint(parsed, request)
+        raise APIError(400, "Cannot find a suitable handler for the request: /invocations takes a chat completion "
+                            "(messages), a completion (prompt) or an embeddings request (input).")
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:

@@ -2,7 +2,7 @@
 
 Deny by default: every path needs `Authorization: Bearer <key>` (or `x-api-key: <key>`, what
 Anthropic's clients send, taken when no Authorization header is sent) except a few open ones
-(/health, /metrics, /version, and the dashboard's page and static assets, which carry no data;
+(/health, /ping, /metrics, /version, and the dashboard's page and static assets, which carry no data;
 its state, /dashboard/state, needs the key). The decision uses the path the router will dispatch on
 (`scope["path"]`, already percent-decoded by the server), normalised for case, repeated and
 trailing slashes and any remaining percent-encoding, so that `/V1/completions`,
@@ -21,7 +21,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from kvserve.server.dashboard import OPEN_DASHBOARD_PATHS
 from kvserve.server.errors import error_json
 
-OPEN_PATHS = frozenset({"/health", "/metrics", "/version", *OPEN_DASHBOARD_PATHS})
+OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version", *OPEN_DASHBOARD_PATHS})
 _MAX_DECODE_ROUNDS = 4
 
 
