@@ -89,6 +89,11 @@ def _check_size(name: str, value: Any) -> None:
 class EngineArgs:
     model: str | None = field(default=None, metadata=_opt(
         "HF model directory, GGUF file or locally cached hub id (default: the bundled SmolLM2-135M-Instruct)"))
+    load_format: str = field(default="auto", metadata=_opt(
+        "how the weights are read (vLLM's flag): auto = as the model path is; safetensors or gguf = the path "
+        "must be that; dummy = random weights of the shapes in an HF directory's config.json, no weight files "
+        "needed (to measure a model's shapes without its checkpoint; the output is noise)",
+        choices=("auto", "safetensors", "gguf", "dummy")))
     tokenizer: str | None = field(default=None, metadata=_opt(
         "load the tokenizer (and chat template) from here instead of the model (vLLM's flag): a directory "
         "with a Hugging Face tokenizer, a GGUF file or a locally cached hub id; e.g. a GGUF's base model's "

@@ -59,13 +59,14 @@ def calibration_fingerprint(model: LlamaForCausalLM) -> str:
 
 
 def kv_namespace(kv_cache: KVCache, config: ModelConfig, model_path: Path, dtype: torch.dtype,
-                 model: LlamaForCausalLM, deterministic: bool = False) -> str:
+                 model: LlamaForCausalLM, deterministic: bool = False, dummy_weights: bool = False) -> str:
     """The namespace string of the prefix-cache hash chain (kv_cache_manager.KVCacheManager). Under
     --deterministic the layers compute K/V on other paths, so its blocks are not shared with the
-    default mode's (a disk tier may hold both)."""
+    default mode's (a disk tier may hold both); nor are those of --load-format dummy's weights."""
     parts = [kv_cache.format.name, f"tier-format-{FORMAT_VERSION}", str(dtype), kv_cache.layout_signature(),
              f"block_size={kv_cache.spec.block_size}", repr(sorted(dataclasses.asdict(config).items())),
-             weights_fingerprint(model_path), calibration_fingerprint(model),
+             # dummy weights follow from the config alone (a fixed seed), whatever files lie beside it
+             "dummy-weights" if dummy_weights else weights_fingerprint(model_path), calibration_fingerprint(model),
              # the served linears (--quantization): another kernel or weight format computes other KV
              repr(sorted({repr(m) for m in model.modules() if type(m).__name__.endswith("Linear")}))]
     if deterministic:

@@ -135,13 +135,13 @@ class LLMEngine:
         self.evictor = Evictor(self.kv_spec.block_size, self.max_model_len, self.device)
         self.runner = ModelRunner(self.model, self.kv_cache, self.attention_backend, self.evictor, self.parallel)
         if self.parallel is None:  # under tensor parallelism, calibrated on the full model (start_rank_zero)
-            calibrate_key_transforms(self.runner, self.max_model_len, self.model_path)
+            calibrate_key_transforms(self.runner, self.max_model_len, built.calibration_file)
         # after calibration: a graph holds the key transforms as they are when it is captured
         platform_for(self.device).capture_decode_graphs(self.runner, args, self.max_model_len)
         self.eviction_defaults = EvictionSpec(args.kv_eviction, args.kv_budget, args.sink_tokens, args.recent_tokens)
         self.resolve_eviction(None)  # bad --kv-eviction flags fail at start-up
         namespace = kv_namespace(self.kv_cache, self.model_config, self.model_path, self.dtype, self.model,
-                                 args.deterministic)
+                                 args.deterministic, dummy_weights=args.load_format == "dummy")
         self.tiers = _make_tiers(args, self.kv_cache, namespace)
         self.kv_manager = KVCacheManager(pool.num_blocks, self.kv_spec.block_size, args.enable_prefix_caching,
                                          namespace=namespace, evictor=self.evictor, tiers=self.tiers)

@@ -47,6 +47,12 @@ class EngineModel:
     # Tensor parallelism only: the full model's quantized matrices by linear name, to be cut per
     # rank (the model's linears are still plain); empty otherwise.
     quantized: dict[str, QuantizedMatrix] = field(default_factory=dict)
+    dummy: bool = False  # --load-format dummy: random weights
+
+    @property
+    def calibration_file(self) -> Path | None:
+        """The file calibrations are cached under (none for random weights)."""
+        return None if self.dummy else self.path
 
 
 def load_engine_model(args: EngineArgs, loaded_model: LoadedModel | None = None, prepack: bool = True) -> EngineModel:
@@ -62,7 +68,8 @@ def load_engine_model(args: EngineArgs, loaded_model: LoadedModel | None = None,
     else:
         torch.manual_seed(args.seed)
     start = time.monotonic()
-    loaded = loaded_model or load_model(args.model, tokenizer=args.tokenizer, trust_remote_code=args.trust_remote_code)
+    loaded = loaded_model or load_model(args.model, tokenizer=args.tokenizer,
+                                          trust_remote_code=args.trust_remote_code, load_format=args.load_format)
     if ModelShape.of(loaded.config) != plan.shape:  # the quick read disagreed: check with the real config
         plan = preflight(args, ModelShape.of(loaded.config))
     _log_dtype(args, plan)  # after the load, so that a bad model file still fails with one line
@@ -89,7 +96,7 @@ def load_engine_model(args: EngineArgs, loaded_model: LoadedModel | None = None,
     if not sharded:
         log_quantization(reports[0], model, plan.dtype)
     return EngineModel(plan, model, loaded.config, loaded.path, loaded.tokenizer,
-                       _eos_token_ids(loaded.config, loaded.tokenizer), quantized)
+                       _eos_token_ids(loaded.config, loaded.tokenizer), quantized, args.load_format == "dummy")
 
 
 def _log_dtype(args: EngineArgs, plan: Preflight) -> None:

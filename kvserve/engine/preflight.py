@@ -22,7 +22,7 @@ from kvserve.engine.args import EngineArgs
 from kvserve.engine.generation_defaults import GenerationDefaults, load_generation_defaults
 from kvserve.engine.platforms import platform_for
 from kvserve.hardware import native_bf16_missing
-from kvserve.model.loader import resolve_model_path, tokenizer_path
+from kvserve.model.loader import check_load_format, resolve_model_path, tokenizer_path
 from kvserve.model.parallel import check_quantized_shards, check_tensor_parallel_size, kv_heads_per_rank
 from kvserve.model.shape import ModelShape, read_model_shape
 from kvserve.units import GiB, parse_size
@@ -190,6 +190,7 @@ def preflight(args: EngineArgs, shape: ModelShape | None = None) -> Preflight:
                          f"max_num_batched_tokens or decrease max_model_len (or keep chunked prefill on).")
     resolve_eviction(None, EvictionSpec(args.kv_eviction, args.kv_budget, args.sink_tokens, args.recent_tokens),
                      max_model_len, POLICIES)
+    check_load_format(resolve_model_path(args.model), args.load_format)
     if args.tokenizer is not None:
         tokenizer_path(args.tokenizer)  # a --tokenizer that names nothing fails before the weights load
     if args.kv_offloading_disk_path is not None:

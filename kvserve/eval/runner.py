@@ -80,7 +80,8 @@ def evaluate(model: str | None = None, kv_cache_dtypes: tuple[str, ...] = DEFAUL
     for config in configs:  # every configuration's options, before the one load
         preflight(config)
     raw_text = read_text(text)
-    loaded = load_model(model, tokenizer=base.tokenizer, trust_remote_code=base.trust_remote_code)
+    loaded = load_model(model, tokenizer=base.tokenizer, trust_remote_code=base.trust_remote_code,
+                        load_format=base.load_format)
     windows = make_windows(loaded.tokenizer.encode(raw_text, add_special_tokens=False), scoring)
     prompts = make_prompts(loaded.tokenizer, passkey) if passkey is not None else []
     report = None

@@ -21,7 +21,7 @@ from kvserve import disk_cache
 from kvserve.model.config import MAX_COUNTS, SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedModelError
 from kvserve.model.gguf_file import GGUFFile, cut_tensor, dequantize, dequantize_all, quantized_matrix, read_gguf
 from kvserve.model.quantized import QuantizedMatrix
-from kvserve.model.weight_check import check_weight_shapes
+from kvserve.model.weight_check import check_weight_shapes, dummy_weights
 
 logger = logging.getLogger(__name__)
 
@@ -82,21 +82,26 @@ def resolve_model_path(model: str | os.PathLike | None) -> Path:
 TensorCut = Callable[[str], "tuple[int, int, int] | None"]
 
 
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+
+
 def load_model(model: str | os.PathLike | None, cut: TensorCut | None = None, tokenizer: str | None = None,
-               trust_remote_code: bool = False) -> LoadedModel:
+               trust_remote_code: bool = False, load_format: str = "auto") -> LoadedModel:
     """The checkpoint's config, tensors (HF names) and tokenizer. `cut`: read only that part of
     each tensor it names (safetensors slices, whole GGUF blocks), so that a tensor-parallel rank
     never holds the full model; shapes are checked against the config before cutting.
     `tokenizer`: load the tokenizer from there instead (vLLM's --tokenizer; see load_tokenizer).
     `trust_remote_code`: let transformers run a checkpoint's own tokenizer/config code (vLLM's flag;
-    without it such a checkpoint is refused, never asked about on stdin)."""
-    path = resolve_model_path(model)
+    without it such a checkpoint is refused, never asked about on stdin).
+    `load_format` (vLLM's flag): auto, safetensors or gguf (the checkpoint must be that), or dummy:
+    an HF directory's config.json with random weights (weight_check.dummy_weights), no weight files."""
+    path = check_load_format(resolve_model_path(model), load_format)
     source = TokenizerSource(tokenizer, trust_remote_code)
     try:
         if path.suffix == ".gguf":
             return _load_gguf(path, cut, source)
         if path.is_dir():
-            return _load_hf_dir(path, cut, source)
+            return _load_hf_dir(path, cut, source, dummy=load_format == "dummy")
     except ModelLoadError:
         raise
     except UnsupportedModelError as exc:
@@ -104,6 +109,17 @@ def load_model(model: str | os.PathLike | None, cut: TensorCut | None = None, to
     except Exception as exc:  # a truncated or corrupt file surfaces as many exception types
         raise ModelLoadError(f"{path}: cannot load model: {type(exc).__name__}: {exc}") from exc
     raise ModelLoadError(f"{path}: not a model (expected a .gguf file or a directory with config.json)")
+
+
+def check_load_format(path: Path, load_format: str) -> Path:
+    """`path` (a resolved model) if `load_format` can load it; else ModelLoadError."""
+    if load_format not in LOAD_FORMATS:
+        raise ModelLoadError(f"--load-format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
+    is_gguf = path.suffix == ".gguf"
+    if load_format == "gguf" and not is_gguf or load_format in ("safetensors", "dummy") and is_gguf:
+        wanted = "a .gguf file" if load_format == "gguf" else "a Hugging Face directory with config.json"
+        raise ModelLoadError(f"{path}: --load-format {load_format} takes {wanted}")
+    return path
 
 
 @dataclass(frozen=True)
@@ -219,13 +235,27 @@ def _check_tokenizer(path: Path, tokenizer: Any, config: ModelConfig) -> None:
 
 
 # --------------------------------------------------------------------------- Hugging Face directory
-def _load_hf_dir(path: Path, cut: TensorCut | None = None, source: TokenizerSource = TokenizerSource()) -> LoadedModel:
-    from safetensors.torch import load_file
+def _load_hf_dir(path: Path, cut: TensorCut | None = None, source: TokenizerSource = TokenizerSource(),
+                 dummy: bool = False) -> LoadedModel:
     from transformers import AutoConfig, AutoTokenizer
 
     _check_config_json(path)
     config = ModelConfig.from_hf(AutoConfig.from_pretrained(path, local_files_only=True,
                                                             trust_remote_code=source.trust_remote_code))
+    if dummy:
+        weights = dummy_weights(config, cut)
+        size = sum(t.nbytes for t in weights.values())
+    else:
+        weights, size = _read_safetensors(path, config, cut)
+    tokenizer = _tokenizer_for(path, config, source, lambda: AutoTokenizer.from_pretrained(
+        path, local_files_only=True, trust_remote_code=source.trust_remote_code))
+    return LoadedModel(config, weights, tokenizer, path, size)
+
+
+def _read_safetensors(path: Path, config: ModelConfig, cut: TensorCut | None) -> tuple[dict[str, torch.Tensor], int]:
+    """A directory's safetensors weights (checked against the config) and their size on disk."""
+    from safetensors.torch import load_file
+
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{path}: no *.safetensors weights (kvserve does not load pickled .bin files)")
@@ -240,9 +270,7 @@ def _load_hf_dir(path: Path, cut: TensorCut | None = None, source: TokenizerSour
         except Exception as exc:
             raise ModelLoadError(f"{file}: cannot read safetensors file ({exc}); is it truncated?") from None
     _check_weights(path / "config.json", config, shapes or {name: tuple(t.shape) for name, t in weights.items()})
-    tokenizer = _tokenizer_for(path, config, source, lambda: AutoTokenizer.from_pretrained(
-        path, local_files_only=True, trust_remote_code=source.trust_remote_code))
-    return LoadedModel(config, weights, tokenizer, path, sum(f.stat().st_size for f in files))
+    return weights, sum(f.stat().st_size for f in files)
 
 
 def _read_cut_safetensors(file: Path, cut: TensorCut, weights: dict[str, torch.Tensor],

@@ -4,7 +4,33 @@ weights (a wrong hidden size, one layer too many) is one line naming the tensor,
 or KeyError from deep inside the model."""
 from __future__ import annotations
 
+from typing import Callable
+
+import torch
+
 from kvserve.model.config import ModelConfig
+
+DUMMY_STD = 0.02  # transformers' initializer_range
+
+
+def dummy_weights(config: ModelConfig, cut: Callable[[str], "tuple[int, int, int] | None"] | None = None,
+                  dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """Random weights of the config's shapes (vLLM's `--load-format dummy`): to measure a model's
+    shapes without its checkpoint. Norm weights are ones, every other tensor is normal(0, 0.02),
+    from a fixed seed (the same config gives the same weights). `cut` as the loader's: only that
+    part of a tensor (a tensor-parallel rank's)."""
+    generator = torch.Generator().manual_seed(0)
+    weights = {}
+    for name, shape in expected_weight_shapes(config).items():
+        part = cut(name) if cut is not None else None
+        if part is not None:
+            dim, start, stop = part
+            shape = tuple(stop - start if i == dim else n for i, n in enumerate(shape))
+        if name.endswith("norm.weight"):
+            weights[name] = torch.ones(shape, dtype=dtype)
+        else:
+            weights[name] = torch.randn(shape, generator=generator).mul_(DUMMY_STD).to(dtype)
+    return weights
 
 
 def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

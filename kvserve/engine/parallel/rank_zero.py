@@ -83,7 +83,7 @@ def calibrate_full_model(model: LlamaForCausalLM, fmt: KVFormat, backend: Attent
     blocks = min(num_blocks, blocks_for_tokens(CALIBRATION_TOKENS, spec.block_size) + 1)
     scratch = KVCache(full_spec, fmt, blocks, backend.device)
     scratch_backend = backend.for_spec(full_spec)
-    calibrate_key_transforms(ModelRunner(model, scratch, scratch_backend), max_model_len, built.path)
+    calibrate_key_transforms(ModelRunner(model, scratch, scratch_backend), max_model_len, built.calibration_file)
     attention = [layer.self_attn for layer in model.layers]
     centers = [a.key_center for a in attention] if fmt.center_keys else None
     bases = [a.key_basis[0] for a in attention] if fmt.fit_key_basis else None

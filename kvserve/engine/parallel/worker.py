@@ -142,7 +142,8 @@ def build_shard(args: EngineArgs, layout: ShardLayout, setup: Setup, device: tor
     mode, dtype = args.quantization, setup.dtype
     reports: list[QuantizationReport] = []
     if mode == "int8":
-        loaded = load_model(args.model, tokenizer=args.tokenizer, trust_remote_code=args.trust_remote_code)
+        loaded = load_model(args.model, tokenizer=args.tokenizer, trust_remote_code=args.trust_remote_code,
+                            load_format=args.load_format)
         shards: dict[str, QuantizedMatrix] = {}
 
         def shard(model: LlamaForCausalLM) -> None:  # the full model's matrices, cut like its plain layers
@@ -154,7 +155,8 @@ def build_shard(args: EngineArgs, layout: ShardLayout, setup: Setup, device: tor
     else:
         head_dim = read_model_shape(args.model).head_dim
         loaded = load_model(args.model, cut=lambda name: layout.checkpoint_cut(name, head_dim),
-                            tokenizer=args.tokenizer, trust_remote_code=args.trust_remote_code)
+                            tokenizer=args.tokenizer, trust_remote_code=args.trust_remote_code,
+                            load_format=args.load_format)
 
         def shard(model: LlamaForCausalLM) -> None:  # the empty model, before its cut weights load
             shard_model(model, layout, reduce)

@@ -1,6 +1,7 @@
-"""vLLM's `--tokenizer` and `--trust-remote-code`: a model's tokenizer loaded from elsewhere (a
-checkpoint without one, a GGUF's base model), checked against the vocabulary; a tokenizer that is
-code runs only when trusted, and is refused with a hint otherwise, never asked about on stdin."""
+"""vLLM's loading flags. `--tokenizer` and `--trust-remote-code`: a model's tokenizer loaded from
+elsewhere (a checkpoint without one, a GGUF's base model), checked against the vocabulary; a
+tokenizer that is code runs only when trusted, and is refused with a hint otherwise, never asked
+about on stdin. `--load-format`: dummy weights from a config alone; a format the path is not."""
 from __future__ import annotations
 
 import json
@@ -80,3 +81,36 @@ def test_a_tokenizer_that_is_code_runs_only_when_trusted(tiny_llama, tmp_path):
               kv_cache_memory="8MiB")
     assert type(llm.engine.tokenizer).__name__ == "MarkedTokenizer"
     assert llm.generate(["Mr. Darcy"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_dummy_weights_from_a_config_alone(tiny_llama, tmp_path):
+    config_only = tmp_path / "config-only"
+    shutil.copytree(tiny_llama, config_only, ignore=shutil.ignore_patterns("*.safetensors"))
+    with pytest.raises(ModelLoadError, match="no \\*.safetensors weights"):
+        LLM(str(config_only), dtype="float32", kv_cache_memory="8MiB")
+    runs = [LLM(str(config_only), load_format="dummy", dtype="float32", kv_cache_memory="8MiB") for _ in range(2)]
+    tokens = [llm.generate(["Mr. Darcy"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for llm in runs]
+    assert len(tokens[0]) == GREEDY.max_tokens and tokens[0] == tokens[1]  # the same config, the same weights
+    real = LLM(str(tiny_llama), dtype="float32", kv_cache_memory="8MiB")
+    # Random weights compute other K/V: their cached blocks are never shared with the checkpoint's.
+    assert runs[0].engine.kv_manager.namespace != real.engine.kv_manager.namespace
+    assert LLM(str(tiny_llama), load_format="dummy", dtype="float32",
+               kv_cache_memory="8MiB").engine.kv_manager.namespace == runs[0].engine.kv_manager.namespace
+
+
+def test_a_load_format_the_path_is_not_fails_before_the_weights_load(tiny_llama, monkeypatch):
+    from kvserve.model.loader import default_model_path
+
+    def load_model(*args, **kwargs):
+        raise AssertionError("weights were loaded before the options were checked")
+
+    monkeypatch.setattr(loading_module, "load_model", load_model)
+    with pytest.raises(ModelLoadError, match="--load-format gguf takes a .gguf file"):
+        LLM(str(tiny_llama), load_format="gguf")
+    try:
+        gguf = default_model_path()
+    except ModelLoadError:
+        return  # the default GGUF is not installed
+    for load_format in ("dummy", "safetensors"):
+        with pytest.raises(ModelLoadError, match=f"--load-format {load_format} takes a Hugging Face directory"):
+            LLM(str(gguf), load_format=load_format)
