@@ -206,3 +206,6 @@ def test_without_chunked_prefill_each_prompt_is_one_step_and_gives_the_same_toke
                   max_num_batched_tokens=64, enable_prefix_caching=False)
     expected = [o.outputs[0].token_ids for o in chunked.generate(prompts, GREEDY, use_tqdm=False)]
     assert [o.outputs[0].token_ids for o in whole.generate(prompts, GREEDY, use_tqdm=False)] == expected
+    with pytest.raises(ValueError, match="kv_eviction needs chunked prefill"):  # a policy works between chunks
+        whole.generate(prompts[:1], SamplingParams(max_tokens=2, kv_eviction={"policy": "streaming", "budget": 64}),
+                       use_tqdm=False)

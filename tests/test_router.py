@@ -96,13 +96,25 @@ def test_router_and_data_parallel_answer_the_openai_client_as_one_engine_does(cl
     assert httpx.post(f"{router.base_url}/v1/completions", json={"prompt": "x"}).status_code == 401
 
 
-def test_the_front_ends_pass_the_priority_header_on(cluster):
-    """X-Vllm-Priority reaches the replicas (fcfs here, so a priority other than 0 is their 400)."""
+def test_the_front_ends_pass_priority_on_and_serve_embeddings_and_sagemakers_routes(cluster):
+    """X-Vllm-Priority reaches the replicas (fcfs here, so a priority other than 0 is their 400);
+    /v1/embeddings, /ping and /invocations answer through both front ends as a replica does."""
     a, b, router, dp = cluster
+    auth = {"Authorization": f"Bearer {KEY}"}
+    embedding = {"model": "tiny", "input": "Mr. Darcy"}
+    expected = httpx.post(f"{a.base_url}/v1/embeddings", json=embedding, headers=auth, timeout=60).json()
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": TEXT[:200]}], "max_tokens": 4, "temperature": 0}
+    reply = httpx.post(f"{a.base_url}/v1/chat/completions", json=chat, headers=auth, timeout=60).json()
     for base_url in (router.base_url, dp.base_url):
         response = httpx.post(f"{base_url}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1},
-                              headers={"Authorization": f"Bearer {KEY}", "X-Vllm-Priority": "2"}, timeout=60)
+                              headers={**auth, "X-Vllm-Priority": "2"}, timeout=60)
         assert response.status_code == 400 and "Priority scheduling is not enabled" in response.text
+        embedded = httpx.post(f"{base_url}/v1/embeddings", json=embedding, headers=auth, timeout=60).json()
+        assert embedded["data"][0]["embedding"] == pytest.approx(expected["data"][0]["embedding"], abs=1e-5)
+        assert httpx.get(f"{base_url}/ping").status_code == 200  # open, as /health
+        invoked = httpx.post(f"{base_url}/invocations", json=chat, headers=auth, timeout=60)
+        assert invoked.status_code == 200, invoked.text
+        assert invoked.json()["choices"][0]["message"]["content"] == reply["choices"][0]["message"]["content"]
 
 
 def test_requests_sharing_a_prefix_land_on_the_replica_that_holds_it(cluster):

@@ -192,6 +192,11 @@ class LLMEngine:
                 and self.resolve_eviction(params.kv_eviction) is not None:
             raise ValueError("kv_eviction is not available under --deterministic: what a policy evicts depends on "
                              "attention scores, so the request's tokens would depend on it")
+        if not self.args.enable_chunked_prefill and params.kv_eviction is not None \
+                and self.resolve_eviction(params.kv_eviction) is not None:
+            raise ValueError("kv_eviction needs chunked prefill (its policy drops tokens between a prompt's chunks, "
+                             "and such a prompt may be longer than a step): the server runs "
+                             "--no-enable-chunked-prefill")
         if self.resolve_eviction(params.kv_eviction) is not None:
             # Under eviction max-model-len bounds the cache, not the sequence; "up to the context
             # limit" (no max_tokens) then means max-model-len new tokens.

@@ -23,7 +23,10 @@ def register(subparsers) -> None:
                              "against load; round_robin; least_loaded (default: %(default)s)")
     parser.add_argument("--tokenizer", default=None, metavar="PATH",
                         help="model or tokenizer to tokenize prompts with for kv_aware (default: the backends' "
-                             "model, when its path exists on this machine)")
+                             "model, when its path exists on this machine; give the backends' --tokenizer if "
+                             "they serve with one)")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="let transformers run the tokenizer's own code (as the backends' flag)")
     parser.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                         help="kv_aware: the --chat-template the backends serve with, so that chat prompts are "
                              "rendered as they render them (default: the tokenizer's)")
@@ -87,7 +90,8 @@ def run_router(args: argparse.Namespace) -> int:
     chat_template = server_chat_template(args)
     limits = connection_limits(args, fds_per_connection=2)  # a client connection and its backend connection
     config = RouterConfig(backends, args.routing_policy, api_key=args.api_key, tokenizer=args.tokenizer,
-                          max_index_entries=args.max_index_entries, load_cost_tokens=args.load_cost_tokens,
+                          trust_remote_code=args.trust_remote_code, max_index_entries=args.max_index_entries,
+                          load_cost_tokens=args.load_cost_tokens,
                           max_request_body_bytes=max_body, max_body_bytes_in_flight=in_flight,
                           request_timeout_s=args.request_timeout, max_backend_connections=limits.max_connections,
                           cors=cors, chat_template=chat_template, request_id_headers=args.enable_request_id_headers,

@@ -4,6 +4,7 @@ weights (a wrong hidden size, one layer too many) is one line naming the tensor,
 or KeyError from deep inside the model."""
 from __future__ import annotations
 
+import zlib
 from typing import Callable
 
 import torch
@@ -17,19 +18,20 @@ def dummy_weights(config: ModelConfig, cut: Callable[[str], "tuple[int, int, int
                   dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
     """Random weights of the config's shapes (vLLM's `--load-format dummy`): to measure a model's
     shapes without its checkpoint. Norm weights are ones, every other tensor is normal(0, 0.02),
-    from a fixed seed (the same config gives the same weights). `cut` as the loader's: only that
-    part of a tensor (a tensor-parallel rank's)."""
-    generator = torch.Generator().manual_seed(0)
+    each from a seed of its own name (the same config gives the same weights, and a cut is a slice
+    of them). `cut` as the loader's: only that part of a tensor (a tensor-parallel rank's)."""
     weights = {}
     for name, shape in expected_weight_shapes(config).items():
-        part = cut(name) if cut is not None else None
-        if part is not None:
-            dim, start, stop = part
-            shape = tuple(stop - start if i == dim else n for i, n in enumerate(shape))
         if name.endswith("norm.weight"):
-            weights[name] = torch.ones(shape, dtype=dtype)
+            tensor = torch.ones(shape, dtype=dtype)
         else:
-            weights[name] = torch.randn(shape, generator=generator).mul_(DUMMY_STD).to(dtype)
+            generator = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+            tensor = torch.randn(shape, generator=generator).mul_(DUMMY_STD).to(dtype)
+        part = cut(name) if cut is not None else None
+        if part is not None:  # rows of a matrix or a bias (dim 0), or columns of a matrix
+            dim, start, stop = part
+            tensor = (tensor[start:stop] if dim == 0 else tensor[:, start:stop]).clone()
+        weights[name] = tensor
     return weights
 
 

@@ -75,6 +75,7 @@ class RouterConfig:
     api_key: str | None = None  # required from clients; also sent on the router's own calls
     backend_api_key: str | None = None  # replaces the client's Authorization header (serve --data-parallel-size)
     tokenizer: str | None = None  # a model or tokenizer path; default: the backends' model, if on this machine
+    trust_remote_code: bool = False  # the tokenizer's own code may run (--trust-remote-code)
     max_index_entries: int = 1_000_000
     load_cost_tokens: float = DEFAULT_LOAD_COST_TOKENS
     max_request_body_bytes: int = 32 * 1024 * 1024
@@ -163,7 +164,8 @@ class RouterService:
                 await asyncio.sleep(0.5)
         loop = asyncio.get_running_loop()
         try:
-            tokenizer = await loop.run_in_executor(self._tokenizer_pool, load_tokenizer, source)
+            tokenizer = await loop.run_in_executor(self._tokenizer_pool, load_tokenizer, source,
+                                                   self.config.trust_remote_code)
         except Exception as exc:
             logger.error("cannot load the tokenizer from %s (%s): routing by load only", source, exc)
             return
@@ -186,6 +188,9 @@ class RouterService:
                 return JSONResponse(error_body(400, TOO_DEEP, path=path), status_code=400)
             except ValueError:
                 pass
+        if route == "invocations":  # SageMaker's one route: read as the body's kind (the replica does the same)
+            route = ("chat" if "messages" in body else "completions" if "prompt" in body else "other") \
+                if isinstance(body, dict) else "other"
         token_ids = None
         if self.prompts is not None and self.config.policy == "kv_aware" and route != "other" and isinstance(body, dict):
             token_ids = await self._prompt_tokens(route, body)
@@ -421,7 +426,8 @@ def build_router_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
     # path -> how its prompt is read for routing ("other": not read, placed in turn)
     for path, route in (("/v1/completions", "completions"), ("/v1/chat/completions", "chat"),
                         ("/v1/messages", "messages"), ("/v1/messages/count_tokens", "other"),
-                        ("/tokenize", "other"), ("/detokenize", "other")):
+                        ("/tokenize", "other"), ("/detokenize", "other"), ("/v1/embeddings", "other"),
+                        ("/invocations", "invocations")):
         app.add_api_route(path, proxied(route), methods=["POST"])
 
     @app.post("/reset_prefix_cache")
@@ -437,6 +443,7 @@ def build_router_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
         return await service.forward_get(request.url.path, request)
 
     @app.api_route("/health", methods=["GET", "HEAD"])
+    @app.api_route("/ping", methods=["GET", "POST"])  # SageMaker's health check
     async def health() -> Response:
         if service.up_backends():
             return Response(status_code=200)

@@ -202,6 +202,8 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     async def invocations(request: Request) -> Response:
         try:
             body = json.loads(await request.body())
+        except RecursionError:
+            raise APIError(400, "The request body is not valid JSON: it is nested too deeply.") from None
         except ValueError as exc:
             raise APIError(400, f"JSON decode error: {exc}") from None
         kinds = (("messages", ChatCompletionRequest, create_chat_completion),
