@@ -117,6 +117,30 @@ def test_the_front_ends_pass_priority_on_and_serve_embeddings_and_sagemakers_rou
         assert invoked.json()["choices"][0]["message"]["content"] == reply["choices"][0]["message"]["content"]
 
 
+def test_a_responses_conversation_follows_the_replica_that_stored_it(cluster):
+    """/v1/responses through both front ends: each turn continuing a stored response (whose
+    conversation lives on one replica) reaches that replica, as do GET and cancel."""
+    a, b, router, dp = cluster
+    auth = {"Authorization": f"Bearer {KEY}"}
+    for base_url in (router.base_url, dp.base_url):
+        first = httpx.post(f"{base_url}/v1/responses", headers=auth, timeout=60,
+                           json={"model": "tiny", "input": TEXT[:80], "max_output_tokens": 4})
+        assert first.status_code == 200, first.text
+        previous = first.json()["id"]
+        for turn in range(4):  # placed in turn, an unpinned request would land on the other replica
+            reply = httpx.post(f"{base_url}/v1/responses", headers=auth, timeout=60,
+                               json={"model": "tiny", "input": f"And then {turn}?", "max_output_tokens": 2,
+                                     "previous_response_id": previous})
+            assert reply.status_code == 200, reply.text
+            previous = reply.json()["id"]
+            stored = httpx.get(f"{base_url}/v1/responses/{previous}", headers=auth, timeout=60)
+            assert stored.status_code == 200 and stored.json()["id"] == previous
+        cancel = httpx.post(f"{base_url}/v1/responses/{previous}/cancel", headers=auth, timeout=60)
+        assert cancel.status_code == 400 and "already completed" in cancel.json()["error"]["message"]
+        missing = httpx.get(f"{base_url}/v1/responses/resp_nothing", headers=auth, timeout=60)
+        assert missing.status_code == 404 and "not found" in missing.json()["error"]["message"]
+
+
 def test_requests_sharing_a_prefix_land_on_the_replica_that_holds_it(cluster):
     a, b, router, dp = cluster
     for base_url, key, hits in ((router.base_url, KEY, lambda: [prefix_counters(a)[1], prefix_counters(b)[1]]),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from typing import Literal
 
+import httpx
 import openai
 import pytest
 
@@ -241,3 +242,19 @@ def test_langchain_chat_openai_on_the_responses_api_runs_a_tool_loop(tiny_server
     answer = llm.bind_tools([get_weather], tool_choice="none").invoke([question, called, result])
     assert not answer.tool_calls and isinstance(answer.text, str)
     assert answer.usage_metadata["input_tokens"] > called.usage_metadata["input_tokens"]
+
+
+def test_the_router_renders_a_responses_prompt_as_the_replica_does(tiny_server, tiny_llama):
+    """kv_aware routing of /v1/responses: the router's tokens are the replica's whole prompt."""
+    from kvserve.model.loader import load_tokenizer
+    from kvserve.router.prompt_hashes import PromptTokens
+
+    body = {"model": "tiny", "instructions": "Answer briefly.", "max_output_tokens": 2,
+            "input": [{"role": "user", "content": "Mr. Darcy?"},
+                      {"type": "function_call", "call_id": "c1", "name": "lookup", "arguments": "{\"q\": \"x\"}"},
+                      {"type": "function_call_output", "call_id": "c1", "output": "found"}],
+            "tools": [{"type": "function", "name": "lookup", "parameters": {"type": "object"}}], "tool_choice": "none"}
+    reply = httpx.post(f"{tiny_server.base_url}/v1/responses", json=body, timeout=60).json()
+    assert "usage" in reply, reply
+    ids = PromptTokens(load_tokenizer(tiny_llama)).token_ids("responses", body)
+    assert ids and len(ids) == reply["usage"]["input_tokens"]

@@ -1,9 +1,12 @@
 """The router's HTTP front: an OpenAI-compatible proxy over kvserve replicas.
 
     client ──> APIKeyMiddleware (if --api-key) ──> BodySizeLimitMiddleware ──> routes
-    POST /v1/completions, /v1/chat/completions: prompt tokens (worker thread) ──> Router.choose
-        ──> the chosen backend, body as sent; its answer relayed (SSE streamed message by message)
-    POST /tokenize, /detokenize: any up backend
+    POST /v1/completions, /v1/chat/completions, /v1/messages, /v1/responses, /invocations: prompt
+        tokens (worker thread) ──> Router.choose ──> the chosen backend, body as sent; its answer
+        relayed (SSE streamed message by message). A Responses request continuing a stored
+        response (previous_response_id) goes to the backend that stored it, found by asking each
+        (GET /v1/responses/{id}); so do that GET and its cancel.
+    POST /tokenize, /detokenize, /v1/embeddings, /v1/messages/count_tokens: any up backend
     GET /v1/models (an up backend's), /health (200 while one backend is up), /version,
         /metrics (the router's own and every backend's, labelled `replica`), /router/state
 
@@ -27,6 +30,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 from fastapi import FastAPI, Request
@@ -51,6 +55,7 @@ from kvserve.server.streaming import DONE, EventStreamResponse, sse_error
 
 logger = logging.getLogger("kvserve.router")
 
+OWNER_LOOKUP_TIMEOUT_S = 5.0  # asking a backend whether it stored a response
 NO_BACKEND = "No backend is available to serve the request (every replica is down or unreachable)."
 TOO_DEEP = "The request body is not valid JSON: it is nested too deeply."
 _PASSED_HEADERS = ("authorization", "x-api-key", "content-type", "accept", "x-request-id", "x-vllm-priority")
@@ -188,6 +193,10 @@ class RouterService:
                 return JSONResponse(error_body(400, TOO_DEEP, path=path), status_code=400)
             except ValueError:
                 pass
+        owner = None  # Responses: the backend that stored the previous response holds its conversation
+        if route == "responses":
+            previous = body.get("previous_response_id") if isinstance(body, dict) else None
+            owner = await self._response_owner(previous, request) if isinstance(previous, str) else None
         if route == "invocations":  # SageMaker's one route: read as the body's kind (the replica does the same)
             route = ("chat" if "messages" in body else "completions" if "prompt" in body else "other") \
                 if isinstance(body, dict) else "other"
@@ -198,7 +207,8 @@ class RouterService:
         headers = self._headers(request)
         tried: set[str] = set()
         while True:
-            choice = self.router.choose([b for b in self.up_backends() if b.name not in tried], token_ids, salt)
+            choice = self.router.choose([b for b in self.up_backends() if b.name not in tried
+                                         and (owner is None or b is owner)], token_ids, salt)
             if choice is None:
                 return JSONResponse(error_body(503, NO_BACKEND, path=path), status_code=503)
             backend = choice.backend
@@ -361,6 +371,37 @@ class RouterService:
             headers["authorization"] = f"Bearer {self.config.backend_api_key}"
         return headers
 
+    async def _response_owner(self, response_id: str, request: Request) -> Backend | None:
+        """The backend that stored a Responses API response (its store is per replica), asking every
+        backend that is up at once; None when none has it (any of them then answers the 404)."""
+        headers = self._headers(request)
+        path = f"/v1/responses/{quote(response_id, safe='')}"
+
+        async def holds(backend: Backend) -> bool:
+            try:
+                return (await self.client.get(f"{backend.url}{path}", headers=headers,
+                                              timeout=OWNER_LOOKUP_TIMEOUT_S)).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        backends = self.up_backends()
+        found = await asyncio.gather(*(holds(b) for b in backends))
+        return next((b for b, held in zip(backends, found) if held), None)
+
+    async def forward_to_response_owner(self, request: Request, response_id: str) -> Response:
+        """GET /v1/responses/{id} or its cancel, sent to the backend holding it (else to one that answers 404)."""
+        owner = await self._response_owner(response_id, request)
+        backends = [owner] if owner is not None else self.up_backends()[:1]
+        if not backends:
+            return JSONResponse(error_body(503, NO_BACKEND), status_code=503)
+        try:
+            response = await self.client.request(request.method, f"{backends[0].url}{request.url.path}",
+                                                 headers=self._headers(request), content=await request.body())
+        except httpx.HTTPError as exc:
+            return JSONResponse(error_body(502, f"The backend failed: {type(exc).__name__}."), status_code=502)
+        return Response(response.content, status_code=response.status_code,
+                        media_type=response.headers.get("content-type"))
+
     async def forward_get(self, path: str, request: Request) -> Response:
         headers = self._headers(request)
         for backend in self.up_backends():
@@ -427,8 +468,16 @@ def build_router_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
     for path, route in (("/v1/completions", "completions"), ("/v1/chat/completions", "chat"),
                         ("/v1/messages", "messages"), ("/v1/messages/count_tokens", "other"),
                         ("/tokenize", "other"), ("/detokenize", "other"), ("/v1/embeddings", "other"),
-                        ("/invocations", "invocations")):
+                        ("/invocations", "invocations"), ("/v1/responses", "responses")):
         app.add_api_route(path, proxied(route), methods=["POST"])
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str, request: Request) -> Response:
+        return await service.forward_to_response_owner(request, response_id)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str, request: Request) -> Response:
+        return await service.forward_to_response_owner(request, response_id)
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(request: Request) -> Response:

@@ -2,7 +2,8 @@
 
 The prompt is rendered with the engine's own functions (the chat template through
 `output_processor.apply_chat_template`, text through `output_processor.tokenize`, messages through
-the server's `conversation`, Anthropic's through its `chat_messages`) and hashed with the cache
+the server's `conversation`, Anthropic's through its `chat_messages`, Responses input through its
+`input_messages`) and hashed with the cache
 layer's `root_hash` and `prompt_block_hashes`, under the namespace and block size the replica
 publishes and the request's `cache_salt`. A body the router cannot read (invalid JSON or fields)
 yields no tokens: it is routed by load alone and the replica answers it with its own 400.
@@ -21,6 +22,8 @@ from kvserve.cache.kv_cache_manager import prompt_block_hashes, root_hash
 from kvserve.engine.output_processor import render_chat_template, tokenize
 from kvserve.server.errors import APIError
 from kvserve.server.messages import MessagesRequest, chat_messages, chat_tools, is_prefill
+from kvserve.server.responses import ResponsesRequest, input_messages
+from kvserve.server.responses import chat_tools as responses_chat_tools
 from kvserve.server.prompts import conversation
 from kvserve.server.protocol import ChatCompletionRequest
 
@@ -36,11 +39,17 @@ class PromptTokens:
         self.chat_template = chat_template
 
     def token_ids(self, route: str, body: Any) -> list[int] | None:
-        """The first prompt's token ids for `route` ("completions", "chat" or "messages"), None if unreadable.
+        """The first prompt's token ids for `route` ("completions", "chat", "messages" or "responses"),
+        None if unreadable.
         Runs in a worker thread (tokenizing is CPU work)."""
         if not isinstance(body, dict):
             return None
         try:
+            if route == "responses":  # OpenAI's Responses API, rendered as the replica's chat path renders it
+                responses = ResponsesRequest.model_validate(body)
+                system = [{"role": "system", "content": responses.instructions}] if responses.instructions else []
+                return self.token_ids("chat", {"messages": system + input_messages(responses.input),
+                                                "tools": responses_chat_tools(responses.tools)})
             if route == "chat":
                 request = ChatCompletionRequest.model_validate(body)
                 if request.chat_template is not None or "chat_template" in (request.chat_template_kwargs or {}):
