@@ -124,8 +124,9 @@ def main() -> None:
                 for policy in order:
                     offset = (2 * index + order.index(policy)) * per_round % (len(BOOK) - per_round)
                     result[policy] = r = asyncio.run(one_round(servers[policy].base_url, model, policy, args, offset))
-                    print(f"round {index + 1} {policy:>8}: interactive TTFT median {r['interactive']['median_ttft_s']:6.2f} s"
-                          f" max {r['interactive']['max_ttft_s']:6.2f} s; batch TTFT median "
+                    print(f"round {index + 1} {policy:>8}: interactive TTFT median "
+                          f"{r['interactive']['median_ttft_s']:6.2f} s max {r['interactive']['max_ttft_s']:6.2f} s; "
+                          f"batch TTFT median "
                           f"{r['batch']['median_ttft_s']:6.2f} s max {r['batch']['max_ttft_s']:6.2f} s; "
                           f"{r['tokens_per_s']:6.1f} tok/s", flush=True)
                 rounds.append(result)

@@ -66,6 +66,9 @@ class RequestOutput:
     error: str | None = None
     # With SamplingParams.prompt_logprobs: every prompt token's entry, once the prompt is computed.
     prompt_logprobs: PromptLogprobs | None = None
+    # On the finished output: when (time.monotonic) a sequence of it was first scheduled, None if
+    # it never was (aborted while waiting). What /metrics' queue and prefill times count from.
+    first_scheduled_time: float | None = None
 
 
 @dataclass

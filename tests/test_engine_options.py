@@ -69,7 +69,8 @@ BAD_OPTIONS = [
     ({"enable_prefix_caching": "yes"}, "enable_prefix_caching must be True or False"),
     ({"kv_eviction": "streaming"}, "needs a budget"),
     ({"scheduling_policy": "lifo"}, "--scheduling-policy must be one of fcfs, priority"),
-    ({"enable_chunked_prefill": False, "kv_eviction": "streaming", "kv_budget": 64}, "--kv-eviction needs chunked prefill"),
+    ({"enable_chunked_prefill": False, "kv_eviction": "streaming", "kv_budget": 64},
+     "--kv-eviction needs chunked prefill"),
     ({"enable_chunked_prefill": False, "max_num_batched_tokens": 64, "max_model_len": 512},
      "max_num_batched_tokens (64) is smaller than max_model_len (512)"),
 ]

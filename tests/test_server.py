@@ -444,6 +444,12 @@ def test_metrics_names_and_values_move(tiny_server, client, offline):
     assert moved("kvserve:inter_token_latency_seconds_count") == 6
     assert moved("kvserve:e2e_request_latency_seconds_count") == 1
     assert moved("kvserve:prefix_cache_queries_total") == len(offline.get_tokenizer().encode(prompt))
+    for phase in ("queue", "prefill", "decode", "inference"):  # vLLM's per-request phases
+        assert moved(f"kvserve:request_{phase}_time_seconds_count") == 1
+    assert moved("kvserve:request_time_per_output_token_seconds_count") == 1
+    assert moved("kvserve:request_generation_tokens_sum") == 7 and moved("kvserve:request_params_max_tokens_sum") == 7
+    assert moved("kvserve:request_prompt_tokens_sum") == len(offline.get_tokenizer().encode(prompt))
+    assert moved("kvserve:request_params_n_count") == 1
 
 
 def test_prefix_cache_hits_respect_cache_salt(tiny_server, client):

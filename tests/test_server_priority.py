@@ -34,7 +34,8 @@ def test_fcfs_refuses_a_priority_it_would_ignore(tiny_server, path, body, header
     response = httpx.post(f"{tiny_server.base_url}{path}", json=body, headers=headers, timeout=60)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
-    assert "Priority scheduling is not enabled" in error["message"] and "--scheduling-policy priority" in error["message"]
+    assert "Priority scheduling is not enabled" in error["message"]
+    assert "--scheduling-policy priority" in error["message"]
     assert error["param"] == "priority"
 
 

@@ -87,6 +87,25 @@ def test_dashboard_totals_count_prefill_only_prompts_as_metrics_does():
     assert 'kvserve:prompt_tokens_total{model_name="m"} 6.0' in metrics.render().decode()
 
 
+def test_a_finished_requests_phases_are_observed():
+    """vLLM's request_* histograms: queued 10 -> 11, first token at 12, finished at 15 with 4 tokens."""
+    metrics = ServerMetrics("m", log_interval_s=5.0)
+    metrics.on_arrival("r", arrival_time=10.0, max_tokens=8)
+    metrics.on_outputs([_output("r", 1, None)], now=12.0)
+    done = _output("r", 4, "length")
+    done.first_scheduled_time = 11.0
+    metrics.on_outputs([done], now=15.0)
+
+    def total(name: str) -> float:
+        return metrics.registry.get_sample_value(f"kvserve:{name}_sum", {"model_name": "m"})
+
+    assert total("request_queue_time_seconds") == 1.0 and total("request_prefill_time_seconds") == 1.0
+    assert total("request_decode_time_seconds") == 3.0 and total("request_inference_time_seconds") == 4.0
+    assert total("request_time_per_output_token_seconds") == 1.0
+    assert total("request_prompt_tokens") == 3 and total("request_generation_tokens") == 4
+    assert total("request_params_max_tokens") == 8 and total("request_params_n") == 1
+
+
 def test_no_stats_line_without_an_interval(caplog):
     """--disable-log-stats: the counters go on, no periodic line, and an idle engine sleeps."""
     metrics = ServerMetrics("m", log_interval_s=None)

@@ -249,5 +249,11 @@ class OutputProcessor:
             del self._parents[parent.request_id]
             for child in parent.children:
                 self._children.pop(child.request.request_id, None)
+        scheduled = None
+        if finished:
+            times = [c.request.first_scheduled_time for c in parent.children
+                     if c.request.first_scheduled_time is not None]
+            scheduled = min(times) if times else None
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outputs, finished,
-                             parent.children[0].request.num_cached_tokens, error, parent.complete_prompt_logprobs)
+                             parent.children[0].request.num_cached_tokens, error, parent.complete_prompt_logprobs,
+                             scheduled)

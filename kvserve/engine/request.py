@@ -62,6 +62,7 @@ class Request:
     # Async scheduling: tokens sampled by a launched step whose ids have not reached the host yet
     # (not in token_ids; num_computed_tokens already counts the step that samples them).
     num_pending_tokens: int = 0
+    first_scheduled_time: float | None = None  # time.monotonic() when first admitted (not reset by preemption)
 
     @property
     def needs_prompt_logprobs(self) -> bool:

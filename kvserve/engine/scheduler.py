@@ -38,6 +38,7 @@ stop string) has computed one token too many, which is discarded.
 from __future__ import annotations
 
 import bisect
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -86,7 +87,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_needing_host_tokens = 0  # unfinished requests with `needs_host_tokens` (no overlap while any)
         if config.policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"scheduling policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {config.policy!r}")
+            raise ValueError(f"scheduling policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                             f"got {config.policy!r}")
         self.by_priority = config.policy == "priority"
 
     # ------------------------------------------------------------------ queue management
@@ -208,6 +210,8 @@ class Scheduler:
                 self.kv.record_lookup(request.num_tokens, len(cached) * self.kv.block_size, loaded)
             request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
             self.running.append(request)
             scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new

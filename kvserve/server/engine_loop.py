@@ -439,7 +439,9 @@ class AsyncEngine:
         for rid in added:
             self._streams[rid] = command.stream
             if self.metrics is not None:
-                self.metrics.on_arrival(rid, command.arrival_time)
+                sequences = self.engine.output_processor.sequences(rid)  # max_tokens as the engine resolved it
+                self.metrics.on_arrival(rid, command.arrival_time,
+                                        sequences[0].params.max_tokens if sequences else None)
         self._post(command.stream._accept)
 
     def _abort(self, command: _Abort) -> None:

@@ -19,6 +19,19 @@ ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0
                20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                80.0)
+
+
+def one_two_five(limit: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `limit` (vLLM's buckets for token counts)."""
+    values, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > limit:
+                return tuple(values)
+            values.append(mantissa * scale)
+        scale *= 10
 
 
 @dataclass(frozen=True)
@@ -45,6 +58,7 @@ class EngineSnapshot:
 @dataclass
 class _RequestTimes:
     arrival: float
+    max_tokens: int | None = None  # the request's, as the engine resolved it
     first_token: float | None = None
     last_token: float = 0.0
     num_tokens: int = 0
@@ -65,6 +79,7 @@ class ServerMetrics:
     model_name: str
     log_interval_s: float | None = 5.0  # None: no periodic log line (--disable-log-stats); metrics still count
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+    max_model_len: int = 8192  # the token-count histograms' last bucket
 
     def __post_init__(self) -> None:
         labels, r = ["model_name"], self.registry
@@ -104,6 +119,23 @@ class ServerMetrics:
         self.itl = histogram("inter_token_latency_seconds", "Time between consecutive generated tokens.",
                              ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", E2E_BUCKETS)
+        # Per finished request, vLLM's phases: queued (arrival to first scheduled), prefill (to the
+        # first token), decode (first token to finish), inference (first scheduled to finish).
+        self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.", E2E_BUCKETS)
+        self.prefill_time = histogram("request_prefill_time_seconds", "First scheduled to first token.",
+                                      E2E_BUCKETS)
+        self.decode_time = histogram("request_decode_time_seconds", "First token to finish.", E2E_BUCKETS)
+        self.inference_time = histogram("request_inference_time_seconds", "First scheduled to finish.",
+                                        E2E_BUCKETS)
+        self.tpot = histogram("request_time_per_output_token_seconds", "A request's mean time between its "
+                              "generated tokens.", TPOT_BUCKETS)
+        token_buckets = one_two_five(self.max_model_len)
+        self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens per request.", token_buckets)
+        self.request_generation_tokens = histogram("request_generation_tokens", "Generated tokens per request.",
+                                                   token_buckets)
+        self.max_tokens_param = histogram("request_params_max_tokens", "The max_tokens of each request.",
+                                          token_buckets)
+        self.n_param = histogram("request_params_n", "The n of each request.", (1, 2, 5, 10, 20))
         self._times: dict[str, _RequestTimes] = {}
         self._last: EngineSnapshot | None = None
         self._interval = _Interval(start=0.0)
@@ -119,8 +151,8 @@ class ServerMetrics:
         if not self._interval.active and self.log_interval_s is not None:
             self._interval = _Interval(start=now, active=True)
 
-    def on_arrival(self, request_id: str, arrival_time: float) -> None:
-        self._times[request_id] = _RequestTimes(arrival_time)
+    def on_arrival(self, request_id: str, arrival_time: float, max_tokens: int | None = None) -> None:
+        self._times[request_id] = _RequestTimes(arrival_time, max_tokens)
         self._mark_active(arrival_time)
 
     def on_outputs(self, outputs: list[RequestOutput], now: float) -> None:
@@ -145,6 +177,7 @@ class ServerMetrics:
                 self._count_prompt(len(out.prompt_token_ids))
             if out.finished:
                 self.e2e.observe(now - times.arrival)
+                self._observe_phases(out, times, now)
                 for completion in out.outputs:
                     self._success.labels(self.model_name, completion.finish_reason or "abort").inc()
                 del self._times[out.request_id]
@@ -152,6 +185,24 @@ class ServerMetrics:
             self.generation_tokens.inc(generated)
             self._generation_tokens_total += generated
             self._interval.generation_tokens += generated
+
+    def _observe_phases(self, out: RequestOutput, times: _RequestTimes, now: float) -> None:
+        """A finished request's phase times and sizes (vLLM's request_* histograms)."""
+        scheduled = out.first_scheduled_time
+        if scheduled is not None:  # else aborted while it waited: no queue time to speak of
+            self.queue_time.observe(max(0.0, scheduled - times.arrival))
+            self.inference_time.observe(now - scheduled)
+            if times.first_token is not None:
+                self.prefill_time.observe(max(0.0, times.first_token - scheduled))
+        if times.first_token is not None:
+            self.decode_time.observe(now - times.first_token)
+            if len(out.outputs) == 1 and times.num_tokens > 1:
+                self.tpot.observe((times.last_token - times.first_token) / (times.num_tokens - 1))
+        self.request_prompt_tokens.observe(len(out.prompt_token_ids))
+        self.request_generation_tokens.observe(times.num_tokens)
+        if times.max_tokens is not None:
+            self.max_tokens_param.observe(times.max_tokens)
+        self.n_param.observe(len(out.outputs))
 
     def _count_prompt(self, tokens: int) -> None:
         """A request's prompt was computed: /metrics' counter, the dashboard's total and the log line's."""
