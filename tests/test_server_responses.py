@@ -5,6 +5,7 @@ that package is installed."""
 from __future__ import annotations
 
 import json
+import time
 from typing import Literal
 
 import httpx
@@ -96,8 +97,10 @@ def test_the_store_and_its_errors(client):
     stored = client.responses.create(model="tiny", input="Hi", max_output_tokens=2)
     with pytest.raises(openai.BadRequestError, match="background=true"):
         client.responses.cancel(stored.id)
-    with pytest.raises(openai.BadRequestError, match="`background` is not supported"):
-        client.responses.create(model="tiny", input="Hi", background=True)
+    with pytest.raises(openai.BadRequestError, match="`background` with `stream` is not supported"):
+        client.responses.create(model="tiny", input="Hi", background=True, stream=True)
+    with pytest.raises(openai.BadRequestError, match="`background` requires `store`"):
+        client.responses.create(model="tiny", input="Hi", background=True, store=False)
     with pytest.raises(openai.BadRequestError, match="only function tools are supported"):
         client.responses.create(model="tiny", input="Hi", tools=[{"type": "web_search"}])
     with pytest.raises(openai.BadRequestError, match="`n` must be 1 on /v1/responses"):
@@ -258,3 +261,51 @@ def test_the_router_renders_a_responses_prompt_as_the_replica_does(tiny_server, 
     assert "usage" in reply, reply
     ids = PromptTokens(load_tokenizer(tiny_llama)).token_ids("responses", body)
     assert ids and len(ids) == reply["usage"]["input_tokens"]
+
+
+def wait_for(condition, timeout_s: float = 30.0):
+    """Poll until condition() is truthy (a bound on waiting, not a timing assertion)."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := condition()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return value
+
+
+def wait_for_status(client, response_id: str, statuses: tuple[str, ...], timeout_s: float = 60.0):
+    """Poll GET /v1/responses/{id} until its status is one of `statuses` (a bound on waiting)."""
+    deadline = time.monotonic() + timeout_s
+    while (response := client.responses.retrieve(response_id)).status not in statuses:
+        assert time.monotonic() < deadline, response.status
+        time.sleep(0.05)
+    return response
+
+
+def test_background_mode_polls_to_the_synchronous_answer_and_cancels(client, tiny_server):
+    """OpenAI's background mode: queued at once, then the same output as a synchronous request;
+    a long one cancelled while running ends `cancelled` and frees its blocks; continuing from a
+    response still running is a 400."""
+    request = {"model": "tiny", "input": "Mr. Darcy", "max_output_tokens": 6, "temperature": 0}
+    queued = client.responses.create(background=True, **request)
+    assert queued.status in ("queued", "in_progress") and queued.background
+    done = wait_for_status(client, queued.id, ("completed", "incomplete"))
+    assert done.output_text == client.responses.create(**request).output_text and done.usage.output_tokens == 6
+    with pytest.raises(openai.BadRequestError, match="has already finished"):
+        client.responses.cancel(done.id)
+    follow_up = client.responses.create(model="tiny", input="And?", max_output_tokens=2, previous_response_id=done.id)
+    assert follow_up.status == "incomplete"
+
+    long = client.responses.create(background=True, model="tiny", input="Elizabeth", max_output_tokens=900,
+                                   extra_body={"ignore_eos": True})
+    wait_for_status(client, long.id, ("in_progress",))
+    with pytest.raises(openai.BadRequestError, match="is still in progress"):
+        client.responses.create(model="tiny", input="Next", previous_response_id=long.id)
+    assert client.responses.cancel(long.id).status == "cancelled"
+    assert client.responses.retrieve(long.id).status == "cancelled"
+    metrics = wait_for(lambda: (m := tiny_server.metrics())["kvserve:num_requests_running"] == 0 and m)
+    assert metrics and metrics["kvserve:kv_cache_usage_perc"] == 0.0
+
+
+def test_a_background_response_that_cannot_run_is_failed_with_its_error(client):
+    too_long = client.responses.create(background=True, model="tiny", input="word " * 2000, max_output_tokens=2)
+    failed = wait_for_status(client, too_long.id, ("failed",))
+    assert failed.error.code == "context_length_exceeded" and "maximum context length" in failed.error.message

@@ -8,11 +8,13 @@ when given; `tools` (function tools), `tool_choice`, `text.format` (a JSON schem
 output items (a `message` with `output_text`, `function_call`s). Streaming sends the Responses
 event types as the chat stream produces text and calls. `store` (on by default) keeps a response
 and its conversation in memory, in an LRU of `MAX_STORED` entries, for `GET /v1/responses/{id}`
-and `previous_response_id`. Responses are synchronous: `background` is refused, so `cancel` has
-nothing to cancel and says so.
+and `previous_response_id`. `background` (OpenAI's background mode, not streamed) answers at once
+with the response `queued` and generates it in a task: poll `GET /v1/responses/{id}`, stop it with
+`cancel`.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -24,7 +26,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from kvserve.server.chat import ChatServing, chat_request
-from kvserve.server.errors import APIError
+from kvserve.server.errors import APIError, error_type
 from kvserve.server.protocol import OpenAIModel, is_off
 from kvserve.server.serving import log_ignored_fields, logger
 from kvserve.server.streaming import EventStreamResponse, sse_payloads
@@ -212,10 +214,23 @@ def _call_item(call_id: str, name: str, arguments: str, status: str = "completed
             "arguments": arguments, "status": status}
 
 
+class _Detached:
+    """What the chat path reads of a request, for one whose client has gone (background mode): its
+    headers (priority, request id), and a receive that never reports a disconnect."""
+
+    def __init__(self, headers: Any):
+        self.headers = headers
+
+    async def receive(self) -> dict[str, Any]:
+        await asyncio.Event().wait()
+        return {}
+
+
 class ResponsesServing:
     def __init__(self, chat: ChatServing):
         self.chat = chat
         self.stored: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = OrderedDict()
+        self.background: dict[str, asyncio.Future] = {}  # background responses still running, by id
 
     # ------------------------------------------------------------------ the store
     def get(self, response_id: str) -> dict[str, Any]:
@@ -225,9 +240,18 @@ class ResponsesServing:
         return self.stored[response_id][0]
 
     def cancel(self, response_id: str) -> dict[str, Any]:
-        self.get(response_id)
-        raise APIError(400, "Only responses created with background=true can be cancelled; kvserve answers every "
-                            "response synchronously, so this one has already completed.", param="response_id")
+        """Stop a background response still running (OpenAI's; its status becomes `cancelled`)."""
+        response = self.get(response_id)
+        task = self.background.pop(response_id, None)
+        if task is not None:
+            task.cancel()  # the chat path's stream closes: the engine aborts the request
+            self._update(response_id, status="cancelled")
+            return self.stored[response_id][0]
+        if not response.get("background"):
+            raise APIError(400, "Only responses created with background=true can be cancelled; this one was "
+                                "answered synchronously and has already completed.", param="response_id")
+        raise APIError(400, f"The response has already finished (status {response['status']}); only a queued "
+                            f"or in-progress background response can be cancelled.", param="response_id")
 
     def _store(self, response: dict[str, Any], messages: list[dict[str, Any]]) -> None:
         self.stored[response["id"]] = (response, messages)
@@ -236,8 +260,11 @@ class ResponsesServing:
 
     # ------------------------------------------------------------------ create
     async def create(self, body: ResponsesRequest, request: Request) -> Response:
-        if body.background:
-            raise APIError(400, "`background` is not supported by kvserve: responses are synchronous.",
+        if body.background and body.stream:
+            raise APIError(400, "`background` with `stream` is not supported by kvserve: create the response "
+                                "in the background, then poll GET /v1/responses/{id}.", param="background")
+        if body.background and not body.store:  # OpenAI's rule: a background response is fetched from the store
+            raise APIError(400, "`background` requires `store` (the response is fetched from the store).",
                            param="background")
         body.refuse_unsupported()
         if (body.model_extra or {}).get("n") not in (None, 1):  # a chat field passed through: one output here
@@ -249,7 +276,11 @@ class ResponsesServing:
                 raise APIError(404, f"Previous response with id '{body.previous_response_id}' not found.",
                                param="previous_response_id", code="previous_response_not_found")
             self.stored.move_to_end(body.previous_response_id)
-            history = self.stored[body.previous_response_id][1]
+            previous, history = self.stored[body.previous_response_id]
+            if previous["status"] in ("queued", "in_progress"):
+                raise APIError(400, f"Previous response with id '{body.previous_response_id}' is still "
+                                    f"{previous['status'].replace('_', ' ')}: poll it until it has finished.",
+                               param="previous_response_id")
         conversation = history + input_messages(body.input)
         system = [{"role": "system", "content": body.instructions}] if body.instructions else []
         fields = {
@@ -267,6 +298,49 @@ class ResponsesServing:
         if body.stream:
             reply = await self.chat.create(chat_body, request)
             return EventStreamResponse(self._events(reply, base, conversation, body.store), reply.on_close)
+        if body.background:
+            return self._start_background(body, base, chat_body, conversation, request)
+        response = await self._complete(body, base, chat_body, conversation, request)
+        return Response(json.dumps(response), media_type="application/json")
+
+    def _start_background(self, body: ResponsesRequest, base: dict[str, Any], chat_body: Any,
+                          conversation: list[dict[str, Any]], request: Request) -> Response:
+        """OpenAI's background mode: answer at once with the response `queued`, generate it in a
+        task (whose client is gone: it never disconnects), keep its state in the store for GET;
+        `cancel` aborts it (the engine frees its blocks). A failure is the stored response's
+        `error`, its status `failed`."""
+        queued = dict(base, status="queued")
+        self._store(queued, conversation)
+        detached = _Detached(request.headers)
+
+        async def run() -> None:
+            self._update(queued["id"], status="in_progress")
+            try:
+                await self._complete(body, base, chat_body, conversation, detached)
+            except asyncio.CancelledError:
+                self._update(queued["id"], status="cancelled")
+                raise
+            except APIError as exc:
+                self._update(queued["id"], status="failed",
+                             error={"code": exc.code or error_type(exc.status), "message": str(exc)})
+            except Exception as exc:  # the engine's or ours: reported on the response, logged here
+                logger.exception("background response %s failed", queued["id"])
+                self._update(queued["id"], status="failed",
+                             error={"code": "server_error", "message": f"{type(exc).__name__}: {exc}"})
+            finally:
+                self.background.pop(queued["id"], None)
+
+        self.background[queued["id"]] = asyncio.ensure_future(run())
+        return Response(json.dumps(queued), media_type="application/json")
+
+    def _update(self, response_id: str, **fields: Any) -> None:
+        if response_id in self.stored:
+            response, messages = self.stored[response_id]
+            self.stored[response_id] = (dict(response, **fields), messages)
+
+    async def _complete(self, body: ResponsesRequest, base: dict[str, Any], chat_body: Any,
+                        conversation: list[dict[str, Any]], request: Any) -> dict[str, Any]:
+        """The response to a request that is not streamed, stored when asked."""
         reply = json.loads((await self.chat.create(chat_body, request)).body)
         choice = reply["choices"][0]
         message = choice["message"]
@@ -283,7 +357,7 @@ class ResponsesServing:
         response = self._finish(base, output, choice["finish_reason"], reply["usage"])
         if body.store:
             self._store(response, conversation + self._output_messages(output))
-        return Response(json.dumps(response), media_type="application/json")
+        return response
 
     async def _fit_context(self, fields: dict[str, Any], system: list[dict[str, Any]],
                            conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -328,7 +402,7 @@ class ResponsesServing:
                 "previous_response_id": body.previous_response_id, "store": body.store,
                 "truncation": body.truncation or "disabled",
                 "text": body.text or {"format": {"type": "text"}}, "metadata": body.metadata or {},
-                "usage": None, "user": body.user}
+                "usage": None, "user": body.user, "background": body.background}
 
     @staticmethod
     def _settle(output: list[dict[str, Any]], finish_reason: str | None) -> None:
