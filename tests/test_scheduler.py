@@ -17,9 +17,10 @@ def make_request(rid: str, prompt_len: int, max_tokens: int, start_token: int = 
 
 
 def make_scheduler(num_blocks: int, max_num_seqs: int = 16, budget: int = 64, max_model_len: int = 256,
-                   prefix_caching: bool = False, policy: str = "fcfs", chunked_prefill: bool = True) -> Scheduler:
+                   prefix_caching: bool = False, policy: str = "fcfs", chunked_prefill: bool = True,
+                   long_prefill: int = 0) -> Scheduler:
     kv = KVCacheManager(num_blocks, BS, prefix_caching)
-    return Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len, policy, chunked_prefill), kv)
+    return Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len, policy, chunked_prefill, long_prefill), kv)
 
 
 def step_and_sample(sched: Scheduler) -> list:
@@ -109,6 +110,21 @@ def test_without_chunked_prefill_a_prompt_waits_for_a_step_that_holds_it_whole()
     assert steps[0] == [("short", 1)] and steps[1] == [("short", 1)] and steps[2] == [("long", 10)]
     assert steps[3] == [("long", 1), ("behind", 2)]
     assert all(n in (1, 10) for step in steps for rid, n in step if rid == "long")
+
+
+def test_a_long_prefill_is_capped_only_while_others_are_eligible():
+    alone = make_scheduler(num_blocks=64, budget=32, long_prefill=8)
+    alone.add(make_request("long", 100, 2))
+    assert [(s.request.request_id, s.num_new_tokens) for s in alone.schedule()] == [("long", 32)]
+    shared = make_scheduler(num_blocks=64, budget=32, long_prefill=8)
+    shared.add(make_request("long", 100, 2))
+    shared.add(make_request("short", 6, 2, start_token=200))
+    assert [(s.request.request_id, s.num_new_tokens) for s in shared.schedule()] == [("long", 8), ("short", 6)]
+    steps = run_to_completion(shared)
+    last_short = max(i for i, step in enumerate(steps) if any(rid == "short" for rid, _ in step))
+    # capped while "short" decodes beside it; alone again, it takes the whole budget
+    assert all(n <= 8 for step in steps[:last_short + 1] for rid, n in step if rid == "long")
+    assert ("long", 32) in steps[last_short + 1]
 
 
 def test_max_num_seqs_caps_the_batch():

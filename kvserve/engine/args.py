@@ -147,6 +147,10 @@ class EngineArgs:
         "(vLLM's flag and default). Without it a prompt is computed in one step or waits, and "
         "--max-num-batched-tokens defaults to at least --max-model-len (it may not be less)",
         action=argparse.BooleanOptionalAction))
+    long_prefill_token_threshold: int = field(default=0, metadata=_opt(
+        "with chunked prefill: while other requests run or wait, a prompt advances at most this many tokens "
+        "a step, so that one long prompt does not hold up the others' prefills (vLLM's flag; 0 = no cap)",
+        type=int))
     kv_cache_dtype: str = field(default="auto", metadata=_opt(
         "storage dtype of the KV cache; auto = the model dtype", choices=KV_CACHE_DTYPES))
     enable_prefix_caching: bool = field(default=True, metadata=_opt(
@@ -284,6 +288,7 @@ class EngineArgs:
         if self.tensor_parallel_size > 1 and (self.kv_offloading_size or path is not None):
             raise ValueError("the KV offload tiers (--kv-offloading-size, --kv-offloading-disk-path) copy one "
                              "process's pool: they do not work with --tensor-parallel-size > 1 yet")
+        _check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
         if not self.enable_chunked_prefill and self.kv_eviction != NO_EVICTION:
             raise ValueError("--kv-eviction needs chunked prefill: its policy drops tokens between a prompt's "
                              "chunks (drop --no-enable-chunked-prefill)")

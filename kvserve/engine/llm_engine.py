@@ -147,7 +147,7 @@ class LLMEngine:
                                          namespace=namespace, evictor=self.evictor, tiers=self.tiers)
         self.scheduler = Scheduler(
             SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len, args.scheduling_policy,
-                            args.enable_chunked_prefill), self.kv_manager)
+                            args.enable_chunked_prefill, args.long_prefill_token_threshold), self.kv_manager)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler.finish, self.runner.sampler.forget)
         self._ids = itertools.count()

@@ -5,7 +5,10 @@ data, `ScheduledRequest`s). Running requests go first in arrival order (FCFS): a
 token of the budget, an unfinished prefill takes as much as is left (chunked prefill). Waiting
 requests then join while the budget, `max_num_seqs` and free blocks allow (without chunked
 prefill, vLLM's `--no-enable-chunked-prefill`, only while the budget holds the whole prompt; the
-first that does not fit waits, and those behind it). When the pool runs
+first that does not fit waits, and those behind it). With `long_prefill_token_threshold` (vLLM's
+`--long-prefill-token-threshold`) a request advances at most that many tokens a step while
+another request runs or waits, so that one long prompt does not take every step's budget from
+the others' prefills. When the pool runs
 dry, the most recently admitted running request is preempted by recompute: its blocks are freed
 and it goes back to the front of the waiting queue (vLLM's policy; never an OOM).
 
@@ -53,6 +56,7 @@ class SchedulerConfig:
     max_model_len: int
     policy: str = "fcfs"  # or "priority" (SCHEDULING_POLICIES)
     chunked_prefill: bool = True  # False: a prompt is computed in one step, or waits
+    long_prefill_token_threshold: int = 0  # > 0: a prefill chunk's cap while others are eligible
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -151,6 +155,9 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted = False
+        # (vLLM's rule: alone, a long prompt may take the whole budget; chunking off, it never is cut)
+        cap = self.config.long_prefill_token_threshold \
+            if self.config.chunked_prefill and len(self.running) + len(self.waiting) > 1 else 0
 
         for request in list(self.running):
             if budget == 0:
@@ -160,6 +167,8 @@ class Scheduler:
             remaining = request.num_scheduled_tokens - request.num_computed_tokens
             if remaining == 0 or (request.num_pending_tokens and request.stops_with_pending(self.config.max_model_len)):
                 continue  # (async scheduling) all in flight, or its pending token ends it
+            if cap and remaining > cap:
+                remaining = cap
             num_new = min(remaining, budget, self.kv.max_new_tokens(request))
             while not self.kv.allocate(request, num_new):
                 victim = self._victim()
@@ -200,7 +209,8 @@ class Scheduler:
             num_cached = (len(cached) + loaded.num_blocks) * self.kv.block_size
             if request.num_tokens - num_cached > budget and not self.config.chunked_prefill:
                 break  # (vLLM's rule: it and those behind it wait for a step with room for its prompt)
-            num_new = min(request.num_tokens - num_cached, budget, self.kv.max_new_tokens(request, num_cached))
+            num_new = min(request.num_tokens - num_cached, cap or budget, budget,
+                          self.kv.max_new_tokens(request, num_cached))
             if not self.kv.allocate(request, num_new, cached, loaded):
                 break
             del self.waiting[index]
