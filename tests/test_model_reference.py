@@ -194,7 +194,7 @@ def test_default_model_bfloat16_top1_agreement(hf_default_fp32):
 def test_without_chunked_prefill_each_prompt_is_one_step_and_gives_the_same_tokens(tiny_llama):
     """--no-enable-chunked-prefill: a 300-token prompt is computed in the first step (its first
     token comes out of it), and greedy tokens equal those of the same prompts prefilled in chunks of
-    64 tokens, with continuous batching."""
+    24 tokens (--long-prefill-token-threshold) in steps of 64, with continuous batching."""
     prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 500 + 10 for j in range(300 - 40 * i)]} for i in range(3)]
     whole = LLM(str(tiny_llama), dtype="float32", kv_cache_memory="8MiB", max_model_len=512,
                 enable_chunked_prefill=False, enable_prefix_caching=False)
@@ -203,7 +203,8 @@ def test_without_chunked_prefill_each_prompt_is_one_step_and_gives_the_same_toke
     [first] = whole.engine.step()
     assert first.finished and len(first.outputs[0].token_ids) == 1
     chunked = LLM(str(tiny_llama), dtype="float32", kv_cache_memory="8MiB", max_model_len=512,
-                  max_num_batched_tokens=64, enable_prefix_caching=False)
+                  max_num_batched_tokens=64, long_prefill_token_threshold=24, enable_prefix_caching=False)
+    assert chunked.engine.scheduler.config.long_prefill_token_threshold == 24  # chunks of 24 while batched
     expected = [o.outputs[0].token_ids for o in chunked.generate(prompts, GREEDY, use_tqdm=False)]
     assert [o.outputs[0].token_ids for o in whole.generate(prompts, GREEDY, use_tqdm=False)] == expected
     with pytest.raises(ValueError, match="kv_eviction needs chunked prefill"):  # a policy works between chunks
