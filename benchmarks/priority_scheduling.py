@@ -31,29 +31,20 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from server_process import ServerProcess  # noqa: E402
 
+from kvserve.bench.client import ClientConfig, http_session, send_request  # noqa: E402
+from kvserve.bench.datasets import SampleRequest  # noqa: E402
+
 BOOK = (Path(__file__).resolve().parent.parent / "kvserve" / "data" / "pride-and-prejudice.txt").read_text()
 PRIORITY = {"batch": 10, "interactive": 0}
 PROMPT_CHARS = 600
 
 
-async def one_request(client: httpx.AsyncClient, url: str, model: str, text: str, max_tokens: int,
-                      priority: int) -> dict:
-    body = {"model": model, "messages": [{"role": "user", "content": f"Summarise this passage:\n\n{text}"}],
-            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}, "priority": priority}
-    start = time.perf_counter()
-    first, tokens = None, 0
-    async with client.stream("POST", url, json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            if first is None and any(c["delta"].get("content") for c in chunk.get("choices", [])):
-                first = time.perf_counter()
-    return {"ttft_s": first - start, "tokens": tokens}
+def chat_config(base_url: str, model: str, priority: int) -> ClientConfig:
+    return ClientConfig(base_url, "/v1/chat/completions", model, ignore_eos=True, extra_body={"priority": priority})
+
+
+def sample(text: str, max_tokens: int) -> SampleRequest:
+    return SampleRequest(prompt=f"Summarise this passage:\n\n{text}", prompt_len=0, expected_output_len=max_tokens)
 
 
 async def waiting(client: httpx.AsyncClient, base_url: str) -> float:
@@ -63,32 +54,31 @@ async def waiting(client: httpx.AsyncClient, base_url: str) -> float:
 
 
 async def one_round(base_url: str, model: str, policy: str, args: argparse.Namespace, offset: int) -> dict:
-    url = f"{base_url}/v1/chat/completions"
     texts = iter(BOOK[i:i + PROMPT_CHARS] for i in range(offset, len(BOOK), PROMPT_CHARS))
-    limits = httpx.Limits(max_connections=args.batch + args.interactive + 4)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(1800), limits=limits) as client:
-        def priority(kind: str) -> int:
-            return PRIORITY[kind] if policy == "priority" else 0
+    configs = {kind: chat_config(base_url, model, PRIORITY[kind] if policy == "priority" else 0) for kind in PRIORITY}
+    async with http_session() as session, httpx.AsyncClient(timeout=60) as client:
+        t0 = time.perf_counter()
 
-        start = time.perf_counter()
-        batch = [asyncio.create_task(one_request(client, url, model, next(texts), args.max_tokens, priority("batch")))
-                 for _ in range(args.batch)]
+        def send(kind: str) -> asyncio.Task:
+            return asyncio.create_task(send_request(session, configs[kind], sample(next(texts), args.max_tokens), t0))
+
+        batch = [send("batch") for _ in range(args.batch)]
         queued = args.batch - args.max_num_seqs
         while await waiting(client, base_url) < queued:  # the batch work has arrived and queued
             await asyncio.sleep(0.05)
         interactive = []
         for _ in range(args.interactive):
-            interactive.append(asyncio.create_task(one_request(client, url, model, next(texts), args.max_tokens,
-                                                               priority("interactive"))))
+            interactive.append(send("interactive"))
             await asyncio.sleep(args.gap)
         results = {"batch": await asyncio.gather(*batch), "interactive": await asyncio.gather(*interactive)}
-        wall = time.perf_counter() - start
-    counts = {r["tokens"] for kind in results.values() for r in kind}
-    if counts != {args.max_tokens}:
-        raise SystemExit(f"expected {args.max_tokens} tokens from every request, got {sorted(counts)}")
+        wall = time.perf_counter() - t0
+    failed = [r.error for rows in results.values() for r in rows if not r.success]
+    counts = {r.output_tokens for rows in results.values() for r in rows}
+    if failed or counts != {args.max_tokens}:
+        raise SystemExit(f"expected {args.max_tokens} tokens from every request, got {sorted(counts)} {failed[:1]}")
     summary = {"tokens_per_s": args.max_tokens * (args.batch + args.interactive) / wall, "wall_s": wall}
     for kind, rows in results.items():
-        ttfts = [r["ttft_s"] for r in rows]
+        ttfts = [r.ttft for r in rows]
         summary[kind] = {"median_ttft_s": statistics.median(ttfts), "max_ttft_s": max(ttfts)}
     return summary
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -28,6 +28,7 @@ class ClientConfig:
     api_key: str | None = None
     ignore_eos: bool = False
     temperature: float = 0.0
+    extra_body: dict[str, Any] = field(default_factory=dict)  # more request fields (e.g. priority)
 
     @property
     def chat(self) -> bool:
@@ -60,6 +61,7 @@ def payload(config: ClientConfig, sample: SampleRequest) -> dict[str, Any]:
         body["prompt"] = sample.prompt
     if config.ignore_eos:
         body["ignore_eos"] = True  # vLLM's extension, also understood by kvserve and SGLang
+    body.update(config.extra_body)
     return body
 
 
