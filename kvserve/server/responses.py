@@ -41,7 +41,9 @@ _REFUSED = {
     "conversation": "the Conversations API is not built; continue with previous_response_id",
     "prompt": "stored prompt templates are not built; send instructions and input",
     "context_management": "server-side compaction is not built",
-    "reasoning": "no reasoning model among those kvserve serves (as reasoning_effort on chat)",
+    "reasoning": "the reasoning models kvserve serves (R1's distills, QwQ) think without an effort or summary "
+                 "setting; their thinking comes back as a reasoning item under --reasoning-parser (as "
+                 "reasoning_effort on chat)",
 }
 
 
