@@ -1,7 +1,8 @@
-"""vLLM's logging and docs flags on a real server process (tiny random llama): per-request log
+"""vLLM's logging, docs and URL flags on a real server process (tiny random llama): per-request log
 lines (`--enable-log-requests`, `--enable-log-outputs`, `--max-log-len`), no access log
 (`--disable-uvicorn-access-log`), no OpenAPI routes (`--disable-fastapi-docs`), usage on every
-streamed chunk (`--enable-force-include-usage`); and the defaults, which log no request."""
+streamed chunk (`--enable-force-include-usage`), paths under a proxy's prefix (`--root-path`);
+and the defaults, which log no request."""
 from __future__ import annotations
 
 import json
@@ -15,7 +16,7 @@ import pytest
 from server_process import TINY_SERVER_ARGS
 
 FLAGS = ("--enable-log-requests", "--enable-log-outputs", "--max-log-len", "12", "--disable-log-stats",
-         "--disable-uvicorn-access-log", "--disable-fastapi-docs", "--enable-force-include-usage")
+         "--disable-uvicorn-access-log", "--disable-fastapi-docs", "--enable-force-include-usage", "--root-path", "/llm")
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Mr. Darcy"}], "max_tokens": 16,
         "ignore_eos": True, "temperature": 0}
 
@@ -54,6 +55,25 @@ def test_no_docs_routes(logged, tiny_server):
     assert httpx.get(f"{tiny_server.base_url}/openapi.json").status_code == 200
 
 
+def test_requests_come_with_the_root_path_or_without_it(logged):
+    for prefix in ("/llm", ""):
+        assert httpx.get(f"{logged.base_url}{prefix}/health").status_code == 200
+        reply = httpx.post(f"{logged.base_url}{prefix}/v1/chat/completions", json={**CHAT, "max_tokens": 2}, timeout=60)
+        assert reply.status_code == 200, reply.text
+    assert httpx.get(f"{logged.base_url}/llmx/health").status_code == 404  # a prefix is whole path segments
+
+
+def test_the_api_key_check_sees_the_path_routing_dispatches_on():
+    from kvserve.server.auth import dispatched_path
+
+    def path(p: str, root: str = "") -> str:
+        return dispatched_path({"path": p, "root_path": root})
+
+    assert path("/llm/health", "/llm") == "/health" and path("/health", "/llm") == "/health"
+    assert path("/llmhealth", "/llm") == "/llmhealth" and path("/llm", "/llm") == "/"
+    assert path("/v1/models") == "/v1/models"
+
+
 def test_forced_usage_on_every_chunk_and_at_the_end(logged):
     for path, body in (("/v1/chat/completions", CHAT),
                        ("/v1/completions", {"model": "tiny", "prompt": "Mr. Darcy", "max_tokens": 6})):
@@ -72,8 +92,12 @@ def test_the_default_server_logs_no_request(tiny_server):
     assert "Received request" not in log and "Generated response" not in log
 
 
-def test_log_outputs_needs_log_requests(tiny_llama):
-    result = subprocess.run([sys.executable, "-m", "kvserve.cli", "serve", str(tiny_llama), "--enable-log-outputs"],
+@pytest.mark.parametrize("flags, message", [
+    (("--enable-log-outputs",), "--enable-log-outputs requires --enable-log-requests"),
+    (("--root-path", "llm/"), "--root-path must start with / and not end with one"),
+])
+def test_bad_logging_flags_are_one_line_errors(tiny_llama, flags, message):
+    result = subprocess.run([sys.executable, "-m", "kvserve.cli", "serve", str(tiny_llama), *flags],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert result.stderr.strip().splitlines()[-1].endswith("--enable-log-outputs requires --enable-log-requests")
+    assert message in result.stderr.strip().splitlines()[-1]

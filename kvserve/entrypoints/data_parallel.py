@@ -36,7 +36,7 @@ START_TIMEOUT_S = 600.0
 # Front-end options the replicas do not take (each with a value).
 _FRONT_ONLY = ("--data-parallel-size", "-dp", "--routing-policy", "--host", "--port", "--api-key",
                "--max-connections", "--timeout-header", "--timeout-body", "--max-body-bytes-in-flight",
-               "--ssl-certfile", "--ssl-keyfile", "--ssl-ca-certs", "--ssl-cert-reqs")
+               "--ssl-certfile", "--ssl-keyfile", "--ssl-ca-certs", "--ssl-cert-reqs", "--root-path")
 
 
 def replica_argv(serve_argv: list[str]) -> list[str]:
@@ -166,7 +166,7 @@ def run_data_parallel(args: argparse.Namespace, serve_argv: list[str], sock, uvi
                               max_backend_connections=max_connections, startup_wait_s=30.0,
                               cors=cors, chat_template=chat_template,
                               request_id_headers=args.enable_request_id_headers,
-                              fastapi_docs=not args.disable_fastapi_docs)
+                              fastapi_docs=not args.disable_fastapi_docs, root_path=args.root_path)
         app = build_router_app(config, tokenizer)
         # kvserve's server (lifecycle.py): the shutdown grace period, and a return instead of
         # uvicorn's re-raised signal, so the replicas are stopped below.

@@ -1,6 +1,7 @@
 """What the HTTP front ends log and publish, with vLLM's flags: uvicorn's log level and access log,
-the OpenAPI docs routes (`kvserve serve` and `kvserve router`); per-request log lines and the
-periodic stats line (`kvserve serve`, whose engine sees the requests)."""
+the OpenAPI docs routes, the root path behind a proxy (`kvserve serve` and `kvserve router`);
+per-request log lines and the periodic stats line (`kvserve serve`, whose engine sees the
+requests)."""
 from __future__ import annotations
 
 import argparse
@@ -20,10 +21,21 @@ def add_http_log_options(group: argparse._ActionGroup) -> None:
                        help="an access-log line per HTTP request (the default)")
     group.add_argument("--disable-fastapi-docs", action="store_true",
                        help="serve no /docs, /redoc or /openapi.json (vLLM's flag)")
+    group.add_argument("--root-path", default="", metavar="PREFIX",
+                       help="the path prefix a path-based proxy serves this app under, e.g. /llm (vLLM's flag): "
+                            "requests may come with it or without it, and the OpenAPI docs name it")
 
 
 def uvicorn_log_options(args: argparse.Namespace) -> dict[str, object]:
     return {"log_level": args.uvicorn_log_level or args.log_level.lower(), "access_log": args.uvicorn_access_log}
+
+
+def root_path(args: argparse.Namespace) -> str:
+    """--root-path, checked. Set on the app as vLLM sets it (FastAPI's root_path, not uvicorn's,
+    which would expect every request without the prefix), so routing takes a path with it or without."""
+    if args.root_path and (not args.root_path.startswith("/") or args.root_path.endswith("/")):
+        raise UserError(f"--root-path must start with / and not end with one, e.g. /llm; got {args.root_path!r}")
+    return args.root_path
 
 
 def add_request_log_options(group: argparse._ActionGroup) -> None:

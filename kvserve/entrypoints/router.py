@@ -9,7 +9,7 @@ from kvserve.cli import UserError
 from kvserve.router import DEFAULT_LOAD_COST_TOKENS, POLICIES
 from kvserve.entrypoints.connection_options import (add_connection_options, add_cors_options, add_tls_options,
                                                     body_limits, connection_limits, cors_options, tls_options)
-from kvserve.entrypoints.logging_options import add_http_log_options, uvicorn_log_options
+from kvserve.entrypoints.logging_options import add_http_log_options, root_path, uvicorn_log_options
 
 API_KEY_ENV = "KVSERVE_API_KEY"
 
@@ -95,7 +95,7 @@ def run_router(args: argparse.Namespace) -> int:
                           max_request_body_bytes=max_body, max_body_bytes_in_flight=in_flight,
                           request_timeout_s=args.request_timeout, max_backend_connections=limits.max_connections,
                           cors=cors, chat_template=chat_template, request_id_headers=args.enable_request_id_headers,
-                          fastapi_docs=not args.disable_fastapi_docs)
+                          fastapi_docs=not args.disable_fastapi_docs, root_path=root_path(args))
     sock = _bind(args.host, args.port)
     app = build_router_app(config)
     uvicorn.Server(uvicorn.Config(app, **uvicorn_log_options(args), timeout_keep_alive=5, **tls,

@@ -18,7 +18,7 @@ from kvserve.engine.args import EngineArgs
 from kvserve.entrypoints.connection_options import (add_connection_options, add_cors_options, add_tls_options,
                                                     body_limits, connection_limits, cors_options, tls_options)
 from kvserve.entrypoints.logging_options import (add_http_log_options, add_request_log_options, request_log,
-                                                 uvicorn_log_options)
+                                                 root_path, uvicorn_log_options)
 
 API_KEY_ENV = "KVSERVE_API_KEY"
 logger = logging.getLogger("kvserve")
@@ -200,7 +200,7 @@ def run_serve(args: argparse.Namespace) -> int:
         engine_args.validate()
         return run_node(engine_args)
     cors, tls, chat_template = cors_options(args), tls_options(args), server_chat_template(args)  # the front end's
-    requests_log = request_log(args)
+    requests_log, uvicorn_logs, prefix = request_log(args), uvicorn_log_options(args), root_path(args)
     preflight(engine_args)
     check_reasoning_parser(args)  # bad engine options fail before the port is taken
     sock = _bind(args.host, args.port)
@@ -209,7 +209,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
         argv = getattr(args, "argv", None) or sys.argv[1:]
         serve_argv = argv[argv.index("serve") + 1:]
-        uvicorn_kwargs = {**uvicorn_log_options(args), "timeout_keep_alive": 5, **tls,
+        uvicorn_kwargs = {**uvicorn_logs, "timeout_keep_alive": 5, **tls,
                           "http": guarded_protocol(limits)}
         return run_data_parallel(args, serve_argv, sock, uvicorn_kwargs,
                                  (max_body, in_flight), limits.max_connections, cors, chat_template)
@@ -224,9 +224,9 @@ def run_serve(args: argparse.Namespace) -> int:
                                          reasoning_parser=args.reasoning_parser, request_log=requests_log,
                                          log_interval_s=None if args.disable_log_stats else 5.0,
                                          fastapi_docs=not args.disable_fastapi_docs,
-                                         force_include_usage=args.enable_force_include_usage))
+                                         force_include_usage=args.enable_force_include_usage, root_path=prefix))
     async_engine = app.state.engine
-    config = uvicorn.Config(app, **uvicorn_log_options(args), timeout_keep_alive=5, **tls,
+    config = uvicorn.Config(app, **uvicorn_logs, timeout_keep_alive=5, **tls,
                             http=guarded_protocol(limits))
     ending = "the server is shutting down and its grace period (--shutdown-timeout) ended"
 

@@ -93,6 +93,7 @@ class RouterConfig:
     chat_template: str | None = None  # the replicas' --chat-template text, for rendering chat prompts alike
     request_id_headers: bool = False  # --enable-request-id-headers: X-Request-Id on every response
     fastapi_docs: bool = True  # /docs, /redoc, /openapi.json (off: --disable-fastapi-docs)
+    root_path: str = ""  # --root-path: the prefix a path-based proxy serves the app under
 
 
 class RouterService:
@@ -455,6 +456,7 @@ def build_router_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
             await service.stop()
 
     app = FastAPI(title="kvserve router", version=__version__, lifespan=lifespan, redirect_slashes=False,
+                  root_path=config.root_path,
                   **({} if config.fastapi_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}))
     app.state.router = service
     install_error_handlers(app)

@@ -76,6 +76,7 @@ class ServerConfig:
     request_log: RequestLog | None = None  # --enable-log-requests: per-request log lines (request_log.py)
     fastapi_docs: bool = True  # /docs, /redoc, /openapi.json (off: --disable-fastapi-docs)
     force_include_usage: bool = False  # --enable-force-include-usage (serving.ServingContext)
+    root_path: str = ""  # --root-path: the prefix a path-based proxy serves the app under
 
 
 def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
@@ -108,6 +109,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     # No trailing-slash redirects: Starlette builds their Location from the request's Host header,
     # an open redirect (/health/ with Host: evil.example -> http://evil.example/health).
     app = FastAPI(title="kvserve", version=__version__, lifespan=lifespan, redirect_slashes=False,
+                  root_path=config.root_path,
                   **({} if config.fastapi_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}))
     app.state.engine = async_engine
     app.state.tokens = tokens

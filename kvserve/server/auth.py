@@ -36,6 +36,15 @@ def normalise_path(path: str) -> str:
     return path.rstrip("/") or "/"
 
 
+def dispatched_path(scope: Scope) -> str:
+    """The path routing dispatches on: the request's, less the app's root path (`--root-path`,
+    behind a path-based proxy) when it starts with it, by Starlette's rule."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root) and (len(path) == len(root) or path[len(root)] == "/"):
+        return path[len(root):] or "/"
+    return path
+
+
 class APIKeyMiddleware:
     def __init__(self, app: ASGIApp, api_key: str):
         if not api_key:
@@ -54,7 +63,8 @@ class APIKeyMiddleware:
         return len(values) == 1 and hmac.compare_digest(values[0].strip(), self._expected)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan" or normalise_path(scope["path"]) in OPEN_PATHS or self._authorised(scope):
+        if scope["type"] == "lifespan" or normalise_path(dispatched_path(scope)) in OPEN_PATHS \
+                or self._authorised(scope):
             await self.app(scope, receive, send)
             return
         if scope["type"] == "websocket":  # deny by default here too: close before accepting
