@@ -19,7 +19,8 @@ from kvserve.server.auth import APIKeyMiddleware
 
 KEY = "sk-test-0123456789"
 # The dashboard's page and static assets carry no data; its state (/dashboard/state) is protected.
-OPEN = {"/health", "/metrics", "/version", "/dashboard", "/dashboard/dashboard.js", "/dashboard/dashboard.css",
+# /ping is SageMaker's health check (as /health).
+OPEN = {"/health", "/ping", "/metrics", "/version", "/dashboard", "/dashboard/dashboard.js", "/dashboard/dashboard.css",
         "/dashboard/uPlot.iife.min.js", "/dashboard/uPlot.min.css"}
 METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
 WRONG_AUTHORIZATIONS = [None, "Bearer wrong", f"Bearer {KEY[:-1]}", f"Bearer {KEY}x", KEY, f"Basic {KEY}",

@@ -64,7 +64,7 @@ def test_requests_come_with_the_root_path_or_without_it(logged):
 
 
 def test_the_api_key_check_sees_the_path_routing_dispatches_on():
-    from kvserve.server.auth import dispatched_path
+    from kvserve.server.errors import dispatched_path
 
     def path(p: str, root: str = "") -> str:
         return dispatched_path({"path": p, "root_path": root})

@@ -48,7 +48,7 @@ from kvserve.server.auth import APIKeyMiddleware
 from kvserve.server.body_limit import BodySizeLimitMiddleware
 from kvserve.server.connections import install_loop_error_throttle
 from kvserve.server.cors import CorsOptions, add_cors
-from kvserve.server.errors import error_body, install_error_handlers, speaks_anthropic
+from kvserve.server.errors import dispatched_path, error_body, install_error_handlers, speaks_anthropic
 from kvserve.server.messages import error_event
 from kvserve.server.request_id import RequestIdHeaderMiddleware
 from kvserve.server.streaming import DONE, EventStreamResponse, sse_error
@@ -185,7 +185,7 @@ class RouterService:
     async def proxy(self, request: Request, route: str) -> Response:
         deadline = asyncio.get_running_loop().time() + self.config.request_timeout_s
         raw = await request.body()
-        path = request.url.path
+        path = dispatched_path(request.scope)  # (without --root-path's prefix: what the backend serves)
         body: Any = None
         if len(raw) <= ROUTING_PARSE_MAX_BYTES:
             try:
@@ -216,7 +216,7 @@ class RouterService:
             ticket = backend.open()
             try:
                 upstream = await self._send(backend, self.client.build_request(
-                    "POST", f"{backend.url}{request.url.path}", content=raw, headers=headers), deadline)
+                    "POST", f"{backend.url}{path}", content=raw, headers=headers), deadline)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                 ticket.close()
                 tried.add(backend.name)
@@ -347,7 +347,8 @@ class RouterService:
 
         async def post(backend: Backend) -> httpx.Response | None:
             try:
-                return await self.client.post(f"{backend.url}{request.url.path}", params=request.query_params,
+                return await self.client.post(f"{backend.url}{dispatched_path(request.scope)}",
+                                              params=request.query_params,
                                               headers=headers)
             except httpx.HTTPError:
                 return None
@@ -396,7 +397,8 @@ class RouterService:
         if not backends:
             return JSONResponse(error_body(503, NO_BACKEND), status_code=503)
         try:
-            response = await self.client.request(request.method, f"{backends[0].url}{request.url.path}",
+            url = f"{backends[0].url}{dispatched_path(request.scope)}"
+            response = await self.client.request(request.method, url,
                                                  headers=self._headers(request), content=await request.body())
         except httpx.HTTPError as exc:
             return JSONResponse(error_body(502, f"The backend failed: {type(exc).__name__}."), status_code=502)
@@ -491,7 +493,7 @@ def build_router_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str, request: Request) -> Response:
-        return await service.forward_get(request.url.path, request)
+        return await service.forward_get(dispatched_path(request.scope), request)
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     @app.api_route("/ping", methods=["GET", "POST"])  # SageMaker's health check

@@ -19,7 +19,7 @@ from urllib.parse import unquote
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvserve.server.dashboard import OPEN_DASHBOARD_PATHS
-from kvserve.server.errors import error_json
+from kvserve.server.errors import dispatched_path, error_json
 
 OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version", *OPEN_DASHBOARD_PATHS})
 _MAX_DECODE_ROUNDS = 4
@@ -34,15 +34,6 @@ def normalise_path(path: str) -> str:
         path = decoded
     path = re.sub(r"/+", "/", path.lower())
     return path.rstrip("/") or "/"
-
-
-def dispatched_path(scope: Scope) -> str:
-    """The path routing dispatches on: the request's, less the app's root path (`--root-path`,
-    behind a path-based proxy) when it starts with it, by Starlette's rule."""
-    path, root = scope["path"], scope.get("root_path", "")
-    if root and path.startswith(root) and (len(path) == len(root) or path[len(root)] == "/"):
-        return path[len(root):] or "/"
-    return path
 
 
 class APIKeyMiddleware:
@@ -71,7 +62,7 @@ class APIKeyMiddleware:
             await send({"type": "websocket.close", "code": 1008})
             return
         body = error_json(401, "Incorrect or missing API key: send `Authorization: Bearer <key>` or "
-                               "`x-api-key: <key>`.", code="invalid_api_key", path=scope["path"])
+                               "`x-api-key: <key>`.", code="invalid_api_key", path=dispatched_path(scope))
         await send({"type": "http.response.start", "status": 401, "headers": [
             (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
             (b"www-authenticate", b"Bearer")]})

@@ -9,7 +9,7 @@ import asyncio
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvserve.server.errors import error_json
+from kvserve.server.errors import dispatched_path, error_json
 
 # Before a 413, read and drop up to this much of what the client is still sending. Closing a
 # connection with unread data makes the kernel reset it, and a client still writing its body can
@@ -19,7 +19,7 @@ _DRAIN_SECONDS = 1.0  # a client that stalls instead still gets its 413 this soo
 
 
 async def _send_error(scope: Scope, send: Send, status: int, message: str) -> None:
-    body = error_json(status, message, path=scope["path"])
+    body = error_json(status, message, path=dispatched_path(scope))
     await send({"type": "http.response.start", "status": status, "headers": [
         (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
         (b"connection", b"close")]})

@@ -40,6 +40,15 @@ def error_type(status: int) -> str:
     return "invalid_request_error"
 
 
+def dispatched_path(scope: dict) -> str:
+    """The path routing dispatches on: the request's, less the app's root path (`--root-path`,
+    behind a path-based proxy) when it starts with it, by Starlette's rule."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root) and (len(path) == len(root) or path[len(root)] == "/"):
+        return path[len(root):] or "/"
+    return path
+
+
 def speaks_anthropic(path: str) -> bool:
     """Whether errors on `path` take Anthropic's body (kvserve/server/messages.py)."""
     path = path.rstrip("/")
@@ -83,14 +92,15 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 def install_error_handlers(app: FastAPI) -> None:
+    # An error body's shape follows the route (Anthropic's on its paths), read without --root-path.
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc, request.url.path)
+        return error_response(exc, dispatched_path(request.scope))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
-        return JSONResponse(error_body(400, message, param, path=request.url.path), status_code=400)
+        return JSONResponse(error_body(400, message, param, path=dispatched_path(request.scope)), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -99,11 +109,11 @@ def install_error_handlers(app: FastAPI) -> None:
             detail = f"Not found: {request.method} {request.url.path}"
         elif exc.status_code == 405:
             detail = f"Method {request.method} is not allowed on {request.url.path}"
-        return JSONResponse(error_body(exc.status_code, detail, path=request.url.path), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+        return JSONResponse(error_body(exc.status_code, detail, path=dispatched_path(request.scope)),
+                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         # Starlette re-raises after this response is sent, so uvicorn logs the traceback.
-        return JSONResponse(error_body(500, f"Internal server error ({type(exc).__name__})", path=request.url.path),
-                            status_code=500)
+        body = error_body(500, f"Internal server error ({type(exc).__name__})", path=dispatched_path(request.scope))
+        return JSONResponse(body, status_code=500)
