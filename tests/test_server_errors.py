@@ -94,8 +94,7 @@ def test_unknown_model_is_a_404(tiny_server):
 def test_unsupported_openai_fields_are_refused_unknown_keys_accepted(tiny_server):
     for path, extra in [("/v1/chat/completions", {"functions": [{"name": "f"}]}),
                         ("/v1/chat/completions", {"guided_whitespace_pattern": " *"}),
-                        ("/v1/completions", {"lora_request": {"name": "x"}}),
-                        ("/v1/completions", {"priority": -1})]:
+                        ("/v1/completions", {"lora_request": {"name": "x"}})]:
         body = {"messages": [{"role": "user", "content": "x"}]} if "chat" in path else {"prompt": "x"}
         error = assert_error(post(tiny_server, path, json={**body, **extra}), 400, "not supported")
         assert error["param"] == next(iter(extra))
