@@ -196,3 +196,14 @@ def test_sse_payloads_keep_line_separators_inside_the_json():
         return [payload async for payload in sse_payloads(StreamingResponse(events()))]
 
     assert asyncio.run(read()) == [{"text": "a\u2028b\u2029c\u0085d"}]
+
+
+def test_the_response_store_never_forgets_a_background_response_still_running(monkeypatch):
+    import kvserve.server.responses as responses
+
+    monkeypatch.setattr(responses, "MAX_STORED", 2)
+    serving = responses.ResponsesServing(chat=None)
+    serving.background["running"] = object()  # its task, still going
+    for name in ("running", "old", "new", "newer"):
+        serving._store({"id": name}, [])
+    assert list(serving.stored) == ["running", "newer"]  # the least recently used finished one went

@@ -224,7 +224,8 @@ def run_serve(args: argparse.Namespace) -> int:
                                          reasoning_parser=args.reasoning_parser, request_log=requests_log,
                                          log_interval_s=None if args.disable_log_stats else 5.0,
                                          fastapi_docs=not args.disable_fastapi_docs,
-                                         force_include_usage=args.enable_force_include_usage, root_path=prefix))
+                                         force_include_usage=args.enable_force_include_usage, root_path=prefix,
+                                         shutdown_timeout=args.shutdown_timeout))
     async_engine = app.state.engine
     config = uvicorn.Config(app, **uvicorn_logs, timeout_keep_alive=5, **tls,
                             http=guarded_protocol(limits))

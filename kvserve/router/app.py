@@ -96,6 +96,17 @@ class RouterConfig:
     root_path: str = ""  # --root-path: the prefix a path-based proxy serves the app under
 
 
+class OwnerUnknown(Exception):
+    """No reachable backend holds a stored response, but one could not be asked."""
+
+
+def _json_or_none(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+
+
 class RouterService:
     def __init__(self, config: RouterConfig, tokenizer: Any = None):
         self.config = config
@@ -196,8 +207,14 @@ class RouterService:
                 pass
         owner = None  # Responses: the backend that stored the previous response holds its conversation
         if route == "responses":
+            if body is None and len(raw) > ROUTING_PARSE_MAX_BYTES:  # too big to parse on the event loop
+                body = await asyncio.get_running_loop().run_in_executor(None, _json_or_none, raw)
             previous = body.get("previous_response_id") if isinstance(body, dict) else None
-            owner = await self._response_owner(previous, request) if isinstance(previous, str) else None
+            if isinstance(previous, str):
+                try:
+                    owner = await self._response_owner(previous, request)
+                except OwnerUnknown as exc:
+                    return JSONResponse(error_body(503, str(exc), path=path), status_code=503)
         if route == "invocations":  # SageMaker's one route: read as the body's kind (the replica does the same)
             route = ("chat" if "messages" in body else "completions" if "prompt" in body else "other") \
                 if isinstance(body, dict) else "other"
@@ -375,30 +392,43 @@ class RouterService:
 
     async def _response_owner(self, response_id: str, request: Request) -> Backend | None:
         """The backend that stored a Responses API response (its store is per replica), asking every
-        backend that is up at once; None when none has it (any of them then answers the 404)."""
+        backend that is up at once; None when every one answered that it has none (any of them then
+        answers the 404). OwnerUnknown when none has it but one could not say (an error, a timeout,
+        a backend down): a 404 then might be wrong."""
         headers = self._headers(request)
         path = f"/v1/responses/{quote(response_id, safe='')}"
 
-        async def holds(backend: Backend) -> bool:
+        async def holds(backend: Backend) -> bool | None:
             try:
-                return (await self.client.get(f"{backend.url}{path}", headers=headers,
-                                              timeout=OWNER_LOOKUP_TIMEOUT_S)).status_code == 200
+                status = (await self.client.get(f"{backend.url}{path}", headers=headers,
+                                                timeout=OWNER_LOOKUP_TIMEOUT_S)).status_code
             except httpx.HTTPError:
-                return False
+                return None
+            return True if status == 200 else False if status == 404 else None
 
         backends = self.up_backends()
         found = await asyncio.gather(*(holds(b) for b in backends))
-        return next((b for b, held in zip(backends, found) if held), None)
+        owner = next((b for b, held in zip(backends, found) if held), None)
+        unasked = [b.name for b, held in zip(backends, found) if held is None] + \
+            [b.name for b in self.backends if b not in backends]
+        if owner is None and unasked:
+            raise OwnerUnknown(f"Response '{response_id}' is not on the replicas that answered; replica(s) "
+                               f"{', '.join(unasked)} cannot be asked now and may hold it: retry later.")
+        return owner
 
-    async def forward_to_response_owner(self, request: Request, response_id: str) -> Response:
-        """GET /v1/responses/{id} or its cancel, sent to the backend holding it (else to one that answers 404)."""
-        owner = await self._response_owner(response_id, request)
+    async def forward_to_response_owner(self, request: Request, response_id: str, action: str = "") -> Response:
+        """GET /v1/responses/{id} or its cancel (`action` "/cancel"), sent to the backend holding
+        it (else to one that answers the 404)."""
+        try:
+            owner = await self._response_owner(response_id, request)
+        except OwnerUnknown as exc:
+            return JSONResponse(error_body(503, str(exc)), status_code=503)
         backends = [owner] if owner is not None else self.up_backends()[:1]
         if not backends:
             return JSONResponse(error_body(503, NO_BACKEND), status_code=503)
         try:
-            url = f"{backends[0].url}{dispatched_path(request.scope)}"
-            response = await self.client.request(request.method, url,
+            url = f"{backends[0].url}/v1/responses/{quote(response_id, safe='')}{action}"
+            response = await self.client.request(request.method, url, params=request.query_params,
                                                  headers=self._headers(request), content=await request.body())
         except httpx.HTTPError as exc:
             return JSONResponse(error_body(502, f"The backend failed: {type(exc).__name__}."), status_code=502)
@@ -481,7 +511,7 @@ def build_router_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
 
     @app.post("/v1/responses/{response_id}/cancel")
     async def cancel_response(response_id: str, request: Request) -> Response:
-        return await service.forward_to_response_owner(request, response_id)
+        return await service.forward_to_response_owner(request, response_id, "/cancel")
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(request: Request) -> Response:

@@ -77,6 +77,7 @@ class ServerConfig:
     fastapi_docs: bool = True  # /docs, /redoc, /openapi.json (off: --disable-fastapi-docs)
     force_include_usage: bool = False  # --enable-force-include-usage (serving.ServingContext)
     root_path: str = ""  # --root-path: the prefix a path-based proxy serves the app under
+    shutdown_timeout: float = 30.0  # --shutdown-timeout: also how long background responses may finish
 
 
 def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
@@ -103,6 +104,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         try:
             yield
         finally:
+            await responses.finish_background(config.shutdown_timeout)  # they hold no connection to wait on
             async_engine.shutdown()
             tokens.shutdown()
 

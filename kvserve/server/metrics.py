@@ -187,19 +187,22 @@ class ServerMetrics:
             self._interval.generation_tokens += generated
 
     def _observe_phases(self, out: RequestOutput, times: _RequestTimes, now: float) -> None:
-        """A finished request's phase times and sizes (vLLM's request_* histograms)."""
+        """A finished request's phase times and sizes (vLLM's request_* histograms). The phases end
+        at its last token (vLLM's), so an abort's wait after it counts only in e2e."""
         scheduled = out.first_scheduled_time
+        end = times.last_token if times.first_token is not None else now
         if scheduled is not None:  # else aborted while it waited: no queue time to speak of
             self.queue_time.observe(max(0.0, scheduled - times.arrival))
-            self.inference_time.observe(now - scheduled)
+            self.inference_time.observe(max(0.0, end - scheduled))
             if times.first_token is not None:
                 self.prefill_time.observe(max(0.0, times.first_token - scheduled))
         if times.first_token is not None:
-            self.decode_time.observe(now - times.first_token)
+            self.decode_time.observe(end - times.first_token)
             if len(out.outputs) == 1 and times.num_tokens > 1:
                 self.tpot.observe((times.last_token - times.first_token) / (times.num_tokens - 1))
         self.request_prompt_tokens.observe(len(out.prompt_token_ids))
-        self.request_generation_tokens.observe(times.num_tokens)
+        for completion in out.outputs:  # each sample's own length, as vLLM counts n > 1
+            self.request_generation_tokens.observe(len(completion.token_ids))
         if times.max_tokens is not None:
             self.max_tokens_param.observe(times.max_tokens)
         self.n_param.observe(len(out.outputs))

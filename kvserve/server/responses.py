@@ -243,8 +243,8 @@ class ResponsesServing:
 
     def cancel(self, response_id: str) -> dict[str, Any]:
         """Stop a background response still running (OpenAI's; its status becomes `cancelled`)."""
-        response = self.get(response_id)
         task = self.background.pop(response_id, None)
+        response = self.get(response_id)
         if task is not None:
             task.cancel()  # the chat path's stream closes: the engine aborts the request
             self._update(response_id, status="cancelled")
@@ -256,9 +256,14 @@ class ResponsesServing:
                             f"or in-progress background response can be cancelled.", param="response_id")
 
     def _store(self, response: dict[str, Any], messages: list[dict[str, Any]]) -> None:
+        """Keep it, forgetting the least recently used beyond MAX_STORED (never a background
+        response still running: it must stay visible to GET and cancel)."""
         self.stored[response["id"]] = (response, messages)
         while len(self.stored) > MAX_STORED:
-            self.stored.popitem(last=False)
+            oldest = next((key for key in self.stored if key not in self.background), None)
+            if oldest is None:
+                break
+            del self.stored[oldest]
 
     # ------------------------------------------------------------------ create
     async def create(self, body: ResponsesRequest, request: Request) -> Response:
@@ -282,6 +287,10 @@ class ResponsesServing:
             if previous["status"] in ("queued", "in_progress"):
                 raise APIError(400, f"Previous response with id '{body.previous_response_id}' is still "
                                     f"{previous['status'].replace('_', ' ')}: poll it until it has finished.",
+                               param="previous_response_id")
+            if previous["status"] in ("failed", "cancelled"):  # its conversation has no reply to go on from
+                raise APIError(400, f"Previous response with id '{body.previous_response_id}' "
+                                    f"{previous['status']}: it has no output to continue from.",
                                param="previous_response_id")
         conversation = history + input_messages(body.input)
         system = [{"role": "system", "content": body.instructions}] if body.instructions else []
@@ -334,6 +343,17 @@ class ResponsesServing:
 
         self.background[queued["id"]] = asyncio.ensure_future(run())
         return Response(json.dumps(queued), media_type="application/json")
+
+    async def finish_background(self, timeout: float) -> None:
+        """At shutdown: let background responses still running finish for up to `timeout` seconds
+        (--shutdown-timeout), then cancel the rest."""
+        running = list(self.background.values())
+        if running:
+            logger.info("waiting up to %.0f s for %d background responses", timeout, len(running))
+            _, late = await asyncio.wait(running, timeout=timeout)
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
 
     def _update(self, response_id: str, **fields: Any) -> None:
         if response_id in self.stored:
