@@ -16,7 +16,8 @@ import pytest
 from server_process import TINY_SERVER_ARGS
 
 FLAGS = ("--enable-log-requests", "--enable-log-outputs", "--max-log-len", "12", "--disable-log-stats",
-         "--disable-uvicorn-access-log", "--disable-fastapi-docs", "--enable-force-include-usage", "--root-path", "/llm")
+         "--disable-uvicorn-access-log", "--disable-fastapi-docs", "--enable-force-include-usage",
+         "--root-path", "/llm")
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Mr. Darcy"}], "max_tokens": 16,
         "ignore_eos": True, "temperature": 0}
 
