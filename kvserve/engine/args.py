@@ -12,6 +12,7 @@ import torch
 from kvserve.cache.eviction import NO_EVICTION, POLICY_CHOICES
 from kvserve.cache.formats import KV_CACHE_DTYPES
 from kvserve.engine.generation_defaults import parse_overrides
+from kvserve.engine.scheduler import SCHEDULING_POLICIES
 from kvserve.units import parse_size
 from kvserve.hardware import triton_unavailable
 from kvserve.model.attention import attention_backend_names
@@ -128,7 +129,7 @@ class EngineArgs:
         "which waiting request is admitted first and which running one is preempted when the KV pool runs "
         "dry (vLLM's flag): fcfs = arrival order, the newest preempted; priority = by each request's "
         "`priority` (lower first, ties by arrival), the least urgent preempted. Under fcfs a priority "
-        "other than 0 is refused", choices=("fcfs", "priority")))
+        "other than 0 is refused", choices=SCHEDULING_POLICIES))
     gpu_memory_utilization: float = field(default=0.9, metadata=_opt(
         "fraction of GPU memory kvserve may use (weights + activations + KV cache); CUDA only"))
     max_model_len: int | None = field(default=None, metadata=_opt(

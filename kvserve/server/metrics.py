@@ -120,12 +120,12 @@ class ServerMetrics:
                              ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", E2E_BUCKETS)
         # Per finished request, vLLM's phases: queued (arrival to first scheduled), prefill (to the
-        # first token), decode (first token to finish), inference (first scheduled to finish).
+        # first token), decode (first token to last), inference (first scheduled to last token).
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.", E2E_BUCKETS)
         self.prefill_time = histogram("request_prefill_time_seconds", "First scheduled to first token.",
                                       E2E_BUCKETS)
-        self.decode_time = histogram("request_decode_time_seconds", "First token to finish.", E2E_BUCKETS)
-        self.inference_time = histogram("request_inference_time_seconds", "First scheduled to finish.",
+        self.decode_time = histogram("request_decode_time_seconds", "First token to last token.", E2E_BUCKETS)
+        self.inference_time = histogram("request_inference_time_seconds", "First scheduled to last token.",
                                         E2E_BUCKETS)
         self.tpot = histogram("request_time_per_output_token_seconds", "A request's mean time between its "
                               "generated tokens.", TPOT_BUCKETS)
