@@ -48,7 +48,7 @@ from kvserve.server.auth import APIKeyMiddleware
 from kvserve.server.body_limit import BodySizeLimitMiddleware
 from kvserve.server.connections import install_loop_error_throttle
 from kvserve.server.cors import CorsOptions, add_cors
-from kvserve.server.errors import dispatched_path, error_body, install_error_handlers, speaks_anthropic
+from kvserve.server.errors import TOO_DEEP, dispatched_path, error_body, install_error_handlers, speaks_anthropic
 from kvserve.server.messages import error_event
 from kvserve.server.request_id import RequestIdHeaderMiddleware
 from kvserve.server.streaming import DONE, EventStreamResponse, sse_error
@@ -57,7 +57,6 @@ logger = logging.getLogger("kvserve.router")
 
 OWNER_LOOKUP_TIMEOUT_S = 5.0  # asking a backend whether it stored a response
 NO_BACKEND = "No backend is available to serve the request (every replica is down or unreachable)."
-TOO_DEEP = "The request body is not valid JSON: it is nested too deeply."
 _PASSED_HEADERS = ("authorization", "x-api-key", "content-type", "accept", "x-request-id", "x-vllm-priority")
 ROUTING_PARSE_MAX_BYTES = 4 * 1024 * 1024
 # How long a request waits for the router's tokenizer before it is routed by load instead (the
@@ -98,6 +97,11 @@ class RouterConfig:
 
 class OwnerUnknown(Exception):
     """No reachable backend holds a stored response, but one could not be asked."""
+
+
+def _response_path(response_id: str) -> str:
+    """A stored response's route on a backend, its id quoted whole (a `?` or `/` in it stays the id's)."""
+    return f"/v1/responses/{quote(response_id, safe='')}"
 
 
 def _json_or_none(raw: bytes) -> Any:
@@ -396,7 +400,7 @@ class RouterService:
         answers the 404). OwnerUnknown when none has it but one could not say (an error, a timeout,
         a backend down): a 404 then might be wrong."""
         headers = self._headers(request)
-        path = f"/v1/responses/{quote(response_id, safe='')}"
+        path = _response_path(response_id)
 
         async def holds(backend: Backend) -> bool | None:
             try:
@@ -427,7 +431,7 @@ class RouterService:
         if not backends:
             return JSONResponse(error_body(503, NO_BACKEND), status_code=503)
         try:
-            url = f"{backends[0].url}/v1/responses/{quote(response_id, safe='')}{action}"
+            url = f"{backends[0].url}{_response_path(response_id)}{action}"
             response = await self.client.request(request.method, url, params=request.query_params,
                                                  headers=self._headers(request), content=await request.body())
         except httpx.HTTPError as exc:

@@ -32,7 +32,7 @@ from kvserve.server.connections import install_loop_error_throttle
 from kvserve.server.embeddings import EmbeddingRequest, EmbeddingResponse, EmbeddingServing
 from kvserve.server.engine_loop import AsyncEngine
 from kvserve.server.responses import ResponsesRequest, ResponsesServing
-from kvserve.server.errors import APIError, error_body, install_error_handlers
+from kvserve.server.errors import TOO_DEEP, APIError, error_body, install_error_handlers
 from kvserve.server.faults import add_fault_injection
 from kvserve.server.kv_events_api import add_kv_event_routes, attach_kv_events
 from kvserve.server.messages import MessagesRequest, MessagesServing
@@ -207,7 +207,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         try:
             body = json.loads(await request.body())
         except RecursionError:
-            raise APIError(400, "The request body is not valid JSON: it is nested too deeply.") from None
+            raise APIError(400, TOO_DEEP) from None
         except ValueError as exc:
             raise APIError(400, f"JSON decode error: {exc}") from None
         kinds = (("messages", ChatCompletionRequest, create_chat_completion),

@@ -40,6 +40,9 @@ def error_type(status: int) -> str:
     return "invalid_request_error"
 
 
+TOO_DEEP = "The request body is not valid JSON: it is nested too deeply."  # json.loads' RecursionError
+
+
 def dispatched_path(scope: dict) -> str:
     """The path routing dispatches on: the request's, less the app's root path (`--root-path`,
     behind a path-based proxy) when it starts with it, by Starlette's rule."""
