@@ -37,12 +37,12 @@ Prompts = list[list[int]]
 
 # ------------------------------------------------------------------------------------- kvserve
 class KvserveBackend:
-    def __init__(self, model: str | None, quantization: str, dtype: str, lean: bool = True):
+    def __init__(self, model: str | None, quantization: str, dtype: str, lean: bool = True, **options: Any):
         from kvserve.llm import LLM
 
         self.name = f"kvserve ({quantization})" if lean else f"kvserve ({quantization}, lean step off)"
         self.llm = LLM(model, quantization=quantization, dtype=dtype, kv_cache_memory="2GiB", max_model_len=1024,
-                       max_num_seqs=256)
+                       max_num_seqs=256, **options)
         if not lean:  # the module path for every step, as before the lean decode step
             self.llm.engine.model.lean = None
         self.dtype = self.llm.engine.dtype
@@ -167,6 +167,19 @@ class HFBackend:
         return len(prompts) * tokens / (time.perf_counter() - start)
 
 
+def _dummy_model(preset: str) -> str:
+    """A directory holding the preset's config.json (kvserve.plan.presets), for --load-format dummy."""
+    import tempfile
+
+    from kvserve.plan.presets import PRESETS
+
+    if preset not in PRESETS:
+        raise SystemExit(f"unknown preset {preset!r}; choose from {', '.join(sorted(PRESETS))}")
+    directory = Path(tempfile.mkdtemp(prefix=f"kvserve-{preset}-"))
+    (directory / "config.json").write_text(json.dumps({**PRESETS[preset].config, "torch_dtype": "bfloat16"}))
+    return str(directory)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="GGUF file (default: the bundled SmolLM2-135M-Instruct)")
@@ -181,6 +194,9 @@ def main() -> None:
                         help="also run each kvserve mode with the lean decode step off (its before/after)")
     parser.add_argument("--dtype", default="auto", help="kvserve's --dtype (HF runs in the dtype it resolves to)")
     parser.add_argument("--backends", default="kvserve,llama.cpp,hf", help="comma list of kvserve, llama.cpp, hf")
+    parser.add_argument("--dummy-preset", default=None, metavar="PRESET",
+                        help="kvserve only: a `kvserve plan` preset's shapes with random weights (--load-format "
+                             "dummy) and the bundled model's tokenizer, e.g. qwen3-0.6b")
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
     from kvserve.model.loader import resolve_model_path
@@ -188,12 +204,17 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     path = resolve_model_path(args.model)
     wanted = args.backends.split(",")
+    options: dict[str, Any] = {}
+    if args.dummy_preset:
+        if wanted != ["kvserve"]:
+            parser.error("--dummy-preset measures kvserve alone (--backends kvserve)")
+        args.model, options = _dummy_model(args.dummy_preset), {"load_format": "dummy", "tokenizer": str(path)}
     backends: list[Any] = []
     if "kvserve" in wanted:
         for q in args.kvserve_quantization.split(","):
-            backends.append(KvserveBackend(args.model, q, args.dtype))
+            backends.append(KvserveBackend(args.model, q, args.dtype, **options))
             if args.compare_lean:
-                backends.append(KvserveBackend(args.model, q, args.dtype, lean=False))
+                backends.append(KvserveBackend(args.model, q, args.dtype, lean=False, **options))
     if "llama.cpp" in wanted:
         backends.append(LlamaCppBackend(path, args.threads))
     concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
@@ -201,7 +222,8 @@ def main() -> None:
     if "hf" in wanted:
         backends.append(HFBackend(args.model, dtype))
     vocab = 49152 if not backends else getattr(getattr(backends[0], "llm", None), "engine", None)
-    vocab = vocab.model_config.vocab_size if vocab is not None else 49152
+    # (a dummy preset's vocabulary can be larger than the tokenizer it borrows: prompts stay in both)
+    vocab = min(vocab.model_config.vocab_size, len(vocab.tokenizer)) if vocab is not None else 49152
     results: dict[str, dict[str, list[float]]] = {b.name: {} for b in backends}
 
     def record(backend: Any, key: str, measure: Callable[[], float]) -> None:

@@ -65,3 +65,23 @@ def test_keys_stored_before_rope_under_eviction_are_not_centred(tiny_llama):
     expected = torch.cat(list(plain.score_chunks(tokens, 9, kv_eviction=eviction)))
     got = torch.cat(list(shifted.score_chunks(tokens, 9, kv_eviction=eviction)))
     assert torch.equal(got, expected)
+
+
+def test_calibration_records_the_key_heads_rope_takes_under_qk_norm(tiny_model_factory):
+    """Qwen3 norms each key head before RoPE: the calibration pass (which fits int4's key centres and
+    fp8's key bases) records the normed heads, so its keys rotated are the keys the pool holds."""
+    from kvserve.cache.block_pool import leading_block_ids
+    from kvserve.engine.calibration import record_projections
+    from kvserve.model.rope import apply_rotary
+
+    path = tiny_model_factory("qwen3")
+    engine = _engine(path, load_model(str(path)), kv_cache_dtype="float32")
+    cfg, tokens = engine.model_config, 40
+    recorded = record_projections(engine.runner, max_tokens=256, num_tokens=tokens)
+    cos, signed_sin = engine.model.rope(torch.arange(tokens))
+    heads, kv_heads, block_size = cfg.num_heads, cfg.num_kv_heads, engine.kv_cache.spec.block_size
+    blocks = leading_block_ids(-(-tokens // block_size))
+    for layer, qkv in enumerate(recorded):
+        keys = apply_rotary(qkv[:, heads:heads + kv_heads], cos, signed_sin)  # [tokens, kv_heads, dim]
+        pool = engine.kv_cache.layers[layer]["kv"][:kv_heads, blocks].reshape(kv_heads, -1, cfg.head_dim)
+        assert torch.allclose(pool[:, :tokens].transpose(0, 1), keys, atol=1e-5), layer

@@ -120,7 +120,7 @@ def _run_prompts(llm: LLM, prompts: list, monkeypatch) -> tuple[list[list[int]],
             [[e[t].logprob for e, t in zip(c.logprobs, c.token_ids)] for c in completions], len(calls))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: a qkv bias
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # qwen2: a qkv bias; qwen3: q/k norms
 @pytest.mark.parametrize("quantization", ["int4", "int8"])
 def test_fused_decode_layers_compute_what_the_modules_compute_at_float32(tiny_model_factory, arch, quantization,
                                                                          monkeypatch):

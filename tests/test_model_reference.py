@@ -42,6 +42,7 @@ def hf_logits(model, token_ids: list[int]) -> torch.Tensor:
                "rope_theta": 500000.0}),
     ("mistral", {"sliding_window": 8}),  # shorter than every prompt but "Hello"
     ("qwen2", {}),
+    ("qwen3", {}),  # per-head q/k norms; heads wider than hidden / heads
 ])
 @pytest.mark.parametrize("attention_backend", ["cpu_paged", "torch"])
 @pytest.mark.torch_path

@@ -208,3 +208,32 @@ def test_messages_answer_with_a_thinking_block_first(server):
     counts = [httpx.post(f"{url}/count_tokens", json={"model": "thinker", "messages": h}).json()["input_tokens"]
               for h in (history, [history[0], {"role": "assistant", "content": message["content"][1:]}, history[2]])]
     assert counts[0] == counts[1] + REASONING_TOKENS + 2  # an earlier thinking block reaches the template
+
+
+# ----------------------------------------------------------------------- a model that opens <think> itself
+@pytest.fixture(scope="module")
+def opening_server(server_factory, tmp_path_factory):
+    """`--reasoning-parser qwen3` on a model whose template does not open <think> (Qwen3's hybrid
+    models): it writes "<think>" + REASONING + "</think>" + ANSWER."""
+    path = build_scripted_reasoning_model(tmp_path_factory.mktemp("opening") / "model", REASONING, ANSWER, opens=True)
+    return server_factory(str(path), "--dtype", "float32", "--kv-cache-memory", "8MiB",
+                          "--served-model-name", "thinker", "--reasoning-parser", "qwen3")
+
+
+def test_an_output_that_opens_its_thinking_is_thinking_after_a_prompt_that_closed_one(opening_server):
+    """A tool loop's prompt (Qwen3's template writes the loop's earlier thinking back) ends on </think>;
+    the model then opens <think> again: still reasoning, streamed or not, and counted as such."""
+    url = f"{opening_server.base_url}/v1/chat/completions"
+    earlier = [*MESSAGES, {"role": "assistant", "content": "Hi", "reasoning": "hmm"},
+               {"role": "user", "content": "Again"}]
+    for messages in (MESSAGES, earlier):
+        body = {"model": "thinker", "messages": messages, "max_tokens": 30, "temperature": 0}
+        reply = httpx.post(url, json=body, timeout=60).json()
+        assert reply["choices"][0]["message"]["reasoning"] == REASONING, reply
+        assert reply["choices"][0]["message"]["content"] == ANSWER
+        assert reply["usage"]["completion_tokens_details"]["reasoning_tokens"] == REASONING_TOKENS
+        chunks = [json.loads(e) for e in sse_events(httpx.post(url, json={**body, "stream": True}, timeout=60))
+                  if e != "[DONE]"]
+        deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+        assert "".join(d.get("reasoning") or "" for d in deltas) == REASONING
+        assert "".join(d.get("content") or "" for d in deltas) == ANSWER

@@ -50,20 +50,25 @@ def build_sentencepiece_tokenizer(vocab_size: int = 600):
 
 
 def build_tiny_model(path: Path, arch: str = "llama", tokenizer=None, seed: int = 0, **overrides) -> Path:
-    """Write a random `arch` (llama, mistral, qwen2) checkpoint with its tokenizer to `path`."""
+    """Write a random `arch` (llama, mistral, qwen2, qwen3) checkpoint with its tokenizer to `path`.
+    The qwen3 one has heads wider than hidden_size / heads (as Qwen3-0.6B's 16 x 128 over 1,024) and
+    random q/k norm weights, so that a norm applied to the wrong heads, or not at all, shows."""
     from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM)
+                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
     tokenizer = tokenizer or build_tokenizer()
     common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                   eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
                   pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
+    if arch == "qwen3":
+        common["head_dim"] = 32
     common.update(overrides)
     config_cls, model_cls = {
         "llama": (LlamaConfig, LlamaForCausalLM),
         "mistral": (MistralConfig, MistralForCausalLM),
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
     }[arch]
     torch.manual_seed(seed)
     model = model_cls(config_cls(**common)).eval()
@@ -73,6 +78,9 @@ def build_tiny_model(path: Path, arch: str = "llama", tokenizer=None, seed: int 
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.15)
+        for name, p in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.uniform_(0.5, 1.5)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path
@@ -88,20 +96,25 @@ THINKING_TEMPLATE = (
 )
 
 
-def build_scripted_reasoning_model(path: Path, reasoning: str, answer: str) -> Path:
+# Qwen3's shape of template: the generation prompt does not open <think> (the model does), and an
+# earlier assistant turn's thinking is written back (Qwen3 does so for the turns of a tool loop).
+OPENING_TEMPLATE = THINKING_TEMPLATE.replace("assistant\n<think>\n", "assistant\n")
+
+
+def build_scripted_reasoning_model(path: Path, reasoning: str, answer: str, opens: bool = False) -> Path:
     """A tiny llama that, greedy, always writes `reasoning` + "</think>" + `answer` + EOS after a
     prompt ending in "\\n" (THINKING_TEMPLATE's generation prompt): a reasoning model whose output a
-    test knows. Its attention and MLP write nothing (o_proj and down_proj are zero), so the final
+    test knows. `opens`: it writes "<think>" first, under OPENING_TEMPLATE (a Qwen3 hybrid model's way). Its attention and MLP write nothing (o_proj and down_proj are zero), so the final
     hidden state is the current token's embedding; each script token's embedding is its own unit
     vector, and the LM head maps it to the next script token (anything else to EOS)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = build_tokenizer()
     tokenizer.add_tokens(["<think>", "</think>"])  # plain added tokens, as in DeepSeek-R1's tokenizer
-    tokenizer.chat_template = THINKING_TEMPLATE
+    tokenizer.chat_template = OPENING_TEMPLATE if opens else THINKING_TEMPLATE
     encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
-    [newline], [end] = encode("\n"), encode("</think>")
-    script = [newline, *encode(reasoning), end, *encode(answer), tokenizer.eos_token_id]
+    [newline], [start], [end] = encode("\n"), encode("<think>"), encode("</think>")
+    script = [newline, *([start] if opens else []), *encode(reasoning), end, *encode(answer), tokenizer.eos_token_id]
     assert len(set(script)) == len(script), "each script token may appear once (it decides its successor)"
     hidden = 64
     assert len(script) < hidden

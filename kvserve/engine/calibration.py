@@ -46,7 +46,7 @@ def calibration_tokens(kv_cache: KVCache, max_tokens: int, num_tokens: int = CAL
 @torch.inference_mode()
 def record_projections(runner: ModelRunner, max_tokens: int, num_tokens: int = CALIBRATION_TOKENS) -> list[torch.Tensor]:
     """Each layer's q/k/v heads [tokens, heads + 2 * kv_heads, head_dim], before RoPE and any key
-    centring, over one prefill of random tokens at positions 0, 1, ..., run by `runner` like any
+    centring (after Qwen3's per-head norms: what RoPE takes), over one prefill of random tokens at positions 0, 1, ..., run by `runner` like any
     step (the pool's first blocks as its block table). The model's key transforms in effect
     (centres, bases) shape the hidden states of later layers, as they do when serving."""
     model, kv_cache = runner.model, runner.kv_cache
@@ -58,10 +58,13 @@ def record_projections(runner: ModelRunner, max_tokens: int, num_tokens: int = C
     block_table = leading_block_ids(blocks_for_tokens(num_tokens, kv_cache.spec.block_size))
     recorded: list[torch.Tensor] = []
 
-    def record(_module, _inputs, qkv: torch.Tensor) -> None:
-        recorded.append(qkv.view(num_tokens, -1, config.head_dim).clone())
+    def recorder(attention):
+        def record(_module, _inputs, qkv: torch.Tensor) -> None:
+            heads = qkv.view(num_tokens, -1, config.head_dim)
+            recorded.append(heads.clone() if attention.q_norm is None else attention.norm_heads(heads))
+        return record
 
-    hooks = [layer.self_attn.qkv_proj.register_forward_hook(record) for layer in model.layers]
+    hooks = [layer.self_attn.qkv_proj.register_forward_hook(recorder(layer.self_attn)) for layer in model.layers]
     lean, model.lean = model.lean, None  # the modules' hooks record (under --deterministic lean takes prefills)
     try:
         runner.forward(runner.prepare([ScheduledRequest(request, num_tokens)], {request.request_id: block_table}))

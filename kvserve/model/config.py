@@ -5,7 +5,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = {"llama", "mistral", "qwen2"}
+SUPPORTED_ARCHITECTURES = {"llama", "mistral", "qwen2", "qwen3"}
+# Architectures that RMS-normalise each query and key head before RoPE (q_norm, k_norm over head_dim).
+QK_NORM_ARCHITECTURES = {"qwen3"}
 # RoPE variants whose frequencies do not depend on the running sequence length. "dynamic" NTK
 # rescales with the current length, which a paged cache of already-rotated keys cannot follow.
 SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3", "yarn", "longrope"}
@@ -84,6 +86,8 @@ class ModelConfig:
     rope_type: str
     rope_theta: float
     eos_token_ids: tuple[int, ...]
+    # Qwen3: each query and key head RMS-normalised over head_dim (one weight per projection) before RoPE.
+    qk_norm: bool = False
     hf_config: Any = field(repr=False, compare=False, default=None)
 
     @property
@@ -93,6 +97,8 @@ class ModelConfig:
         attn = h * d * (self.num_heads + 2 * self.num_kv_heads) + self.num_heads * d * h
         if self.attention_bias:
             attn += d * (self.num_heads + 2 * self.num_kv_heads)
+        if self.qk_norm:
+            attn += 2 * d
         per_layer = attn + 3 * h * i + 2 * h
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + embed + h
@@ -124,7 +130,7 @@ class ModelConfig:
         num_layers = cfg.num_hidden_layers
         window = getattr(cfg, "sliding_window", None)
         layer_types = getattr(cfg, "layer_types", None)
-        if model_type == "qwen2" and not getattr(cfg, "use_sliding_window", False):
+        if model_type in ("qwen2", "qwen3") and not getattr(cfg, "use_sliding_window", False):
             window = None
         if window and layer_types:
             windows = tuple(window if t == "sliding_attention" else None for t in layer_types)
@@ -145,11 +151,12 @@ class ModelConfig:
             rms_norm_eps=cfg.rms_norm_eps,
             max_position_embeddings=cfg.max_position_embeddings,
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v biases; Llama and Mistral say so in attention_bias.
+            # Qwen2 always has q/k/v biases; Llama, Mistral and Qwen3 say so in attention_bias.
             attention_bias=model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
             sliding_windows=windows,
             rope_type=rope_type,
             rope_theta=rope_theta,
             eos_token_ids=eos_ids,
+            qk_norm=model_type in QK_NORM_ARCHITECTURES,
             hf_config=cfg,
         )

@@ -4,7 +4,8 @@ With 4-bit weights a batch-1 decode step reads so few bytes that the step is bou
 ops between the matmuls, not by the weights: as torch ops from Python, a layer's RMSNorms,
 residual adds, casts around the quantized matmuls, RoPE and SiLU × up are some fifty dispatches.
 csrc/lean_decode.cpp fuses everything from one attention call to the next into two calls (the
-residual add and RMSNorm in front of the qkv matmul and RoPE after it; then o_proj, its residual,
+residual add and RMSNorm in front of the qkv matmul and RoPE after it, Qwen3's per-head norms
+before that; then o_proj, its residual,
 RMSNorm, gate/up, SiLU × up and down), multiplying through the same small-batch kernel and codes
 as the QuantizedLinear layers (quant_linear.py, csrc/quant_gemv.h). Between the two calls the
 step's K/V go into the pool (one C++ copy for a full-precision pool in the model dtype, the KV
@@ -75,6 +76,7 @@ class _Layer:
     post_norm: torch.Tensor
     eps: float
     qkv_bias: torch.Tensor | None
+    qk_norm: torch.Tensor | None  # Qwen3's q_norm and k_norm weights [2, head_dim], or None
     kernel: _Linears | None  # the int kernel's operands, for up to kernel_rows rows (None: full precision)
     dense: _Linears | None  # the dense copies, for more rows (None: the layer has none)
 
@@ -120,11 +122,13 @@ class LeanDecoder:
                 return None, "not every linear layer is on the quantized small-batch kernel or oneDNN-packed"
             if any(lin.bias is not None for lin in linears[1:]) or attn.reduce is not None or mlp.reduce is not None:
                 return None, "biases after qkv or tensor parallelism"
-            if layer.input_layernorm.eps != layer.post_attention_layernorm.eps:
-                return None, "the layer's two norms differ in eps"
+            head_norms = () if attn.q_norm is None else (attn.q_norm, attn.k_norm)
+            if any(norm.eps != layer.input_layernorm.eps for norm in (layer.post_attention_layernorm, *head_norms)):
+                return None, "the layer's norms differ in eps"
+            qk_norm = torch.stack([norm.weight.detach() for norm in head_norms]) if head_norms else None
             layers.append(_Layer(i, attn.window, layer.input_layernorm.weight.detach(),
                                  layer.post_attention_layernorm.weight.detach(), layer.input_layernorm.eps,
-                                 attn.qkv_proj.bias, kernel,
+                                 attn.qkv_proj.bias, qk_norm, kernel,
                                  _Linears(*dense) if all(d is not None for d in dense) else None))
         if len(kinds) != 1:
             return None, "the layers' linears are not all of one kind"
@@ -178,7 +182,7 @@ class LeanDecoder:
         for layer in self.layers:
             linears = layer.kernel if rows <= self.kernel_rows else layer.dense
             h, heads_out = attention_input(h, delta, layer.input_norm, layer.eps, linears.qkv, layer.qkv_bias, cos,
-                                           signed_sin, heads + kv_heads, dim)
+                                           signed_sin, heads + kv_heads, dim, layer.qk_norm, heads)
             pool = pools[layer.index]
             if same_dtype_pool:
                 write_kv(pool["kv"], heads_out, meta.slot_mapping, heads)

@@ -1,7 +1,8 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2) over a packed token batch and a paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a packed token batch and a paged KV cache.
 
-RMSNorm, RoPE, grouped-query attention, SwiGLU MLP. q/k/v and gate/up projections are fused
-into one matmul each (fewer, larger matmuls: what a batch-1 decode step on CPU is bound by).
+RMSNorm, RoPE, grouped-query attention, SwiGLU MLP; Qwen3 adds an RMSNorm of each query and key
+head before RoPE (QK-norm, arXiv:2505.09388). q/k/v and gate/up projections are fused into one
+matmul each (fewer, larger matmuls: what a batch-1 decode step on CPU is bound by).
 """
 from __future__ import annotations
 
@@ -51,6 +52,9 @@ class Attention(nn.Module):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        # Qwen3's per-head norms over head_dim (one weight shared by every head), before RoPE; else None.
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         # [kv_heads, head_dim] subtracted from every key before it is cached, or None
         # (kvserve/engine/key_centering.py: attention is unchanged, quantization error shrinks).
         self.key_center: torch.Tensor | None = None
@@ -65,8 +69,17 @@ class Attention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """qkv -> the attention backend (RoPE, the store, attention: model/attention/) -> o_proj."""
         heads = self.qkv_proj(x).view(x.shape[0], self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            heads = self.norm_heads(heads)
         out = self.o_proj(meta.backend.forward(self, heads, rope, kv_cache, meta))
         return out if self.reduce is None else self.reduce(out)
+
+    def norm_heads(self, heads: torch.Tensor) -> torch.Tensor:
+        """[tokens, heads + 2 kv_heads, head_dim] with the query and key heads RMS-normalised (Qwen3)."""
+        q, k, v = heads.split((self.num_heads, self.num_kv_heads, self.num_kv_heads), dim=1)
+        # every head of every token one row of the norm
+        return torch.cat((self.q_norm(q.reshape(-1, self.head_dim)).view_as(q),
+                          self.k_norm(k.reshape(-1, self.head_dim)).view_as(k), v), dim=1)
 
 
 class MLP(nn.Module):

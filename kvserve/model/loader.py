@@ -296,10 +296,12 @@ def _read_cut_safetensors(file: Path, cut: TensorCut, weights: dict[str, torch.T
 _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 _GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# GGUF architectures kvserve serves -> the transformers config class of that model_type.
+_GGUF_CONFIGS = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
 
 
 def _gguf_tensor_name(name: str) -> str:
@@ -324,8 +326,9 @@ def _gguf_hf_config(gguf_file: GGUFFile, has_output: bool) -> Any:
     namespace does, which spares importing transformers' config classes (over a second)."""
     field = gguf_file.field
     arch = field("general.architecture")
-    if arch not in ("llama", "qwen2"):
-        raise UnsupportedModelError(f"unsupported GGUF architecture {arch!r}: kvserve serves llama and qwen2")
+    if arch not in _GGUF_CONFIGS:
+        raise UnsupportedModelError(f"unsupported GGUF architecture {arch!r}: kvserve serves "
+                                    f"{', '.join(sorted(_GGUF_CONFIGS))}")
     rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": field(f"{arch}.rope.freq_base", 10000.0)}
     scaling = field(f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
@@ -339,9 +342,10 @@ def _gguf_hf_config(gguf_file: GGUFFile, has_output: bool) -> Any:
         num_hidden_layers=field(f"{arch}.block_count"),
         num_attention_heads=num_heads,
         num_key_value_heads=field(f"{arch}.attention.head_count_kv", num_heads),
-        head_dim=field(f"{arch}.rope.dimension_count",
-                       hidden // num_heads if isinstance(num_heads, int) and num_heads > 0 and isinstance(hidden, int)
-                       else None),
+        # Qwen3 writes its head size (which need not be hidden / heads) as the key length
+        head_dim=field(f"{arch}.attention.key_length") or field(
+            f"{arch}.rope.dimension_count",
+            hidden // num_heads if isinstance(num_heads, int) and num_heads > 0 and isinstance(hidden, int) else None),
         rms_norm_eps=field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
         max_position_embeddings=field(f"{arch}.context_length", 2048),
         rope_parameters=rope_parameters,
@@ -351,9 +355,9 @@ def _gguf_hf_config(gguf_file: GGUFFile, has_output: bool) -> Any:
     )
     if rope_parameters["rope_type"] == "default":
         return SimpleNamespace(model_type=arch, **kwargs)
-    from transformers import LlamaConfig, Qwen2Config
+    import transformers
 
-    return (LlamaConfig if arch == "llama" else Qwen2Config)(**kwargs)
+    return getattr(transformers, _GGUF_CONFIGS[arch])(**kwargs)
 
 
 def _load_gguf(path: Path, cut: TensorCut | None = None, source: TokenizerSource = TokenizerSource()) -> LoadedModel:

@@ -54,6 +54,8 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if config.attention_bias:
             shapes.update({f"{p}self_attn.q_proj.bias": (q,), f"{p}self_attn.k_proj.bias": (kv,),
                            f"{p}self_attn.v_proj.bias": (kv,)})
+        if config.qk_norm:
+            shapes.update({f"{p}self_attn.q_norm.weight": (d,), f"{p}self_attn.k_norm.weight": (d,)})
     return shapes
 
 

@@ -62,6 +62,19 @@ PRESETS: dict[str, Preset] = {
              num_attention_heads=64, num_key_value_heads=8, vocab_size=152064, max_position_embeddings=131072,
              rope_theta=1000000.0, use_sliding_window=False, sliding_window=131072, tie_word_embeddings=False),
         72_706_203_648, "https://huggingface.co/Qwen/Qwen2.5-72B/blob/main/config.json"),
+    # Qwen3: heads of 128 whatever the width (16 x 128 over a 1,024-wide 0.6B), and q/k norms.
+    "qwen3-0.6b": Preset(
+        dict(model_type="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+             num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+             max_position_embeddings=40960, rope_theta=1000000.0, use_sliding_window=False, sliding_window=None,
+             tie_word_embeddings=True),
+        596_049_920, "https://huggingface.co/Qwen/Qwen3-0.6B/blob/main/config.json"),
+    "qwen3-8b": Preset(
+        dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+             num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+             max_position_embeddings=40960, rope_theta=1000000.0, use_sliding_window=False, sliding_window=None,
+             tie_word_embeddings=False),
+        8_190_735_360, "https://huggingface.co/Qwen/Qwen3-8B/blob/main/config.json"),
     # Gemma 2 alternates local (sliding, 4,096 tokens) and global attention layers, starting local.
     "gemma-2-9b": Preset(
         dict(model_type="gemma2", hidden_size=3584, intermediate_size=14336, num_hidden_layers=42,

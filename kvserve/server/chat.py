@@ -135,12 +135,12 @@ class ChatServing:
             stream.close()
         choices = []
         for c in output.outputs:
-            thinking = None
-            if thinks:  # the tool plan reads the answer only
+            thinking, choice_thinks = None, self._thinks(thinks, c)
+            if choice_thinks:  # the tool plan reads the answer only
                 thinking, answer, _ = self.reasoning.split(c.text, final=True)
                 c = dataclasses.replace(c, text=answer)
             message, finish_reason = assistant_message(plan, c)
-            if thinks:
+            if choice_thinks:
                 message.reasoning = thinking if body.include_reasoning else None
                 if not message.tool_calls:  # nothing after the thinking: no answer (vLLM's null)
                     message.content = message.content or None
@@ -179,11 +179,16 @@ class ChatServing:
             return dataclasses.replace(params, max_tokens=room)
         return params
 
+    def _thinks(self, thinks: bool, choice: CompletionOutput) -> bool:
+        """Whether a choice's output starts as thinking: after a prompt that left it open (`thinks`)
+        or when the output opens it itself (reasoning.py)."""
+        return thinks or (self.reasoning is not None and self.reasoning.opened_by(choice.token_ids))
+
     def _reasoning_tokens(self, outputs: list[CompletionOutput], thinks: bool) -> int | None:
         """The thinking tokens of a reply's choices; None without --reasoning-parser."""
         if self.reasoning is None:
             return None
-        return sum(self.reasoning.reasoning_tokens(c.token_ids) for c in outputs) if thinks else 0
+        return sum(self.reasoning.reasoning_tokens(c.token_ids) for c in outputs if self._thinks(thinks, c))
 
     async def _events(self, body: ChatCompletionRequest, plan: ToolPlan | None, prompt_len: int,
                       stream: RequestStream, request_id: str, created: int, echoed: str,
@@ -222,7 +227,7 @@ class ChatServing:
                         latest[index] = c
                         finish_reason, calls = c.finish_reason, []
                         text, thinking, answering = c.text, "", True
-                        if thinks:  # the thinking goes out as `reasoning`; the rest is the answer
+                        if self._thinks(thinks, c):  # the thinking goes out as `reasoning`; the rest is the answer
                             final = c.finish_reason is not None
                             reasoning, text, ended = self.reasoning.split(c.text, final)
                             thinking = reasoning[choice.reasoning_sent:] if body.include_reasoning else ""

@@ -7,9 +7,12 @@ after it the answer (`content`, null when empty); without a `</think>` all of it
 max_tokens cut before the answer); a leading `<think>` is dropped. When the prompt itself closed the
 thinking (a template switch that writes `<think></think>`, or a continued message past it), all
 output is the answer; so is the continuation of a final message that did not leave a `<think>` open.
-The prompt decides, as in vLLM: a template that writes earlier turns' thinking but does not open
-`<think>` in its generation prompt leaves `</think>` as the prompt's last tag, and the new thinking
-is then taken for the answer. The reasoning goes out as vLLM's `reasoning` field, on the message
+The prompt decides, as in vLLM, unless the output itself opens with `<think>`: then it is thinking
+(a template that writes earlier turns' thinking but does not open `<think>` in its generation
+prompt, Qwen3's in a tool loop, leaves `</think>` as the prompt's last tag). The `qwen3` parser
+(Qwen3's hybrid and thinking-only models) reads the same tags by the same rules; vLLM's non-streamed
+qwen3 parser returns output without `</think>` as content, kvserve as reasoning, the same streamed
+or not. The reasoning goes out as vLLM's `reasoning` field, on the message
 and on stream deltas; tool calls are read from the answer only, and a request's structured output
 applies from the token after `</think>` (`StructuredOutputsParams.starts_after_token_id`).
 """
@@ -25,7 +28,10 @@ class ThinkTags:
     end: str
 
 
-REASONING_PARSERS = {"deepseek_r1": ThinkTags("<think>", "</think>")}
+# vLLM's names. Qwen3's hybrid models open <think> themselves (an earlier turn's thinking in the
+# prompt then leaves </think> its last tag: the output's own <think> decides, see opened_by), or the
+# template closes it empty (enable_thinking=False); its thinking-only models' templates open it.
+REASONING_PARSERS = {"deepseek_r1": ThinkTags("<think>", "</think>"), "qwen3": ThinkTags("<think>", "</think>")}
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,13 @@ class ReasoningParser:
         if continues_message:
             return final_message.rfind(self.tags.start) > final_message.rfind(self.tags.end)
         return not self.ended_in(prompt_ids)
+
+    def opened_by(self, output_ids: list[int]) -> bool:
+        """Whether the output opens with the start tag: then it thinks, whatever the prompt said
+        (as vLLM's parsers strip a leading <think>). A Qwen3 template writes the thinking of the
+        turns since the last user message (a tool loop's) but not the new turn's <think>, so its
+        prompt ends on </think> while the model is about to think again."""
+        return self.start_id is not None and output_ids[:1] == [self.start_id]
 
     def ended_in(self, prompt_ids: list[int]) -> bool:
         """True if the prompt closed the thinking: its last tag token is the end tag."""

@@ -5,7 +5,7 @@
 // the int4 kernel, RoPE's products and roll, slicing, SiLU and its product), each with its own
 // allocation and, from Python, its interpreter overhead. Here a layer is two calls:
 //
-//   attention_input:  h = x + delta;  qkv = RoPE(W_qkv · rmsnorm(h))
+//   attention_input:  h = x + delta;  qkv = RoPE(W_qkv · rmsnorm(h))  (Qwen3: each q and k head RMS-normed before RoPE)
 //   attention_output: h' = h + W_o · attn;  out = W_down · (silu(gate) * up) of rmsnorm(h')
 //
 // (the caller writes K/V into the pool and runs the paged decode kernel in between, so every KV
@@ -286,9 +286,21 @@ template <typename T>
 std::vector<at::Tensor> attention_input_impl(const at::Tensor& x, const std::optional<at::Tensor>& delta,
                                              const at::Tensor& norm_weight, double eps, const Linear& qkv_proj,
                                              const std::optional<at::Tensor>& bias, const at::Tensor& cos,
-                                             const at::Tensor& signed_sin, int64_t rotated_heads, int64_t head_dim) {
+                                             const at::Tensor& signed_sin, int64_t rotated_heads, int64_t head_dim,
+                                             const std::optional<at::Tensor>& qk_norm, int64_t query_heads) {
   at::Tensor h = residual_add<T>(x, delta);
   at::Tensor qkv = to_model_dtype<T>(matmul(rms_normed<T>(h, norm_weight, eps, input_dtype<T>(qkv_proj)), qkv_proj), bias);
+  if (qk_norm.has_value()) {  // Qwen3: every query head by qk_norm[0], every key head by qk_norm[1], in place
+    T* base = qkv.data_ptr<T>();
+    const T* weights = qk_norm->data_ptr<T>();
+    const float e = static_cast<float>(eps);
+    for (int64_t r = 0; r < qkv.size(0); ++r) {
+      T* row = base + r * qkv.size(1);
+      rms_rows(row, weights, row, query_heads, head_dim, e);
+      rms_rows(row + query_heads * head_dim, weights + head_dim, row + query_heads * head_dim,
+               rotated_heads - query_heads, head_dim, e);
+    }
+  }
   rope_in_place<T>(qkv, cos, signed_sin, rotated_heads, head_dim);
   return {h, qkv.view({qkv.size(0), -1, head_dim})};
 }
@@ -313,7 +325,7 @@ std::vector<at::Tensor> attention_input(const at::Tensor& x, const std::optional
                                         const at::Tensor& norm_weight, double eps,
                                         const std::vector<at::Tensor>& qkv_proj, const std::optional<at::Tensor>& bias,
                                         const at::Tensor& cos, const at::Tensor& signed_sin, int64_t rotated_heads,
-                                        int64_t head_dim) {
+                                        int64_t head_dim, const std::optional<at::Tensor>& qk_norm, int64_t query_heads) {
   check_rows(x, "x");
   TORCH_CHECK(!delta.has_value() || (delta->sizes() == x.sizes() && delta->scalar_type() == x.scalar_type() &&
                                      delta->is_contiguous()), "delta must match x");
@@ -321,11 +333,16 @@ std::vector<at::Tensor> attention_input(const at::Tensor& x, const std::optional
               cos.scalar_type() == x.scalar_type() && signed_sin.scalar_type() == x.scalar_type(),
               "cos and signed_sin must be [rows, head_dim] in x's dtype");
   TORCH_CHECK(norm_weight.scalar_type() == x.scalar_type() && norm_weight.numel() == x.size(1), "bad norm weight");
+  TORCH_CHECK(!qk_norm.has_value() || (qk_norm->scalar_type() == x.scalar_type() && qk_norm->is_contiguous() &&
+                                       qk_norm->numel() == 2 * head_dim && 0 < query_heads &&
+                                       query_heads < rotated_heads), "qk_norm must be [2, head_dim] in x's dtype");
   const Linear w = linear_of(qkv_proj);
   if (x.scalar_type() == at::kBFloat16)
-    return attention_input_impl<BF16>(x, delta, norm_weight, eps, w, bias, cos, signed_sin, rotated_heads, head_dim);
+    return attention_input_impl<BF16>(x, delta, norm_weight, eps, w, bias, cos, signed_sin, rotated_heads, head_dim,
+                                      qk_norm, query_heads);
   TORCH_CHECK(x.scalar_type() == at::kFloat, "the lean decode step runs bfloat16 and float32 models");
-  return attention_input_impl<float>(x, delta, norm_weight, eps, w, bias, cos, signed_sin, rotated_heads, head_dim);
+  return attention_input_impl<float>(x, delta, norm_weight, eps, w, bias, cos, signed_sin, rotated_heads, head_dim,
+                                     qk_norm, query_heads);
 }
 
 std::vector<at::Tensor> attention_output(const at::Tensor& attn, const at::Tensor& h,
@@ -373,7 +390,8 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& 
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_input", &attention_input,
-        "h = x + delta; RoPE'd q, k and v [rows, heads, D] of the qkv matmul of rmsnorm(h)");
+        "h = x + delta; RoPE'd q, k and v [rows, heads, D] of the qkv matmul of rmsnorm(h) (q/k heads normed by "
+        "qk_norm [2, D] first, where given)");
   m.def("attention_output", &attention_output,
         "h' = h + W_o attn; the MLP's output W_down (silu(gate) * up) of rmsnorm(h')");
   m.def("write_kv", &write_kv, "copy the step's K/V heads of qkv into a full-precision pool at their slots");
