@@ -62,7 +62,8 @@ def _child(dtype: str, kv_cache_dtype: str) -> dict[str, float]:
     times["import kvserve"] = time.perf_counter() - start
     if hasattr(loader, "read_gguf"):
         wrap(loader, "read_gguf", "GGUF header")
-        wrap(loader, "dequantize_all", "dequantize")
+        # (since the GGUF's tensors are read lazily, dequantizing happens inside the model build)
+        wrap(loader, "dequantize_all" if hasattr(loader, "dequantize_all") else "dequantize", "dequantize")
         wrap(loader, "_gguf_tokenizer", "tokenizer")
     else:  # before kvserve's own reader: both of the gguf package's reader passes count as the header
         import gguf

@@ -168,7 +168,10 @@ class HFBackend:
 
 
 def _dummy_model(preset: str) -> str:
-    """A directory holding the preset's config.json (kvserve.plan.presets), for --load-format dummy."""
+    """A directory holding the preset's config.json (kvserve.plan.presets), for --load-format dummy;
+    removed when the process exits."""
+    import atexit
+    import shutil
     import tempfile
 
     from kvserve.plan.presets import PRESETS
@@ -176,6 +179,7 @@ def _dummy_model(preset: str) -> str:
     if preset not in PRESETS:
         raise SystemExit(f"unknown preset {preset!r}; choose from {', '.join(sorted(PRESETS))}")
     directory = Path(tempfile.mkdtemp(prefix=f"kvserve-{preset}-"))
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
     (directory / "config.json").write_text(json.dumps({**PRESETS[preset].config, "torch_dtype": "bfloat16"}))
     return str(directory)
 

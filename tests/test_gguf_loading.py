@@ -148,10 +148,11 @@ def test_starting_the_default_model_imports_neither_dynamo_nor_triton():
     assert run.stdout.strip().splitlines()[-1] == "[]", run.stdout
 
 
-def _write_llama_cpp_gguf(hf_dir, out_path, arch: str) -> None:
+def _write_llama_cpp_gguf(hf_dir, out_path, arch: str, linears: str = "F32") -> None:
     """The HF checkpoint at `hf_dir` as llama.cpp's converter writes a Qwen-family GGUF (F32 tensors
     under llama.cpp's names, the head size as the attention key length, no q/k permutation), without
-    tokenizer metadata: a test passes the HF directory as the tokenizer."""
+    tokenizer metadata: a test passes the HF directory as the tokenizer. `linears`: the type of the
+    layers' matrices (Q4_0: quantized by gguf, and the embedding Q8_0, as llama.cpp's Q4_0 files)."""
     from safetensors.torch import load_file
 
     config = transformers.AutoConfig.from_pretrained(hf_dir)
@@ -180,7 +181,13 @@ def _write_llama_cpp_gguf(hf_dir, out_path, arch: str) -> None:
             gguf_name = f"blk.{layer}.{parts[part]}.{kind}"
         else:
             gguf_name = f"{names[stem]}.{kind}"
-        writer.add_tensor(gguf_name, tensor.float().numpy())
+        qtype = gguf.GGMLQuantizationType[linears] if tensor.dim() == 2 else gguf.GGMLQuantizationType.F32
+        if stem == "model.embed_tokens" and linears != "F32":
+            qtype = gguf.GGMLQuantizationType.Q8_0
+        if qtype == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(gguf_name, tensor.float().numpy())
+        else:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(tensor.float().numpy(), qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -202,3 +209,26 @@ def test_qwen3_gguf_serves_like_its_checkpoint(tmp_path, tiny_model_factory):
     from_hf = LLM(str(hf_dir), dtype="float32", kv_cache_memory="8MiB")
     got = [o.outputs[0].token_ids for o in from_gguf.generate(prompts, params, use_tqdm=False)]
     assert got == [o.outputs[0].token_ids for o in from_hf.generate(prompts, params, use_tqdm=False)]
+
+
+def test_layers_served_from_their_blocks_are_never_dequantized(tmp_path, tiny_model_factory, monkeypatch):
+    """A Q4_0 GGUF served as stored (`--quantization auto`) dequantizes only what the model reads
+    dense (embedding, norms): its linears go from the file's blocks to the kernel without a float32
+    copy; `--quantization none` reads every tensor."""
+    from kvserve import LLM, SamplingParams
+    from kvserve.model import loader
+
+    hf_dir = tiny_model_factory("qwen3")
+    path = tmp_path / "qwen3-q4_0.gguf"
+    _write_llama_cpp_gguf(hf_dir, path, "qwen3", linears="Q4_0")
+    read = []
+    dequantize_one = loader.dequantize
+    monkeypatch.setattr(loader, "dequantize", lambda tensor: read.append(tensor.name) or dequantize_one(tensor))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    served = LLM(str(path), tokenizer=str(hf_dir), dtype="float32", kv_cache_memory="8MiB", quantization="auto")
+    assert served.generate([{"prompt_token_ids": [3, 4, 5]}], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert read and not [name for name in read if name.startswith("blk.") and not name.endswith("norm.weight")]
+    assert "token_embd.weight" in read and "output.weight" not in read  # the head is served from its blocks
+    read.clear()
+    LLM(str(path), tokenizer=str(hf_dir), dtype="float32", kv_cache_memory="8MiB", quantization="none")
+    assert {"blk.0.attn_q.weight", "blk.1.ffn_down.weight", "output.weight"} <= set(read)

@@ -39,6 +39,42 @@ def test_gguf_blocks_kept_quantized_dequantize_like_gguf_bit_for_bit(qtype):
     assert torch.equal(got.view(torch.int32), torch.from_numpy(expected).view(torch.int32)), qtype.name
 
 
+def _k_quant_tensor(qtype: gguf.GGMLQuantizationType, rows: int, cols: int) -> tuple[GGUFTensor, torch.Tensor]:
+    """Random k-quant super-blocks (random codes, scales and minimums; float16 d and dmin of a
+    weight's size), as kvserve's reader holds them, and gguf's float32 dequantization of them."""
+    rng = np.random.default_rng(int(qtype))
+    values_per_block, bytes_per_block = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (rows * cols // values_per_block, bytes_per_block), dtype=np.uint8)
+    supers = rng.uniform(1e-4, 3e-3, size=(blocks.shape[0], 2)).astype(np.float16).view(np.uint8)
+    if qtype == gguf.GGMLQuantizationType.Q6_K:  # d last
+        blocks[:, -2:] = supers[:, :2]
+    else:  # d and dmin first
+        blocks[:, :4] = supers
+    raw = blocks.reshape(rows, -1)
+    expected = torch.from_numpy(gguf.quants.dequantize(raw, qtype).astype(np.float32).copy())
+    return GGUFTensor("t", (rows, cols), int(qtype), torch.from_numpy(raw.reshape(-1).copy())), expected
+
+
+def test_q4_k_is_served_as_its_own_4_bit_codes():
+    """Q4_K (a Q4_K_M file's most tensors): each 32-value sub-block is a 4-bit group with scale d*s
+    and offset -dmin*m: the codes as stored, the values gguf's (to float32 rounding of the sums)."""
+    tensor, expected = _k_quant_tensor(gguf.GGMLQuantizationType.Q4_K, 24, 512)
+    matrix = quantized_matrix(tensor)
+    assert matrix.bits == 4 and matrix.group_size == 32 and int(matrix.q.max()) <= 15
+    assert torch.allclose(matrix.dequantize(), expected, rtol=1e-6, atol=1e-6 * float(expected.abs().max()))
+
+
+@pytest.mark.parametrize("name", ["Q5_K", "Q6_K"])
+def test_wider_k_quants_are_served_as_int8_groups(name):
+    """Q5_K and Q6_K (a k-quant file's attn_v, ffn_down, output) as int8 per 32 values: within half
+    an 8-bit step of their values."""
+    tensor, expected = _k_quant_tensor(gguf.GGMLQuantizationType[name], 8, 512)
+    matrix = quantized_matrix(tensor)
+    assert matrix.bits == 8 and matrix.group_size == 32
+    steps = expected.view(8, -1, 32).abs().amax(-1, keepdim=True) / 127
+    assert ((matrix.dequantize() - expected).view(8, -1, 32).abs() <= steps / 2 * 1.001).all()
+
+
 @pytest.mark.slow
 def test_default_gguf_quantized_weights_are_the_dequantized_ones():
     """Every Q4_1/Q8_0 matrix of the default model kept quantized (q/k rows un-permuted as the

@@ -25,7 +25,8 @@ from kvserve.model.attention import AttentionBackend, make_attention_backend
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import LoadedModel, load_model, quantized_sources
 from kvserve.model.quant_linear import (
-    QuantizationReport, install_quantized, kernel_max_rows, quantization_targets, resident_weight_bytes)
+    QuantizationReport, install_quantized, kernel_max_rows, quantization_targets, resident_weight_bytes,
+    weights_served_from_sources)
 from kvserve.model.quantized import QuantizedMatrix
 from kvserve.units import format_size
 from kvserve.model.shape import ModelShape
@@ -82,15 +83,21 @@ def load_engine_model(args: EngineArgs, loaded_model: LoadedModel | None = None,
     quantized: dict[str, QuantizedMatrix] = {}
     sharded = args.tensor_parallel_size > 1
 
+    sources = quantized_sources(loaded)
+
     def replace_linears(model: torch.nn.Module) -> None:
-        targets = quantization_targets(model, args.quantization, quantized_sources(loaded), plan.dtype)
+        targets = quantization_targets(model, args.quantization, sources, plan.dtype)
         if sharded:
             quantized.update(targets)
         else:
             reports.append(install_quantized(model, targets, args.quantization, plan.dtype, plan.device))
 
+    # A GGUF's layers served from its own blocks are never dequantized (loader.LazyWeights); under
+    # tensor parallelism rank 0 keeps the full plain model, to be sharded (parallel/rank_zero.py).
+    unread = None if sharded else lambda model: weights_served_from_sources(model, args.quantization, sources)
     model = LlamaForCausalLM.from_hf_weights(loaded.config, loaded.weights, plan.max_model_len, plan.dtype,
-                                             plan.device, shard=None, prepack=prepack, replace_linears=replace_linears)
+                                             plan.device, shard=None, prepack=prepack, replace_linears=replace_linears,
+                                             unread=unread)
     logger.info("Loaded %s (%s, %s, %s) in %.1f s", loaded.path, loaded.config.architecture,
                 str(plan.dtype).removeprefix("torch."), plan.device, time.monotonic() - start)
     if not sharded:

@@ -5,7 +5,8 @@ of thousands for a tokenizer's vocabulary and merges) and dequantizes with numpy
 rows; both take seconds for a 135M model. This reader walks the header once with `struct`, maps
 the tensor data, and dequantizes the common formats (F32, F16, BF16, Q4_0, Q4_1, Q8_0) with
 vectorised torch ops that give gguf's float32 results bit for bit (same operations, same order).
-Other formats (k-quants, ...) still go through `gguf.quants.dequantize`.
+Other formats (k-quants, ...) still go through `gguf.quants.dequantize`. `quantized_matrix` gives the
+matrices kvserve serves quantized as the file stores them (Q4_0, Q4_1, Q8_0, Q4_K; Q5_K/Q6_K as int8).
 
 Format: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md
 """
@@ -20,7 +21,7 @@ from typing import Any
 
 import torch
 
-from kvserve.model.quantized import QuantizedMatrix
+from kvserve.model.quantized import QuantizedMatrix, quantize_int8
 from kvserve.torch_threads import one_thread
 
 GGUF_MAGIC = b"GGUF"
@@ -31,6 +32,9 @@ _SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f"
 
 # ggml type id -> (values per block, bytes per block) for the types dequantized here.
 F32, F16, Q4_0, Q4_1, Q8_0, BF16 = 0, 1, 2, 3, 8, 30
+# k-quants (super-blocks of 256 values) that are served quantized (quantized_matrix).
+Q4_K, Q5_K, Q6_K = 12, 13, 14
+_Q4_K_BYTES = 144
 _BLOCKS = {F32: (1, 4), F16: (1, 2), Q4_0: (32, 18), Q4_1: (32, 20), Q8_0: (32, 34), BF16: (1, 2)}
 
 
@@ -205,9 +209,18 @@ def dequantize(tensor: GGUFTensor) -> torch.Tensor:
 
 def quantized_matrix(tensor: GGUFTensor) -> QuantizedMatrix | None:
     """A Q4_0, Q4_1 or Q8_0 matrix as it is stored (quantized.py maps llama.cpp's blocks onto its
-    convention without changing a value), or None for other types and shapes."""
+    convention without changing a value); Q4_K's 32-value sub-blocks as 4-bit groups of 32 (their
+    scales and minimums multiplied out); Q5_K and Q6_K (the k-quant files' wider tensors) as int8
+    in groups of 32, requantized from their values (8 bits over their 5 or 6). None for other
+    types and shapes."""
     type_id = tensor.type_id
-    if type_id not in (Q4_0, Q4_1, Q8_0) or len(tensor.shape) != 2:
+    if len(tensor.shape) != 2:
+        return None
+    if type_id == Q4_K:
+        return _q4_k_matrix(tensor)
+    if type_id in (Q5_K, Q6_K):
+        return quantize_int8(dequantize(tensor), group_size=32)
+    if type_id not in (Q4_0, Q4_1, Q8_0):
         return None
     rows, cols = tensor.shape
     blocks = tensor.raw.view(-1, _BLOCKS[type_id][1])
@@ -217,6 +230,24 @@ def quantized_matrix(tensor: GGUFTensor) -> QuantizedMatrix | None:
     packed = blocks[:, 4:] if type_id == Q4_1 else blocks[:, 2:]
     q = torch.cat((packed & 0x0F, packed >> 4), dim=1).reshape(rows, cols)
     zero = _scale(blocks, 2).view(rows, cols // 32) + 8 * scale if type_id == Q4_1 else None
+    return QuantizedMatrix(q, scale, zero, 32, 4)
+
+
+def _q4_k_matrix(tensor: GGUFTensor) -> QuantizedMatrix:
+    """Q4_K (llama.cpp's k-quants): per 256 values a float16 d and dmin, then eight 32-value
+    sub-blocks, each with a 6-bit scale s and minimum m (packed in 12 bytes) and 4-bit codes q:
+    w = d·s·q − dmin·m, i.e. a Q4_1 group of 32 with scale d·s (exact in float32) and offset −dmin·m."""
+    rows, cols = tensor.shape
+    blocks = tensor.raw.view(-1, _Q4_K_BYTES)
+    d, dmin = _scale(blocks, 0), _scale(blocks, 2)
+    packed = blocks[:, 4:16].long()
+    low, high = packed[:, :4], packed[:, 4:8]
+    scales = torch.cat((low & 63, (packed[:, 8:] & 15) | ((low >> 6) << 4)), dim=1)
+    mins = torch.cat((high & 63, (packed[:, 8:] >> 4) | ((high >> 6) << 4)), dim=1)
+    codes = blocks[:, 16:].view(-1, 4, 32)  # sub-blocks 2j (low nibbles) and 2j + 1 (high) share 32 bytes
+    q = torch.stack((codes & 0x0F, codes >> 4), dim=2).reshape(rows, cols)
+    scale = (d * scales.float()).view(rows, cols // 32)
+    zero = (8 * scale - (dmin * mins.float()).view(rows, cols // 32))
     return QuantizedMatrix(q, scale, zero, 32, 4)
 
 

@@ -6,7 +6,7 @@ matmul each (fewer, larger matmuls: what a batch-1 decode step on CPU is bound b
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from types import ModuleType
 
 import torch
@@ -19,6 +19,15 @@ from kvserve.model.config import ModelConfig
 from kvserve.model.cpu_linear import prepack_linears, prepacking_available
 from kvserve.model.lean_decode import LeanDecoder
 from kvserve.model.rope import RotaryEmbedding
+from kvserve.model.weight_check import expected_weight_shapes
+
+
+def _fused(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The parts stacked along rows; a meta stand-in for parts not read (torch.cat on meta tensors
+    would import torch._dynamo and Triton: a second of every start)."""
+    if any(part.is_meta for part in parts):
+        return torch.empty((sum(part.shape[0] for part in parts), *parts[0].shape[1:]), device="meta")
+    return torch.cat(parts)
 
 
 class RMSNorm(nn.Module):
@@ -139,18 +148,20 @@ class LlamaForCausalLM(nn.Module):
                         shard: Callable[["LlamaForCausalLM"], None] | None = None,
                         prepack: bool = True,
                         replace_linears: Callable[[nn.Module], None] | None = None,
-                        weights_cut: bool = False) -> "LlamaForCausalLM":
+                        weights_cut: bool = False,
+                        unread: Callable[["LlamaForCausalLM"], Collection[str]] | None = None) -> "LlamaForCausalLM":
         """Build on the meta device (no throw-away random init), then adopt the checkpoint tensors.
         `shard` (tensor parallelism, parallel.shard_model) cuts the model down before it moves to
         `device` (`weights_cut`: the checkpoint tensors are the shard's already, so it cuts the
         empty model before they load); `replace_linears` may swap linear layers (quantization)
         before the rest are prepacked; `prepack=False` leaves the linears plain, to be sharded
-        later (`prepack()`)."""
+        later (`prepack()`). `unread(model)`: HF names of weights `replace_linears` replaces without
+        reading them (served from a checkpoint's quantized blocks): not read from `weights` at all."""
         with torch.device("meta"):
             model = cls(config)
         if shard is not None and weights_cut:
             shard(model)
-        model.load_hf_state_dict(weights)
+        model.load_hf_state_dict(weights, unread(model) if unread is not None else ())
         if shard is not None and not weights_cut:
             shard(model)
         model.rope = RotaryEmbedding(config, max_positions, dtype)
@@ -159,6 +170,9 @@ class LlamaForCausalLM(nn.Module):
         # `device` itself, and the move leaves them be).
         if replace_linears is not None:
             replace_linears(model)
+        left = [name for name, p in model.named_parameters() if p.is_meta]
+        if left:
+            raise RuntimeError(f"weights {left[:3]} were neither read nor replaced")
         model = model.to(device=device, dtype=dtype).eval()
         if prepack:
             model.prepack()
@@ -236,17 +250,20 @@ class LlamaForCausalLM(nn.Module):
                 transform = transforms[i].to(self.embed_tokens.weight.device, torch.float32)
                 layer.self_attn.key_basis = (transform, torch.linalg.inv(transform).mT.contiguous())
 
-    def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
-        """Load HF-named tensors (model.layers.N.self_attn.q_proj.weight, ...), fusing q/k/v and gate/up."""
-        weights = {k.removeprefix("model."): v for k, v in weights.items()}
+    def load_hf_state_dict(self, weights: Mapping[str, torch.Tensor], unread: Collection[str] = ()) -> None:
+        """Load HF-named tensors (model.layers.N.self_attn.q_proj.weight, ...), fusing q/k/v and gate/up.
+        The names in `unread` are not read: meta tensors of their shapes stand in, for the caller to replace."""
+        shapes = expected_weight_shapes(self.config) if unread else {}
+        weights = {k.removeprefix("model."): torch.empty(shapes[k], device="meta") if k in unread else weights[k]
+                   for k in weights}
         own = {}
         for i in range(self.config.num_layers):
             p = f"layers.{i}."
             for kind in ("weight", "bias"):
                 parts = [weights.pop(f"{p}self_attn.{n}_proj.{kind}", None) for n in "qkv"]
                 if all(t is not None for t in parts):
-                    own[f"{p}self_attn.qkv_proj.{kind}"] = torch.cat(parts)
-            own[f"{p}mlp.gate_up_proj.weight"] = torch.cat(
+                    own[f"{p}self_attn.qkv_proj.{kind}"] = _fused(parts)
+            own[f"{p}mlp.gate_up_proj.weight"] = _fused(
                 [weights.pop(f"{p}mlp.gate_proj.weight"), weights.pop(f"{p}mlp.up_proj.weight")])
         own.update(weights)
         if self.config.tie_word_embeddings:

@@ -9,7 +9,7 @@ import importlib.util
 import json
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,9 +19,10 @@ import torch
 
 from kvserve import disk_cache
 from kvserve.model.config import MAX_COUNTS, SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedModelError
-from kvserve.model.gguf_file import GGUFFile, cut_tensor, dequantize, dequantize_all, quantized_matrix, read_gguf
+from kvserve.model.gguf_file import GGUFFile, GGUFTensor, cut_tensor, dequantize, quantized_matrix, read_gguf
 from kvserve.model.quantized import QuantizedMatrix
 from kvserve.model.weight_check import check_weight_shapes, dummy_weights
+from kvserve.torch_threads import one_thread
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +39,8 @@ class ModelLoadError(RuntimeError):
 @dataclass
 class LoadedModel:
     config: ModelConfig
-    weights: dict[str, torch.Tensor]  # HF parameter names, float32 or the checkpoint's dtype
+    # HF parameter names -> float32 or the checkpoint's dtype (a GGUF's: dequantized on each read, LazyWeights)
+    weights: Mapping[str, torch.Tensor]
     tokenizer: Any
     path: Path
     file_bytes: int  # size of the checkpoint on disk
@@ -373,12 +375,39 @@ def _load_gguf(path: Path, cut: TensorCut | None = None, source: TokenizerSource
     dense: dict[str, torch.Tensor] = {}
     if cut is not None:
         gguf_file, dense = _cut_gguf(gguf_file, cut)
-    weights = {_gguf_tensor_name(name): value for name, value in {**dequantize_all(gguf_file), **dense}.items()}
-    if config.architecture == "llama":  # the permutation is within each head: a cut of whole heads keeps it
-        for name in [n for n in weights if n.endswith(("q_proj.weight", "k_proj.weight"))]:
-            weights[name] = _unpermute_rope(weights[name], weights[name].shape[0] // config.head_dim)
+    weights = LazyWeights({**{t.name: t for t in gguf_file.tensors}, **dense},
+                          config.head_dim if config.architecture == "llama" else None)
     tokenizer = _tokenizer_for(path, config, source, lambda: _gguf_tokenizer(path, gguf_file))
     return LoadedModel(config, weights, tokenizer, path, path.stat().st_size, gguf_file)
+
+
+class LazyWeights(Mapping[str, torch.Tensor]):
+    """A GGUF's tensors by HF name, each dequantized to float32 when read (and not kept): the layers
+    served from the file's own quantized blocks (quantized_sources) never need theirs, so a model
+    loads without a float32 copy of its weights beside the codes. `rope_head_dim`: un-permute q/k
+    rows of llama.cpp's llama layout (heads of that size; a cut of whole heads keeps the permutation)."""
+
+    def __init__(self, tensors: dict[str, "GGUFTensor | torch.Tensor"], rope_head_dim: int | None):
+        self._tensors = {_gguf_tensor_name(name): tensor for name, tensor in tensors.items()}
+        self._rope_head_dim = rope_head_dim
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        tensor = self._tensors[name]
+        if not isinstance(tensor, torch.Tensor):
+            with one_thread():  # each op a few MB (torch_threads.py)
+                tensor = dequantize(tensor)
+        if self._rope_head_dim is not None and name.endswith(("q_proj.weight", "k_proj.weight")):
+            tensor = _unpermute_rope(tensor, tensor.shape[0] // self._rope_head_dim)
+        return tensor
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._tensors[name].shape)
 
 
 def _cut_gguf(gguf_file: GGUFFile, cut: TensorCut) -> tuple[GGUFFile, dict[str, torch.Tensor]]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import importlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -244,20 +244,44 @@ class QuantizationReport:
         return ", ".join(f"{count} × {kind}" for kind, count in sorted(self.kinds.items()))
 
 
+def weights_served_from_sources(model: nn.Module, mode: str, sources: dict[str, QuantizedMatrix]) -> frozenset[str]:
+    """The HF tensor names (as a checkpoint has them) of the linears `mode` serves from the
+    checkpoint's own quantized matrices: auto takes those as they are and int8/int4 requantize from
+    them (`_target`), so the dense values are never read and a loader need not make them."""
+    if mode == "none" or not sources:
+        return frozenset()
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    names = set()
+    for name, linear in model.named_modules():
+        if not isinstance(linear, nn.Linear) or (name == "lm_head" and tied):
+            continue  # a tied head is the embedding table, which the model reads whole
+        fused = next((f for f in _FUSED_PARTS if name.endswith(f)), None)
+        parts = [name[: -len(fused)] + part for part in _FUSED_PARTS[fused]] if fused else [name]
+        if all(sources.get(f"{part}.weight") is not None for part in parts):
+            names.update(f"{part}.weight" if part == "lm_head" else f"model.{part}.weight" for part in parts)
+    return frozenset(names)
+
+
 def _source_matrix(name: str, sources: dict[str, QuantizedMatrix], tied_embedding: bool) -> QuantizedMatrix | None:
     """The checkpoint's quantized matrix for the model's linear `name` (fused ones concatenated),
-    or None where the checkpoint stores it unquantized or in formats that do not fuse."""
+    or None where the checkpoint stores it (or a part of it) unquantized. Parts stored in different
+    formats (a Q4_K_M file's Q4_K q/k and Q6_K v) are fused as int8 in groups of 32 of their values."""
     if name == "lm_head" and tied_embedding:
         return sources.get("embed_tokens.weight")
     for fused, parts in _FUSED_PARTS.items():
         if name.endswith(fused):
             prefix = name[: -len(fused)]
             matrices = [sources.get(f"{prefix}{part}.weight") for part in parts]
-            return concat_rows(matrices) if same_format(matrices) else None
+            if any(m is None for m in matrices):
+                return None
+            if same_format(matrices):
+                return concat_rows(matrices)
+            return quantize_int8(torch.cat([m.dequantize() for m in matrices]), group_size=32)
     return sources.get(f"{name}.weight")
 
 
-def _target(mode: str, name: str, source: QuantizedMatrix | None, weight: torch.Tensor) -> QuantizedMatrix | None:
+def _target(mode: str, name: str, source: QuantizedMatrix | None,
+            weight: Callable[[], torch.Tensor]) -> QuantizedMatrix | None:
     """The matrix a linear is served with under `mode`: a checkpoint's own quantized matrix where
     it has the asked width (auto: whatever it has), else one quantized from its values. The LM
     head stays 8-bit under int4 (as llama.cpp's quantizers keep the output layer at 6-8 bits: its
@@ -267,7 +291,7 @@ def _target(mode: str, name: str, source: QuantizedMatrix | None, weight: torch.
         return source
     if mode == "auto":
         return None
-    dense = source.dequantize() if source is not None else weight.float()
+    dense = source.dequantize() if source is not None else weight().float()
     return quantize_int4(dense) if bits == 4 else quantize_int8(dense)
 
 
@@ -285,7 +309,8 @@ def quantization_targets(model: nn.Module, mode: str, sources: dict[str, Quantiz
     for name, linear in model.named_modules():
         if not isinstance(linear, nn.Linear) or name in skip:
             continue
-        target = _target(mode, name, _source_matrix(name, sources, tied), linear.weight.to(dtype))
+        # the weight only where it is quantized from (one served from a source may be a meta stand-in)
+        target = _target(mode, name, _source_matrix(name, sources, tied), lambda: linear.weight.to(dtype))
         if target is not None:
             targets[name] = target
     return targets

@@ -92,12 +92,18 @@ def same_format(parts: list[QuantizedMatrix | None]) -> bool:
                and (p.zero is None) == (first.zero is None) for p in parts)
 
 
-def quantize_int8(weight: torch.Tensor) -> QuantizedMatrix:
-    """Symmetric int8 per output channel (round to nearest): scale = max|w| / 127."""
+def quantize_int8(weight: torch.Tensor, group_size: int | None = None) -> QuantizedMatrix:
+    """Symmetric int8 per output channel, or per group of `group_size` input columns (as llama.cpp's
+    Q8_0), round to nearest: scale = max|w| / 127."""
     w = weight.float()
-    scale = (w.abs().amax(dim=1, keepdim=True) / 127).clamp_min(torch.finfo(torch.float32).tiny)
-    q = torch.round(w / scale).clamp_(-127, 127).to(torch.int8)
-    return QuantizedMatrix(q, scale, None, w.shape[1], 8)
+    out, cols = w.shape
+    group = group_size or cols
+    if cols % group:
+        raise ValueError(f"int8 groups of {group} need in_features divisible by it, got {cols}")
+    groups = w.view(out, cols // group, group)
+    scale = (groups.abs().amax(dim=-1, keepdim=True) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+    q = torch.round(groups / scale).clamp_(-127, 127).to(torch.int8)
+    return QuantizedMatrix(q.view(out, cols), scale.squeeze(-1), None, group, 8)
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int = 32) -> QuantizedMatrix:

@@ -37,6 +37,11 @@ PRESETS: dict[str, Preset] = {
                          "https://huggingface.co/meta-llama/Meta-Llama-3-8B/blob/main/config.json"),
     "llama-3-70b": Preset(_llama(8192, 28672, 80, 64, 8, 128256, 8192, rope_theta=500000.0), 70_553_706_496,
                           "https://huggingface.co/meta-llama/Meta-Llama-3-70B/blob/main/config.json"),
+    "llama-3.2-1b": Preset(
+        _llama(2048, 8192, 16, 32, 8, 128256, 131072, rope_theta=500000.0, tie_word_embeddings=True,
+               rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+        1_235_814_400, "https://huggingface.co/meta-llama/Llama-3.2-1B/blob/main/config.json"),
     "llama-3.1-405b": Preset(
         _llama(16384, 53248, 126, 128, 8, 128256, 131072, rope_theta=500000.0,
                rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
