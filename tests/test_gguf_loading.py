@@ -20,7 +20,7 @@ from kvserve.model import gguf_file
 from kvserve.model.gguf_file import GGUFTensor, dequantize, read_gguf
 from kvserve.model.loader import load_model, resolve_model_path
 
-from tiny_models import BOOK
+from tiny_models import BOOK, write_gguf
 
 NATIVE_TYPES = [gguf.GGMLQuantizationType[name] for name in ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0")]
 
@@ -148,52 +148,6 @@ def test_starting_the_default_model_imports_neither_dynamo_nor_triton():
     assert run.stdout.strip().splitlines()[-1] == "[]", run.stdout
 
 
-def _write_llama_cpp_gguf(hf_dir, out_path, arch: str, linears: str = "F32") -> None:
-    """The HF checkpoint at `hf_dir` as llama.cpp's converter writes a Qwen-family GGUF (F32 tensors
-    under llama.cpp's names, the head size as the attention key length, no q/k permutation), without
-    tokenizer metadata: a test passes the HF directory as the tokenizer. `linears`: the type of the
-    layers' matrices (Q4_0: quantized by gguf, and the embedding Q8_0, as llama.cpp's Q4_0 files)."""
-    from safetensors.torch import load_file
-
-    config = transformers.AutoConfig.from_pretrained(hf_dir)
-    weights = load_file(str(hf_dir / "model.safetensors"))
-    writer = gguf.GGUFWriter(str(out_path), arch)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_key_length(config.head_dim)
-    writer.add_value_length(config.head_dim)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_vocab_size(config.vocab_size)
-    parts = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
-             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-    names = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
-    for name, tensor in weights.items():
-        stem, kind = name.rsplit(".", 1)
-        if stem.startswith("model.layers."):
-            _, _, layer, part = stem.split(".", 3)
-            gguf_name = f"blk.{layer}.{parts[part]}.{kind}"
-        else:
-            gguf_name = f"{names[stem]}.{kind}"
-        qtype = gguf.GGMLQuantizationType[linears] if tensor.dim() == 2 else gguf.GGMLQuantizationType.F32
-        if stem == "model.embed_tokens" and linears != "F32":
-            qtype = gguf.GGMLQuantizationType.Q8_0
-        if qtype == gguf.GGMLQuantizationType.F32:
-            writer.add_tensor(gguf_name, tensor.float().numpy())
-        else:
-            writer.add_tensor(gguf_name, gguf.quants.quantize(tensor.float().numpy(), qtype), raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
 def test_qwen3_gguf_serves_like_its_checkpoint(tmp_path, tiny_model_factory):
     """A Qwen3 GGUF (llama.cpp's names: attn_q_norm/attn_k_norm; head size 32 from the key length,
     not hidden / heads = 16) gives the HF checkpoint's greedy tokens."""
@@ -201,7 +155,7 @@ def test_qwen3_gguf_serves_like_its_checkpoint(tmp_path, tiny_model_factory):
 
     hf_dir = tiny_model_factory("qwen3")
     path = tmp_path / "qwen3.gguf"
-    _write_llama_cpp_gguf(hf_dir, path, "qwen3")
+    write_gguf(hf_dir, path, "qwen3")
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 19)]
     from_gguf = LLM(str(path), tokenizer=str(hf_dir), dtype="float32", kv_cache_memory="8MiB")
@@ -220,7 +174,7 @@ def test_layers_served_from_their_blocks_are_never_dequantized(tmp_path, tiny_mo
 
     hf_dir = tiny_model_factory("qwen3")
     path = tmp_path / "qwen3-q4_0.gguf"
-    _write_llama_cpp_gguf(hf_dir, path, "qwen3", linears="Q4_0")
+    write_gguf(hf_dir, path, "qwen3", linears="Q4_0")
     read = []
     dequantize_one = loader.dequantize
     monkeypatch.setattr(loader, "dequantize", lambda tensor: read.append(tensor.name) or dequantize_one(tensor))

@@ -15,6 +15,8 @@ from kvserve.model import quant_linear
 from kvserve.model.quant_linear import QuantizedLinear, quantize_linears, quantized_bytes, served_matrix_bytes
 from kvserve.model.quantized import CompactMatrix, pack_nibbles, quantize_int4, quantize_int8, unpack_nibbles
 
+from tiny_models import random_k_quant_blocks
+
 QUANTIZED_TYPES = [gguf.GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q8_0")]
 
 
@@ -40,17 +42,8 @@ def test_gguf_blocks_kept_quantized_dequantize_like_gguf_bit_for_bit(qtype):
 
 
 def _k_quant_tensor(qtype: gguf.GGMLQuantizationType, rows: int, cols: int) -> tuple[GGUFTensor, torch.Tensor]:
-    """Random k-quant super-blocks (random codes, scales and minimums; float16 d and dmin of a
-    weight's size), as kvserve's reader holds them, and gguf's float32 dequantization of them."""
-    rng = np.random.default_rng(int(qtype))
-    values_per_block, bytes_per_block = gguf.GGML_QUANT_SIZES[qtype]
-    blocks = rng.integers(0, 256, (rows * cols // values_per_block, bytes_per_block), dtype=np.uint8)
-    supers = rng.uniform(1e-4, 3e-3, size=(blocks.shape[0], 2)).astype(np.float16).view(np.uint8)
-    if qtype == gguf.GGMLQuantizationType.Q6_K:  # d last
-        blocks[:, -2:] = supers[:, :2]
-    else:  # d and dmin first
-        blocks[:, :4] = supers
-    raw = blocks.reshape(rows, -1)
+    """Random k-quant super-blocks as kvserve's reader holds them, and gguf's float32 dequantization of them."""
+    raw = random_k_quant_blocks(qtype, rows, cols)
     expected = torch.from_numpy(gguf.quants.dequantize(raw, qtype).astype(np.float32).copy())
     return GGUFTensor("t", (rows, cols), int(qtype), torch.from_numpy(raw.reshape(-1).copy())), expected
 

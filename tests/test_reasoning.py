@@ -237,3 +237,17 @@ def test_an_output_that_opens_its_thinking_is_thinking_after_a_prompt_that_close
         deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
         assert "".join(d.get("reasoning") or "" for d in deltas) == REASONING
         assert "".join(d.get("content") or "" for d in deltas) == ANSWER
+
+
+def test_responses_logprobs_leave_out_the_outputs_own_think_tag(opening_server):
+    """/v1/responses with the text's logprobs: the output's opening <think> is thinking, not the
+    answer's first token, streamed or not."""
+    url = f"{opening_server.base_url}/v1/responses"
+    body = {"model": "thinker", "input": "Hello there", "max_output_tokens": 30, "temperature": 0,
+            "include": ["message.output_text.logprobs"]}
+    whole = httpx.post(url, json=body, timeout=60).json()
+    assert [item["type"] for item in whole["output"]] == ["reasoning", "message"], whole
+    assert "".join(entry["token"] for entry in whole["output"][1]["content"][0]["logprobs"]) == ANSWER + "<|im_end|>"
+    streamed = typed_events(httpx.post(url, json={**body, "stream": True}, timeout=60))
+    done = next(e for e in streamed if e["type"] == "response.output_text.done")
+    assert "".join(entry["token"] for entry in done["logprobs"]).startswith(ANSWER), done["logprobs"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 
 BOOK = Path(__file__).resolve().parent.parent / "kvserve" / "data" / "pride-and-prejudice.txt"
@@ -136,3 +137,77 @@ def build_scripted_reasoning_model(path: Path, reasoning: str, answer: str, open
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path
+
+
+def write_gguf(hf_dir: Path, out_path: Path, arch: str, linears: str = "F32") -> None:
+    """The HF checkpoint at `hf_dir` as llama.cpp's converter writes a Qwen-family GGUF (F32 tensors
+    under llama.cpp's names, the head size as the attention key length, no q/k permutation), without
+    tokenizer metadata: a test passes the HF directory as the tokenizer. `linears`: the type of the
+    layers' matrices (Q4_0: quantized by gguf, and the embedding Q8_0, as llama.cpp's Q4_0 files;
+    "K": random k-quant blocks in a Q4_K_M file's types, q/k/gate/up Q4_K, v/o/down and the output
+    Q6_K: not the checkpoint's values, which gguf cannot quantize so, but a file of that layout)."""
+    import gguf
+    import transformers
+    from safetensors.torch import load_file
+
+    config = transformers.AutoConfig.from_pretrained(hf_dir)
+    weights = load_file(str(hf_dir / "model.safetensors"))
+    writer = gguf.GGUFWriter(str(out_path), arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    parts = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
+             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    names = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+    for name, tensor in weights.items():
+        stem, kind = name.rsplit(".", 1)
+        if stem.startswith("model.layers."):
+            _, _, layer, part = stem.split(".", 3)
+            gguf_name = f"blk.{layer}.{parts[part]}.{kind}"
+        else:
+            gguf_name = f"{names[stem]}.{kind}"
+        if linears == "K" and tensor.dim() == 2 and stem != "model.embed_tokens":
+            k_type = "Q4_K" if gguf_name.split(".")[-2] in ("attn_q", "attn_k", "ffn_gate", "ffn_up") else "Q6_K"
+            qtype = gguf.GGMLQuantizationType[k_type]
+            writer.add_tensor(gguf_name, random_k_quant_blocks(qtype, *tensor.shape), raw_dtype=qtype)
+            continue
+        qtype = gguf.GGMLQuantizationType[linears] if tensor.dim() == 2 and linears != "K" else gguf.GGMLQuantizationType.F32
+        if stem == "model.embed_tokens" and linears not in ("F32", "K"):
+            qtype = gguf.GGMLQuantizationType.Q8_0
+        if qtype == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(gguf_name, tensor.float().numpy())
+        else:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(tensor.float().numpy(), qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+
+def random_k_quant_blocks(qtype, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """[rows, bytes per row] of random k-quant super-blocks (Q4_K, Q5_K, Q6_K): random codes, scales
+    and minimums, float16 super-block scales of a small weight's size."""
+    import gguf
+
+    rng = np.random.default_rng(seed + int(qtype))
+    values_per_block, bytes_per_block = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (rows * cols // values_per_block, bytes_per_block), dtype=np.uint8)
+    q6 = qtype == gguf.GGMLQuantizationType.Q6_K
+    low, high = (2e-5, 1e-4) if q6 else (1e-4, 3e-4)  # Q6_K: d * (int8 scale) * (q - 32)
+    supers = rng.uniform(low, high, size=(blocks.shape[0], 2)).astype(np.float16).view(np.uint8)
+    if q6:  # d last
+        blocks[:, -2:] = supers[:, :2]
+    else:  # d and dmin first
+        blocks[:, :4] = supers
+    return blocks.reshape(rows, -1)

@@ -83,7 +83,7 @@ def load_engine_model(args: EngineArgs, loaded_model: LoadedModel | None = None,
     quantized: dict[str, QuantizedMatrix] = {}
     sharded = args.tensor_parallel_size > 1
 
-    sources = quantized_sources(loaded)
+    sources = {} if args.quantization == "none" else quantized_sources(loaded)
 
     def replace_linears(model: torch.nn.Module) -> None:
         targets = quantization_targets(model, args.quantization, sources, plan.dtype)

@@ -34,6 +34,7 @@ _SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f"
 F32, F16, Q4_0, Q4_1, Q8_0, BF16 = 0, 1, 2, 3, 8, 30
 # k-quants (super-blocks of 256 values) that are served quantized (quantized_matrix).
 Q4_K, Q5_K, Q6_K = 12, 13, 14
+K_QUANTS = (Q4_K, Q5_K, Q6_K)
 _Q4_K_BYTES = 144
 _BLOCKS = {F32: (1, 4), F16: (1, 2), Q4_0: (32, 18), Q4_1: (32, 20), Q8_0: (32, 34), BF16: (1, 2)}
 

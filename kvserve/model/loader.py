@@ -19,7 +19,8 @@ import torch
 
 from kvserve import disk_cache
 from kvserve.model.config import MAX_COUNTS, SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedModelError
-from kvserve.model.gguf_file import GGUFFile, GGUFTensor, cut_tensor, dequantize, quantized_matrix, read_gguf
+from kvserve.model.gguf_file import (
+    K_QUANTS, GGUFFile, GGUFTensor, cut_tensor, dequantize, quantized_matrix, read_gguf)
 from kvserve.model.quantized import QuantizedMatrix
 from kvserve.model.weight_check import check_weight_shapes, dummy_weights
 from kvserve.torch_threads import one_thread
@@ -425,6 +426,14 @@ def _cut_gguf(gguf_file: GGUFFile, cut: TensorCut) -> tuple[GGUFFile, dict[str, 
             dim, start, stop = part
             dense[tensor.name] = dequantize(tensor).narrow(dim, start, stop - start).contiguous()
     return replace(gguf_file, tensors=tensors), dense
+
+
+def stores_k_quants(model: str | os.PathLike | None) -> bool:
+    """Whether `model` is a GGUF with k-quant matrices served quantized (Q4_K, Q5_K, Q6_K): their
+    super-blocks of 256 do not cut where a tensor-parallel rank's share of a row ends, so ranks
+    read such a file whole and cut its quantized matrices (parallel/worker.py). Header only."""
+    path = resolve_model_path(model)
+    return path.suffix == ".gguf" and any(t.type_id in K_QUANTS for t in read_gguf(path).tensors)
 
 
 def quantized_sources(loaded: LoadedModel) -> dict[str, QuantizedMatrix]:

@@ -9,7 +9,8 @@ thinking (a template switch that writes `<think></think>`, or a continued messag
 output is the answer; so is the continuation of a final message that did not leave a `<think>` open.
 The prompt decides, as in vLLM, unless the output itself opens with `<think>`: then it is thinking
 (a template that writes earlier turns' thinking but does not open `<think>` in its generation
-prompt, Qwen3's in a tool loop, leaves `</think>` as the prompt's last tag). The `qwen3` parser
+prompt, Qwen3's in a tool loop, leaves `</think>` as the prompt's last tag). A grammar is set up
+from the prompt alone: after one that closed the thinking it applies from the first token. The `qwen3` parser
 (Qwen3's hybrid and thinking-only models) reads the same tags by the same rules; vLLM's non-streamed
 qwen3 parser returns output without `</think>` as content, kvserve as reasoning, the same streamed
 or not. The reasoning goes out as vLLM's `reasoning` field, on the message

@@ -488,6 +488,8 @@ class ResponsesServing:
                 if (thinking_item is not None or delta.get("reasoning")) and not answered:  # thinking: not the text's
                     after = _after_thinking(entries, self.chat.reasoning.tags.end)
                     entries, answered = (after, True) if after is not None else ([], False)
+                elif self.chat.reasoning is not None and not answered:  # an output's own opening <think>
+                    entries = [e for e in entries if e.get("token") != self.chat.reasoning.tags.start]
                 pending_logprobs += entries
                 if delta.get("reasoning"):
                     if thinking_item is None:

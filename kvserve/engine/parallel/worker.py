@@ -30,7 +30,7 @@ from kvserve.engine.platforms import platform_for
 from kvserve.engine.preflight import select_device
 from kvserve.model.attention import AttentionBackend, make_attention_backend
 from kvserve.model.llama import LlamaForCausalLM
-from kvserve.model.loader import load_model, quantized_sources
+from kvserve.model.loader import load_model, quantized_sources, stores_k_quants
 from kvserve.model.parallel import ShardLayout, shard_heads, shard_layout, shard_model
 from kvserve.model.shape import read_model_shape
 from kvserve.model.quant_linear import (
@@ -137,11 +137,13 @@ def build_shard(args: EngineArgs, layout: ShardLayout, setup: Setup, device: tor
                 reduce: Callable[[torch.Tensor], torch.Tensor]) -> tuple[LlamaForCausalLM, list[QuantizationReport]]:
     """The rank's part of the model, with its cut of the quantized weights (the LM head, which
     runs on rank 0 only, left plain). The loader reads only the rank's slices of the sharded
-    tensors, except under --quantization int8, whose per-channel scales span whole rows: then the
-    full checkpoint is read, quantized and cut."""
+    tensors, except under --quantization int8, whose per-channel scales span whole rows, and for a
+    GGUF of k-quants (super-blocks of 256 that a rank's share of a row may split): then the full
+    checkpoint is read, quantized and cut, as rank 0 plans it."""
     mode, dtype = args.quantization, setup.dtype
     reports: list[QuantizationReport] = []
-    if mode == "int8":
+    whole = mode == "int8" or mode != "none" and stores_k_quants(args.model)
+    if whole:
         loaded = load_model(args.model, tokenizer=args.tokenizer, trust_remote_code=args.trust_remote_code,
                             load_format=args.load_format)
         shards: dict[str, QuantizedMatrix] = {}
@@ -167,7 +169,7 @@ def build_shard(args: EngineArgs, layout: ShardLayout, setup: Setup, device: tor
 
     model = LlamaForCausalLM.from_hf_weights(loaded.config, loaded.weights, setup.max_positions, dtype, device,
                                              shard=shard, prepack=False, replace_linears=install,
-                                             weights_cut=mode != "int8")
+                                             weights_cut=not whole)
     return model, reports
 
 
