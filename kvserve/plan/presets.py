@@ -26,6 +26,14 @@ def _llama(hidden: int, inter: int, layers: int, heads: int, kv_heads: int, voca
                 max_position_embeddings=max_pos, **extra)
 
 
+def _qwen3(hidden: int, inter: int, layers: int, heads: int, tie_word_embeddings: bool) -> dict[str, Any]:
+    """Qwen3's dense models: 8 KV heads of 128 at every width, 151,936 tokens, 40,960 positions."""
+    return dict(model_type="qwen3", hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                num_attention_heads=heads, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                max_position_embeddings=40960, rope_theta=1000000.0, use_sliding_window=False, sliding_window=None,
+                tie_word_embeddings=tie_word_embeddings)
+
+
 PRESETS: dict[str, Preset] = {
     "llama-2-7b": Preset(_llama(4096, 11008, 32, 32, 32, 32000, 4096), 6_738_415_616,
                          "https://huggingface.co/meta-llama/Llama-2-7b-hf/blob/main/config.json"),
@@ -68,18 +76,10 @@ PRESETS: dict[str, Preset] = {
              rope_theta=1000000.0, use_sliding_window=False, sliding_window=131072, tie_word_embeddings=False),
         72_706_203_648, "https://huggingface.co/Qwen/Qwen2.5-72B/blob/main/config.json"),
     # Qwen3: heads of 128 whatever the width (16 x 128 over a 1,024-wide 0.6B), and q/k norms.
-    "qwen3-0.6b": Preset(
-        dict(model_type="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-             num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-             max_position_embeddings=40960, rope_theta=1000000.0, use_sliding_window=False, sliding_window=None,
-             tie_word_embeddings=True),
-        596_049_920, "https://huggingface.co/Qwen/Qwen3-0.6B/blob/main/config.json"),
-    "qwen3-8b": Preset(
-        dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-             num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-             max_position_embeddings=40960, rope_theta=1000000.0, use_sliding_window=False, sliding_window=None,
-             tie_word_embeddings=False),
-        8_190_735_360, "https://huggingface.co/Qwen/Qwen3-8B/blob/main/config.json"),
+    "qwen3-0.6b": Preset(_qwen3(1024, 3072, 28, 16, tie_word_embeddings=True), 596_049_920,
+                         "https://huggingface.co/Qwen/Qwen3-0.6B/blob/main/config.json"),
+    "qwen3-8b": Preset(_qwen3(4096, 12288, 36, 32, tie_word_embeddings=False), 8_190_735_360,
+                       "https://huggingface.co/Qwen/Qwen3-8B/blob/main/config.json"),
     # Gemma 2 alternates local (sliding, 4,096 tokens) and global attention layers, starting local.
     "gemma-2-9b": Preset(
         dict(model_type="gemma2", hidden_size=3584, intermediate_size=14336, num_hidden_layers=42,
