@@ -407,9 +407,6 @@ class LazyWeights(Mapping[str, torch.Tensor]):
     def __len__(self) -> int:
         return len(self._tensors)
 
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._tensors[name].shape)
-
 
 def _cut_gguf(gguf_file: GGUFFile, cut: TensorCut) -> tuple[GGUFFile, dict[str, torch.Tensor]]:
     """The file with the tensors `cut` names cut as stored (whole blocks: cut_tensor), and float32

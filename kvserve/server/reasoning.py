@@ -10,10 +10,10 @@ output is the answer; so is the continuation of a final message that did not lea
 The prompt decides, as in vLLM, unless the output itself opens with `<think>`: then it is thinking
 (a template that writes earlier turns' thinking but does not open `<think>` in its generation
 prompt, Qwen3's in a tool loop, leaves `</think>` as the prompt's last tag). A grammar is set up
-from the prompt alone: after one that closed the thinking it applies from the first token. The `qwen3` parser
-(Qwen3's hybrid and thinking-only models) reads the same tags by the same rules; vLLM's non-streamed
-qwen3 parser returns output without `</think>` as content, kvserve as reasoning, the same streamed
-or not. The reasoning goes out as vLLM's `reasoning` field, on the message
+from the prompt alone: after one that closed the thinking it applies from the first token. The
+`qwen3` parser (Qwen3's hybrid and thinking-only models) reads the same tags by the same rules;
+vLLM's non-streamed qwen3 parser returns output without `</think>` as content, kvserve as
+reasoning, the same streamed or not. The reasoning goes out as vLLM's `reasoning` field, on the message
 and on stream deltas; tool calls are read from the answer only, and a request's structured output
 applies from the token after `</think>` (`StructuredOutputsParams.starts_after_token_id`).
 """
