@@ -186,3 +186,22 @@ def test_layers_served_from_their_blocks_are_never_dequantized(tmp_path, tiny_mo
     read.clear()
     LLM(str(path), tokenizer=str(hf_dir), dtype="float32", kv_cache_memory="8MiB", quantization="none")
     assert {"blk.0.attn_q.weight", "blk.1.ffn_down.weight", "output.weight"} <= set(read)
+
+
+def test_llama_3_gguf_takes_its_rope_scaling_from_rope_freqs(tmp_path, tiny_model_factory):
+    """A Llama 3.1-style GGUF (llama.cpp writes the RoPE scaling as a rope_freqs tensor of divisors,
+    and q/k rows permuted for its kernel) gives its checkpoint's greedy tokens (HF transformers)."""
+    from kvserve import LLM, SamplingParams
+
+    hf_dir = tiny_model_factory("llama", rope_theta=500000.0, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 256})
+    path = tmp_path / "llama3.gguf"
+    write_gguf(hf_dir, path, "llama")
+    llm = LLM(str(path), tokenizer=str(hf_dir), dtype="float32", kv_cache_memory="8MiB")
+    assert llm.engine.model_config.rope_freq_factors is not None
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    prompt = list(range(3, 60))
+    expected = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    assert llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids == expected

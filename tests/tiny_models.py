@@ -140,9 +140,10 @@ def build_scripted_reasoning_model(path: Path, reasoning: str, answer: str, open
 
 
 def write_gguf(hf_dir: Path, out_path: Path, arch: str, linears: str = "F32") -> None:
-    """The HF checkpoint at `hf_dir` as llama.cpp's converter writes a Qwen-family GGUF (F32 tensors
-    under llama.cpp's names, the head size as the attention key length, no q/k permutation), without
-    tokenizer metadata: a test passes the HF directory as the tokenizer. `linears`: the type of the
+    """The HF checkpoint at `hf_dir` as llama.cpp's converter writes a GGUF (F32 tensors under
+    llama.cpp's names, the head size as the attention key length; for `llama` the q/k rows permuted
+    for its RoPE kernel and Llama 3.1's RoPE scaling as a rope_freqs tensor of per-frequency
+    divisors), without tokenizer metadata: a test passes the HF directory as the tokenizer. `linears`: the type of the
     layers' matrices (Q4_0: quantized by gguf, and the embedding Q8_0, as llama.cpp's Q4_0 files;
     "K": random k-quant blocks in a Q4_K_M file's types, q/k/gate/up Q4_K, v/o/down and the output
     Q6_K: not the checkpoint's values, which gguf cannot quantize so, but a file of that layout)."""
@@ -169,8 +170,16 @@ def write_gguf(hf_dir: Path, out_path: Path, arch: str, linears: str = "F32") ->
              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
              "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
     names = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+    rope = config.rope_parameters
+    if arch == "llama" and rope.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", _llama3_rope_divisors(rope, config.head_dim))
     for name, tensor in weights.items():
         stem, kind = name.rsplit(".", 1)
+        if arch == "llama" and stem.endswith(("q_proj", "k_proj")):  # each head's rotary halves interleaved
+            heads = config.num_attention_heads if stem.endswith("q_proj") else config.num_key_value_heads
+            rows = tensor.shape[0]
+            tensor = tensor.reshape(heads, 2, rows // heads // 2, *tensor.shape[1:]).transpose(1, 2).reshape(
+                tensor.shape)
         if stem.startswith("model.layers."):
             _, _, layer, part = stem.split(".", 3)
             gguf_name = f"blk.{layer}.{parts[part]}.{kind}"
@@ -193,6 +202,25 @@ def write_gguf(hf_dir: Path, out_path: Path, arch: str, linears: str = "F32") ->
     writer.write_tensors_to_file()
     writer.close()
 
+
+def _llama3_rope_divisors(rope: dict, head_dim: int) -> np.ndarray:
+    """Llama 3.1's RoPE scaling as llama.cpp's converter stores it: a divisor per default frequency
+    (1 for short wavelengths, `factor` for long ones, interpolated between)."""
+    import math
+
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old_context = rope["original_max_position_embeddings"]
+    divisors = []
+    for i in range(0, head_dim, 2):
+        wavelength = 2 * math.pi * rope["rope_theta"] ** (i / head_dim)
+        if wavelength < old_context / high:
+            divisors.append(1.0)
+        elif wavelength > old_context / low:
+            divisors.append(factor)
+        else:
+            smooth = (old_context / wavelength - low) / (high - low)
+            divisors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(divisors, dtype=np.float32)
 
 
 def random_k_quant_blocks(qtype, rows: int, cols: int, seed: int = 0) -> np.ndarray:

@@ -88,6 +88,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     # Qwen3: each query and key head RMS-normalised over head_dim (one weight per projection) before RoPE.
     qk_norm: bool = False
+    # A GGUF's rope_freqs tensor (llama.cpp's form of Llama 3.1's RoPE scaling): each of the
+    # head_dim / 2 default frequencies divided by its factor. None: the frequencies rope_type gives.
+    rope_freq_factors: tuple[float, ...] | None = None
     hf_config: Any = field(repr=False, compare=False, default=None)
 
     @property

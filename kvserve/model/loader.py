@@ -368,8 +368,15 @@ def _load_gguf(path: Path, cut: TensorCut | None = None, source: TokenizerSource
         gguf_file = read_gguf(path)
     except Exception as exc:
         raise ModelLoadError(f"{path}: cannot read GGUF file ({type(exc).__name__}: {exc}); is it truncated?") from None
+    gguf_file, freq_factors = _split_rope_freqs(gguf_file)
     names = {t.name for t in gguf_file.tensors}
     config = ModelConfig.from_hf(_gguf_hf_config(gguf_file, has_output="output.weight" in names))
+    if freq_factors is not None:
+        if len(freq_factors) != config.head_dim // 2 or config.rope_type != "default":
+            raise ModelLoadError(f"{path}: rope_freqs.weight has {len(freq_factors)} factors for heads of "
+                                 f"{config.head_dim} and RoPE {config.rope_type!r}; expected head_dim / 2 "
+                                 f"over the default RoPE")
+        config = replace(config, rope_freq_factors=freq_factors)
     # Names and shapes come from the file's tensor table: checked before dequantizing, which grows
     # quantized weights several-fold into float32.
     _check_weights(path, config, {_gguf_tensor_name(t.name): tuple(t.shape) for t in gguf_file.tensors})
@@ -380,6 +387,16 @@ def _load_gguf(path: Path, cut: TensorCut | None = None, source: TokenizerSource
                           config.head_dim if config.architecture == "llama" else None)
     tokenizer = _tokenizer_for(path, config, source, lambda: _gguf_tokenizer(path, gguf_file))
     return LoadedModel(config, weights, tokenizer, path, path.stat().st_size, gguf_file)
+
+
+def _split_rope_freqs(gguf_file: GGUFFile) -> tuple[GGUFFile, tuple[float, ...] | None]:
+    """The file without its `rope_freqs.weight` (llama.cpp's converter writes Llama 3.1's RoPE
+    scaling as per-frequency divisors, not as metadata), and those factors (None without one)."""
+    factors = [t for t in gguf_file.tensors if t.name == "rope_freqs.weight"]
+    if not factors:
+        return gguf_file, None
+    rest = [t for t in gguf_file.tensors if t.name != "rope_freqs.weight"]
+    return replace(gguf_file, tensors=rest), tuple(dequantize(factors[0]).reshape(-1).tolist())
 
 
 class LazyWeights(Mapping[str, torch.Tensor]):

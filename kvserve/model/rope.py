@@ -12,10 +12,14 @@ from kvserve.model.config import ModelConfig
 
 
 def inverse_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
-    """(inv_freq [head_dim/2], attention_scaling) for the model's RoPE type."""
+    """(inv_freq [head_dim/2], attention_scaling) for the model's RoPE type; a GGUF's frequency
+    factors divide the default frequencies (as llama.cpp applies its rope_freqs tensor)."""
     if config.rope_type == "default":
         exponents = torch.arange(0, config.head_dim, 2, dtype=torch.int64).float() / config.head_dim
-        return 1.0 / (config.rope_theta**exponents), 1.0
+        inv_freq = 1.0 / (config.rope_theta**exponents)
+        if config.rope_freq_factors is not None:
+            inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32)
+        return inv_freq, 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     return ROPE_INIT_FUNCTIONS[config.rope_type](config.hf_config, torch.device("cpu"))
