@@ -16,7 +16,6 @@ import pytest
 import torch
 import transformers
 
-from kvserve.model import gguf_file
 from kvserve.model.gguf_file import GGUFTensor, dequantize, read_gguf
 from kvserve.model.loader import load_model, resolve_model_path
 
@@ -64,7 +63,7 @@ def test_default_gguf_reads_like_the_gguf_package():
     for key, field in metadata.items():
         assert ours.field(key) == field.contents(), key
     assert [t.name for t in ours.tensors] == [t.name for t in reference.tensors]
-    tensors = gguf_file.dequantize_all(ours)
+    tensors = {tensor.name: dequantize(tensor) for tensor in ours.tensors}
     for tensor in reference.tensors:
         expected = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
         got = tensors[tensor.name]

@@ -22,7 +22,6 @@ from typing import Any
 import torch
 
 from kvserve.model.quantized import QuantizedMatrix, quantize_int8
-from kvserve.torch_threads import one_thread
 
 GGUF_MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32
@@ -250,11 +249,3 @@ def _q4_k_matrix(tensor: GGUFTensor) -> QuantizedMatrix:
     scale = (d * scales.float()).view(rows, cols // 32)
     zero = (8 * scale - (dmin * mins.float()).view(rows, cols // 32))
     return QuantizedMatrix(q, scale, zero, 32, 4)
-
-
-def dequantize_all(gguf_file: GGUFFile) -> dict[str, torch.Tensor]:
-    """Every tensor of the file as float32, by GGUF name, on one thread (torch_threads.py: each op
-    is a few MB)."""
-    with one_thread():
-        return {tensor.name: dequantize(tensor) for tensor in gguf_file.tensors}
-

@@ -255,8 +255,7 @@ def weights_served_from_sources(model: nn.Module, mode: str, sources: dict[str, 
     for name, linear in model.named_modules():
         if not isinstance(linear, nn.Linear) or (name == "lm_head" and tied):
             continue  # a tied head is the embedding table, which the model reads whole
-        fused = next((f for f in _FUSED_PARTS if name.endswith(f)), None)
-        parts = [name[: -len(fused)] + part for part in _FUSED_PARTS[fused]] if fused else [name]
+        parts = _checkpoint_parts(name)
         if all(sources.get(f"{part}.weight") is not None for part in parts):
             names.update(f"{part}.weight" if part == "lm_head" else f"model.{part}.weight" for part in parts)
     return frozenset(names)
@@ -268,16 +267,21 @@ def _source_matrix(name: str, sources: dict[str, QuantizedMatrix], tied_embeddin
     formats (a Q4_K_M file's Q4_K q/k and Q6_K v) are fused as int8 in groups of 32 of their values."""
     if name == "lm_head" and tied_embedding:
         return sources.get("embed_tokens.weight")
-    for fused, parts in _FUSED_PARTS.items():
-        if name.endswith(fused):
-            prefix = name[: -len(fused)]
-            matrices = [sources.get(f"{prefix}{part}.weight") for part in parts]
-            if any(m is None for m in matrices):
-                return None
-            if same_format(matrices):
-                return concat_rows(matrices)
-            return quantize_int8(torch.cat([m.dequantize() for m in matrices]), group_size=32)
-    return sources.get(f"{name}.weight")
+    matrices = [sources.get(f"{part}.weight") for part in _checkpoint_parts(name)]
+    if any(m is None for m in matrices):
+        return None
+    if len(matrices) == 1:
+        return matrices[0]
+    if same_format(matrices):
+        return concat_rows(matrices)
+    return quantize_int8(torch.cat([m.dequantize() for m in matrices]), group_size=32)
+
+
+def _checkpoint_parts(name: str) -> list[str]:
+    """The checkpoint's modules whose weights the model's linear `name` holds: q/k/v for a fused
+    qkv_proj, gate/up for gate_up_proj, else itself."""
+    fused = next((f for f in _FUSED_PARTS if name.endswith(f)), None)
+    return [name[: -len(fused)] + part for part in _FUSED_PARTS[fused]] if fused else [name]
 
 
 def _target(mode: str, name: str, source: QuantizedMatrix | None,
