@@ -13,6 +13,7 @@ from kvserve.cache.eviction import NO_EVICTION, POLICY_CHOICES
 from kvserve.cache.formats import KV_CACHE_DTYPES
 from kvserve.engine.generation_defaults import parse_overrides
 from kvserve.engine.scheduler import SCHEDULING_POLICIES
+from kvserve.engine.speculative import SpeculativeConfig
 from kvserve.units import parse_size
 from kvserve.hardware import triton_unavailable
 from kvserve.model.attention import attention_backend_names
@@ -184,6 +185,12 @@ class EngineArgs:
         "(CPU; CUDA through Triton kernels; README, 'Deterministic inference'). "
         "Alias: --enable-deterministic-inference (SGLang's name)",
         action=argparse.BooleanOptionalAction, aliases=("--enable-deterministic-inference",)))
+    speculative_config: str | dict | None = field(default=None, metadata=_opt(
+        "speculative decoding, as vLLM's JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+        "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' drafts up to that many tokens a decode by "
+        "looking the sequence's last tokens up earlier in it (prompt lookup), and keeps those the model "
+        "confirms in the same step; the tokens' distribution is unchanged (README, 'Speculative decoding'). "
+        "Only the ngram method is built"))
     kv_offloading_size: float | None = field(default=None, metadata=_opt(
         "GiB of host memory for the KV offload tier (vLLM's flag): published prefix-cache blocks the pool "
         "reclaims are kept there and loaded back on a prefix hit; 0 or absent: off", type=float))
@@ -298,6 +305,9 @@ class EngineArgs:
         if self.async_scheduling and self.tensor_parallel_size > 1:
             raise ValueError("--async-scheduling does not work with --tensor-parallel-size > 1 yet: the other "
                              "ranks take a step's input tokens from the host")
+        if SpeculativeConfig.parse(self.speculative_config) is not None and self.async_scheduling:
+            raise ValueError("--speculative-config does not work with --async-scheduling yet: a decode's drafts are "
+                             "looked up in tokens the host does not have until the step before is waited for")
         _check_int("nnodes", self.nnodes, 1)
         _check_int("node_rank", self.node_rank, 0)
         _check_int("master_port", self.master_port, 1, optional=True)

@@ -50,6 +50,7 @@ from kvserve.engine.pool_sizing import size_kv_pool
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.sampler import SampleResult
 from kvserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
+from kvserve.engine.speculative import Drafter, SpeculativeConfig
 from kvserve.engine.structured_output import GrammarCompiler
 from kvserve.model.batch_invariant import make_batch_invariant
 from kvserve.model.loader import LoadedModel
@@ -145,9 +146,16 @@ class LLMEngine:
         self.tiers = _make_tiers(args, self.kv_cache, namespace)
         self.kv_manager = KVCacheManager(pool.num_blocks, self.kv_spec.block_size, args.enable_prefix_caching,
                                          namespace=namespace, evictor=self.evictor, tiers=self.tiers)
+        speculative = SpeculativeConfig.parse(args.speculative_config)
+        self.drafter = None if speculative is None else Drafter(speculative, self.max_model_len)
+        if speculative is not None:
+            logger.info("Speculative decoding: up to %d draft tokens a decode by n-gram lookup (%d to %d tokens)",
+                        speculative.num_speculative_tokens, speculative.prompt_lookup_min,
+                        speculative.prompt_lookup_max)
         self.scheduler = Scheduler(
             SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len, args.scheduling_policy,
-                            args.enable_chunked_prefill, args.long_prefill_token_threshold), self.kv_manager)
+                            args.enable_chunked_prefill, args.long_prefill_token_threshold), self.kv_manager,
+            self.drafter)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler.finish, self.runner.sampler.forget)
         self._ids = itertools.count()
@@ -331,8 +339,13 @@ class LLMEngine:
         if not scheduled:
             return []
         step = self.runner.execute(scheduled, tables)
+        accepted = None
+        if step.result.drafts is not None:  # speculative decoding
+            self.drafter.record([item.draft_token_ids for item in step.sampled], step.result.drafts)
+            accepted = {item.request.request_id: kept for item, kept in zip(step.sampled, step.result.drafts)}
         finished = self.scheduler.update(scheduled, {item.request.request_id: token
-                                                     for item, token in zip(step.sampled, step.result.token_ids)})
+                                                     for item, token in zip(step.sampled, step.result.token_ids)},
+                                         accepted=accepted)
         prefill_only = [r for r in finished if r.max_tokens == 0]
         return self.output_processor.process(step.sampled, step.result, step.prompt_logprobs, prefill_only)
 

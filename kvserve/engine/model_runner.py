@@ -15,6 +15,10 @@ the next prompt token from them a slice of rows at a time (kvserve/engine/logpro
 With decode graphs (CUDA, kvserve/engine/decode_graphs.py), a step of plain decodes only goes
 through them instead: the same tokens, positions and slots, replayed rather than launched.
 
+A decode carrying speculative drafts (speculative.py) is packed as a chunk of its last token and
+its drafts, and sampled at every one of those positions: the sampler sees one row per position,
+and `wait` keeps the drafts the samples confirm.
+
 A step is launched (`launch`: inputs and forward pass queued on the device), sampled (`sample`:
 queued too) and then waited for (`wait`: the sampled ids reach the host). Under async scheduling
 the engine launches the next step's forward pass before waiting for this one; a decode whose
@@ -38,9 +42,15 @@ from kvserve.engine.parallel.executor import TensorParallelExecutor
 from kvserve.engine.request import Request
 from kvserve.engine.sampler import LogprobsOnDevice, SampleResult, Sampler
 from kvserve.engine.scheduler import ScheduledRequest
+from kvserve.engine.speculative import accept_drafts
 from kvserve.model.attention import AttentionBackend, AttentionMetadata, StepSequence, packing_order
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.transfers import host_to_device
+
+
+def _sampled_rows(sampled: list[ScheduledRequest]) -> list[Request]:
+    """The request of each logits row: one row per sampled request, one more per draft."""
+    return [item.request for item in sampled for _ in range(1 + len(item.draft_token_ids))]
 
 
 def pool_slot(block_table, position, block_size: int):
@@ -131,7 +141,7 @@ class InFlightStep:
         """Per sampled request, None or (the token's logprob, its rank, its top alternatives); after
         `token_list`."""
         if self.logprobs is None:
-            return [None] * len(self.sampled)
+            return [None] * self.tokens.shape[0]
         return self.logprobs.on_host(self._host["logprobs"].numpy())
 
 
@@ -173,7 +183,8 @@ class ModelRunner:
         """Pack the step's tokens. `all_logits` asks for logits at every position (scoring)."""
         bs = self.kv_cache.spec.block_size
         scheduled = sorted(scheduled, key=lambda item: packing_order(
-            item.num_new_tokens == 1, item.request.eviction is not None, item.request.num_computed_tokens))
+            item.num_new_tokens == 1, item.request.eviction is not None, item.request.num_computed_tokens,
+            bool(item.draft_token_ids)))
         # Decodes (packed first) as plain ints, one array each at the end; prefill chunks as arrays.
         decode_tokens, decode_positions, decode_slots = [], [], []
         token_chunks, position_chunks, slot_chunks, sequences = [], [], [], []
@@ -195,17 +206,21 @@ class ModelRunner:
                 decode_slots.append(pool_slot(blocks, cache_start, bs))
             else:
                 positions = np.arange(cache_start, cache_start + n)
-                token_chunks.append(np.asarray(r.token_ids[start:start + n], dtype=np.int64))
+                chunk = r.token_ids[start:start + n]
+                if item.draft_token_ids:  # speculative decoding: the drafts follow the last token
+                    chunk = [*chunk, *item.draft_token_ids]
+                token_chunks.append(np.asarray(chunk, dtype=np.int64))
                 position_chunks.append(positions)
                 slot_chunks.append(pool_slot(table, positions, bs))
             evicting = r.eviction is not None
-            sequences.append(StepSequence(r.request_id, offset, n, cache_start + n, table, keys_before_rope=evicting,
+            sequences.append(StepSequence(r.request_id, offset, n, cache_start + n, table, bool(item.draft_token_ids),
+                                          keys_before_rope=evicting,
                                           observed_rows=self.evictor.observed_rows(r.eviction, n) if evicting else None))
             if all_logits:
                 logits_rows.extend(range(offset, offset + n))
             else:
-                if item.samples:
-                    logits_rows.append(offset + n - 1)
+                if item.samples:  # (a request with drafts is sampled at each of their positions too)
+                    logits_rows.extend(range(offset + n - 1 - len(item.draft_token_ids), offset + n))
                     sampled.append(item)
                 if r.params.prompt_logprobs is not None:
                     # Position p scores prompt token p + 1; the last prompt position is sampled instead.
@@ -340,7 +355,7 @@ class ModelRunner:
         grammars and penalties see every earlier token."""
         if not forward.sampled:
             return InFlightStep(forward.scheduled, [], None, None, forward.prompt_logprobs)
-        tokens, logprobs = self.sampler.sample_on_device(forward.logits, [item.request for item in forward.sampled])
+        tokens, logprobs = self.sampler.sample_on_device(forward.logits, _sampled_rows(forward.sampled))
         return InFlightStep(forward.scheduled, forward.sampled, tokens, logprobs, forward.prompt_logprobs)
 
     def wait(self, step: InFlightStep) -> StepResult:
@@ -348,7 +363,14 @@ class ModelRunner:
         if not step.sampled:
             return StepResult([], SampleResult([], []), step.prompt_logprobs)
         tokens = step.token_list()
-        result = self.sampler.finish([item.request for item in step.sampled], tokens, step.logprob_list())
+        requests = [item.request for item in step.sampled]
+        if len(tokens) > len(requests):  # speculative decoding: keep what the samples confirm
+            self.sampler.finish(_sampled_rows(step.sampled), tokens, [None] * len(tokens))
+            found = accept_drafts(requests, [item.draft_token_ids for item in step.sampled], tokens,
+                                  step.logprob_list())
+            result = SampleResult(found.token_ids, found.logprobs, found.drafts, found.draft_logprobs)
+        else:
+            result = self.sampler.finish(requests, tokens, step.logprob_list())
         return StepResult(step.sampled, result, step.prompt_logprobs)
 
     def _pending_tokens(self, rows: list[tuple[int, str]],

@@ -179,11 +179,14 @@ class OutputProcessor:
             if request.request_id in self._children:
                 parent = self._children[request.request_id][0]
                 touched[parent.request_id] = parent
-        for item, token, logprob in zip(sampled, result.token_ids, result.logprobs):
+        for index, (item, token, logprob) in enumerate(zip(sampled, result.token_ids, result.logprobs)):
             parent, child = self._children[item.request.request_id]
             request = child.request
             touched[parent.request_id] = parent
             if request.status == RequestStatus.FINISHED_ERROR:  # its token was discarded (a logits processor failed)
+                continue
+            if result.drafts is not None and result.drafts[index] and \
+                    self._stopped_in_drafts(child, result.drafts[index], result.draft_logprobs[index]):
                 continue
             if not self._hidden_stop_token(request, token):
                 child.detokenizer.add_token(token)
@@ -193,6 +196,25 @@ class OutputProcessor:
                 request.stop_reason = child.detokenizer.stop_string
                 self._finish(request, RequestStatus.FINISHED_STOPPED)
         return [self._output(parent) for parent in touched.values() if not parent.final_only or parent.finished]
+
+    def _stopped_in_drafts(self, child: _Child, drafts: list[int], logprobs: list) -> bool:
+        """Speculative decoding: the confirmed drafts before a sequence's sampled token, detokenized
+        one by one. A stop string among them ends the sequence there: the tokens after it, appended
+        already, are dropped, as if it had stopped one step at a time. True if it did."""
+        request = child.request
+        for position, (token, logprob) in enumerate(zip(drafts, logprobs)):
+            child.detokenizer.add_token(token)
+            if child.logprobs is not None and logprob is not None:
+                child.logprobs.append(self._ranked(token, *logprob))
+            if child.detokenizer.stop_string is not None:
+                request.discard_last_tokens(len(drafts) - position)  # the later drafts and the sampled token
+                request.stop_reason = child.detokenizer.stop_string
+                if request.status.finished:  # (ended by its sampled token, after the stop string)
+                    request.status = RequestStatus.FINISHED_STOPPED
+                else:
+                    self._finish(request, RequestStatus.FINISHED_STOPPED)
+                return True
+        return False
 
     def _hidden_stop_token(self, request: Request, token: int) -> bool:
         """A special token that ended the sequence (EOS, a special stop token) is not in the text,

@@ -123,6 +123,12 @@ class Request:
         self.token_ids.append(token_id)
         self._output_ids.append(token_id)
 
+    def discard_last_tokens(self, count: int) -> None:
+        """Drop the last `count` generated tokens (speculative decoding: those after a stop string)."""
+        if count:
+            del self.token_ids[-count:]
+            del self._output_ids[-count:]
+
     def check_stop(self, max_model_len: int) -> RequestStatus | None:
         """After a token was appended: the finishing status, if generation must stop."""
         n_out = self.num_output_tokens

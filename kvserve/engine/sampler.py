@@ -54,6 +54,10 @@ class SampleResult:
     token_ids: list[int]
     # Per request, when logprobs were asked: (chosen token's logprob, its rank, [(token, logprob)] top-k).
     logprobs: list[tuple[float, int, list[tuple[int, float]]] | None]
+    # Speculative decoding (speculative.py): per request, the drafts emitted before token_ids[i]
+    # and their logprobs; None when nothing was drafted.
+    drafts: list[list[int]] | None = None
+    draft_logprobs: list[list] | None = None
 
 
 @dataclass

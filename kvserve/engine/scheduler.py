@@ -37,6 +37,12 @@ computed tokens, and one pending token per request it samples; the next decode r
 on the device. `update(..., advanced=True)` later turns pending tokens into known ones. A request
 whose pending tokens certainly end it is not scheduled again; one that stops on a token (EOS, a
 stop string) has computed one token too many, which is discarded.
+
+Speculative decoding (--speculative-config, speculative.py): a decode may carry draft tokens,
+computed after its last token in the same step. They take budget and free blocks like any token,
+but only what is left: a decode whose drafts do not fit runs without them, and drafts never
+preempt. `update` counts as computed only the positions of the drafts the samples confirmed; a
+rejected draft's slot is written again by the next step.
 """
 from __future__ import annotations
 
@@ -47,6 +53,7 @@ from dataclasses import dataclass
 
 from kvserve.cache.kv_cache_manager import NO_TIER_HIT, KVCacheManager
 from kvserve.engine.request import Request, RequestStatus
+from kvserve.engine.speculative import Drafter
 
 
 @dataclass(frozen=True)
@@ -70,7 +77,8 @@ def urgency(request: Request) -> tuple[int, float]:
 @dataclass(slots=True)
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # drafts included
+    draft_token_ids: list[int] | tuple[()] = ()  # speculative decoding: computed after the request's last token
 
     @property
     def samples(self) -> bool:
@@ -78,14 +86,15 @@ class ScheduledRequest:
         never for a prefill-only request (max_tokens 0)."""
         r = self.request
         # (Request.num_scheduled_tokens and max_tokens, spelled out: this runs for every request every step)
-        return (r.num_computed_tokens + self.num_new_tokens == len(r.token_ids) + r.num_pending_tokens
-                and r.params.max_tokens != 0)
+        return (r.num_computed_tokens + self.num_new_tokens - len(self.draft_token_ids)
+                == len(r.token_ids) + r.num_pending_tokens and r.params.max_tokens != 0)
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager):
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, drafter: Drafter | None = None):
         self.config = config
         self.kv = kv_manager
+        self.drafter = drafter  # speculative decoding (--speculative-config), None: off
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -169,6 +178,13 @@ class Scheduler:
                 continue  # (async scheduling) all in flight, or its pending token ends it
             if cap and remaining > cap:
                 remaining = cap
+            if remaining == 1 and self.drafter is not None and budget > 1:
+                drafts = self.drafter.drafts(request, budget - 1)
+                # (drafts take free blocks only: never a reason to preempt)
+                if drafts and self.kv.allocate(request, 1 + len(drafts)):
+                    scheduled.append(ScheduledRequest(request, 1 + len(drafts), drafts))
+                    budget -= 1 + len(drafts)
+                    continue
             num_new = min(remaining, budget, self.kv.max_new_tokens(request))
             while not self.kv.allocate(request, num_new):
                 victim = self._victim()
@@ -238,18 +254,20 @@ class Scheduler:
             request.num_computed_tokens += item.num_new_tokens
 
     def update(self, scheduled: list[ScheduledRequest], sampled: dict[str, int],
-               advanced: bool = False) -> list[Request]:
+               advanced: bool = False, accepted: dict[str, list[int]] | None = None) -> list[Request]:
         """Advance requests after the forward pass (unless `advance` counted the step at launch);
-        append sampled tokens; return the requests that finished (their blocks are already back
-        in the pool). A request the sampler failed (`error` set) finishes with status error and
-        without the token; one that finished meanwhile (aborted, or stopped by the step before)
-        gets nothing."""
+        append sampled tokens (after a request's `accepted` drafts, whose positions count as
+        computed; the rejected ones' do not); return the requests that finished (their blocks
+        are already back in the pool). A request the sampler failed (`error` set) finishes with
+        status error and without the token; one that finished meanwhile (aborted, or stopped by
+        the step before) gets nothing."""
         finished = []
         for item in scheduled:
             request = item.request
             token = sampled.get(request.request_id)
+            kept = accepted.get(request.request_id, ()) if accepted else ()
             if not advanced:
-                request.num_computed_tokens += item.num_new_tokens
+                request.num_computed_tokens += item.num_new_tokens - len(item.draft_token_ids) + len(kept)
             else:
                 if token is not None:
                     request.num_pending_tokens -= 1
@@ -264,6 +282,8 @@ class Scheduler:
                 self.finish(request, RequestStatus.FINISHED_ERROR)
                 finished.append(request)
                 continue
+            for draft in kept:  # (speculative.accept_drafts ends them before any stop token)
+                request.append_token(draft)
             request.append_token(token)
             status = request.check_stop(self.config.max_model_len)
             if status is not None:

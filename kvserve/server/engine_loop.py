@@ -536,7 +536,8 @@ class AsyncEngine:
             num_preemptions=e.scheduler.num_preemptions,
             external_queries=e.kv_manager.stats.external_queries, external_hits=e.kv_manager.stats.external_hits,
             tier_hits=dict(e.kv_manager.stats.tier_hits),
-            tiers=e.tiers.usage() if e.tiers is not None else None)
+            tiers=e.tiers.usage() if e.tiers is not None else None,
+            speculation=None if e.drafter is None else e.drafter.stats.copy())
 
 
 def _deliver(by_stream: dict[RequestStream, list[RequestOutput]]) -> None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvserve.cache.tiers.tiered_store import TierUsage
+from kvserve.engine.speculative import SpeculationStats
 from kvserve.outputs import RequestOutput
 
 logger = logging.getLogger("kvserve.server")
@@ -49,6 +50,7 @@ class EngineSnapshot:
     external_hits: int = 0  # of which found there
     tier_hits: dict[str, int] = field(default_factory=dict)  # tokens loaded per tier ("host", "disk")
     tiers: TierUsage | None = None  # None: no KV tiers
+    speculation: SpeculationStats | None = None  # None: no speculative decoding
 
     @property
     def kv_usage(self) -> float:
@@ -110,6 +112,13 @@ class ServerMetrics:
                                labels + ["tier"], registry=r)
         self.tier_capacity = Gauge("kvserve:kv_offload_tier_capacity_bytes", "Size bound of each KV offload "
                                    "tier.", labels + ["tier"], registry=r)
+        # Speculative decoding (vLLM's spec_decode_* counters)
+        self.spec_drafts = counter("spec_decode_num_drafts", "Decodes that carried draft tokens.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self._spec_accepted_per_position = Counter(
+            "kvserve:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position in the draft.",
+            labels + ["position"], registry=r)
         self.preemptions = counter("num_preemptions", "Sequences preempted (blocks freed, recomputed later).")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed (prefilled).")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
@@ -236,6 +245,8 @@ class ServerMetrics:
             self.external_hits.inc(snap.external_hits - last.external_hits)
             for tier, tokens in snap.tier_hits.items():
                 self._tier_hits.labels(self.model_name, tier).inc(tokens - last.tier_hits.get(tier, 0))
+            if snap.speculation is not None:
+                self._count_speculation(snap.speculation, last.speculation)
         if snap.tiers is not None:
             for tier, used, capacity in (("host", snap.tiers.host_used_bytes, snap.tiers.host_capacity_bytes),
                                          ("disk", snap.tiers.disk_used_bytes, snap.tiers.disk_capacity_bytes)):
@@ -247,6 +258,13 @@ class ServerMetrics:
             self._mark_active(now)
         if self._interval.active and now - self._interval.start >= self.log_interval_s:
             self._log(snap, now)
+
+    def _count_speculation(self, now: SpeculationStats, last: SpeculationStats) -> None:
+        self.spec_drafts.inc(now.num_drafts - last.num_drafts)
+        self.spec_draft_tokens.inc(now.num_draft_tokens - last.num_draft_tokens)
+        self.spec_accepted_tokens.inc(now.num_accepted_tokens - last.num_accepted_tokens)
+        for position, (count, before) in enumerate(zip(now.accepted_per_position, last.accepted_per_position)):
+            self._spec_accepted_per_position.labels(self.model_name, str(position)).inc(count - before)
 
     def seconds_until_log(self, now: float) -> float | None:
         """How long an idle engine may sleep before the pending log line is due (None: none)."""
@@ -268,6 +286,13 @@ class ServerMetrics:
                         100.0 * snap.external_hits / snap.external_queries if snap.external_queries else 0.0,
                         snap.tier_hits.get("host", 0), snap.tier_hits.get("disk", 0), snap.tiers.dropped_writes,
                         " (disk writes stopped)" if snap.tiers.disk_writes_stopped else "")
+        spec = snap.speculation
+        if spec is not None and spec.num_drafts:
+            rates = ", ".join(f"{count / spec.num_drafts:.2f}" for count in spec.accepted_per_position)
+            logger.info("Speculative decoding: mean acceptance length %.2f, accepted %d of %d draft tokens "
+                        "(%.1f%%), per-position acceptance rate %s (since start)",
+                        1 + spec.num_accepted_tokens / spec.num_drafts, spec.num_accepted_tokens,
+                        spec.num_draft_tokens, 100.0 * spec.num_accepted_tokens / spec.num_draft_tokens, rates)
         # Still busy: the next interval starts active; if idle, the next arrival restarts it.
         self._interval = _Interval(start=now, active=bool(snap.num_running or snap.num_waiting))
 

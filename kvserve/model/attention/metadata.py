@@ -28,6 +28,9 @@ class StepSequence:
     num_queries: int
     seq_len: int
     block_table: np.ndarray  # int64 block ids
+    # Speculative decoding: a decode's last token and its drafts, each row attended as a decode
+    # of its own (`rows_as_decodes`), so that the step stays one the decode paths serve.
+    verifies_drafts: bool = False
     keys_before_rope: bool = False  # under KV eviction: keys stored unrotated, rotated when read
     # Under an eviction policy that observes attention: (first observed query row, rows
     # reported, whether they are summed into one), as Evictor.observed_rows gives it.
@@ -38,24 +41,39 @@ class StepSequence:
         return self.num_queries == 1
 
 
-def rows_as_decodes(sequences: list[StepSequence]) -> list[StepSequence]:
-    """Every query row of the step as a decode of its own, in packed-row order: row i of a chunk of
-    q queries attends to the first seq_len - q + i + 1 tokens of its context. Under
-    --deterministic a token's attention is then the same computation whether it is prefilled in
-    any chunk, decoded, or recomputed after a preemption."""
+def attended_sequences(sequences: list[StepSequence], deterministic: bool) -> list[StepSequence]:
+    """The sequences as a backend attends them: under --deterministic every row as a decode, else
+    the rows of draft-verifying chunks (`StepSequence.verifies_drafts`) as decodes."""
+    if deterministic:
+        return rows_as_decodes(sequences)
+    if any(s.verifies_drafts for s in sequences):
+        return rows_as_decodes(sequences, only_verifying=True)
+    return sequences
+
+
+def rows_as_decodes(sequences: list[StepSequence], only_verifying: bool = False) -> list[StepSequence]:
+    """Every query row of the step (`only_verifying`: of the chunks verifying drafts) as a decode
+    of its own, in packed-row order: row i of a chunk of q queries attends to the first
+    seq_len - q + i + 1 tokens of its context. Under --deterministic a token's attention is then
+    the same computation whether it is prefilled in any chunk, decoded, or recomputed after a
+    preemption."""
     rows = []
     for seq in sorted(sequences, key=lambda s: s.row_start):
+        if only_verifying and not seq.verifies_drafts:
+            rows.append(seq)
+            continue
         first = seq.seq_len - seq.num_queries
         rows.extend(StepSequence(seq.request_id, seq.row_start + i, 1, first + i + 1, seq.block_table)
                     for i in range(seq.num_queries))
     return rows
 
 
-def packing_order(is_decode: bool, keys_before_rope: bool, context_len: int) -> tuple:
+def packing_order(is_decode: bool, keys_before_rope: bool, context_len: int, verifies_drafts: bool = False) -> tuple:
     """Sort key of a sequence in the packed batch: decodes first (each attention group then owns
-    one run of rows), sequences under eviction after the others, decodes longest first (so that
-    similar lengths are neighbours)."""
-    return (not is_decode, keys_before_rope, -context_len if is_decode else 0)
+    one run of rows), then chunks verifying drafts (attended as decodes too), then prefill
+    chunks; sequences under eviction after the others, decodes longest first (so that similar
+    lengths are neighbours)."""
+    return (0 if is_decode else 1 if verifies_drafts else 2, keys_before_rope, -context_len if is_decode else 0)
 
 
 

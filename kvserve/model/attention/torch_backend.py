@@ -13,7 +13,7 @@ import torch
 from kvserve.cache.block_pool import NULL_BLOCK_ID
 from kvserve.model.attention.base import AttentionBackend
 from kvserve.model.attention.metadata import (AttentionGroup, AttentionMetadata, ObservedAttention, PrefillChunk,
-                                              StepSequence, rows_as_decodes)
+                                              StepSequence, attended_sequences)
 from kvserve.model.attention.torch_ops import paged_attention
 
 # A decode group's fixed cost (its gather, matmuls, softmax and mask in every layer) is about
@@ -88,8 +88,7 @@ class TorchBackend(AttentionBackend):
         `AttentionMetadata.observed_attention` for the caller to collect after the forward pass.
         Under --deterministic every query row is a decode (`rows_as_decodes`), which only the
         backends reading decodes in place serve."""
-        if self.config.deterministic:
-            sequences = rows_as_decodes(sequences)
+        sequences = attended_sequences(sequences, self.config.deterministic)
         decode = [s for s in sequences if s.is_decode and not s.keys_before_rope]
         evicting_decode = [s for s in sequences if s.is_decode and s.keys_before_rope]
         observed: list[tuple[str, torch.Tensor]] = []

@@ -26,7 +26,7 @@ from kvserve.cache.formats.int8 import Int8Format
 from kvserve.cache.kv_cache import KVFormat
 from kvserve.hardware import triton_unavailable
 from kvserve.model.attention.base import BackendConfig
-from kvserve.model.attention.metadata import AttentionMetadata, StepSequence, rows_as_decodes
+from kvserve.model.attention.metadata import AttentionMetadata, StepSequence, attended_sequences
 from kvserve.model.attention.torch_backend import TorchBackend, padded_block_tables
 from kvserve.model.attention.torch_ops import decode_gathered, prefills_gathered
 
@@ -119,8 +119,8 @@ class TritonBackend(TorchBackend):
 
     # ------------------------------------------------------------------ metadata
     def build(self, sequences: list[StepSequence], slot_mapping: torch.Tensor) -> TritonMetadata:
-        if self.config.deterministic:  # every query row through the decode kernel (fixed splits)
-            sequences = rows_as_decodes(sequences)
+        # (--deterministic: every query row through the decode kernel, with its fixed splits)
+        sequences = attended_sequences(sequences, self.config.deterministic)
         base = super().build(sequences, slot_mapping)
         meta = TritonMetadata(**{f: getattr(base, f) for f in AttentionMetadata.__dataclass_fields__})
         decodes = [s for s in sequences if s.is_decode and not s.keys_before_rope]

@@ -1,0 +1,193 @@
+"""Speculative decoding by n-gram lookup (prompt lookup decoding, Saxena 2023; vLLM's `ngram`
+method): a decode also computes up to K draft tokens copied from the sequence's own history, and
+keeps those the model would have produced. Plain Python and numpy, no model: the scheduler asks
+`Drafter.drafts` for each decode it schedules.
+
+Draft: the longest suffix of the sequence (prompt_lookup_max down to prompt_lookup_min tokens)
+that occurred earlier in it; the tokens that followed its latest earlier occurrence with k tokens
+after it are the draft.
+Verify: the step computes the sequence's last token and its drafts as one chunk, so one forward
+pass gives logits for K+1 positions (the weights are read once for all of them). Each position is
+sampled as usual, with the request's own parameters; draft i is kept while the sample at position
+i equals it, and the first sample that differs (or the one after the last draft) is emitted too.
+A draft is one proposal (a one-hot distribution), so this is the rejection sampling of Leviathan
+et al. 2023 and Chen et al. 2023: every emitted token has the model's distribution, greedy or
+sampled. What a step emits stops at its first stop token (EOS, a stop token id).
+
+A request drafts only where its next tokens do not depend on the drafts in ways the sampler does
+not see per row: no grammar, logits processor or penalty, no KV eviction, and min_tokens reached.
+Drafts never cost another request its place: they are dropped when the pool cannot hold them.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvserve.engine.request import Request
+
+METHODS = ("ngram",)
+_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+MAX_SPECULATIVE_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's --speculative-config, for its `ngram` method."""
+
+    num_speculative_tokens: int
+    prompt_lookup_max: int
+    prompt_lookup_min: int
+    method: str = "ngram"
+
+    @classmethod
+    def parse(cls, value: str | dict | None) -> SpeculativeConfig | None:
+        """A JSON object (text, or a dict as `LLM(speculative_config=...)` takes it); None: off.
+        Raises ValueError with one line for anything kvserve does not do."""
+        if value is None:
+            return None
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"--speculative-config must be a JSON object: {exc}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"--speculative-config must be a JSON object, got {value!r:.60}")
+        unknown = sorted(str(k) for k in value if k not in _KEYS)
+        if unknown:
+            raise ValueError(f"--speculative-config: {', '.join(unknown)} not supported (kvserve reads "
+                             f"{', '.join(_KEYS)}; draft models, EAGLE, Medusa and MTP are not built)")
+        method = value.get("method")
+        if method not in METHODS:
+            raise ValueError(f"--speculative-config: method must be one of {', '.join(METHODS)} (prompt lookup; draft "
+                             f"models, EAGLE, Medusa and MTP are not built), got {method!r}")
+        k = value.get("num_speculative_tokens")
+        lookup_max, lookup_min = value.get("prompt_lookup_max"), value.get("prompt_lookup_min")
+        # vLLM's defaults: a missing bound takes the other's value, 5 when both are missing
+        if lookup_max is None and lookup_min is None:
+            lookup_max = lookup_min = 5
+        lookup_max = lookup_min if lookup_max is None else lookup_max
+        lookup_min = lookup_max if lookup_min is None else lookup_min
+        for name, number, low in (("num_speculative_tokens", k, 1), ("prompt_lookup_max", lookup_max, 1),
+                                  ("prompt_lookup_min", lookup_min, 1)):
+            if isinstance(number, bool) or not isinstance(number, int) or number < low:
+                raise ValueError(f"--speculative-config: {name} must be an integer >= {low}, got {number!r}")
+        if k > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"--speculative-config: num_speculative_tokens must be at most "
+                             f"{MAX_SPECULATIVE_TOKENS}, got {k}")
+        if lookup_min > lookup_max:
+            raise ValueError(f"--speculative-config: prompt_lookup_min ({lookup_min}) must not exceed "
+                             f"prompt_lookup_max ({lookup_max})")
+        return cls(k, lookup_max, lookup_min)
+
+
+def ngram_draft(token_ids: list[int], lookup_min: int, lookup_max: int, k: int) -> list[int]:
+    """Up to k tokens that followed an earlier occurrence of the longest suffix of `token_ids`
+    (between lookup_min and lookup_max tokens long); [] when no suffix recurs."""
+    last = len(token_ids) - 1
+    if k <= 0 or last < lookup_min:
+        return []
+    tokens = np.asarray(token_ids)
+    # Candidate ends i < last of an earlier occurrence, grown backwards one token at a time.
+    ends = np.flatnonzero(tokens[:last] == tokens[last])
+    length = 1
+    while ends.size and length < lookup_max:
+        longer = ends[ends >= length]
+        longer = longer[tokens[longer - length] == tokens[last - length]]
+        if not longer.size:
+            break
+        ends, length = longer, length + 1
+    if not ends.size or length < lookup_min:
+        return []
+    # The latest occurrence followed by k tokens (in a repeating span the latest one is followed
+    # by one period only), else the earliest, followed by the most.
+    full = ends[ends + k <= last]
+    start = int(full[-1] if full.size else ends[0]) + 1
+    return tokens[start:start + k].tolist()
+
+
+def can_draft(request: Request) -> bool:
+    """Whether the request's next tokens may be drafted (module docstring)."""
+    p = request.params
+    return (request.grammar is None and request.eviction is None and not p.logits_processors
+            and not p.has_penalties and request.num_output_tokens >= p.min_tokens and p.max_tokens != 0)
+
+
+@dataclass
+class SpeculationStats:
+    """Counts since start (vLLM's spec_decode_* metrics)."""
+
+    num_drafts: int = 0  # decodes that carried drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def copy(self) -> SpeculationStats:
+        return SpeculationStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                                list(self.accepted_per_position))
+
+
+class Drafter:
+    """Proposes each decode's drafts (the scheduler's side) and counts what was accepted."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+        self.config = config
+        self.max_model_len = max_model_len
+        self.stats = SpeculationStats(accepted_per_position=[0] * config.num_speculative_tokens)
+
+    def drafts(self, request: Request, budget: int) -> list[int]:
+        """The drafts for a decode with `budget` tokens left in the step besides its own: at most
+        what the request can still emit (max_tokens, max-model-len) less the token it samples anyway."""
+        if not can_draft(request):
+            return []
+        limit = min(self.config.num_speculative_tokens, budget,
+                    request.max_tokens - request.num_output_tokens - 1,
+                    self.max_model_len - request.num_tokens - 1)
+        c = self.config
+        return ngram_draft(request.token_ids, c.prompt_lookup_min, c.prompt_lookup_max, limit)
+
+    def record(self, proposed: list[list[int]], accepted: list[list[int]]) -> None:
+        stats = self.stats
+        for drafts, kept in zip(proposed, accepted):
+            if not drafts:
+                continue
+            stats.num_drafts += 1
+            stats.num_draft_tokens += len(drafts)
+            stats.num_accepted_tokens += len(kept)
+            for position in range(len(kept)):
+                stats.accepted_per_position[position] += 1
+
+
+@dataclass
+class Verified:
+    """What a step's verification emits per request: `drafts[i]`, the drafts confirmed (with their
+    `draft_logprobs[i]`), then `token_ids[i]` (with `logprobs[i]`), the first sample that is not one."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    drafts: list[list[int]] = field(default_factory=list)
+    draft_logprobs: list[list] = field(default_factory=list)
+
+
+def accept_drafts(requests: list[Request], drafts: list[list[int]], tokens: list[int], logprobs: list) -> Verified:
+    """From the samples of every verified position (request i's 1 + len(drafts[i]) rows, in
+    order), what each request emits, cut after its first stop token."""
+    result = Verified()
+    row = 0
+    for request, proposed in zip(requests, drafts):
+        kept = 0
+        while kept < len(proposed) and tokens[row + kept] == proposed[kept] and not _stops(request, proposed[kept]):
+            kept += 1
+        result.token_ids.append(tokens[row + kept])
+        result.logprobs.append(logprobs[row + kept])
+        result.drafts.append(list(proposed[:kept]))
+        result.draft_logprobs.append(logprobs[row:row + kept])
+        row += 1 + len(proposed)
+    return result
+
+
+def _stops(request: Request, token: int) -> bool:
+    """Whether `token` ends the request (min_tokens is reached for any request that drafts)."""
+    p = request.params
+    return (not p.ignore_eos and token in request.eos_token_ids) or token in p.stop_token_ids
