@@ -39,9 +39,9 @@ whose pending tokens certainly end it is not scheduled again; one that stops on 
 stop string) has computed one token too many, which is discarded.
 
 Speculative decoding (--speculative-config, speculative.py): a decode may carry draft tokens,
-computed after its last token in the same step. They take budget and free blocks like any token,
-but only what is left: a decode whose drafts do not fit runs without them, and drafts never
-preempt. `update` counts as computed only the positions of the drafts the samples confirmed; a
+computed after its last token in the same step. They take only what the step leaves once every
+running and admitted request has its tokens, budget and free blocks: a decode whose drafts do not
+fit runs without them, and drafts never preempt. `update` counts as computed only the positions of the drafts the samples confirmed; a
 rejected draft's slot is written again by the next step.
 """
 from __future__ import annotations
@@ -178,13 +178,6 @@ class Scheduler:
                 continue  # (async scheduling) all in flight, or its pending token ends it
             if cap and remaining > cap:
                 remaining = cap
-            if remaining == 1 and self.drafter is not None and budget > 1:
-                drafts = self.drafter.drafts(request, budget - 1)
-                # (drafts take free blocks only: never a reason to preempt)
-                if drafts and self.kv.allocate(request, 1 + len(drafts)):
-                    scheduled.append(ScheduledRequest(request, 1 + len(drafts), drafts))
-                    budget -= 1 + len(drafts)
-                    continue
             num_new = min(remaining, budget, self.kv.max_new_tokens(request))
             while not self.kv.allocate(request, num_new):
                 victim = self._victim()
@@ -243,7 +236,22 @@ class Scheduler:
             budget -= num_new
         if not scheduled and loading and self.kv.wait_for_tier_loads(loading[0]):
             return self.schedule()  # nothing else to run: wait for the disk instead of spinning
+        if self.drafter is not None and budget > 0 and not preempted:
+            self._add_drafts(scheduled, budget)
         return scheduled
+
+    def _add_drafts(self, scheduled: list[ScheduledRequest], budget: int) -> None:
+        """Speculative decoding: the decodes take drafts from what the step left, budget and free
+        blocks, in scheduling order."""
+        for index, item in enumerate(scheduled):
+            if budget == 0:
+                break
+            if item.num_new_tokens != 1 or not item.samples:
+                continue
+            drafts = self.drafter.drafts(item.request, budget)
+            if drafts and self.kv.allocate(item.request, 1 + len(drafts)):
+                scheduled[index] = ScheduledRequest(item.request, 1 + len(drafts), drafts)
+                budget -= len(drafts)
 
     def advance(self, scheduled: list[ScheduledRequest]) -> None:
         """Async scheduling: count a launched step before its tokens are known (module docstring)."""
