@@ -127,6 +127,7 @@ CLI_ERRORS = [
     (["--max-num-seqs", "0"], "--max-num-seqs must be positive, got 0"),
     (["--kv-cache-memory", "lots"], "cannot parse size 'lots'"),
     (["--max-model-len", "100000"], "exceeds the model's max_position_embeddings"),
+    (["--speculative-config", '{"method": "eagle"}'], "--speculative-config: method must be one of ngram"),
 ]
 
 

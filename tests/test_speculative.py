@@ -52,6 +52,7 @@ def test_config_takes_vllms_json_and_refuses_what_is_not_built():
     assert (config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max) == (4, 5, 5)
     config = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3})
     assert (config.prompt_lookup_min, config.prompt_lookup_max) == (3, 3)
+    assert SpeculativeConfig.parse({**NGRAM, "disable_by_batch_size": 4}).disable_by_batch_size == 4
     for bad, message in [("{", "must be a JSON object"),
                          ({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of ngram"),
                          ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "model not supported"),
@@ -118,6 +119,12 @@ def test_drafts_stop_at_max_tokens_and_the_budget_and_never_preempt():
     steps = scheduler.schedule()
     assert [(s.request, s.draft_token_ids) for s in steps] == [(a, [2, 3, 1]), (b, ())]
     assert scheduler.num_preemptions == 0 and scheduler.kv.pool.num_free_blocks == 0
+
+    # vLLM's disable_by_batch_size: no drafts while more requests run than that
+    scheduler = _scheduler(32)
+    scheduler.drafter.config = SpeculativeConfig(3, 3, 1, disable_by_batch_size=1)
+    _decoding(scheduler, {"a": [1, 2, 3, 1, 2, 3, 1], "b": [5, 6, 7, 5, 6, 7, 5]})
+    assert [s.draft_token_ids for s in scheduler.schedule()] == [(), ()]
 
 
 def test_a_stop_token_among_the_samples_ends_what_a_step_emits():

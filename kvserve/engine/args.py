@@ -190,7 +190,7 @@ class EngineArgs:
         "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' drafts up to that many tokens a decode by "
         "looking the sequence's last tokens up earlier in it (prompt lookup), and keeps those the model "
         "confirms in the same step; the tokens' distribution is unchanged (README, 'Speculative decoding'). "
-        "Only the ngram method is built"))
+        "\"disable_by_batch_size\": N drafts nothing while more than N requests run. Only the ngram method is built"))
     kv_offloading_size: float | None = field(default=None, metadata=_opt(
         "GiB of host memory for the KV offload tier (vLLM's flag): published prefix-cache blocks the pool "
         "reclaims are kept there and loaded back on a prefix hit; 0 or absent: off", type=float))

@@ -242,7 +242,10 @@ class Scheduler:
 
     def _add_drafts(self, scheduled: list[ScheduledRequest], budget: int) -> None:
         """Speculative decoding: the decodes take drafts from what the step left, budget and free
-        blocks, in scheduling order."""
+        blocks, in scheduling order; none while more requests run than disable_by_batch_size."""
+        limit = self.drafter.config.disable_by_batch_size
+        if limit is not None and len(self.running) > limit:
+            return
         for index, item in enumerate(scheduled):
             if budget == 0:
                 break

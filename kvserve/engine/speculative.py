@@ -17,6 +17,8 @@ sampled. What a step emits stops at its first stop token (EOS, a stop token id).
 A request drafts only where its next tokens do not depend on the drafts in ways the sampler does
 not see per row: no grammar, logits processor or penalty, no KV eviction, and min_tokens reached.
 Drafts never cost another request its place: they are dropped when the pool cannot hold them.
+With `disable_by_batch_size` no request drafts while more than that many run: a big batch keeps
+the device busy without drafts, which then only add work.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ import numpy as np
 from kvserve.engine.request import Request
 
 METHODS = ("ngram",)
-_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size")
 MAX_SPECULATIVE_TOKENS = 64
 
 
@@ -40,6 +42,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int
     prompt_lookup_min: int
     method: str = "ngram"
+    # No drafts in a step while more requests than this run (vLLM's key); None: always
+    disable_by_batch_size: int | None = None
 
     @classmethod
     def parse(cls, value: str | dict | None) -> SpeculativeConfig | None:
@@ -76,10 +80,13 @@ class SpeculativeConfig:
         if k > MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"--speculative-config: num_speculative_tokens must be at most "
                              f"{MAX_SPECULATIVE_TOKENS}, got {k}")
+        disable = value.get("disable_by_batch_size")
+        if disable is not None and (isinstance(disable, bool) or not isinstance(disable, int) or disable < 1):
+            raise ValueError(f"--speculative-config: disable_by_batch_size must be an integer >= 1, got {disable!r}")
         if lookup_min > lookup_max:
             raise ValueError(f"--speculative-config: prompt_lookup_min ({lookup_min}) must not exceed "
                              f"prompt_lookup_max ({lookup_max})")
-        return cls(k, lookup_max, lookup_min)
+        return cls(k, lookup_max, lookup_min, disable_by_batch_size=disable)
 
 
 def ngram_draft(token_ids: list[int], lookup_min: int, lookup_max: int, k: int) -> list[int]:
