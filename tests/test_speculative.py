@@ -67,10 +67,10 @@ def test_config_takes_vllms_json_and_refuses_what_is_not_built():
 
 
 # ----------------------------------------------------------------------------- scheduling
-def _scheduler(num_blocks: int, budget: int = 64) -> Scheduler:
+def _scheduler(num_blocks: int, budget: int = 64, max_num_seqs: int = 16) -> Scheduler:
     kv = KVCacheManager(num_blocks, 4, True)
     drafter = Drafter(SpeculativeConfig(3, 3, 1), max_model_len=256)
-    return Scheduler(SchedulerConfig(16, budget, 256), kv, drafter)
+    return Scheduler(SchedulerConfig(max_num_seqs, budget, 256), kv, drafter)
 
 
 def _decoding(scheduler: Scheduler, prompts: dict[str, list[int]], max_tokens: int = 20) -> list[Request]:
@@ -110,6 +110,10 @@ def test_drafts_stop_at_max_tokens_and_the_budget_and_never_preempt():
     _decoding(scheduler, {"r": [1, 2, 3, 4] * 3})
     [item] = scheduler.schedule()
     assert len(item.draft_token_ids) == 2  # the budget's 3 tokens: the decode and 2 drafts
+    # a step samples at most max_num_seqs rows, drafts included
+    scheduler = _scheduler(32, max_num_seqs=3)
+    _decoding(scheduler, {"a": [1, 2, 3, 1, 2, 3, 1], "b": [5, 6, 7, 5, 6, 7, 5]})
+    assert [len(s.draft_token_ids) for s in scheduler.schedule()] == [1, 0]  # 3 rows: a, its draft, b
 
     # The drafts take what the step leaves: here one free block, which the first decode's drafts
     # take (its positions 8-10 start a block); the second runs without drafts, and nothing is preempted.

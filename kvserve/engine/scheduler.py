@@ -242,19 +242,23 @@ class Scheduler:
 
     def _add_drafts(self, scheduled: list[ScheduledRequest], budget: int) -> None:
         """Speculative decoding: the decodes take drafts from what the step left, budget and free
-        blocks, in scheduling order; none while more requests run than disable_by_batch_size."""
+        blocks, in scheduling order; none while more requests run than disable_by_batch_size.
+        Each draft is a row to sample: the step samples at most max_num_seqs rows (the batch a
+        CUDA memory profile samples)."""
         limit = self.drafter.config.disable_by_batch_size
         if limit is not None and len(self.running) > limit:
             return
+        rows = self.config.max_num_seqs - sum(1 for item in scheduled if item.samples)
         for index, item in enumerate(scheduled):
-            if budget == 0:
+            if min(budget, rows) <= 0:
                 break
             if item.num_new_tokens != 1 or not item.samples:
                 continue
-            drafts = self.drafter.drafts(item.request, budget)
+            drafts = self.drafter.drafts(item.request, min(budget, rows))
             if drafts and self.kv.allocate(item.request, 1 + len(drafts)):
                 scheduled[index] = ScheduledRequest(item.request, 1 + len(drafts), drafts)
                 budget -= len(drafts)
+                rows -= len(drafts)
 
     def advance(self, scheduled: list[ScheduledRequest]) -> None:
         """Async scheduling: count a launched step before its tokens are known (module docstring)."""
