@@ -10,6 +10,14 @@ generated tokens per second (wall time of `generate`, prefill included), the dra
 and whether the two engines' tokens were identical.
 
     python benchmarks/speculative_ngram.py --rounds 3 --output-json spec.json
+
+`--verify-cost` measures instead what a verified draft costs: the median time of a decode step of
+each request count with every decode carrying K drafts (fixed ones: the cost does not depend on
+what is accepted), over the step without drafts. A step that emits on average more tokens per
+request than that ratio gains. `--dummy-preset` takes a `kvserve plan` preset's shapes with random
+weights (as benchmarks/vs_llama_cpp.py does), for models larger than the bundled one:
+
+    python benchmarks/speculative_ngram.py --verify-cost --dummy-preset qwen3-0.6b --concurrency 1,4
 """
 from __future__ import annotations
 
@@ -56,6 +64,29 @@ def run(llm: LLM, prompts: list, max_tokens: int) -> tuple[float, list[list[int]
     return sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed, [o.outputs[0].token_ids for o in outputs]
 
 
+def verify_cost(llm: LLM, concurrency: int, draft_counts: list[int], steps: int) -> dict[int, float]:
+    """Median decode-step seconds of `concurrency` requests, each decode carrying k fixed drafts."""
+    engine = llm.engine
+    wanted = {"k": 0}
+    engine.drafter.drafts = lambda request, budget: [request.token_ids[-1]] * min(wanted["k"], budget)
+    params = SamplingParams(temperature=0, max_tokens=steps * len(draft_counts) * (1 + max(draft_counts)) + 8,
+                            ignore_eos=True)
+    ids = [engine.add_request(list(range(100 + i, 164 + i)), params) for i in range(concurrency)]
+    engine.step()  # the prompts
+    medians = {}
+    for k in draft_counts:
+        wanted["k"] = k
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - start)
+        medians[k] = statistics.median(times[2:])
+    for request_id in ids:
+        engine.abort_request(request_id)
+    return medians
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M-Instruct")
@@ -66,9 +97,36 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,8")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--output-json", default=None)
+    parser.add_argument("--verify-cost", action="store_true", help="measure a verified draft's cost instead")
+    parser.add_argument("--draft-counts", default="0,1,2,4,8", help="--verify-cost: drafts per decode")
+    parser.add_argument("--steps", type=int, default=12, help="--verify-cost: steps timed per draft count")
+    parser.add_argument("--dummy-preset", default=None, metavar="PRESET",
+                        help="--verify-cost: a `kvserve plan` preset's shapes with random weights, e.g. qwen3-0.6b")
     args = parser.parse_args()
     config = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
               "prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": args.prompt_lookup_min}
+    if args.verify_cost:
+        counts = [int(k) for k in args.draft_counts.split(",")]
+        options: dict = {}
+        if args.dummy_preset:
+            from kvserve.model.loader import resolve_model_path
+            from vs_llama_cpp import _dummy_model  # (benchmarks/vs_llama_cpp.py)
+
+            options = {"load_format": "dummy", "tokenizer": str(resolve_model_path(None))}
+            args.model = _dummy_model(args.dummy_preset)
+        llm = LLM(args.model, speculative_config={**config, "num_speculative_tokens": max(counts) or 1}, **options)
+        rows = []
+        for concurrency in (int(c) for c in args.concurrency.split(",")):
+            medians = verify_cost(llm, concurrency, counts, args.steps)
+            for k, seconds in medians.items():
+                rows.append({"concurrency": concurrency, "drafts": k, "step_ms": 1000 * seconds,
+                             "ratio": seconds / medians[counts[0]]})
+                print(f"c={concurrency:<3d} drafts {k}: {1000 * seconds:7.2f} ms a step, x{rows[-1]['ratio']:.2f}",
+                      flush=True)
+        if args.output_json:
+            Path(args.output_json).write_text(json.dumps({"model": args.dummy_preset or args.model or "default",
+                                                          "rows": rows}, indent=1))
+        return
     engines = {"plain": LLM(args.model), "ngram": LLM(args.model, speculative_config=config)}
     drafter = engines["ngram"].engine.drafter
     rows = []

@@ -249,6 +249,19 @@ def test_tp4_replicates_kv_heads(tiny_llama):
         parallel.close()
 
 
+def test_tp2_speculative_decoding_matches_one_process(tiny_llama):
+    """A decode's drafts reach the other rank as rows attended as decodes: greedy tokens as in
+    one process without drafts, with drafts accepted."""
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    single, parallel = engine(tiny_llama, blocks=40), engine(tiny_llama, 2, blocks=40, speculative_config=ngram)
+    try:
+        batch = {f"loop{i}": ([5 + i, 6, 7, 8] * 4, None) for i in range(3)}
+        assert greedy_tokens(parallel, batch) == greedy_tokens(single, batch)
+        assert parallel.drafter.stats.num_accepted_tokens > 0
+    finally:
+        parallel.close()
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "int4"])
 def test_tp2_quantized_kv_cache(tiny_llama, kv_cache_dtype):
     """fp8 (fitted key bases) and int4 (key centres): calibrated once over the full model on
