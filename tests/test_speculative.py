@@ -22,6 +22,7 @@ from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.sampler import SampleResult, Sampler
 from kvserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
 from kvserve.engine.speculative import Drafter, SpeculativeConfig, accept_drafts, ngram_draft
+from test_server import sse_events
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
@@ -241,6 +242,13 @@ def test_server_speculates_and_counts_it_in_metrics(server_factory, tiny_llama):
             "ignore_eos": True}
     response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 30
+    # streamed, several tokens may arrive in one event: the same text, a logprob for every token
+    streamed = httpx.post(f"{server.base_url}/v1/completions", json={**body, "stream": True, "logprobs": 1},
+                          timeout=60)
+    events = [json.loads(e) for e in sse_events(streamed)[:-1]]
+    assert "".join(e["choices"][0]["text"] for e in events) == response.json()["choices"][0]["text"]
+    assert sum(len(e["choices"][0]["logprobs"]["tokens"]) for e in events) == 30
+    assert any(len(e["choices"][0]["logprobs"]["tokens"]) > 1 for e in events)  # drafts arrived together
 
     def drafted() -> dict[str, float]:
         samples = server.metrics()
