@@ -23,6 +23,7 @@ the device busy without drafts, which then only add work.
 from __future__ import annotations
 
 import json
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -89,7 +90,7 @@ class SpeculativeConfig:
         return cls(k, lookup_max, lookup_min, disable_by_batch_size=disable)
 
 
-def ngram_draft(token_ids: list[int], lookup_min: int, lookup_max: int, k: int) -> list[int]:
+def ngram_draft(token_ids: list[int] | np.ndarray, lookup_min: int, lookup_max: int, k: int) -> list[int]:
     """Up to k tokens that followed an earlier occurrence of the longest suffix of `token_ids`
     (between lookup_min and lookup_max tokens long); [] when no suffix recurs."""
     last = len(token_ids) - 1
@@ -135,6 +136,27 @@ class SpeculationStats:
                                 list(self.accepted_per_position))
 
 
+class _TokenArray:
+    """A request's token ids as a growing int64 array, extended by the tokens added since the
+    last look: the lookup then reads an array without converting the whole list each step."""
+
+    def __init__(self) -> None:
+        self.array = np.empty(256, dtype=np.int64)
+        self.length = 0
+
+    def of(self, token_ids: list[int]) -> np.ndarray:
+        n = len(token_ids)
+        if n < self.length:  # (never while a request decodes; kept correct anyway)
+            self.length = 0
+        if n > self.array.shape[0]:
+            grown = np.empty(max(n, 2 * self.array.shape[0]), dtype=np.int64)
+            grown[:self.length] = self.array[:self.length]
+            self.array = grown
+        self.array[self.length:n] = token_ids[self.length:n]
+        self.length = n
+        return self.array[:n]
+
+
 class Drafter:
     """Proposes each decode's drafts (the scheduler's side) and counts what was accepted."""
 
@@ -142,6 +164,8 @@ class Drafter:
         self.config = config
         self.max_model_len = max_model_len
         self.stats = SpeculationStats(accepted_per_position=[0] * config.num_speculative_tokens)
+        # (keyed by the request itself, compared by identity: an entry goes with its request)
+        self._arrays: weakref.WeakKeyDictionary[Request, _TokenArray] = weakref.WeakKeyDictionary()
 
     def drafts(self, request: Request, budget: int) -> list[int]:
         """The drafts for a decode with `budget` tokens left in the step besides its own: at most
@@ -151,8 +175,13 @@ class Drafter:
         limit = min(self.config.num_speculative_tokens, budget,
                     request.max_tokens - request.num_output_tokens - 1,
                     self.max_model_len - request.num_tokens - 1)
+        if limit <= 0:
+            return []
+        tokens = self._arrays.get(request)
+        if tokens is None:
+            tokens = self._arrays[request] = _TokenArray()
         c = self.config
-        return ngram_draft(request.token_ids, c.prompt_lookup_min, c.prompt_lookup_max, limit)
+        return ngram_draft(tokens.of(request.token_ids), c.prompt_lookup_min, c.prompt_lookup_max, limit)
 
     def record(self, proposed: list[list[int]], accepted: list[list[int]]) -> None:
         stats = self.stats
