@@ -94,6 +94,27 @@ def test_prompt_logprobs_and_eviction_take_the_eager_path(tiny_llama_d32):
     assert len(calls) == 3  # the three decodes after the prefill
 
 
+def test_steps_with_drafts_run_eagerly_beside_graph_steps(tiny_llama_d32):
+    """Speculative decoding on the Triton backend: a step whose decodes carry drafts runs eagerly
+    (its rows attended by the decode kernel), plain decode steps through the graph buffers; the
+    greedy tokens are the eager engine's without drafts."""
+    prompts = [{"prompt_token_ids": ids} for ids in ([7] * 12, [300] * 8, [5, 6, 7, 8] * 4)]  # outputs that repeat
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in engine(tiny_llama_d32, enforce_eager=True).generate(
+        prompts, params, use_tqdm=False)]
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    llm = engine(tiny_llama_d32, max_cudagraph_capture_size=4, speculative_config=ngram)
+    runner = llm.engine.runner
+    if runner.graphs is None:
+        runner.graphs = DecodeGraphs(llm.engine.model, llm.engine.kv_cache, runner.backend, 4,
+                                     llm.engine.max_model_len)
+    calls = []
+    run = runner.graphs.run
+    runner.graphs.run = lambda step, pending=None: calls.append(step) or run(step, pending)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+    assert llm.engine.drafter.stats.num_accepted_tokens > 0 and calls
+
+
 def test_the_profiled_reserve_adds_the_smaller_graphs_outputs(tiny_llama_d32):
     """The profiling pass runs the largest graph's forward (its output included); every smaller
     graph keeps its own output in the shared pool too, [size, hidden] in the model's dtype."""
