@@ -17,6 +17,7 @@ import torch
 from kvserve import LLM, SamplingParams
 from kvserve.cache.kv_cache_manager import KVCacheManager
 from kvserve.engine.args import EngineArgs
+from kvserve.engine.model_runner import sampled_rows
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.sampler import SampleResult, Sampler
@@ -162,6 +163,22 @@ def test_each_emitted_token_has_the_models_distribution():
     assert all(abs(second[t] / confirmed - p1[t]) < 4 * math.sqrt(0.25 / confirmed) for t in range(4)), second
 
 
+def test_penalties_and_min_tokens_count_the_drafts_before_a_row():
+    """Row 1 verifies the position after draft 1: a frequency penalty counts that draft (token 1
+    falls below token 2), and min_tokens, reached there, no longer masks EOS (3)."""
+    eos = 3
+    penalised = Request("p", [0], SamplingParams(temperature=0, frequency_penalty=2.0), eos_token_ids=(eos,))
+    waiting = Request("m", [0], SamplingParams(temperature=0, min_tokens=1), eos_token_ids=(eos,))
+    items = [ScheduledRequest(penalised, 2, [1]), ScheduledRequest(waiting, 2, [1])]
+    rows = sampled_rows(items)
+    logits = torch.tensor([[0.0, 5.0, 0.0, 0.0], [0.0, 3.0, 2.5, 0.0],    # penalised: rows 0, 1
+                           [0.0, 1.0, 0.0, 5.0], [0.0, 1.0, 0.0, 5.0]])  # waiting: EOS best at both
+    tokens, _ = Sampler(4, torch.device("cpu")).sample_on_device(logits, rows)
+    assert tokens.tolist() == [1, 2, 1, eos]
+    found = accept_drafts([penalised, waiting], [[1], [1]], tokens.tolist(), [None] * 4)
+    assert (found.drafts, found.token_ids) == ([[1], [1]], [2, eos])
+
+
 # ----------------------------------------------------------------------------- the output processor
 def test_a_stop_string_inside_the_drafts_drops_what_follows(tiny_tokenizer):
     finished = []
@@ -222,16 +239,26 @@ def test_greedy_outputs_are_the_ones_without_drafts(tiny_llama):
     assert tight.engine.scheduler.num_preemptions > 0
 
 
-def test_requests_the_drafts_would_change_do_not_draft(tiny_llama):
-    """Penalties and min_tokens depend on the tokens before each position: such requests decode
-    one token a step, with the plain engine's tokens."""
-    loops = [{"prompt_token_ids": [5, 6, 7, 8] * 4}]
-    params = [SamplingParams(temperature=0, max_tokens=20, repetition_penalty=1.2),
-              SamplingParams(temperature=0, max_tokens=20, min_tokens=20, ignore_eos=False)]
-    speculating = _engine(tiny_llama, NGRAM)
-    assert [_outputs(speculating, loops, p) for p in params] == [_outputs(_engine(tiny_llama, None), loops, p)
-                                                                for p in params]
-    assert speculating.engine.drafter.stats.num_drafts == 0
+def test_penalties_and_min_tokens_apply_at_every_verified_position(tiny_llama):
+    """The sampler sees each verified row with the drafts before it as the request's tokens:
+    penalties and min_tokens give the plain engine's tokens. A request with a logits processor
+    (its own state) does not draft."""
+    loops = [{"prompt_token_ids": ids} for ids in ([7] * 12, [5, 6, 7, 8] * 4)]
+    params = [SamplingParams(temperature=0, max_tokens=30, repetition_penalty=1.1, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=30, frequency_penalty=0.3, presence_penalty=0.2,
+                             ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=30, min_tokens=12, logprobs=1)]
+    plain, speculating = _engine(tiny_llama, None), _engine(tiny_llama, NGRAM)
+    for p in params:
+        before = speculating.engine.drafter.stats.copy()
+        assert _outputs(speculating, loops, p) == _outputs(plain, loops, p)
+        assert speculating.engine.drafter.stats.num_accepted_tokens > before.num_accepted_tokens, p
+
+    before = speculating.engine.drafter.stats.copy()
+    processed = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                               logits_processors=[lambda output, row: row])
+    speculating.generate(loops, processed, use_tqdm=False)
+    assert speculating.engine.drafter.stats.num_drafts == before.num_drafts
 
 
 # ----------------------------------------------------------------------------- the server

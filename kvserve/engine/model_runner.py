@@ -42,15 +42,19 @@ from kvserve.engine.parallel.executor import TensorParallelExecutor
 from kvserve.engine.request import Request
 from kvserve.engine.sampler import LogprobsOnDevice, SampleResult, Sampler
 from kvserve.engine.scheduler import ScheduledRequest
-from kvserve.engine.speculative import accept_drafts
+from kvserve.engine.speculative import DraftRow, accept_drafts
 from kvserve.model.attention import AttentionBackend, AttentionMetadata, StepSequence, packing_order
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.transfers import host_to_device
 
 
-def _sampled_rows(sampled: list[ScheduledRequest]) -> list[Request]:
-    """The request of each logits row: one row per sampled request, one more per draft."""
-    return [item.request for item in sampled for _ in range(1 + len(item.draft_token_ids))]
+def sampled_rows(sampled: list[ScheduledRequest]) -> list[Request | DraftRow]:
+    """The request of each logits row: one row per sampled request, one more per draft (the
+    request with the drafts before that row appended)."""
+    if not any(item.draft_token_ids for item in sampled):
+        return [item.request for item in sampled]
+    return [DraftRow(item.request, list(item.draft_token_ids[:j])) if j else item.request
+            for item in sampled for j in range(1 + len(item.draft_token_ids))]
 
 
 def pool_slot(block_table, position, block_size: int):
@@ -355,7 +359,7 @@ class ModelRunner:
         grammars and penalties see every earlier token."""
         if not forward.sampled:
             return InFlightStep(forward.scheduled, [], None, None, forward.prompt_logprobs)
-        tokens, logprobs = self.sampler.sample_on_device(forward.logits, _sampled_rows(forward.sampled))
+        tokens, logprobs = self.sampler.sample_on_device(forward.logits, sampled_rows(forward.sampled))
         return InFlightStep(forward.scheduled, forward.sampled, tokens, logprobs, forward.prompt_logprobs)
 
     def wait(self, step: InFlightStep) -> StepResult:
@@ -365,7 +369,7 @@ class ModelRunner:
         tokens = step.token_list()
         requests = [item.request for item in step.sampled]
         if len(tokens) > len(requests):  # speculative decoding: keep what the samples confirm
-            self.sampler.finish(_sampled_rows(step.sampled), tokens, [None] * len(tokens))
+            self.sampler.finish(sampled_rows(step.sampled), tokens, [None] * len(tokens))
             found = accept_drafts(requests, [item.draft_token_ids for item in step.sampled], tokens,
                                   step.logprob_list())
             result = SampleResult(found.token_ids, found.logprobs, found.drafts, found.draft_logprobs)

@@ -14,8 +14,10 @@ A draft is one proposal (a one-hot distribution), so this is the rejection sampl
 et al. 2023 and Chen et al. 2023: every emitted token has the model's distribution, greedy or
 sampled. What a step emits stops at its first stop token (EOS, a stop token id).
 
-A request drafts only where its next tokens do not depend on the drafts in ways the sampler does
-not see per row: no grammar, logits processor or penalty, no KV eviction, and min_tokens reached.
+The sampler sees each verification row as the request with the drafts before it appended
+(`DraftRow`), so penalties and min_tokens apply at each position as one token at a time. A request
+with a grammar or a logits processor (state outside the sampler's rows) or under KV eviction does
+not draft.
 Drafts never cost another request its place: they are dropped when the pool cannot hold them.
 With `disable_by_batch_size` no request drafts while more than that many run: a big batch keeps
 the device busy without drafts, which then only add work.
@@ -117,9 +119,36 @@ def ngram_draft(token_ids: list[int] | np.ndarray, lookup_min: int, lookup_max: 
 
 def can_draft(request: Request) -> bool:
     """Whether the request's next tokens may be drafted (module docstring)."""
-    p = request.params
-    return (request.grammar is None and request.eviction is None and not p.logits_processors
-            and not p.has_penalties and request.num_output_tokens >= p.min_tokens and p.max_tokens != 0)
+    return (request.grammar is None and request.eviction is None and not request.params.logits_processors
+            and request.params.max_tokens != 0)
+
+
+class DraftRow:
+    """A request as the sampler sees it at the verification row after `drafts`: the drafts before
+    the row count as its tokens (the row's sample is kept only if they are all confirmed), so
+    penalties and min_tokens apply there as they would one token at a time. Everything else is
+    the request's."""
+
+    __slots__ = ("request", "drafts")
+
+    def __init__(self, request: Request, drafts: list[int]):
+        self.request = request
+        self.drafts = drafts
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.token_ids + self.drafts
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.request.output_token_ids + self.drafts
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.request.num_output_tokens + len(self.drafts)
+
+    def __getattr__(self, name: str):
+        return getattr(self.request, name)
 
 
 @dataclass
@@ -224,6 +253,7 @@ def accept_drafts(requests: list[Request], drafts: list[list[int]], tokens: list
 
 
 def _stops(request: Request, token: int) -> bool:
-    """Whether `token` ends the request (min_tokens is reached for any request that drafts)."""
+    """Whether a sampled `token` ends the request (one sampled before min_tokens is reached is not
+    a stop token: the sampler masked them there)."""
     p = request.params
     return (not p.ignore_eos and token in request.eos_token_ids) or token in p.stop_token_ids
