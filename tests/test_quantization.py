@@ -57,10 +57,10 @@ def test_q4_k_is_served_as_its_own_4_bit_codes():
     assert torch.allclose(matrix.dequantize(), expected, rtol=1e-6, atol=1e-6 * float(expected.abs().max()))
 
 
-@pytest.mark.parametrize("name", ["Q5_K", "Q6_K"])
-def test_wider_k_quants_are_served_as_int8_groups(name):
-    """Q5_K and Q6_K (a k-quant file's attn_v, ffn_down, output) as int8 per 32 values: within half
-    an 8-bit step of their values."""
+@pytest.mark.parametrize("name", ["Q5_K", "Q6_K", "Q2_K", "Q3_K", "Q5_0", "IQ4_NL", "IQ4_XS"])
+def test_other_quantized_types_are_served_as_int8_groups(name):
+    """Q5_K and Q6_K (a k-quant file's attn_v, ffn_down, output), the 2- and 3-bit k-quants, Q5_0
+    and the IQ types as int8 per 32 values: within half an 8-bit step of gguf's values."""
     tensor, expected = _k_quant_tensor(gguf.GGMLQuantizationType[name], 8, 512)
     matrix = quantized_matrix(tensor)
     assert matrix.bits == 8 and matrix.group_size == 32

@@ -224,18 +224,19 @@ def _llama3_rope_divisors(rope: dict, head_dim: int) -> np.ndarray:
 
 
 def random_k_quant_blocks(qtype, rows: int, cols: int, seed: int = 0) -> np.ndarray:
-    """[rows, bytes per row] of random k-quant super-blocks (Q4_K, Q5_K, Q6_K): random codes, scales
-    and minimums, float16 super-block scales of a small weight's size."""
+    """[rows, bytes per row] of random blocks of a quantized ggml type (Q4_K, Q5_K, Q6_K, Q2_K,
+    Q3_K, Q5_0, IQ4_NL, IQ4_XS): random codes, scales and minimums, float16 block scales (d, and
+    dmin where the type has one) of a small weight's size where the type keeps them."""
     import gguf
 
+    T = gguf.GGMLQuantizationType
     rng = np.random.default_rng(seed + int(qtype))
     values_per_block, bytes_per_block = gguf.GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, (rows * cols // values_per_block, bytes_per_block), dtype=np.uint8)
-    q6 = qtype == gguf.GGMLQuantizationType.Q6_K
-    low, high = (2e-5, 1e-4) if q6 else (1e-4, 3e-4)  # Q6_K: d * (int8 scale) * (q - 32)
+    # (first byte of the float16 scales, how many): d, dmin first or last, as llama.cpp lays them out
+    where = {T.Q6_K: (-2, 1), T.Q3_K: (-2, 1), T.Q2_K: (-4, 2), T.Q4_K: (0, 2), T.Q5_K: (0, 2)}.get(qtype, (0, 1))
+    low, high = (2e-5, 1e-4) if qtype == T.Q6_K else (1e-4, 3e-4)  # Q6_K: d * (int8 scale) * (q - 32)
+    start, count = where
     supers = rng.uniform(low, high, size=(blocks.shape[0], 2)).astype(np.float16).view(np.uint8)
-    if q6:  # d last
-        blocks[:, -2:] = supers[:, :2]
-    else:  # d and dmin first
-        blocks[:, :4] = supers
+    blocks[:, start:start + 2 * count or None] = supers[:, :2 * count]
     return blocks.reshape(rows, -1)

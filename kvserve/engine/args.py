@@ -107,7 +107,8 @@ class EngineArgs:
         "weight and activation dtype; auto = bfloat16 on CUDA, and on CPUs with native bf16 matmul, else float32",
         choices=("auto", "float32", "bfloat16", "float16")))
     quantization: str = field(default="auto", metadata=_opt(
-        "weight quantization: auto = as the checkpoint stores them (a GGUF's Q4_0/Q4_1 stay int4, Q8_0 int8; "
+        "weight quantization: auto = as the checkpoint stores them (a GGUF's Q4_0/Q4_1/Q4_K stay int4, Q8_0 "
+        "int8, other quantized types int8 in groups of 32; "
         "a safetensors checkpoint stays --dtype); none = dequantize to --dtype; int8 (per output channel) or "
         "int4 (groups of 32; the LM head int8) = quantize at load", choices=QUANTIZATION_MODES))
     device: str = field(default="auto", metadata=_opt("cpu, cuda, cuda:N or auto"))

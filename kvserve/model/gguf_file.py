@@ -6,7 +6,7 @@ rows; both take seconds for a 135M model. This reader walks the header once with
 the tensor data, and dequantizes the common formats (F32, F16, BF16, Q4_0, Q4_1, Q8_0) with
 vectorised torch ops that give gguf's float32 results bit for bit (same operations, same order).
 Other formats (k-quants, ...) still go through `gguf.quants.dequantize`. `quantized_matrix` gives the
-matrices kvserve serves quantized as the file stores them (Q4_0, Q4_1, Q8_0, Q4_K; Q5_K/Q6_K as int8).
+matrices kvserve serves quantized as the file stores them (Q4_0, Q4_1, Q8_0, Q4_K; other quantized types as int8).
 
 Format: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md
 """
@@ -31,9 +31,18 @@ _SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f"
 
 # ggml type id -> (values per block, bytes per block) for the types dequantized here.
 F32, F16, Q4_0, Q4_1, Q8_0, BF16 = 0, 1, 2, 3, 8, 30
-# k-quants (super-blocks of 256 values) that are served quantized (quantized_matrix).
-Q4_K, Q5_K, Q6_K = 12, 13, 14
-K_QUANTS = (Q4_K, Q5_K, Q6_K)
+Q4_K, Q5_K, Q6_K = 12, 13, 14  # k-quants (super-blocks of 256 values)
+FLOAT_TYPES = (F32, F16, BF16)
+# Served from their own blocks as stored (quantized_matrix); every other quantized type (Q5_K,
+# Q6_K, Q2_K, Q3_K, Q5_0, the IQ types, ...) is requantized to int8 in groups of 32.
+AS_STORED = (Q4_0, Q4_1, Q8_0, Q4_K)
+
+
+def cuts_by_blocks(type_id: int) -> bool:
+    """Whether a tensor-parallel rank can take its share of such a matrix as whole blocks of the
+    file (the 32-value blocks of Q4_0, Q4_1 and Q8_0, and float values); other types' blocks (the
+    k-quants' 256) may not end where a share does."""
+    return type_id in (Q4_0, Q4_1, Q8_0, *FLOAT_TYPES)
 _Q4_K_BYTES = 144
 _BLOCKS = {F32: (1, 4), F16: (1, 2), Q4_0: (32, 18), Q4_1: (32, 20), Q8_0: (32, 34), BF16: (1, 2)}
 
@@ -207,21 +216,28 @@ def dequantize(tensor: GGUFTensor) -> torch.Tensor:
     return values.reshape(tensor.shape)
 
 
+def served_bits(type_id: int) -> int | None:
+    """The bits a matrix of this type is served at (quantized_matrix); None for float types."""
+    if type_id in FLOAT_TYPES:
+        return None
+    return 4 if type_id in (Q4_0, Q4_1, Q4_K) else 8
+
+
 def quantized_matrix(tensor: GGUFTensor) -> QuantizedMatrix | None:
     """A Q4_0, Q4_1 or Q8_0 matrix as it is stored (quantized.py maps llama.cpp's blocks onto its
     convention without changing a value); Q4_K's 32-value sub-blocks as 4-bit groups of 32 (their
-    scales and minimums multiplied out); Q5_K and Q6_K (the k-quant files' wider tensors) as int8
-    in groups of 32, requantized from their values (8 bits over their 5 or 6). None for other
-    types and shapes."""
+    scales and minimums multiplied out); any other quantized type (Q5_K and Q6_K, the k-quant
+    files' wider tensors; Q2_K, Q3_K, Q5_0, Q5_1, the IQ types) as int8 in groups of 32,
+    requantized from the values `gguf` dequantizes: kvserve's kernels take 4-bit groups of 32 and
+    int8, and 8 bits hold any of these grids within half a step. None for float types and other
+    shapes."""
     type_id = tensor.type_id
-    if len(tensor.shape) != 2:
+    if len(tensor.shape) != 2 or type_id in FLOAT_TYPES:
         return None
     if type_id == Q4_K:
         return _q4_k_matrix(tensor)
-    if type_id in (Q5_K, Q6_K):
-        return quantize_int8(dequantize(tensor), group_size=32)
     if type_id not in (Q4_0, Q4_1, Q8_0):
-        return None
+        return quantize_int8(dequantize(tensor), group_size=32) if tensor.shape[1] % 32 == 0 else None
     rows, cols = tensor.shape
     blocks = tensor.raw.view(-1, _BLOCKS[type_id][1])
     scale = _scale(blocks, 0).view(rows, cols // 32)

@@ -20,7 +20,7 @@ import torch
 from kvserve import disk_cache
 from kvserve.model.config import MAX_COUNTS, SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedModelError
 from kvserve.model.gguf_file import (
-    K_QUANTS, GGUFFile, GGUFTensor, cut_tensor, dequantize, quantized_matrix, read_gguf)
+    GGUFFile, GGUFTensor, cuts_by_blocks, cut_tensor, dequantize, quantized_matrix, read_gguf)
 from kvserve.model.quantized import QuantizedMatrix
 from kvserve.model.weight_check import check_weight_shapes, dummy_weights
 from kvserve.torch_threads import one_thread
@@ -443,11 +443,12 @@ def _cut_gguf(gguf_file: GGUFFile, cut: TensorCut) -> tuple[GGUFFile, dict[str, 
 
 
 def stores_k_quants(model: str | os.PathLike | None) -> bool:
-    """Whether `model` is a GGUF with k-quant matrices served quantized (Q4_K, Q5_K, Q6_K): their
-    super-blocks of 256 do not cut where a tensor-parallel rank's share of a row ends, so ranks
-    read such a file whole and cut its quantized matrices (parallel/worker.py). Header only."""
+    """Whether `model` is a GGUF with matrices whose blocks may not cut where a tensor-parallel
+    rank's share of a row ends (the k-quants' super-blocks of 256, the other types served as
+    int8): ranks read such a file whole and cut its quantized matrices (parallel/worker.py).
+    Header only."""
     path = resolve_model_path(model)
-    return path.suffix == ".gguf" and any(t.type_id in K_QUANTS for t in read_gguf(path).tensors)
+    return path.suffix == ".gguf" and not all(cuts_by_blocks(t.type_id) for t in read_gguf(path).tensors)
 
 
 def quantized_sources(loaded: LoadedModel) -> dict[str, QuantizedMatrix]:

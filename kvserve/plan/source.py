@@ -66,12 +66,11 @@ def _safetensors_params(files: list[Path]) -> int:
 
 def _gguf_tensors(path) -> tuple[tuple[str, int, bool, int | None], ...]:
     """Each tensor of a GGUF as (role, values, whether a matrix, bits --quantization auto keeps it
-    at): Q4_0/Q4_1/Q4_K 4, Q8_0/Q5_K/Q6_K 8 (gguf_file.quantized_matrix), other types (float,
-    Q2_K, Q3_K, ...) None (dequantized). A fused layer whose parts differ in bits is served at 8;
-    counted here at its parts' own. Reads the tensor table only."""
-    from kvserve.model.gguf_file import Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0, read_gguf
+    at): Q4_0/Q4_1/Q4_K 4, every other quantized type 8 (gguf_file.served_bits), float types
+    None (served at --dtype). A fused layer whose parts differ in bits is served at 8; counted here
+    at its parts' own. Reads the tensor table only."""
+    from kvserve.model.gguf_file import read_gguf, served_bits
 
-    bits = {Q4_0: 4, Q4_1: 4, Q4_K: 4, Q8_0: 8, Q5_K: 8, Q6_K: 8}
     rows = []
     for tensor in read_gguf(path).tensors:
         role = {"token_embd.weight": "embedding", "output.weight": "lm_head"}.get(tensor.name, "other")
@@ -79,5 +78,5 @@ def _gguf_tensors(path) -> tuple[tuple[str, int, bool, int | None], ...]:
         for dim in tensor.shape:
             values *= dim
         is_matrix = len(tensor.shape) == 2
-        rows.append((role, values, is_matrix, bits.get(tensor.type_id) if is_matrix else None))
+        rows.append((role, values, is_matrix, served_bits(tensor.type_id) if is_matrix else None))
     return tuple(rows)
