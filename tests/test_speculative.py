@@ -14,7 +14,7 @@ import httpx
 import pytest
 import torch
 
-from kvserve import LLM, SamplingParams
+from kvserve import LLM, SamplingParams, StructuredOutputsParams
 from kvserve.cache.kv_cache_manager import KVCacheManager
 from kvserve.engine.args import EngineArgs
 from kvserve.engine.model_runner import sampled_rows
@@ -239,10 +239,10 @@ def test_greedy_outputs_are_the_ones_without_drafts(tiny_llama):
     assert tight.engine.scheduler.num_preemptions > 0
 
 
-def test_penalties_and_min_tokens_apply_at_every_verified_position(tiny_llama):
+def test_penalties_min_tokens_and_grammars_apply_at_every_verified_position(tiny_llama):
     """The sampler sees each verified row with the drafts before it as the request's tokens:
-    penalties and min_tokens give the plain engine's tokens. A request with a logits processor
-    (its own state) does not draft."""
+    penalties, min_tokens and structured outputs give the plain engine's tokens. A request with a
+    logits processor (its own state) does not draft."""
     loops = [{"prompt_token_ids": ids} for ids in ([7] * 12, [5, 6, 7, 8] * 4)]
     params = [SamplingParams(temperature=0, max_tokens=30, repetition_penalty=1.1, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=30, frequency_penalty=0.3, presence_penalty=0.2,
@@ -253,6 +253,14 @@ def test_penalties_and_min_tokens_apply_at_every_verified_position(tiny_llama):
         before = speculating.engine.drafter.stats.copy()
         assert _outputs(speculating, loops, p) == _outputs(plain, loops, p)
         assert speculating.engine.drafter.stats.num_accepted_tokens > before.num_accepted_tokens, p
+
+    # a grammar masks each verified row as it stands after the drafts before it
+    for constraint in (StructuredOutputsParams(regex="(abc )+x"), StructuredOutputsParams(
+            json={"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]})):
+        p = SamplingParams(temperature=0, max_tokens=40, structured_outputs=constraint)
+        before = speculating.engine.drafter.stats.copy()
+        assert _outputs(speculating, loops, p) == _outputs(plain, loops, p)
+        assert speculating.engine.drafter.stats.num_accepted_tokens > before.num_accepted_tokens, constraint
 
     before = speculating.engine.drafter.stats.copy()
     processed = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,

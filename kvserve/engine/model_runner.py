@@ -369,9 +369,10 @@ class ModelRunner:
         tokens = step.token_list()
         requests = [item.request for item in step.sampled]
         if len(tokens) > len(requests):  # speculative decoding: keep what the samples confirm
-            self.sampler.finish(sampled_rows(step.sampled), tokens, [None] * len(tokens))
             found = accept_drafts(requests, [item.draft_token_ids for item in step.sampled], tokens,
                                   step.logprob_list())
+            self.sampler.advance_grammars(requests, [[*kept, token] for kept, token in zip(found.drafts,
+                                                                                           found.token_ids)])
             result = SampleResult(found.token_ids, found.logprobs, found.drafts, found.draft_logprobs)
         else:
             result = self.sampler.finish(requests, tokens, step.logprob_list())

@@ -23,6 +23,7 @@ import torch
 
 from kvserve.engine.logprobs import packed_token_logprobs, unpack_token_logprobs
 from kvserve.engine.request import Request
+from kvserve.engine.speculative import DraftRow
 from kvserve.engine.structured_output import GrammarMasks
 from kvserve.transfers import host_to_device
 
@@ -177,9 +178,11 @@ class Sampler:
         logits.index_put_((where[0], where[1]), self._per_row(biases, logits.dtype), accumulate=True)
         return logits
 
-    def _apply_grammars(self, logits: torch.Tensor, requests: list[Request], cloned: bool) -> torch.Tensor:
+    def _apply_grammars(self, logits: torch.Tensor, requests: list[Request | DraftRow],
+                        cloned: bool) -> torch.Tensor:
         """Tokens a request's grammar does not allow next become -inf (on a copy unless `cloned`:
-        the raw logits stay as they are, for logprobs)."""
+        the raw logits stay as they are, for logprobs). A request's verification rows (DraftRow,
+        speculative decoding) take the masks after the drafts before them."""
         rows = [i for i, r in enumerate(requests) if r.grammar is not None and r.grammar.active and r.error is None
                 and not r.status.finished]
         if not rows:
@@ -188,19 +191,40 @@ class Sampler:
             self._grammar_masks = GrammarMasks(self.vocab_size, logits.device)
         if not cloned:
             logits = logits.clone()
-        self._grammar_masks.apply(logits, rows, [requests[i].grammar for i in rows])
+        drafted = [requests[i] for i in rows if isinstance(requests[i], DraftRow)]
+        firsts = [i for i in rows if not isinstance(requests[i], DraftRow)]
+        if not drafted:
+            self._grammar_masks.apply(logits, rows, [requests[i].grammar for i in rows])
+            return logits
+        # a request's rows are consecutive: its own, then one per draft (the last holds them all)
+        last = {id(row.request): row.drafts for row in drafted}
+        drafts = [last.get(id(requests[i]), []) for i in firsts]
+        self._grammar_masks.apply(logits, rows, [requests[i].grammar for i in firsts], drafts)
         return logits
 
-    @staticmethod
-    def _advance_grammars(requests: list[Request], tokens: list[int]) -> None:
+    def advance_grammars(self, requests: list[Request], emitted: list[list[int]]) -> None:
+        """Speculative decoding: each constrained request's matcher takes every token it emitted."""
+        for r, tokens in zip(requests, emitted):
+            for token in tokens:
+                if self._advance_grammar(r, token):
+                    break
+
+    def _advance_grammars(self, requests: list[Request], tokens: list[int]) -> None:
         """Each constrained request's matcher takes its sampled token; one it refuses (only possible
         when every token was masked) fails that request."""
         for r, token in zip(requests, tokens):
-            if r.grammar is not None and r.error is None and not r.status.finished:
-                refused = r.grammar.accept(token)
-                if refused is not None:
-                    r.error = f"structured output: {refused}"
-                    logger.warning("request %s: %s", r.request_id, r.error)
+            self._advance_grammar(r, token)
+
+    @staticmethod
+    def _advance_grammar(r: Request, token: int) -> bool:
+        """The request's matcher takes `token`; True if it failed the request."""
+        if r.grammar is None or r.error is not None or r.status.finished:
+            return False
+        refused = r.grammar.accept(token)
+        if refused is not None:
+            r.error = f"structured output: {refused}"
+            logger.warning("request %s: %s", r.request_id, r.error)
+        return refused is not None
 
     def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         params = [r.params for r in requests]

@@ -15,9 +15,11 @@ et al. 2023 and Chen et al. 2023: every emitted token has the model's distributi
 sampled. What a step emits stops at its first stop token (EOS, a stop token id).
 
 The sampler sees each verification row as the request with the drafts before it appended
-(`DraftRow`), so penalties and min_tokens apply at each position as one token at a time. A request
-with a grammar or a logits processor (state outside the sampler's rows) or under KV eviction does
-not draft.
+(`DraftRow`), so penalties and min_tokens apply at each position as one token at a time, and a
+grammar masks each row as it stands after the drafts before it (llguidance computes those masks
+without advancing the matcher; drafts are cut where the grammar would refuse one, and the matcher
+then takes the tokens emitted). A request with a logits processor (state of its own), under KV
+eviction, or whose grammar waits for its start token (reasoning) does not draft.
 Drafts never cost another request its place: they are dropped when the pool cannot hold them.
 With `disable_by_batch_size` no request drafts while more than that many run: a big batch keeps
 the device busy without drafts, which then only add work.
@@ -119,8 +121,9 @@ def ngram_draft(token_ids: list[int] | np.ndarray, lookup_min: int, lookup_max: 
 
 def can_draft(request: Request) -> bool:
     """Whether the request's next tokens may be drafted (module docstring)."""
-    return (request.grammar is None and request.eviction is None and not request.params.logits_processors
-            and request.params.max_tokens != 0)
+    grammar = request.grammar
+    return ((grammar is None or grammar.active and request.error is None) and request.eviction is None
+            and not request.params.logits_processors and request.params.max_tokens != 0)
 
 
 class DraftRow:
@@ -210,7 +213,10 @@ class Drafter:
         if tokens is None:
             tokens = self._arrays[request] = _TokenArray()
         c = self.config
-        return ngram_draft(tokens.of(request.token_ids), c.prompt_lookup_min, c.prompt_lookup_max, limit)
+        drafts = ngram_draft(tokens.of(request.token_ids), c.prompt_lookup_min, c.prompt_lookup_max, limit)
+        if drafts and request.grammar is not None:  # only what the grammar would take
+            del drafts[request.grammar.valid_prefix(drafts):]
+        return drafts
 
     def record(self, proposed: list[list[int]], accepted: list[list[int]]) -> None:
         stats = self.stats

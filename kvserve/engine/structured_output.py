@@ -134,6 +134,10 @@ class GrammarMatcher:
         self.starts_after = starts_after
         self.active = starts_after is None
 
+    def valid_prefix(self, token_ids: list[int]) -> int:
+        """How many of `token_ids` the grammar would take in a row from here (nothing consumed)."""
+        return self.matcher.validate_tokens(token_ids) if self.active else 0
+
     def accept(self, token_id: int) -> str | None:
         """Advance past a sampled token; returns why it was refused (None when accepted)."""
         if not self.active:
@@ -247,12 +251,27 @@ class GrammarMasks:
                                        pin_memory=self.device.type == "cuda")
         return self._buffer[:rows]
 
-    def banned(self, matchers: list[GrammarMatcher]) -> torch.Tensor:
-        """[len(matchers), vocab_size] bool on the device: True where the token may NOT come next."""
-        from llguidance.torch import fill_next_token_bitmask_par
+    def banned(self, matchers: list[GrammarMatcher], drafts: list[list[int]] | None = None) -> torch.Tensor:
+        """[rows, vocab_size] bool on the device: True where the token may NOT come next. One row per
+        matcher, and with `drafts` (speculative decoding; drafts the grammar accepts) one more per
+        draft: the mask after it, the matchers left where they were."""
+        from llguidance.torch import fill_next_token_bitmask_par, fill_next_token_bitmask_par_with_draft_tokens
 
-        masks = self._buffer_for(len(matchers))
-        fill_next_token_bitmask_par(self._executor, [(m.matcher, i) for i, m in enumerate(matchers)], masks)
+        if drafts is None or not any(drafts):
+            masks = self._buffer_for(len(matchers))
+            fill_next_token_bitmask_par(self._executor, [(m.matcher, i) for i, m in enumerate(matchers)], masks)
+        else:
+            plain, drafted, row = [], [], 0
+            for matcher, proposed in zip(matchers, drafts):
+                if proposed:  # (llguidance takes no empty draft list)
+                    drafted.append((matcher.matcher, row, list(proposed)))
+                else:
+                    plain.append((matcher.matcher, row))
+                row += 1 + len(proposed)
+            masks = self._buffer_for(row)
+            fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafted, masks)
+            if plain:
+                fill_next_token_bitmask_par(self._executor, plain, masks)
         if self.device.type == "cpu":
             inverted = np.invert(masks.numpy()).view(np.uint8)  # [rows, 4 * words], low byte first
             bits = np.unpackbits(inverted, axis=1, count=self.vocab_size, bitorder="little")
@@ -263,9 +282,11 @@ class GrammarMasks:
         """[len(matchers), vocab_size] bool on the device: True where the token may come next."""
         return ~self.banned(matchers)
 
-    def apply(self, logits: torch.Tensor, rows: list[int], matchers: list[GrammarMatcher]) -> None:
-        """Set the disallowed tokens of `rows` of `logits` [batch, vocab] to -inf, in place."""
-        banned = self.banned(matchers)
+    def apply(self, logits: torch.Tensor, rows: list[int], matchers: list[GrammarMatcher],
+              drafts: list[list[int]] | None = None) -> None:
+        """Set the disallowed tokens of `rows` of `logits` [batch, vocab] to -inf, in place (with
+        `drafts`, each matcher's rows are its row and one per draft, in order)."""
+        banned = self.banned(matchers, drafts)
         if logits.device.type == "cpu" and logits.is_contiguous():
             # numpy's masked copy, one row view at a time: single-threaded and much cheaper than
             # torch's masked_fill_ on a few cores (no thread fan-out for a 1-D memory pass).
