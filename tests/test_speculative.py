@@ -216,9 +216,10 @@ def _outputs(llm: LLM, prompts, params) -> list[list[tuple]]:
             for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-def test_greedy_outputs_are_the_ones_without_drafts(tiny_llama):
+def test_outputs_are_the_ones_without_drafts(tiny_llama):
     """Under --deterministic a verified row is the computation a decode is, so the tokens and their
-    logprobs are exactly the plain engine's; with a pool small enough to preempt too."""
+    logprobs are exactly the plain engine's, greedy or seeded (a seeded draw depends on the output
+    position, not on the draws discarded before it); with a pool small enough to preempt too."""
     plain = _engine(tiny_llama, None)
     loops = [{"prompt_token_ids": p} for p in ([7] * 12, [5, 6, 7, 8] * 4, [11, 12, 13] * 5, [100, 200])]
     greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -227,6 +228,7 @@ def test_greedy_outputs_are_the_ones_without_drafts(tiny_llama):
     stop = text[len(text) // 2:len(text) // 2 + 3]  # a stop string in the middle of an output
     workload = [greedy, SamplingParams(temperature=0, max_tokens=40, stop=[stop]),
                 SamplingParams(temperature=0, max_tokens=30, logprobs=2, ignore_eos=True),
+                SamplingParams(temperature=0.3, top_k=20, seed=5, n=2, max_tokens=30, ignore_eos=True),
                 SamplingParams(temperature=0, max_tokens=25, n=2, stop_token_ids=[reference[2][0][0][20]])]
     expected = [_outputs(plain, loops, params) for params in workload]
     speculating = _engine(tiny_llama, NGRAM)

@@ -2,8 +2,9 @@
 temperature, top-k, top-p, min-p, greedy, seeds, logprobs.
 
 Every transformation is a tensor op over the whole batch; per-request values arrive as
-[batch] tensors. Only seeded requests draw their noise one by one (each owns a generator, so its
-output does not depend on what else is in the batch), and only requests with logits processors
+[batch] tensors. Only seeded requests draw their noise one by one (each owns a generator, seeded
+anew for each output position from the request's seed and the position, so its output depends
+neither on what else is in the batch nor on how many draws came before), and only requests with logits processors
 (SamplingParams.logits_processors) have their row handed to Python code. Only rows under a
 grammar (SamplingParams.structured_outputs) get a token bitmask; a batch without any costs nothing.
 
@@ -91,12 +92,12 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
 
-    def _generator(self, request: Request) -> torch.Generator:
+    def _generator(self, request: Request | DraftRow) -> torch.Generator:
+        """The seeded request's generator, seeded for the output position it samples now."""
         gen = self._generators.get(request.request_id)
         if gen is None:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(request.params.seed)
-            self._generators[request.request_id] = gen
+            gen = self._generators[request.request_id] = torch.Generator(device=self.device)
+        gen.manual_seed(position_seed(request.params.seed, request.num_output_tokens))
         return gen
 
     def finish(self, requests: list[Request], token_list: list[int], logprobs: list) -> SampleResult:
@@ -316,6 +317,24 @@ class Sampler:
             index = self._per_row(rows, torch.long)
             raw, tokens = raw.index_select(0, index), tokens.index_select(0, index)
         return LogprobsOnDevice(packed_token_logprobs(raw, tokens, max(wanted[i] for i in rows)), rows, wanted)
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    """SplitMix64's output function (Steele, Lea and Flood 2014): a 64-bit integer mixed."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The seed of a seeded request's draw for its output token `position`: the draw depends on
+    the request's seed and the position only, not on the draws made before (a step that samples
+    positions it then discards, as speculative decoding's verification does, changes nothing)."""
+    return _splitmix64((seed & _MASK64) ^ _splitmix64(position))
 
 
 def _name(processor) -> str:
