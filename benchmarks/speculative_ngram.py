@@ -5,6 +5,8 @@ Three workloads on the default model, greedy, at 1 and 8 concurrent requests:
           what prompt lookup is for, like quoting a retrieved document or editing code)
   edit    a chat request to return a passage with its typos fixed
   open    a chat request for a short story (little to look up: the drafts' cost)
+  json    a chat request to put a passage's sentences in a JSON array, under a JSON schema
+          (structured output copying from the context, as an agent's extraction step does)
 Each round runs both engines in turn on every workload; the table gives medians of the rounds'
 generated tokens per second (wall time of `generate`, prefill included), the drafts' acceptance,
 and whether the two engines' tokens were identical.
@@ -28,7 +30,7 @@ import statistics
 import time
 from pathlib import Path
 
-from kvserve import LLM, SamplingParams
+from kvserve import LLM, SamplingParams, StructuredOutputsParams
 
 PASSAGES = Path(__file__).resolve().parents[1] / "kvserve" / "data" / "pride-and-prejudice.txt"
 
@@ -53,11 +55,20 @@ def workloads(concurrency: int, llm: LLM) -> dict[str, list]:
                                               "the whole text:\n\n" + typos(t)}])} for t in texts],
         "open": [{"prompt_token_ids": chat([{"role": "user", "content": f"Write a short story about a robot "
                                               f"who learns to paint, number {i}."}])} for i in range(concurrency)],
+        "json": [{"prompt_token_ids": chat([{"role": "user", "content": "Put each sentence of this text, word for "
+                                              "word, in a JSON object's \"sentences\" array:\n\n" + t}])}
+                 for t in texts],
     }
 
 
-def run(llm: LLM, prompts: list, max_tokens: int) -> tuple[float, list[list[int]]]:
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+SENTENCES_SCHEMA = {"type": "object", "properties": {"sentences": {"type": "array", "items": {"type": "string"}}},
+                    "required": ["sentences"]}
+
+
+def run(llm: LLM, prompts: list, max_tokens: int, structured: bool = False) -> tuple[float, list[list[int]]]:
+    constraint = StructuredOutputsParams(json=SENTENCES_SCHEMA) if structured else None
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=not structured,
+                            structured_outputs=constraint)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
@@ -96,6 +107,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--concurrency", default="1,8")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--workloads", default="repeat,edit,open,json", help="comma list")
     parser.add_argument("--output-json", default=None)
     parser.add_argument("--verify-cost", action="store_true", help="measure a verified draft's cost instead")
     parser.add_argument("--draft-counts", default="0,1,2,4,8", help="--verify-cost: drafts per decode")
@@ -132,11 +144,13 @@ def main() -> None:
     rows = []
     for concurrency in (int(c) for c in args.concurrency.split(",")):
         for name, prompts in workloads(concurrency, engines["plain"]).items():
+            if name not in args.workloads.split(","):
+                continue
             rates = {engine: [] for engine in engines}
             tokens, before = {}, drafter.stats.copy()
             for _ in range(args.rounds):
                 for engine, llm in engines.items():
-                    rate, tokens[engine] = run(llm, prompts, args.max_tokens)
+                    rate, tokens[engine] = run(llm, prompts, args.max_tokens, structured=name == "json")
                     rates[engine].append(rate)
             stats = drafter.stats
             drafts = stats.num_drafts - before.num_drafts
