@@ -76,8 +76,9 @@ def test_decodes_through_the_graph_buffers_give_the_eager_tokens(tiny_llama_d32,
     assert sum(pending_rows) == (sum(sizes) if async_scheduling else 0)
 
 
-def test_prompt_logprobs_and_eviction_take_the_eager_path(tiny_llama_d32):
-    llm = engine(tiny_llama_d32, max_cudagraph_capture_size=4)
+def graph_steps(llm: LLM) -> list:
+    """The steps `llm` runs through its decode graphs (on CPU: graph buffers made for 4 rows, run
+    eagerly), recorded as they run."""
     runner = llm.engine.runner
     if runner.graphs is None:
         runner.graphs = DecodeGraphs(llm.engine.model, llm.engine.kv_cache, runner.backend, 4,
@@ -85,6 +86,12 @@ def test_prompt_logprobs_and_eviction_take_the_eager_path(tiny_llama_d32):
     calls = []
     run = runner.graphs.run
     runner.graphs.run = lambda step, pending=None: calls.append(step) or run(step, pending)
+    return calls
+
+
+def test_prompt_logprobs_and_eviction_take_the_eager_path(tiny_llama_d32):
+    llm = engine(tiny_llama_d32, max_cudagraph_capture_size=4)
+    calls = graph_steps(llm)
     llm.generate(["Hello there"], SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=1), use_tqdm=False)
     llm.generate(["Hello there"], SamplingParams(temperature=0, max_tokens=4,
                                                  kv_eviction={"policy": "streaming", "budget": 32}),
@@ -104,13 +111,7 @@ def test_steps_with_drafts_run_eagerly_beside_graph_steps(tiny_llama_d32):
         prompts, params, use_tqdm=False)]
     ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
     llm = engine(tiny_llama_d32, max_cudagraph_capture_size=4, speculative_config=ngram)
-    runner = llm.engine.runner
-    if runner.graphs is None:
-        runner.graphs = DecodeGraphs(llm.engine.model, llm.engine.kv_cache, runner.backend, 4,
-                                     llm.engine.max_model_len)
-    calls = []
-    run = runner.graphs.run
-    runner.graphs.run = lambda step, pending=None: calls.append(step) or run(step, pending)
+    calls = graph_steps(llm)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
     assert llm.engine.drafter.stats.num_accepted_tokens > 0 and calls
 
