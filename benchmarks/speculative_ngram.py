@@ -163,8 +163,8 @@ def main() -> None:
                    "identical_tokens": tokens["plain"] == tokens["ngram"]}
             row["speedup"] = row["ngram_tok_s"] / row["plain_tok_s"]
             rows.append(row)
-            print(f"{name:7s} c={concurrency:<3d} plain {row['plain_tok_s']:7.1f} tok/s  ngram {row['ngram_tok_s']:7.1f} "
-                  f"tok/s  x{row['speedup']:.2f}  accepted {100 * row['acceptance']:.0f}% of drafts, mean length "
+            print(f"{name:7s} c={concurrency:<3d} plain {row['plain_tok_s']:7.1f} tok/s  "
+                  f"ngram {row['ngram_tok_s']:7.1f} tok/s  x{row['speedup']:.2f}  accepted {100 * row['acceptance']:.0f}% of drafts, mean length "
                   f"{row['mean_acceptance_length']:.2f}, identical tokens: {row['identical_tokens']}", flush=True)
     if args.output_json:
         Path(args.output_json).write_text(json.dumps({"config": config, "machine": platform.processor() or

@@ -4,8 +4,8 @@ temperature, top-k, top-p, min-p, greedy, seeds, logprobs.
 Every transformation is a tensor op over the whole batch; per-request values arrive as
 [batch] tensors. Only seeded requests draw their noise one by one (each owns a generator, seeded
 anew for each output position from the request's seed and the position, so its output depends
-neither on what else is in the batch nor on how many draws came before), and only requests with logits processors
-(SamplingParams.logits_processors) have their row handed to Python code. Only rows under a
+neither on what else is in the batch nor on how many draws came before), and only requests with
+logits processors (SamplingParams.logits_processors) have their row handed to Python code. Only rows under a
 grammar (SamplingParams.structured_outputs) get a token bitmask; a batch without any costs nothing.
 
 Which transformations a batch needs is decided from the requests' parameters on the host, and

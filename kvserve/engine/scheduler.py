@@ -41,8 +41,8 @@ stop string) has computed one token too many, which is discarded.
 Speculative decoding (--speculative-config, speculative.py): a decode may carry draft tokens,
 computed after its last token in the same step. They take only what the step leaves once every
 running and admitted request has its tokens, budget and free blocks: a decode whose drafts do not
-fit runs without them, and drafts never preempt. `update` counts as computed only the positions of the drafts the samples confirmed; a
-rejected draft's slot is written again by the next step.
+fit runs without them, and drafts never preempt. `update` counts as computed only the positions
+of the drafts the samples confirmed; a rejected draft's slot is written again by the next step.
 """
 from __future__ import annotations
 
