@@ -223,8 +223,11 @@ class ModelRunner:
             if all_logits:
                 logits_rows.extend(range(offset, offset + n))
             else:
-                if item.samples:  # (a request with drafts is sampled at each of their positions too)
-                    logits_rows.extend(range(offset + n - 1 - len(item.draft_token_ids), offset + n))
+                if item.samples:
+                    if item.draft_token_ids:  # sampled at each of its drafts' positions too
+                        logits_rows.extend(range(offset + n - 1 - len(item.draft_token_ids), offset + n))
+                    else:
+                        logits_rows.append(offset + n - 1)
                     sampled.append(item)
                 if r.params.prompt_logprobs is not None:
                     # Position p scores prompt token p + 1; the last prompt position is sampled instead.
