@@ -47,8 +47,9 @@ def calibration_tokens(kv_cache: KVCache, max_tokens: int, num_tokens: int = CAL
 def record_projections(runner: ModelRunner, max_tokens: int, num_tokens: int = CALIBRATION_TOKENS) -> list[torch.Tensor]:
     """Each layer's q/k/v heads [tokens, heads + 2 * kv_heads, head_dim], before RoPE and any key
     centring (after Qwen3's per-head norms: what RoPE takes), over one prefill of random tokens at
-    positions 0, 1, ..., run by `runner` like any step (the pool's first blocks as its block table). The model's key transforms in effect
-    (centres, bases) shape the hidden states of later layers, as they do when serving."""
+    positions 0, 1, ..., run by `runner` like any step (the pool's first blocks as its block
+    table). The model's key transforms in effect (centres, bases) shape the hidden states of later
+    layers, as they do when serving."""
     model, kv_cache = runner.model, runner.kv_cache
     config = model.config
     num_tokens = calibration_tokens(kv_cache, max_tokens, num_tokens)

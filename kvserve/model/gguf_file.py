@@ -31,11 +31,10 @@ _SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f"
 
 # ggml type id -> (values per block, bytes per block) for the types dequantized here.
 F32, F16, Q4_0, Q4_1, Q8_0, BF16 = 0, 1, 2, 3, 8, 30
-Q4_K, Q5_K, Q6_K = 12, 13, 14  # k-quants (super-blocks of 256 values)
+Q4_K = 12  # the k-quant served as its own 4-bit codes (super-blocks of 256 values)
 FLOAT_TYPES = (F32, F16, BF16)
-# Served from their own blocks as stored (quantized_matrix); every other quantized type (Q5_K,
-# Q6_K, Q2_K, Q3_K, Q5_0, the IQ types, ...) is requantized to int8 in groups of 32.
-AS_STORED = (Q4_0, Q4_1, Q8_0, Q4_K)
+_Q4_K_BYTES = 144
+_BLOCKS = {F32: (1, 4), F16: (1, 2), Q4_0: (32, 18), Q4_1: (32, 20), Q8_0: (32, 34), BF16: (1, 2)}
 
 
 def cuts_by_blocks(type_id: int) -> bool:
@@ -43,8 +42,6 @@ def cuts_by_blocks(type_id: int) -> bool:
     file (the 32-value blocks of Q4_0, Q4_1 and Q8_0, and float values); other types' blocks (the
     k-quants' 256) may not end where a share does."""
     return type_id in (Q4_0, Q4_1, Q8_0, *FLOAT_TYPES)
-_Q4_K_BYTES = 144
-_BLOCKS = {F32: (1, 4), F16: (1, 2), Q4_0: (32, 18), Q4_1: (32, 20), Q8_0: (32, 34), BF16: (1, 2)}
 
 
 class GGUFFormatError(ValueError):

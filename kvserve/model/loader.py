@@ -442,7 +442,7 @@ def _cut_gguf(gguf_file: GGUFFile, cut: TensorCut) -> tuple[GGUFFile, dict[str, 
     return replace(gguf_file, tensors=tensors), dense
 
 
-def stores_k_quants(model: str | os.PathLike | None) -> bool:
+def read_whole_under_tp(model: str | os.PathLike | None) -> bool:
     """Whether `model` is a GGUF with matrices whose blocks may not cut where a tensor-parallel
     rank's share of a row ends (the k-quants' super-blocks of 256, the other types served as
     int8): ranks read such a file whole and cut its quantized matrices (parallel/worker.py).

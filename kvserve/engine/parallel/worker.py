@@ -30,7 +30,7 @@ from kvserve.engine.platforms import platform_for
 from kvserve.engine.preflight import select_device
 from kvserve.model.attention import AttentionBackend, make_attention_backend
 from kvserve.model.llama import LlamaForCausalLM
-from kvserve.model.loader import load_model, quantized_sources, stores_k_quants
+from kvserve.model.loader import load_model, quantized_sources, read_whole_under_tp
 from kvserve.model.parallel import ShardLayout, shard_heads, shard_layout, shard_model
 from kvserve.model.shape import read_model_shape
 from kvserve.model.quant_linear import (
@@ -138,11 +138,12 @@ def build_shard(args: EngineArgs, layout: ShardLayout, setup: Setup, device: tor
     """The rank's part of the model, with its cut of the quantized weights (the LM head, which
     runs on rank 0 only, left plain). The loader reads only the rank's slices of the sharded
     tensors, except under --quantization int8, whose per-channel scales span whole rows, and for a
-    GGUF of k-quants (super-blocks of 256 that a rank's share of a row may split): then the full
-    checkpoint is read, quantized and cut, as rank 0 plans it."""
+    GGUF whose blocks a rank's share of a row may split (the k-quants' super-blocks of 256;
+    gguf_file.cuts_by_blocks): then the full checkpoint is read, quantized and cut, as rank 0
+    plans it."""
     mode, dtype = args.quantization, setup.dtype
     reports: list[QuantizationReport] = []
-    whole = mode == "int8" or mode != "none" and stores_k_quants(args.model)
+    whole = mode == "int8" or mode != "none" and read_whole_under_tp(args.model)
     if whole:
         loaded = load_model(args.model, tokenizer=args.tokenizer, trust_remote_code=args.trust_remote_code,
                             load_format=args.load_format)
