@@ -305,10 +305,12 @@ def default_model_agreement(default_loaded):
     scoring = ScoringConfig(num_tokens=512, context_len=256, score_len=256, chunk_size=TEST_CHUNK)
     windows = make_windows(default_loaded.tokenizer.encode(read_text(DEFAULT_TEXT), add_special_tokens=False), scoring)
     results, reference = {}, None
-    for dtype in ("auto", "fp8", "int8", "int4", "int4_kivi", "int4 uncentred"):
+    for dtype in ("auto", "fp8", "fp8 unfitted", "int8", "int4", "int4_kivi", "int4 uncentred"):
         engine = LLMEngine(EngineArgs(dtype="float32", kv_cache_dtype=dtype.split()[0], kv_cache_memory="128MiB",
                                       quantization=WEIGHTS,
                                       max_model_len=1024), loaded_model=default_loaded)
+        if dtype == "fp8 unfitted":
+            engine.model.set_key_bases(None)  # keys in the Hadamard basis alone (kvserve/engine/key_basis.py)
         if dtype == "int4 uncentred":
             engine.model.set_key_centers(None)  # keys stored as they are (kvserve/engine/key_centering.py)
         fidelity, kept = measure_fidelity(engine, windows, scoring, reference)
@@ -331,9 +333,8 @@ def test_default_model_top1_agreement_with_full_precision_cache(default_model_ag
 @pytest.fixture(scope="module")
 def fp8_eval_agreement(default_loaded):
     """fp8 (e4m3) against the full-precision cache on `kvserve eval`'s 2,048 positions (windows of
-    512 context + 512 scored tokens), with its fitted key bases and without them. On 512
-    positions, as above, the top-1 share moved by about a point with rounding-level changes
-    (0.941-0.953 for fits of the same quality)."""
+    512 context + 512 scored tokens). On 512 positions, as above, the top-1 share moved by about
+    a point with rounding-level changes (0.941-0.953 for fits of the same quality)."""
     from kvserve.engine.args import EngineArgs
     from kvserve.engine.llm_engine import LLMEngine
     from kvserve.eval.perplexity import ScoringConfig, make_windows, measure_fidelity
@@ -342,12 +343,10 @@ def fp8_eval_agreement(default_loaded):
     scoring = ScoringConfig(chunk_size=TEST_CHUNK)  # eval's 2,048 positions, 72 tokens a pass (above)
     windows = make_windows(default_loaded.tokenizer.encode(read_text(DEFAULT_TEXT), add_special_tokens=False), scoring)
     results, reference = {}, None
-    for dtype in ("auto", "fp8", "fp8 unfitted"):
-        engine = LLMEngine(EngineArgs(dtype="float32", kv_cache_dtype=dtype.split()[0], kv_cache_memory="128MiB",
+    for dtype in ("auto", "fp8"):
+        engine = LLMEngine(EngineArgs(dtype="float32", kv_cache_dtype=dtype, kv_cache_memory="128MiB",
                                       quantization=WEIGHTS,
                                       max_model_len=2048), loaded_model=default_loaded)
-        if dtype == "fp8 unfitted":
-            engine.model.set_key_bases(None)  # keys in the Hadamard basis alone (kvserve/engine/key_basis.py)
         fidelity, kept = measure_fidelity(engine, windows, scoring, reference)
         reference = reference or kept
         results[dtype] = fidelity
@@ -360,9 +359,10 @@ def test_default_model_fp8_top1_agreement_over_the_eval_positions(fp8_eval_agree
 
 
 @pytest.mark.slow
-def test_fitted_key_basis_reduces_fp8_error_on_the_default_model(fp8_eval_agreement):
-    # KL divergence from the full-precision cache: 0.0086 -> 0.0056 when measured.
-    fitted, unfitted = fp8_eval_agreement["fp8"], fp8_eval_agreement["fp8 unfitted"]
+def test_fitted_key_basis_reduces_fp8_error_on_the_default_model(default_model_agreement):
+    # KL divergence from the full-precision cache, unfitted -> fitted: 0.0163 -> 0.0037 on these 512
+    # positions (0.0086 -> 0.0056 on eval's 2,048 when first measured).
+    fitted, unfitted = default_model_agreement["fp8"], default_model_agreement["fp8 unfitted"]
     assert fitted.mean_kl < 0.8 * unfitted.mean_kl, (fitted, unfitted)
 
 
