@@ -264,11 +264,41 @@ def test_penalties_min_tokens_and_grammars_apply_at_every_verified_position(tiny
         assert _outputs(speculating, loops, p) == _outputs(plain, loops, p)
         assert speculating.engine.drafter.stats.num_accepted_tokens > before.num_accepted_tokens, constraint
 
+    # a grammar completed by a draft: the request stops at that token, as it does one token at a
+    # time (as a draft it was followed by a sampled EOS)
+    text = "red fox jumps."
+    copied = [{"prompt_token_ids": plain.engine.tokenizer.encode((text + "\n") * 3, add_special_tokens=False)}]
+    for constraint in (StructuredOutputsParams(choice=[text]), StructuredOutputsParams(regex=r"red fox jumps\.")):
+        p = SamplingParams(temperature=0, max_tokens=40, structured_outputs=constraint)
+        before = speculating.engine.drafter.stats.copy()
+        assert _outputs(speculating, copied, p) == _outputs(plain, copied, p)
+        assert speculating.engine.drafter.stats.num_accepted_tokens > before.num_accepted_tokens, constraint
+
     before = speculating.engine.drafter.stats.copy()
     processed = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
                                logits_processors=[lambda output, row: row])
     speculating.generate(loops, processed, use_tqdm=False)
     assert speculating.engine.drafter.stats.num_drafts == before.num_drafts
+
+
+def test_no_drafts_beside_a_decode_under_eviction(tiny_llama):
+    """A decode under KV eviction is packed between the plain decodes and the verifying chunks,
+    which the backends attend as one run of decodes: such a step takes no drafts, and both
+    requests get the tokens they get without speculative decoding."""
+    requests = [{"prompt_token_ids": [5, 6, 7, 8] * 4}, {"prompt_token_ids": [9, 10, 11] * 5}]
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
+                             kv_eviction={"policy": "streaming", "budget": 16})]
+
+    def outputs(speculative: dict | None) -> tuple[list, LLM]:
+        llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory="4MiB", block_size=8,
+                  speculative_config=speculative)
+        return [o.outputs[0].token_ids for o in llm.generate(requests, params, use_tqdm=False)], llm
+
+    expected, _ = outputs(None)
+    got, speculating = outputs(NGRAM)
+    assert got == expected
+    assert speculating.engine.drafter.stats.num_drafts > 0  # once the evicting request finished
 
 
 # ----------------------------------------------------------------------------- the server

@@ -129,18 +129,20 @@ class Request:
             del self.token_ids[-count:]
             del self._output_ids[-count:]
 
+    def is_stop_token(self, token: int) -> bool:
+        """Whether sampling `token` ends the request (before min_tokens the sampler masks these)."""
+        return (not self.params.ignore_eos and token in self.eos_token_ids) or token in self.params.stop_token_ids
+
     def check_stop(self, max_model_len: int) -> RequestStatus | None:
         """After a token was appended: the finishing status, if generation must stop."""
         n_out = self.num_output_tokens
         last = self.token_ids[-1]
         if self.grammar is not None and self.grammar.finished:  # the output is complete
             return RequestStatus.FINISHED_STOPPED
-        if n_out >= self.params.min_tokens:
-            if not self.params.ignore_eos and last in self.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if last in self.params.stop_token_ids:
-                self.stop_reason = last
-                return RequestStatus.FINISHED_STOPPED
+        if n_out >= self.params.min_tokens and self.is_stop_token(last):
+            if self.params.ignore_eos or last not in self.eos_token_ids:
+                self.stop_reason = last  # one of the request's stop_token_ids, not the model's end
+            return RequestStatus.FINISHED_STOPPED
         # Under eviction max-model-len bounds the cache, not the sequence.
         if n_out >= self.max_tokens or (self.eviction is None and self.num_tokens >= max_model_len):
             return RequestStatus.FINISHED_LENGTH

@@ -244,9 +244,13 @@ class Scheduler:
         """Speculative decoding: the decodes take drafts from what the step left, budget and free
         blocks, in scheduling order; none while more requests run than disable_by_batch_size.
         Each draft is a row to sample: the step samples at most max_num_seqs rows (the batch a
-        CUDA memory profile samples)."""
+        CUDA memory profile samples). None in a step with a decode under KV eviction: the runner
+        packs that decode between the others and the verifying chunks, whose rows the backends
+        attend as one run of decodes from the first row."""
         limit = self.drafter.config.disable_by_batch_size
         if limit is not None and len(self.running) > limit:
+            return
+        if any(item.request.eviction is not None and item.num_new_tokens == 1 for item in scheduled):
             return
         rows = self.config.max_num_seqs - sum(1 for item in scheduled if item.samples)
         for index, item in enumerate(scheduled):

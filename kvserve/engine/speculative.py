@@ -215,7 +215,7 @@ class Drafter:
         c = self.config
         drafts = ngram_draft(tokens.of(request.token_ids), c.prompt_lookup_min, c.prompt_lookup_max, limit)
         if drafts and request.grammar is not None:  # only what the grammar would take
-            del drafts[request.grammar.valid_prefix(drafts):]
+            del drafts[request.grammar.draftable_prefix(drafts):]
         return drafts
 
     def record(self, proposed: list[list[int]], accepted: list[list[int]]) -> None:
@@ -248,7 +248,7 @@ def accept_drafts(requests: list[Request], drafts: list[list[int]], tokens: list
     row = 0
     for request, proposed in zip(requests, drafts):
         kept = 0
-        while kept < len(proposed) and tokens[row + kept] == proposed[kept] and not _stops(request, proposed[kept]):
+        while kept < len(proposed) and tokens[row + kept] == proposed[kept] and not request.is_stop_token(proposed[kept]):
             kept += 1
         result.token_ids.append(tokens[row + kept])
         result.logprobs.append(logprobs[row + kept])
@@ -257,9 +257,3 @@ def accept_drafts(requests: list[Request], drafts: list[list[int]], tokens: list
         row += 1 + len(proposed)
     return result
 
-
-def _stops(request: Request, token: int) -> bool:
-    """Whether a sampled `token` ends the request (one sampled before min_tokens is reached is not
-    a stop token: the sampler masked them there)."""
-    p = request.params
-    return (not p.ignore_eos and token in request.eos_token_ids) or token in p.stop_token_ids

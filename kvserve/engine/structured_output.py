@@ -134,9 +134,20 @@ class GrammarMatcher:
         self.starts_after = starts_after
         self.active = starts_after is None
 
-    def valid_prefix(self, token_ids: list[int]) -> int:
-        """How many of `token_ids` the grammar would take in a row from here (nothing consumed)."""
-        return self.matcher.validate_tokens(token_ids) if self.active else 0
+    def draftable_prefix(self, token_ids: list[int]) -> int:
+        """How many of `token_ids` the grammar would take in a row from here, short of one that
+        completes it (nothing consumed): sampled one at a time, the request stops at that token,
+        so as a draft it would be followed by a sampled EOS the plain engine never emits."""
+        if not self.active:
+            return 0
+        valid = self.matcher.validate_tokens(token_ids)
+        for taken, token in enumerate(token_ids[:valid], start=1):
+            self.matcher.consume_token(token)
+            if self.matcher.is_stopped():
+                self.matcher.rollback(taken)
+                return taken - 1
+        self.matcher.rollback(valid)
+        return valid
 
     def accept(self, token_id: int) -> str | None:
         """Advance past a sampled token; returns why it was refused (None when accepted)."""
