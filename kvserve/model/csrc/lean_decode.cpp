@@ -113,37 +113,39 @@ inline void round_pair(Vec& a, Vec& b) {
   if constexpr (!std::is_same_v<T, float>) std::tie(a, b) = at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(a, b));
 }
 
-// out = Out(T(weight * T(x / rms(x)))) per row (RMSNorm as HF Llama computes it: normalise in
-// float32, round to the model dtype, then scale), in `out_dtype` (float32 or T).
+// out = Out(T(weight * T(x / rms(x)))) for one row of `cols` (RMSNorm as HF Llama computes it:
+// normalise in float32, round to the model dtype, then scale), in Out (float32 or T).
+template <typename T, typename Out>
+inline void rms_row(const T* xr, const T* w, Out* orow, int64_t cols, float eps) {
+  Vec squares(0.f), a, b, wa, wb;
+  int64_t c = 0;
+  for (; c + kPair <= cols; c += kPair) {
+    load_pair(xr + c, a, b);
+    squares = at::vec::fmadd(a, a, at::vec::fmadd(b, b, squares));
+  }
+  float sum = at::vec::vec_reduce_all<float>([](Vec& u, Vec& v) { return u + v; }, squares);
+  for (int64_t t = c; t < cols; ++t) sum += static_cast<float>(xr[t]) * static_cast<float>(xr[t]);
+  const float inv = 1.f / std::sqrt(sum / static_cast<float>(cols) + eps);
+  for (c = 0; c + kPair <= cols; c += kPair) {
+    load_pair(xr + c, a, b);
+    a = a * Vec(inv);
+    b = b * Vec(inv);
+    round_pair<T>(a, b);
+    load_pair(w + c, wa, wb);
+    a = wa * a;
+    b = wb * b;
+    round_pair<T>(a, b);
+    store_pair(orow + c, a, b);
+  }
+  for (; c < cols; ++c)
+    orow[c] = static_cast<Out>(round_to<T>(static_cast<float>(w[c]) * round_to<T>(static_cast<float>(xr[c]) * inv)));
+}
+
+// rms_row over `rows` rows of x [rows, cols], split across threads.
 template <typename T, typename Out>
 void rms_rows(const T* x, const T* w, Out* o, int64_t rows, int64_t cols, float eps) {
   at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* xr = x + r * cols;
-      Out* orow = o + r * cols;
-      Vec squares(0.f), a, b, wa, wb;
-      int64_t c = 0;
-      for (; c + kPair <= cols; c += kPair) {
-        load_pair(xr + c, a, b);
-        squares = at::vec::fmadd(a, a, at::vec::fmadd(b, b, squares));
-      }
-      float sum = at::vec::vec_reduce_all<float>([](Vec& u, Vec& v) { return u + v; }, squares);
-      for (int64_t t = c; t < cols; ++t) sum += static_cast<float>(xr[t]) * static_cast<float>(xr[t]);
-      const float inv = 1.f / std::sqrt(sum / static_cast<float>(cols) + eps);
-      for (c = 0; c + kPair <= cols; c += kPair) {
-        load_pair(xr + c, a, b);
-        a = a * Vec(inv);
-        b = b * Vec(inv);
-        round_pair<T>(a, b);
-        load_pair(w + c, wa, wb);
-        a = wa * a;
-        b = wb * b;
-        round_pair<T>(a, b);
-        store_pair(orow + c, a, b);
-      }
-      for (; c < cols; ++c)
-        orow[c] = static_cast<Out>(round_to<T>(static_cast<float>(w[c]) * round_to<T>(static_cast<float>(xr[c]) * inv)));
-    }
+    for (int64_t r = begin; r < end; ++r) rms_row(x + r * cols, w, o + r * cols, cols, eps);
   });
 }
 
@@ -294,12 +296,14 @@ std::vector<at::Tensor> attention_input_impl(const at::Tensor& x, const std::opt
     T* base = qkv.data_ptr<T>();
     const T* weights = qk_norm->data_ptr<T>();
     const float e = static_cast<float>(eps);
-    for (int64_t r = 0; r < qkv.size(0); ++r) {
-      T* row = base + r * qkv.size(1);
-      rms_rows(row, weights, row, query_heads, head_dim, e);
-      rms_rows(row + query_heads * head_dim, weights + head_dim, row + query_heads * head_dim,
-               rotated_heads - query_heads, head_dim, e);
-    }
+    const int64_t row_stride = qkv.size(1);
+    at::parallel_for(0, qkv.size(0), kRowsPerTask, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        for (int64_t h = 0; h < rotated_heads; ++h) {
+          T* head = base + r * row_stride + h * head_dim;
+          rms_row(head, h < query_heads ? weights : weights + head_dim, head, head_dim, e);
+        }
+    });
   }
   rope_in_place<T>(qkv, cos, signed_sin, rotated_heads, head_dim);
   return {h, qkv.view({qkv.size(0), -1, head_dim})};
