@@ -78,8 +78,40 @@ def test_default_gguf_quantized_weights_are_the_dequantized_ones():
     sources = quantized_sources(loaded)
     assert len(sources) == 211  # 30 layers x 7 matrices + token_embd
     assert sources["embed_tokens.weight"].bits == 8 and sources["layers.0.self_attn.q_proj.weight"].bits == 4
+    assert "embed_tokens.weight" not in quantized_sources(loaded, with_head=False)  # the tied head's
     for name, matrix in sources.items():
         assert torch.equal(matrix.dequantize(), loaded.weights[f"model.{name}"]), name
+
+
+def test_a_type_gguf_cannot_dequantize_is_a_one_line_error_naming_the_tensor():
+    from kvserve.model.gguf_file import dequantize
+
+    q8_1 = gguf.GGMLQuantizationType.Q8_1
+    tensor = GGUFTensor("blk.0.attn_q.weight", (2, 32), int(q8_1),
+                        torch.zeros(2 * gguf.GGML_QUANT_SIZES[q8_1][1], dtype=torch.uint8))  # two blocks
+    for read in (dequantize, quantized_matrix):
+        with pytest.raises(ValueError, match=r"^tensor blk\.0\.attn_q\.weight is stored as Q8_1, which kvserve "
+                                             r"cannot read \(the gguf package has no dequantization for it\)$"):
+            read(tensor)
+
+
+def test_the_embedding_tables_source_is_offered_only_to_a_tied_head(tiny_model_factory, tmp_path):
+    """The model reads its embedding table whole: the table's quantized source serves a tied LM
+    head only, so a file with its own output matrix does not requantize the table (a Q3_K 8B's
+    table is 525M values through float32); tensor-parallel ranks (with_head=False) keep either
+    head dense and take neither."""
+    from kvserve.model.loader import load_model, quantized_sources
+    from tiny_models import write_gguf
+
+    hf_dir = tiny_model_factory("llama", tie_word_embeddings=False)
+    write_gguf(hf_dir, tmp_path / "untied.gguf", "llama", linears="Q4_0")  # the table Q8_0, the head Q4_0
+    loaded = load_model(str(tmp_path / "untied.gguf"), tokenizer=str(hf_dir))
+    assert not loaded.config.tie_word_embeddings
+    sources = quantized_sources(loaded)
+    assert "lm_head.weight" in sources and "embed_tokens.weight" not in sources
+    assert "layers.0.self_attn.q_proj.weight" in sources
+    ranks = quantized_sources(loaded, with_head=False)
+    assert not {"lm_head.weight", "embed_tokens.weight"} & ranks.keys() and len(ranks) == len(sources) - 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -269,6 +269,31 @@ def test_priority_victim_scheduled_earlier_in_the_step_gives_its_tokens_back():
     assert sched.kv.pool.num_free_blocks == 5
 
 
+def test_a_victim_preempted_in_the_step_that_scheduled_it_leaves_no_unwritten_block_cached():
+    """allocate publishes the blocks a step fills before the step runs. A priority victim taken
+    out of the step that scheduled it never writes them, so they leave the prefix cache: resumed,
+    it finds only the tokens it had computed (before, the hashes of its last chunk stayed over
+    memory nobody wrote, and it read that as its K/V)."""
+    sched = make_scheduler(num_blocks=10, max_num_seqs=8, budget=12, max_model_len=40, prefix_caching=True,
+                           policy="priority", long_prefill=8)
+    lax = make_request("lax", 36, 4, start_token=100, priority=1)
+    sched.add(lax)
+    step_and_sample(sched)
+    sched.add(make_request("urgent", 3, 3, start_token=1))
+    computed = lax.num_computed_tokens
+    while lax.num_preemptions == 0:
+        computed = lax.num_computed_tokens
+        scheduled = step_and_sample(sched)
+    assert lax not in [s.request for s in scheduled]  # preempted after its chunk was scheduled
+    while lax.status != RequestStatus.RUNNING:
+        scheduled = sched.schedule()
+        if lax.status == RequestStatus.RUNNING:
+            assert 0 < lax.num_computed_tokens <= computed  # its prefix hit: what it had written
+        sched.update(scheduled, {s.request.request_id: 7 for s in scheduled if s.samples})
+    run_to_completion(sched)
+    assert lax.num_output_tokens == 4 and sched.kv.pool.num_free_blocks == 10
+
+
 def test_unknown_scheduling_policy_is_refused():
     with pytest.raises(ValueError, match="fcfs, priority"):
         make_scheduler(num_blocks=4, policy="lifo")

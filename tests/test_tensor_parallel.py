@@ -74,6 +74,21 @@ def test_quantized_shards_must_hold_whole_groups(tiny_llama):
     preflight(EngineArgs(tensor_parallel_size=3, quantization="int4"))  # the default model: 192 and 512 columns
 
 
+def test_a_ggufs_8_bit_layers_shard_in_whole_groups_under_int8(tiny_llama, tmp_path):
+    """--quantization int8 keeps a GGUF's 8-bit layers as stored, in groups of 32 input columns:
+    the same one-line refusal as int4 before anything loads; a file of 4-bit layers is
+    requantized per output channel under int8 and cuts anywhere."""
+    from tiny_models import write_gguf
+
+    for linears in ("Q8_0", "Q4_0"):
+        write_gguf(tiny_llama, tmp_path / f"{linears}.gguf", "llama", linears=linears)
+    args = dict(tokenizer=str(tiny_llama), tensor_parallel_size=4, quantization="int8")
+    with pytest.raises(ValueError, match="whole groups of 32: each rank would hold 16 input columns") as info:
+        preflight(EngineArgs(model=str(tmp_path / "Q8_0.gguf"), **args))
+    assert "\n" not in str(info.value)
+    preflight(EngineArgs(model=str(tmp_path / "Q4_0.gguf"), **args))
+
+
 def _gguf_blocks(type_id: int, rows: int, cols: int, seed: int = 0):
     """A synthetic GGUF matrix of Q8_0, Q4_1 or F32 values."""
     from kvserve.model.gguf_file import F32, Q8_0, GGUFTensor

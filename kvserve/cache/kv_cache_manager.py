@@ -382,8 +382,12 @@ class KVCacheManager:
 
     def free(self, request: CachedSequence) -> None:
         """Release the request's blocks, tail first: the shared head of a prefix outlives its tail
-        in the LRU queue."""
+        in the LRU queue. Blocks published ahead of the step that was to write them (`allocate`)
+        leave the prefix cache when that step never ran: a request preempted in the step that
+        scheduled it (a priority victim) would otherwise leave hashes over unwritten memory."""
         blocks = self.req_blocks.pop(request.request_id, [])
+        for block in blocks[request.num_kv_tokens // self.block_size:self._num_published.get(request.request_id, 0)]:
+            self.pool.unpublish(block)
         self._req_block_ids.pop(request.request_id, None)
         self.pool.release(list(reversed(blocks)))
         self._req_hashes.pop(request.request_id, None)

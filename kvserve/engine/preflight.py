@@ -32,21 +32,26 @@ logger = logging.getLogger("kvserve")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-# The group width of the grouped quantized weights: --quantization int4's, and the blocks of a GGUF's
-# Q4_0/Q4_1/Q8_0 tensors that --quantization auto keeps (quantized.py).
+# The group width of the grouped quantized weights: --quantization int4's, and a GGUF's quantized
+# layers as kvserve serves them (gguf_file.quantized_matrix).
 QUANT_GROUP_SIZE = 32
 
 
 def _grouped_quantization(args: EngineArgs) -> bool:
-    """Whether the served weights may be quantized in groups of QUANT_GROUP_SIZE input columns
-    (int8 is per output channel, none and a safetensors checkpoint under auto are dense)."""
+    """Whether the served weights may be quantized in groups of QUANT_GROUP_SIZE input columns:
+    int4; a GGUF's quantized layers under auto; under int8 a GGUF's layers served at 8 bits, kept
+    as they are (int8 from a dense or 4-bit weight is per output channel; none and a safetensors
+    checkpoint under auto are dense). Reads a GGUF's header only."""
     if args.quantization == "int4":
         return True
-    if args.quantization != "auto":
+    if args.quantization not in ("auto", "int8") or resolve_model_path(args.model).suffix != ".gguf":
         return False
-    from kvserve.model.loader import resolve_model_path
+    if args.quantization == "auto":
+        return True
+    from kvserve.model.gguf_file import read_gguf, served_bits
 
-    return resolve_model_path(args.model).suffix == ".gguf"
+    layers = read_gguf(resolve_model_path(args.model)).tensors
+    return any(t.name.startswith("blk.") and len(t.shape) == 2 and served_bits(t.type_id) == 8 for t in layers)
 
 
 class CapacityError(ValueError):

@@ -208,7 +208,12 @@ def dequantize(tensor: GGUFTensor) -> torch.Tensor:
         import gguf
 
         row_bytes = _byte_size(tensor.shape[-1:], type_id)
-        array = gguf.quants.dequantize(raw.numpy().reshape(-1, row_bytes), gguf.GGMLQuantizationType(type_id))
+        try:
+            array = gguf.quants.dequantize(raw.numpy().reshape(-1, row_bytes), gguf.GGMLQuantizationType(type_id))
+        except NotImplementedError:
+            kind = gguf.GGMLQuantizationType(type_id).name
+            raise ValueError(f"tensor {tensor.name} is stored as {kind}, which kvserve cannot read (the gguf "
+                             "package has no dequantization for it)") from None
         values = torch.from_numpy(array.copy())
     return values.reshape(tensor.shape)
 

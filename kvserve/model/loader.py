@@ -451,14 +451,21 @@ def read_whole_under_tp(model: str | os.PathLike | None) -> bool:
     return path.suffix == ".gguf" and not all(cuts_by_blocks(t.type_id) for t in read_gguf(path).tensors)
 
 
-def quantized_sources(loaded: LoadedModel) -> dict[str, QuantizedMatrix]:
-    """The checkpoint's quantized matrices as stored (GGUF Q4_0, Q4_1, Q8_0), by HF name without
-    the "model." prefix, q/k rows un-permuted like the dequantized weights; {} for HF directories."""
+def quantized_sources(loaded: LoadedModel, with_head: bool = True) -> dict[str, QuantizedMatrix]:
+    """The checkpoint's quantized matrices as served (gguf_file.quantized_matrix), by HF name without
+    the "model." prefix, q/k rows un-permuted like the dequantized weights; {} for HF directories.
+    The embedding table's only when the LM head is tied to it (the model reads the table itself
+    whole), and neither head's without `with_head` (tensor-parallel ranks keep the head dense):
+    a type served as int8 is requantized from float32, a cost for nothing where unused."""
     if loaded.gguf is None:
         return {}
     sources = {}
     config = loaded.config
+    unused = ({"token_embd.weight", "output.weight"} if not with_head else
+              set() if config.tie_word_embeddings else {"token_embd.weight"})
     for tensor in loaded.gguf.tensors:
+        if tensor.name in unused:
+            continue
         matrix = quantized_matrix(tensor)
         if matrix is None:
             continue

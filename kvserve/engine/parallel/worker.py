@@ -150,7 +150,8 @@ def build_shard(args: EngineArgs, layout: ShardLayout, setup: Setup, device: tor
         shards: dict[str, QuantizedMatrix] = {}
 
         def shard(model: LlamaForCausalLM) -> None:  # the full model's matrices, cut like its plain layers
-            full = quantization_targets(model, mode, quantized_sources(loaded), dtype, skip=("lm_head",))
+            full = quantization_targets(model, mode, quantized_sources(loaded, with_head=False), dtype,
+                                        skip=("lm_head",))
             shards.update(shard_model(model, layout, reduce, full))
 
         def install(model: LlamaForCausalLM) -> None:
@@ -165,7 +166,8 @@ def build_shard(args: EngineArgs, layout: ShardLayout, setup: Setup, device: tor
             shard_model(model, layout, reduce)
 
         def install(model: LlamaForCausalLM) -> None:  # from the cut sources: the cut of the full ones
-            targets = quantization_targets(model, mode, quantized_sources(loaded), dtype, skip=("lm_head",))
+            sources = {} if mode == "none" else quantized_sources(loaded, with_head=False)
+            targets = quantization_targets(model, mode, sources, dtype, skip=("lm_head",))
             reports.append(install_quantized(model, targets, mode, dtype, device))
 
     model = LlamaForCausalLM.from_hf_weights(loaded.config, loaded.weights, setup.max_positions, dtype, device,
