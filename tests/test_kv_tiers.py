@@ -296,6 +296,52 @@ def test_a_request_waiting_for_disk_reads_does_not_hold_up_others(tmp_path, monk
     store.close()
 
 
+def test_a_tier_load_waits_for_the_copies_a_compaction_planned_before_it():
+    """Block manager and pool tensors without a model: two sequences under KV eviction compact
+    while a step is scheduled, each releasing a block its planned copies still read; a waiting
+    request's tier hit is then loaded into the first of those blocks. The copies are made before
+    the load (the engine's `carry_out_moves`), so the evicting sequences keep their own K/V."""
+    from kvserve.cache.eviction.config import EvictionConfig
+    from kvserve.cache.eviction.evictor import Evictor
+    from kvserve.cache.eviction.moves import move_tokens
+    from kvserve.cache.kv_cache_manager import KVCacheManager, TierHit
+    from kvserve.engine.request import Request
+
+    cache = random_cache("float32", num_blocks=8)
+    store = TieredStore(TierConfig(host_bytes=1 << 20), cache, "ns")
+    kv = KVCacheManager(8, BLOCK, True, "ns", evictor=Evictor(BLOCK, 256), tiers=store)
+    moved: list[tuple[list[int], list[int]]] = []
+
+    def carry_out(src: list[int], dst: list[int]) -> None:  # the runner's move_tokens, recorded
+        moved.append((src, dst))
+        move_tokens(cache, src, dst)
+
+    kv.carry_out_moves = carry_out
+    streaming = EvictionConfig("streaming", 2 * BLOCK, 4, 2 * BLOCK - 4)
+    evicting = [Request(rid, list(range(4 * BLOCK)), SamplingParams(max_tokens=8, ignore_eos=True), eviction=streaming)
+                for rid in ("a", "b")]
+    for _ in range(2):  # the second chunk of each evicts and compacts
+        for request in evicting:
+            assert kv.allocate(request, 28)
+            request.num_computed_tokens += 28
+    tensors = [t.view(torch.uint8) for layer in cache.layers for t in layer.values()]  # bytes: NaNs compare
+    before = [t.clone() for t in tensors]
+    released = list(kv.pool.free_queue)
+    waiting = Request("w", list(range(500, 500 + BLOCK + 1)), SamplingParams(max_tokens=1))
+    tier_block = torch.full_like(cache.read_blocks([1], torch.device("cpu"))[0], 7)
+    assert kv.allocate(waiting, 1, [], TierHit(0, [b"h" * 32], [tier_block], ["host"]))
+    carry_out(*kv.take_moves())  # what the engine does once the step is scheduled
+    loaded = kv.block_ids("w")[0]
+    src = [s for sources, _ in moved for s in sources]
+    dst = [d for _, targets in moved for d in targets]
+    assert loaded == released[0] and loaded in {s // BLOCK for s in src}  # the load hit a copy's source
+    for old, new in zip(before, tensors):
+        rows = lambda t: t.view(t.shape[0], t.shape[1] * BLOCK, -1)  # noqa: E731 (slots along dim 1)
+        assert torch.equal(rows(new)[:, dst], rows(old)[:, src])
+    assert torch.equal(cache.read_blocks([loaded], torch.device("cpu"))[0], tier_block)
+    store.close()
+
+
 def test_a_request_under_kv_eviction_reuses_its_blocks_from_the_tiers(tiny_llama, tmp_path):
     """Like the pool, the tiers serve an evicting sequence the blocks it published before its first
     eviction (under its own keys-before-RoPE root); a plain request never sees them."""

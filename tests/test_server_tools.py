@@ -280,6 +280,29 @@ def test_the_returned_message_object_can_go_back_into_the_conversation(tiny_clie
     assert answer.choices[0].message.content
 
 
+def test_a_reply_a_token_limit_cut_after_its_call_is_incomplete_on_responses(tiny_client):
+    """Chat completions answer "tool_calls" for an auto reply holding a call whatever ended it
+    (vLLM's rule); a Response reports the cut, `incomplete` for max_output_tokens, as OpenAI does
+    (the APIs built on chat keep "length": /v1/messages says max_tokens the same way)."""
+    tool = {"type": "function", **TINY_WEATHER["function"], "strict": False}  # no grammar: the regex leads
+    regex = {"structured_outputs": {"regex": HERMES_CALL + " and then x{60}"}}
+    whole = tiny_client.responses.create(model="tiny", input="Weather?", tools=[tool], max_output_tokens=200,
+                                         temperature=0, extra_body={"structured_outputs": {"regex": HERMES_CALL}})
+    assert whole.status == "completed" and [i.type for i in whole.output] == ["function_call"]
+    limit = whole.usage.output_tokens + 3  # the call, then the cut inside the words after it
+    cut = tiny_client.responses.create(model="tiny", input="Weather?", tools=[tool], max_output_tokens=limit,
+                                       temperature=0, extra_body=regex)
+    assert [i.type for i in cut.output if i.type == "function_call"] == ["function_call"]
+    assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+    with tiny_client.responses.stream(model="tiny", input="Weather?", tools=[tool], max_output_tokens=limit,
+                                      temperature=0, extra_body=regex) as stream:
+        events = list(stream)
+    assert events[-1].type == "response.incomplete"
+    chat = tiny_client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Weather?"}],
+                                               tools=[TINY_WEATHER], max_tokens=limit, temperature=0, extra_body=regex)
+    assert chat.choices[0].finish_reason == "tool_calls" and chat.choices[0].message.tool_calls
+
+
 def test_a_call_cut_off_by_max_tokens_can_go_back_into_the_conversation(tools_server, tiny_client):
     """OpenAI returns the call max_tokens stopped in with its partial arguments and takes it back
     as it is, so the usual loop (append the message, then the results) goes on."""

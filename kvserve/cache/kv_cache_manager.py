@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout  # the builtin from Python 3.11 on
 from dataclasses import dataclass, field
@@ -144,6 +145,9 @@ class KVCacheManager:
         self._loading: dict[str, _TierLoad] = {}  # disk reads in flight, by request id
         self.evictor = evictor
         self._moves: dict[str, tuple[list[int], list[int]]] = {}  # eviction copies not yet carried out
+        # The runner's move_tokens, set by the engine: a tier load into a block a compaction just
+        # released first has the planned copies made (they may still read that block).
+        self.carry_out_moves: Callable[[list[int], list[int]], None] | None = None
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.namespace = namespace
@@ -290,7 +294,10 @@ class KVCacheManager:
         total_tokens = request.num_kv_tokens + (len(cached) + loaded.num_blocks) * self.block_size + num_new_tokens
         fresh = self.pool.allocate(max(0, -(-total_tokens // self.block_size) - len(blocks)))
         if loaded.num_blocks:
-            # The pool copied out anything it reclaimed for `fresh` already; now fill the first ones.
+            # The pool copied out anything it reclaimed for `fresh` already; a compaction's copies
+            # planned this step may read from a block it released into `fresh`: they go first.
+            if self._moves and self.carry_out_moves is not None:
+                self.carry_out_moves(*self.take_moves())
             self.tiers.load([b.block_id for b in fresh[:loaded.num_blocks]], loaded.data, loaded.hashes)
             self._fetched.pop(request.request_id, None)
         blocks.extend(fresh)

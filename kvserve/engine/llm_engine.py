@@ -146,6 +146,7 @@ class LLMEngine:
         self.tiers = _make_tiers(args, self.kv_cache, namespace)
         self.kv_manager = KVCacheManager(pool.num_blocks, self.kv_spec.block_size, args.enable_prefix_caching,
                                          namespace=namespace, evictor=self.evictor, tiers=self.tiers)
+        self.kv_manager.carry_out_moves = self.runner.move_tokens
         speculative = SpeculativeConfig.parse(args.speculative_config)
         self.drafter = None if speculative is None else Drafter(speculative, self.max_model_len)
         if speculative is not None:

@@ -33,12 +33,14 @@ def chat_request(fields: dict[str, Any]) -> ChatCompletionRequest:
     """The chat request another API's fields map to (/v1/responses, /v1/messages); a field they
     fill wrongly (a tool without a name, say) is a 400 naming it, as it would be on the chat API."""
     try:
-        return ChatCompletionRequest.model_validate(fields)
+        body = ChatCompletionRequest.model_validate(fields)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(part) for part in first["loc"])
         raise APIError(400, f"{where}: {first['msg']}" if where else first["msg"],
                        param=str(first["loc"][0]) if first["loc"] else None) from None
+    body._cut_stays_length = True
+    return body
 
 
 def chat_logprobs(tokens: Tokenization, entries: SampleLogprobs, k: int, as_ids: bool = False) -> ChatLogprobs:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_serializer, model_validator
 
 from kvserve.cache.eviction import POLICY_CHOICES
 from kvserve.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, StructuredOutputsParams
@@ -343,6 +343,10 @@ class ChatTool(OpenAIModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
+    # Set for the APIs built on chat (chat.chat_request: /v1/responses, /v1/messages): a reply a
+    # token limit cut keeps finish reason "length" though it holds tool calls, which those APIs
+    # report as incomplete / max_tokens; chat completions say "tool_calls" there, as vLLM does.
+    _cut_stays_length: bool = PrivateAttr(default=False)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False

@@ -41,6 +41,7 @@ class ToolPlan:
     parallel: bool = True  # parallel_tool_calls; False keeps one call (required: the grammar allows one)
     strict: bool = False  # auto: some tool is `strict`, so a grammar holds the calls to their schemas
     final_schema: dict | None = None  # auto and strict: response_format's schema, the reply when no call
+    cut_stays_length: bool = False  # a token limit's cut is "length" even with calls (ChatCompletionRequest)
 
     def reader(self) -> ToolParser | None:
         """What reads this request's output into tool calls (None: plain text)."""
@@ -71,10 +72,13 @@ class ToolPlan:
 
     def finish_reason(self, finish_reason: str | None, called: bool) -> str | None:
         """vLLM's (and OpenAI's) rule: "tool_calls" when auto produced calls or a required reply
-        ended normally; a named call keeps "stop", as OpenAI's API answers a forced function."""
+        ended normally; a named call keeps "stop", as OpenAI's API answers a forced function. A
+        reply a token limit cut is "tool_calls" too if auto produced calls (vLLM's), unless
+        `cut_stays_length`."""
         if self.choice == "required" and finish_reason == "stop":
             return "tool_calls"
-        if self.choice == "auto" and called and finish_reason in ("stop", "length"):
+        ends = ("stop",) if self.cut_stays_length else ("stop", "length")
+        if self.choice == "auto" and called and finish_reason in ends:
             return "tool_calls"
         return finish_reason
 
@@ -234,6 +238,7 @@ def plan_tools(body: ChatCompletionRequest, auto_parser: str | None) -> ToolPlan
         raise APIError(400, f'Invalid value for `tool_choice`: {choice}! Only named tools, "none", "auto" or '
                             f'"required" are supported.', param="tool_choice")
     plan.parallel = body.parallel_tool_calls is not False
+    plan.cut_stays_length = body._cut_stays_length
     if plan.choice == "auto":
         if auto_parser is None:
             raise APIError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
