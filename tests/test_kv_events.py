@@ -131,6 +131,16 @@ def test_tier_moves_are_events_and_replay_to_each_tiers_real_contents(tiny_llama
         # The first prompt's blocks left the pool and the host tier: they are on disk only now.
         first = engine.kv_manager.block_hashes(Request("x", prompts[0], SamplingParams(max_tokens=1)))
         assert all(h in state[DISK] and h not in state[POOL] | state[HOST] for h in first)
+        # A prefix read back from the host tier goes into the pool and leaves the host's events too.
+        held = set(engine.tiers.host.held_hashes())
+        again = next(p for i, p in enumerate(prompts)
+                     if set(engine.kv_manager.block_hashes(Request(f"y{i}", p, SamplingParams(max_tokens=1)))) & held)
+        engine.add_request(again, SamplingParams(temperature=0, max_tokens=1), "again")
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert engine.kv_manager.stats.tier_hits["host"] > 0
+        state = replay_media(log.since(0), {})
+        assert state[HOST] == set(engine.tiers.host.held_hashes()) != held
     finally:
         engine.close()
 

@@ -124,6 +124,11 @@ def test_an_unusable_disk_directory_fails_at_start_up(tiny_llama, tmp_path):
         engine_for(tiny_llama, kv_offloading_disk_path=str(not_a_dir))
 
 
+def test_a_host_tier_smaller_than_one_block_fails_at_start_up(tiny_llama):
+    with pytest.raises(ValueError, match=r"^--kv-offloading-size 1e-09 GiB holds no KV block: one block takes "):
+        engine_for(tiny_llama, kv_offloading_size=1e-9)
+
+
 @pytest.mark.parametrize("options", [dict(kv_offloading_size=-1.0), dict(kv_offloading_disk_size=0),
                                      dict(kv_offloading_disk_size=5.0),  # no --kv-offloading-disk-path to size
                                      dict(kv_offloading_size=1.0, enable_prefix_caching=False)])
@@ -398,9 +403,11 @@ def test_a_waiting_request_keeps_its_disk_reads_when_its_pool_hit_shrinks(tmp_pa
         first = request("first", prompt)
         assert kv.allocate(first, first.num_tokens)
         original = {i: cache.read_blocks([b]) for i, b in enumerate(kv.block_ids("first")[:4])}
+        first.num_computed_tokens = first.num_tokens  # its step ran: the K/V are written
         kv.free(first)
         filler = request("filler", list(range(1000, 1000 + 6 * BLOCK)))
         assert kv.allocate(filler, filler.num_tokens)  # reclaims the first's blocks 2 and 3
+        filler.num_computed_tokens = filler.num_tokens  # its step ran: the K/V are written
         kv.free(filler)
         again = request("again", prompt)
         assert len(kv.find_cached_prefix(again)) == 2
@@ -415,7 +422,9 @@ def test_a_waiting_request_keeps_its_disk_reads_when_its_pool_hit_shrinks(tmp_pa
         assert kv.allocate(again, again.num_tokens - 4 * BLOCK, cached, hit)
         for i, block_id in enumerate(kv.block_ids("again")[:4]):
             assert torch.equal(cache.read_blocks([block_id]), original[i]), i
+        again.num_computed_tokens = again.num_tokens  # its step ran: the K/V are written
         kv.free(again)
+        other.num_computed_tokens = other.num_tokens  # its step ran: the K/V are written
         kv.free(other)
     finally:
         written.set()
@@ -440,6 +449,7 @@ def test_the_host_tier_holds_only_blocks_the_pool_does_not():
         hits.append(hit.num_blocks)
         assert kv.allocate(r, r.num_tokens - (len(cached) + hit.num_blocks) * BLOCK, cached, hit)
         hashes = list(kv.block_hashes(r))
+        r.num_computed_tokens = r.num_tokens  # its step ran: the K/V are written
         kv.free(r)
         return hashes
 
@@ -473,9 +483,11 @@ def test_host_blocks_of_a_hit_that_overflow_to_disk_during_its_read_still_count(
     prompt = list(range(4 * BLOCK + 1))
     first = request("first", prompt)
     assert kv.allocate(first, first.num_tokens)
+    first.num_computed_tokens = first.num_tokens  # its step ran: the K/V are written
     kv.free(first)
     filler = request("filler", list(range(1000, 1000 + 8 * BLOCK)))
     assert kv.allocate(filler, filler.num_tokens)  # reclaims every block: two to the host, two to disk
+    filler.num_computed_tokens = filler.num_tokens  # its step ran: the K/V are written
     kv.free(filler)
     store.writer.drain()
     again = request("again", prompt)

@@ -198,6 +198,9 @@ def preflight(args: EngineArgs, shape: ModelShape | None = None) -> Preflight:
     check_load_format(resolve_model_path(args.model), args.load_format)
     if args.tokenizer is not None:
         tokenizer_path(args.tokenizer)  # a --tokenizer that names nothing fails before the weights load
+    if args.kv_offloading_size and args.kv_offloading_size * GiB < per_block:
+        raise ValueError(f"--kv-offloading-size {args.kv_offloading_size:g} GiB holds no KV block: one block "
+                         f"takes {per_block:,} bytes")
     if args.kv_offloading_disk_path is not None:
         check_directory(args.kv_offloading_disk_path)
         if args.kv_offloading_disk_key is not None:

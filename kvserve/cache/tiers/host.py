@@ -36,7 +36,8 @@ class HostTier(BlockStore):
         return data
 
     def discard(self, block_hash: bytes) -> None:
-        self._blocks.pop(block_hash, None)
+        if self._blocks.pop(block_hash, None) is not None:
+            self._removed(block_hash)
 
     def put(self, block_hash: bytes, data: torch.Tensor) -> None:
         """Keep a copy of `data` (any device); the least recently used block overflows."""
