@@ -171,6 +171,10 @@ def test_responses_put_the_thinking_in_a_reasoning_item(server):
     assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == REASONING
     done = next(e for e in events if e["type"] == "response.reasoning_text.done")
     assert done["text"] == REASONING and events[-1]["response"]["output"][0]["type"] == "reasoning"
+    # each item finishes before the next opens, as OpenAI streams them
+    order = [(e["type"], e.get("output_index")) for e in events]
+    assert order.index(("response.output_item.done", 0)) < order.index(("response.output_item.added", 1))
+    assert [e["item"]["status"] for e in events if e["type"] == "response.output_item.done"] == ["completed"] * 2
     history = [{"role": "user", "content": "Hello there"}, *response["output"], {"role": "user", "content": "And?"}]
     follow_up = httpx.post(url, timeout=60, json={**body, "input": history})
     assert follow_up.status_code == 200, follow_up.text

@@ -476,6 +476,20 @@ class ResponsesServing:
         calls: dict[int, dict[str, Any]] = {}  # chat tool-call index -> its output item
         output: list[dict[str, Any]] = []
         finish_reason, usage = None, None
+        thinking_open = False
+
+        def close_thinking(status: str) -> list[str]:
+            """The reasoning item's closing events: when the next item opens (as OpenAI finishes
+            each item before the next; the openai-agents SDK reports the reasoning item then), or
+            at the end."""
+            nonlocal thinking_open
+            thinking_open = False
+            index = output.index(thinking_item)
+            thinking_item.update(status=status, content=[{"type": "reasoning_text", "text": thinking}])
+            return [event("response.reasoning_text.done", item_id=thinking_item["id"], output_index=index,
+                          content_index=0, text=thinking),
+                    event("response.output_item.done", output_index=index, item=thinking_item)]
+
         async for chunk in sse_payloads(reply):
             if "error" in chunk and "choices" not in chunk:
                 yield event("error", message=chunk["error"].get("message"), code=chunk["error"].get("code"))
@@ -493,7 +507,7 @@ class ResponsesServing:
                 pending_logprobs += entries
                 if delta.get("reasoning"):
                     if thinking_item is None:
-                        thinking_item = _reasoning_item("", status="in_progress")
+                        thinking_item, thinking_open = _reasoning_item("", status="in_progress"), True
                         output.append(thinking_item)
                         yield event("response.output_item.added", output_index=len(output) - 1, item=thinking_item)
                     thinking += delta["reasoning"]
@@ -501,6 +515,8 @@ class ResponsesServing:
                                 output_index=output.index(thinking_item), content_index=0, delta=delta["reasoning"])
                 if delta.get("content"):
                     if text_item is None:
+                        for line in close_thinking("completed") if thinking_open else ():
+                            yield line
                         text_item = _message_item("", status="in_progress")
                         text_item["content"] = []
                         output.append(text_item)
@@ -517,6 +533,8 @@ class ResponsesServing:
                 for call in delta.get("tool_calls") or []:
                     function = call.get("function") or {}
                     if call["index"] not in calls:
+                        for line in close_thinking("completed") if thinking_open else ():
+                            yield line
                         item = _call_item(call.get("id"), function.get("name"), "", status="in_progress")
                         calls[call["index"]] = item
                         output.append(item)
@@ -529,10 +547,10 @@ class ResponsesServing:
         self._settle(output, finish_reason)
         for index, item in enumerate(output):
             if item is thinking_item:
-                item["content"] = [{"type": "reasoning_text", "text": thinking}]
-                yield event("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0,
-                            text=thinking)
-            elif item is text_item:
+                for line in close_thinking(item["status"]) if thinking_open else ():
+                    yield line
+                continue
+            if item is text_item:
                 part = {"type": "output_text", "text": text, "annotations": [], "logprobs": text_logprobs}
                 item["content"] = [part]
                 yield event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
