@@ -248,7 +248,8 @@ def accept_drafts(requests: list[Request], drafts: list[list[int]], tokens: list
     row = 0
     for request, proposed in zip(requests, drafts):
         kept = 0
-        while kept < len(proposed) and tokens[row + kept] == proposed[kept] and not request.is_stop_token(proposed[kept]):
+        while (kept < len(proposed) and tokens[row + kept] == proposed[kept]
+               and not request.is_stop_token(proposed[kept])):
             kept += 1
         result.token_ids.append(tokens[row + kept])
         result.logprobs.append(logprobs[row + kept])
