@@ -111,7 +111,8 @@ def test_a_request_needing_host_tokens_makes_the_engine_wait_then_overlap_resume
             core.add_request(prompt, SamplingParams(temperature=0, max_tokens=10, logprobs=1), request_id=f"r{i}")
         launched = []
         real_launch = core.runner.launch
-        core.runner.launch = lambda *args: launched.append(core._in_flight is not None) or real_launch(*args)
+        core.runner.launch = lambda scheduled, tables, previous=None: (  # launched while one is in flight?
+            launched.append(previous is not None) or real_launch(scheduled, tables, previous))
         finals, step = {}, 0
         while core.has_unfinished_requests():
             if step == 3:
@@ -178,9 +179,47 @@ def test_a_failed_launch_drops_the_step_in_flight_and_the_engine_goes_on(tiny_ll
     final = None
     while core.has_unfinished_requests():
         final = next((o for o in core.step() if o.finished), final)
-    # the token the failed step's predecessor sampled was lost and computed again: the same tokens
+    # the step before the failed one was reported, its token kept: the same tokens
     assert final.outputs[0].token_ids == expected
     assert request.status == RequestStatus.FINISHED_LENGTH
+    llm.close()
+
+
+@pytest.mark.parametrize("failing", ["launch", "sample"])
+def test_a_request_the_step_before_a_failure_finished_is_reported_finished(tiny_llama, failing):
+    """The step in flight when the next one fails (launching its forward pass, or sampling after
+    the step before was reported) finished request "short": its final output is handed out by
+    take_salvaged_outputs, not lost with the failed step."""
+    reference = engine(tiny_llama, async_scheduling=False)
+    expected = reference.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=3),
+                                  use_tqdm=False)[0].outputs[0].token_ids
+    reference.close()
+    llm = engine(tiny_llama, async_scheduling=True)
+    core = llm.engine
+    core.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=3), request_id="short")
+    core.add_request(PROMPTS[2], SamplingParams(temperature=0, max_tokens=12), request_id="long")
+    reported = []
+    while True:  # until the step in flight samples short's last token
+        reported += core.step()
+        short = core.output_processor.sequences("short")[0]
+        if short.num_output_tokens + short.num_pending_tokens == 3:
+            break
+    real = getattr(core.runner, failing)
+
+    def fail_once(*args):
+        setattr(core.runner, failing, real)
+        raise RuntimeError("injected fault")
+
+    setattr(core.runner, failing, fail_once)
+    with pytest.raises(RuntimeError, match="injected"):
+        core.step()
+    salvaged = {o.request_id: o for o in core.take_salvaged_outputs()}
+    assert core.take_salvaged_outputs() == []
+    assert salvaged["short"].finished and salvaged["short"].outputs[0].finish_reason == "length"
+    assert salvaged["short"].outputs[0].token_ids == expected
+    assert not salvaged["long"].finished and core._in_flight is None
+    core.abort_request("long")
+    assert not core.has_unfinished_requests() and core.num_free_blocks == core.num_blocks
     llm.close()
 
 

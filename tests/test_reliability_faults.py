@@ -55,7 +55,17 @@ def wait_for(condition, timeout: float = 10.0) -> None:
 
 
 def test_a_failed_step_fails_the_running_stream_while_the_queued_request_runs(server):
-    url = server.base_url
+    fail_the_running_stream_while_the_queued_request_runs(server.base_url)
+
+
+def test_under_async_scheduling_too(server_factory, tiny_llama):
+    """The fault fires on the overlapped loop's launch; the step in flight is reported first."""
+    async_server = server_factory(str(tiny_llama), *TINY, "--max-num-seqs", "1", "--async-scheduling",
+                                  env=FAULTS_ON)
+    fail_the_running_stream_while_the_queued_request_runs(async_server.base_url)
+
+
+def fail_the_running_stream_while_the_queued_request_runs(url: str) -> None:
     [prompt_a, prompt_b] = book_prompts(2, 10, offset=300)
     expected_b = complete(url, prompt_b, 32).json()["choices"][0]["text"]
     before = read_metrics(url)

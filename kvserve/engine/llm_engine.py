@@ -161,6 +161,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler.finish, self.runner.sampler.forget)
         self._ids = itertools.count()
         self._in_flight: InFlightStep | None = None  # async scheduling: the launched step not waited for yet
+        self.salvaged_outputs: list[RequestOutput] = []  # take_salvaged_outputs
         if args.async_scheduling and self.device.type == "cpu":
             logger.info("--async-scheduling: on CPU the forward pass runs in this thread, so steps do not overlap")
 
@@ -322,6 +323,7 @@ class LLMEngine:
         (under --async-scheduling: that the step before advanced)."""
         if self._cuda_index is not None:
             self._bind_cuda_device()
+        self.salvaged_outputs = []
         if self.args.async_scheduling:
             try:
                 return self._overlapped_step()
@@ -352,24 +354,43 @@ class LLMEngine:
 
     def _overlapped_step(self) -> list[RequestOutput]:
         """Launch the next step, then wait for the one in flight (module docstring). While any
-        request needs its tokens on the host (Request.needs_host_tokens), steps run one at a time."""
-        outputs = []
+        request needs its tokens on the host (Request.needs_host_tokens), steps run one at a time.
+        If this step fails after the step before was reported (or while launching, the step before
+        being complete), that step's outputs wait in `take_salvaged_outputs`: the requests it
+        finished did finish."""
         if self.scheduler.num_needing_host_tokens:
-            if self._in_flight is not None:
-                outputs = self._complete(self._in_flight)
-                self._in_flight = None
-            return outputs + self._step()
+            previous, self._in_flight = self._in_flight, None
+            outputs = self._complete(previous) if previous is not None else []
+            return outputs + self._salvaging(outputs, self._step)
         scheduled, tables = self._scheduled()
-        previous = self._in_flight
-        forward = self.runner.launch(scheduled, tables, previous) if scheduled else None
-        if previous is not None:
-            self._in_flight = None
-            outputs = self._complete(previous)
+        previous, self._in_flight = self._in_flight, None
+        try:
+            forward = self.runner.launch(scheduled, tables, previous) if scheduled else None
+        except BaseException:
+            if previous is not None:  # its tokens are sampled already: report them
+                self.salvaged_outputs = self._complete(previous)
+            raise
+        outputs = self._complete(previous) if previous is not None else []
         if forward is not None:
             # Sampled once the step before is reported: penalties, logits processors and grammars
             # see every earlier token, as they do one step at a time.
-            self._in_flight = self.runner.sample(forward)
+            self._in_flight = self._salvaging(outputs, self.runner.sample, forward)
             self.scheduler.advance(scheduled)
+        return outputs
+
+    def _salvaging(self, outputs: list[RequestOutput], fn, *args):
+        """`fn(*args)`; if it raises, keep `outputs` (already reported by the scheduler) for
+        `take_salvaged_outputs`."""
+        try:
+            return fn(*args)
+        except BaseException:
+            self.salvaged_outputs = outputs
+            raise
+
+    def take_salvaged_outputs(self) -> list[RequestOutput]:
+        """After `step` raised: the outputs of the requests that advanced in a step completed
+        before the failure (async scheduling; none otherwise). Each is handed out once."""
+        outputs, self.salvaged_outputs = self.salvaged_outputs, []
         return outputs
 
     def _complete(self, launched: InFlightStep) -> list[RequestOutput]:

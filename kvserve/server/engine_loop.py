@@ -22,7 +22,9 @@ Failures (README "Guarantees"):
   the failed step) fail with an EngineError (a 500, or an SSE error event), their blocks return to
   the pool and the prefix cache is emptied (the failed step may have published blocks whose K/V it
   never wrote); requests still queued run on the next step. If no request had started, the
-  queued ones fail instead, so a request that breaks scheduling cannot fail every step.
+  queued ones fail instead, so a request that breaks scheduling cannot fail every step. Under
+  --async-scheduling the outputs of the step completed before the failure are delivered first
+  (LLMEngine.take_salvaged_outputs): a request that step finished succeeds.
 - Unrecoverable: a FatalEngineError (a tensor-parallel worker lost, in a step or while idle),
   MAX_CONSECUTIVE_FAILED_STEPS failed steps in a row (a broken device), or an
   exception anywhere else in the engine thread (e.g. while an abort frees blocks), or blocks still
@@ -466,6 +468,10 @@ class AsyncEngine:
             self.steps_completed += 1
             self.step_started_at = None
         self._failed_steps = 0
+        self._deliver(outputs)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to their streams (a finished request's stream is done)."""
         if self.metrics is not None:
             self.metrics.on_outputs(outputs, time.monotonic())
         by_stream: dict[RequestStream, list[RequestOutput]] = defaultdict(list)
@@ -487,6 +493,7 @@ class AsyncEngine:
         self._failed_steps += 1
         if self._failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS:
             raise RuntimeError(f"{self._failed_steps} engine steps failed in a row") from exc
+        self._deliver(self.engine.take_salvaged_outputs())  # a step completed before the failure
         started = {s for rid, s in self._streams.items() if not self.engine.is_queued(rid)}
         victims = started or set(self._streams.values())
         logger.error("engine step failed; failing %d of %d requests in flight", len(victims),

@@ -15,7 +15,8 @@ environment variable KVSERVE_FAULT_INJECTION is set (to anything but "" or "0"):
 
 The step fault raises from inside `LLMEngine.step`, after scheduling (blocks allocated, full
 blocks published to the prefix cache) and before any token is appended: the state a real failure
-of the forward pass (a kernel error, an out-of-memory) leaves behind.
+of the forward pass (a kernel error, an out-of-memory) leaves behind. Under --async-scheduling it
+raises from the launch of the next forward pass, the step in flight still to be reported.
 """
 from __future__ import annotations
 
@@ -79,7 +80,8 @@ class FaultInjector:
 
     def install(self, engine: LLMEngine) -> None:
         """Wrap the engine's forward pass and its abort on this engine object only."""
-        engine.runner.execute = self._wrap("step", engine.runner.execute, "the forward pass")
+        # launch: the forward pass of both loops (ModelRunner.execute calls it)
+        engine.runner.launch = self._wrap("step", engine.runner.launch, "the forward pass")
         engine.abort_request = self._wrap("abort", engine.abort_request, "abort_request")
         logger.warning("Fault injection is enabled (%s): POST /debug/faults makes the engine fail. "
                        "Never set it in production.", FAULT_INJECTION_ENV)
