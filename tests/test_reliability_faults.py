@@ -113,6 +113,34 @@ def test_a_failed_step_ends_an_anthropic_stream_with_an_error_event(server):
     assert wait_drained(url).drained
 
 
+def test_a_failed_step_ends_a_responses_stream_with_response_failed(server):
+    """/v1/responses ends a stream the engine failed with OpenAI's response.failed (the event the
+    openai-agents SDK and others stop on), the response `failed` with its error and the partial
+    output; stored, GET shows it, and continuing from it is refused."""
+    url = server.base_url
+    body = {"model": "tiny", "max_output_tokens": 900, "stream": True, "temperature": 0, "ignore_eos": True,
+            "input": book_prompts(1, 10, offset=520)[0]}
+    with httpx.stream("POST", url + "/v1/responses", json=body, timeout=60) as stream:
+        lines = stream.iter_lines()
+        first = [next(lines) for _ in range(15)]  # created, in_progress, the message's opening, deltas
+        arm(url, "step")
+        events = [json.loads(data) for data in data_lines([*first, *lines])]
+    assert events[-1]["type"] == "response.failed"
+    assert all(e["type"] not in ("error", "response.completed", "response.incomplete") for e in events)
+    failed = events[-1]["response"]
+    assert failed["status"] == "failed" and "engine failed" in failed["error"]["message"]
+    assert failed["error"]["code"] == "server_error"
+    streamed = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    [message] = failed["output"]
+    assert message["status"] == "incomplete" and message["content"][0]["text"] == streamed != ""
+    stored = httpx.get(f"{url}/v1/responses/{failed['id']}", timeout=10).json()
+    assert stored["status"] == "failed" and stored["error"] == failed["error"]
+    follow_up = httpx.post(url + "/v1/responses", timeout=60, json={
+        "model": "tiny", "input": "Go on", "max_output_tokens": 4, "previous_response_id": failed["id"]})
+    assert follow_up.status_code == 400 and follow_up.json()["error"]["param"] == "previous_response_id"
+    assert wait_drained(url).drained
+
+
 def test_a_chat_streams_first_chunk_comes_with_its_first_token(server):
     """vLLM sends the role delta with the first token: a client that times the first chunk with
     choices (vLLM's benchmark does) then times the first token, and the chunk's usage counts the

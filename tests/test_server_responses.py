@@ -80,6 +80,22 @@ def test_streaming_events_tell_the_same_response(client):
     assert plain.status == "completed" or plain.incomplete_details.reason == "max_output_tokens"
 
 
+def test_an_empty_reply_streamed_is_the_empty_message_it_is_not_streamed(client):
+    """A reply cut to nothing (a stop string at its start) is one empty message item both ways."""
+    first = client.responses.create(model="tiny", input="Hello", max_output_tokens=8, temperature=0).output_text
+    request = dict(model="tiny", input="Hello", max_output_tokens=8, temperature=0, extra_body={"stop": [first[:1]]})
+    plain = client.responses.create(**request)
+    with client.responses.stream(**request) as stream:
+        events = list(stream)
+    final = events[-1].response
+    assert [(i.type, i.status, i.content[0].text) for i in plain.output] == [("message", "completed", "")]
+    assert events[-1].type == "response.completed"
+    assert [(i.type, i.status, i.content[0].text) for i in final.output] == [("message", "completed", "")]
+    assert [e.type for e in events][2:-1] == ["response.output_item.added", "response.content_part.added",
+                                              "response.output_text.done", "response.content_part.done",
+                                              "response.output_item.done"]
+
+
 def test_text_format_json_schema(client):
     schema = {"type": "object", "properties": {"size": {"type": "integer", "minimum": 0, "maximum": 9}},
               "required": ["size"]}

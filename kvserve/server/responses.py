@@ -490,9 +490,32 @@ class ResponsesServing:
                           content_index=0, text=thinking),
                     event("response.output_item.done", output_index=index, item=thinking_item)]
 
+        def open_message() -> list[str]:
+            """The text's message item opening."""
+            nonlocal text_item
+            text_item = _message_item("", status="in_progress")
+            text_item["content"] = []
+            output.append(text_item)
+            return [event("response.output_item.added", output_index=len(output) - 1, item=text_item),
+                    event("response.content_part.added", item_id=text_item["id"], output_index=len(output) - 1,
+                          content_index=0, part={"type": "output_text", "text": "", "annotations": []})]
+
         async for chunk in sse_payloads(reply):
-            if "error" in chunk and "choices" not in chunk:
-                yield event("error", message=chunk["error"].get("message"), code=chunk["error"].get("code"))
+            if "error" in chunk and "choices" not in chunk:  # the engine failed: OpenAI's response.failed
+                for item in output:
+                    item["status"] = "incomplete"
+                if thinking_item is not None:
+                    thinking_item["content"] = [{"type": "reasoning_text", "text": thinking}]
+                if text_item is not None:
+                    text_item["content"] = [{"type": "output_text", "text": text, "annotations": [],
+                                             "logprobs": text_logprobs}]
+                error = chunk["error"]
+                failed = dict(base, output=output, status="failed",
+                              error={"code": error.get("code") or error.get("type") or "server_error",
+                                     "message": error.get("message") or "the response failed"})
+                if store:  # kept for GET; previous_response_id on it is refused (no reply to go on from)
+                    self._store(failed, conversation)
+                yield event("response.failed", response=failed)
                 return
             usage = chunk.get("usage") or usage
             for choice in chunk.get("choices") or []:
@@ -515,15 +538,8 @@ class ResponsesServing:
                                 output_index=output.index(thinking_item), content_index=0, delta=delta["reasoning"])
                 if delta.get("content"):
                     if text_item is None:
-                        for line in close_thinking("completed") if thinking_open else ():
+                        for line in (close_thinking("completed") if thinking_open else []) + open_message():
                             yield line
-                        text_item = _message_item("", status="in_progress")
-                        text_item["content"] = []
-                        output.append(text_item)
-                        yield event("response.output_item.added", output_index=len(output) - 1, item=text_item)
-                        yield event("response.content_part.added", item_id=text_item["id"],
-                                    output_index=len(output) - 1, content_index=0,
-                                    part={"type": "output_text", "text": "", "annotations": []})
                     text += delta["content"]
                     logprobs, pending_logprobs = pending_logprobs, []
                     text_logprobs += logprobs
@@ -544,6 +560,8 @@ class ResponsesServing:
                         item["arguments"] += function["arguments"]
                         yield event("response.function_call_arguments.delta", item_id=item["id"],
                                     output_index=output.index(item), delta=function["arguments"])
+        for line in open_message() if not output else ():  # an empty reply: an empty message, as not streamed
+            yield line
         self._settle(output, finish_reason)
         for index, item in enumerate(output):
             if item is thinking_item:
