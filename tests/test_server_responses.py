@@ -108,8 +108,9 @@ def test_the_store_and_its_errors(client):
     unstored = client.responses.create(model="tiny", input="Hi", max_output_tokens=2, store=False)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(unstored.id)
-    with pytest.raises(openai.NotFoundError, match="Previous response with id 'resp_nothing' not found"):
+    with pytest.raises(openai.BadRequestError, match="Previous response with id 'resp_nothing' not found") as error:
         client.responses.create(model="tiny", input="Hi", previous_response_id="resp_nothing")
+    assert error.value.code == "previous_response_not_found"  # a 400, as OpenAI answers
     stored = client.responses.create(model="tiny", input="Hi", max_output_tokens=2)
     with pytest.raises(openai.BadRequestError, match="background=true"):
         client.responses.cancel(stored.id)

@@ -280,7 +280,7 @@ class ResponsesServing:
         history: list[dict[str, Any]] = []
         if body.previous_response_id is not None:
             if body.previous_response_id not in self.stored:
-                raise APIError(404, f"Previous response with id '{body.previous_response_id}' not found.",
+                raise APIError(400, f"Previous response with id '{body.previous_response_id}' not found.",
                                param="previous_response_id", code="previous_response_not_found")
             self.stored.move_to_end(body.previous_response_id)
             previous, history = self.stored[body.previous_response_id]
