@@ -318,6 +318,7 @@ def test_background_mode_polls_to_the_synchronous_answer_and_cancels(client, tin
         client.responses.create(model="tiny", input="Next", previous_response_id=long.id)
     assert client.responses.cancel(long.id).status == "cancelled"
     assert client.responses.retrieve(long.id).status == "cancelled"
+    assert client.responses.cancel(long.id).status == "cancelled"  # cancelling twice: idempotent
     with pytest.raises(openai.BadRequestError, match="cancelled: it has no output to continue from"):
         client.responses.create(model="tiny", input="Next", previous_response_id=long.id)
     metrics = wait_for(lambda: (m := tiny_server.metrics())["kvserve:num_requests_running"] == 0 and m)

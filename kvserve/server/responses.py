@@ -242,13 +242,16 @@ class ResponsesServing:
         return self.stored[response_id][0]
 
     def cancel(self, response_id: str) -> dict[str, Any]:
-        """Stop a background response still running (OpenAI's; its status becomes `cancelled`)."""
+        """Stop a background response still running (OpenAI's; its status becomes `cancelled`);
+        idempotent."""
         task = self.background.pop(response_id, None)
         response = self.get(response_id)
         if task is not None:
             task.cancel()  # the chat path's stream closes: the engine aborts the request
             self._update(response_id, status="cancelled")
             return self.stored[response_id][0]
+        if response["status"] == "cancelled":  # cancelling twice gives the cancelled response (OpenAI's)
+            return response
         if not response.get("background"):
             raise APIError(400, "Only responses created with background=true can be cancelled; this one was "
                                 "answered synchronously and has already completed.", param="response_id")
