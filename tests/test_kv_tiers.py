@@ -504,3 +504,42 @@ def test_host_blocks_of_a_hit_that_overflow_to_disk_during_its_read_still_count(
     hit = kv.fetch_tier_prefix(again, 0)
     assert hit.num_blocks == 4 and hit.tiers == ["host", "host", "disk", "disk"]
     store.close()
+
+
+def test_a_sliding_window_hit_loads_only_the_tier_blocks_inside_its_window():
+    """Window of one block: a prompt of 5 blocks found in the host tier loads only its last block
+    (the queries from position 80 on see positions 65 on); the others stay in the host tier, and
+    the request holds 2 blocks, not 6."""
+    from kvserve.cache.kv_cache_manager import KVCacheManager
+    from kvserve.engine.request import Request
+
+    cache = random_cache("float32", num_blocks=8)
+    store = TieredStore(TierConfig(host_bytes=32 * cache.block_nbytes), cache, "ns")
+    kv = KVCacheManager(8, BLOCK, True, "ns", tiers=store, window=BLOCK)
+    prompt = list(range(5 * BLOCK + 1))
+    first = Request("first", prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+    assert kv.allocate(first, 3 * BLOCK)
+    first.num_computed_tokens = 3 * BLOCK
+    assert kv.allocate(first, 2 * BLOCK + 1)  # queries from position 48 on: blocks 0 and 1 go back
+    assert len(kv.held_block_ids("first")) == 4
+    first.num_computed_tokens = first.num_tokens
+    hashes, table = list(kv.block_hashes(first)), kv.block_ids("first")
+    written = block_bytes(cache, table[4])
+    kv.free(first)
+    filler = Request("filler", list(range(1000, 1000 + 8 * BLOCK - 1)), SamplingParams(max_tokens=1))
+    assert kv.allocate(filler, filler.num_tokens)  # reclaims every block: the cached ones go to the host
+    filler.num_computed_tokens = filler.num_tokens
+    kv.free(filler)
+    assert all(store.host.contains(h) for h in hashes)
+    again = Request("again", prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+    cached = kv.find_cached_prefix(again)
+    hit = kv.fetch_tier_prefix(again, len(cached))
+    assert cached == [] and hit.num_blocks == 5
+    assert kv.allocate(again, 1, cached, hit)
+    assert kv.block_ids("again")[:4] == [0] * 4 and len(kv.held_block_ids("again")) == 2
+    assert all(torch.equal(a, b) for a, b in zip(block_bytes(cache, kv.block_ids("again")[4]), written))
+    assert all(store.host.contains(h) for h in hashes[:4]) and not store.host.contains(hashes[4])
+    again.num_computed_tokens = again.num_tokens
+    kv.free(again)
+    assert kv.pool.num_free_blocks == 8
+    store.close()

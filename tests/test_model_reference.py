@@ -85,6 +85,44 @@ def test_decodes_split_into_length_groups_match_hf(tiny_model_factory, monkeypat
         assert out.outputs[0].token_ids == hf_greedy(hf, out.prompt_token_ids, GREEDY.max_tokens), out.prompt
 
 
+@pytest.mark.parametrize("attention_backend", ["cpu_paged", "torch"])
+def test_sliding_window_blocks_go_back_to_the_pool_and_tokens_match_hf(request, tiny_model_factory,
+                                                                       attention_backend):
+    """Every layer windowed (Mistral v0.1): a sequence holds only the blocks its window and one
+    step need, the others back in the pool as it goes (vLLM's sliding-window manager), and the
+    tokens stay HF's, through chunked prefill, decodes and a second request hitting the first's
+    prefix (whose blocks out of its window it does not take)."""
+    from transformers import AutoModelForCausalLM
+
+    if attention_backend == "cpu_paged":
+        request.getfixturevalue("cpu_kernel")
+    path = tiny_model_factory("mistral", sliding_window=8)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(str(path), dtype="float32", kv_cache_memory="8MiB", max_num_batched_tokens=16, block_size=8,
+              attention_backend=attention_backend)
+    core, kv = llm.engine, llm.engine.kv_manager
+    assert kv.window == 8
+    prompt = llm.get_tokenizer().encode(PROMPTS[2])
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    core.add_request({"prompt_token_ids": prompt}, params, request_id="first")
+    held, finished = [], {}
+
+    def run() -> None:
+        while core.has_unfinished_requests():
+            finished.update((o.request_id, o) for o in core.step() if o.finished)
+            held.extend(len(kv.held_block_ids(r.request_id)) for r in core.scheduler.running)
+
+    run()
+    core.add_request({"prompt_token_ids": prompt[:30] + [7, 8, 9]}, params, request_id="second")
+    run()
+    # window 8 + a chunk of 16 in blocks of 8, a block spare: never more than 4 (the whole table: 10)
+    assert max(held) <= 4 and len(kv.block_table("first")) == 0
+    assert kv.stats.hits >= 24  # the second reused the first's cached blocks inside its window
+    for rid, ids in (("first", prompt), ("second", prompt[:30] + [7, 8, 9])):
+        assert finished[rid].outputs[0].token_ids == hf_greedy(hf, ids, 40), rid
+    assert core.num_free_blocks == core.num_blocks
+
+
 def test_same_shape_chunks_after_a_cached_prefix_match_hf(tiny_llama):
     """Requests sharing a cached prefix, each computing a question of the same length in one step:
     their chunks go through one batched attention call and still give HF's greedy tokens."""

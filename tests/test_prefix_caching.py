@@ -186,3 +186,34 @@ def test_reset_prefix_cache_forgets_every_prefix_and_may_preempt_the_running(tin
     while engine.has_unfinished_requests():
         outputs += engine.step()
     assert outputs[-1].outputs[0].token_ids == first.outputs[0].token_ids
+
+
+# ---------------------------------------------------------------------------- sliding window
+def test_a_sliding_window_sequence_holds_only_its_window_and_released_blocks_stay_cached():
+    """Window 8, blocks of 4, a pool of 5: decoding 40 tokens holds at most 4 blocks, each block
+    goes back once, and the released blocks stay findable: a request whose hit starts out of
+    its window needs only the hit's blocks inside it cached (the earlier ones are long reused),
+    and takes only those."""
+    kv = KVCacheManager(5, BS, True, "bfloat16", window=8)
+    first = req("a", list(range(6)), max_tokens=40)
+    assert kv.allocate(first, 6)
+    first.num_computed_tokens = 6
+    for token in range(100, 140):
+        first.append_token(token)
+        assert kv.allocate(first, 1)
+        first.num_computed_tokens += 1
+        assert len(kv.held_block_ids("a")) <= 4
+    table = kv.block_table("a")
+    assert len(table) == 12  # every position keeps its table entry
+    assert kv.pool.num_free_blocks == 5 - len(kv.held_block_ids("a"))
+    kv.free(first)
+    assert kv.pool.num_free_blocks == 5  # each block released once
+    second = req("b", first.token_ids[:36] + [1, 2], max_tokens=1)
+    hits = kv.find_cached_prefix(second)
+    # queries from position 36 see positions 29 on: blocks 7 and 8 must be cached, not 0..6
+    assert [b.block_id for b in hits] == [0] * 7 + table[7:9]
+    assert kv.allocate(second, 2, hits)
+    assert kv.held_block_ids("b")[:2] == table[7:9] and len(kv.held_block_ids("b")) == 3
+    second.num_computed_tokens = 38
+    kv.free(second)
+    assert kv.pool.num_free_blocks == 5 and all(b.ref_cnt == 0 for b in kv.pool.blocks)

@@ -25,6 +25,13 @@ copied down first, and the prefix lookup continues past the pool's longest hit i
 them, so the rest of the engine sees an ordinary prefix hit. Sequences under KV eviction use the
 tiers as they use the pool: only the blocks they published before their first eviction (under
 their own keys-before-RoPE root), and no more of a hit than admission allows without evicting.
+
+Sliding-window attention (Mistral v0.1: every layer sees the last `window` tokens): the leading
+blocks no query will attend to again go back to the pool as the sequence moves on (vLLM's
+sliding-window manager), so a sequence holds about window + one step's tokens, however long.
+Their block-table entries stay (the attention masks those positions; a table only grows); a
+prefix hit that starts out of the window shares, or loads from the tiers, only its blocks
+inside it. The blocks released stay cached, findable by their hashes, until the pool reuses them.
 """
 from __future__ import annotations
 
@@ -39,7 +46,7 @@ from typing import Protocol
 
 import numpy as np
 
-from kvserve.cache.block_pool import Block, BlockPool
+from kvserve.cache.block_pool import NULL_BLOCK_ID, Block, BlockPool
 from kvserve.cache.eviction.compaction import plan_compaction
 from kvserve.cache.eviction.config import EvictionConfig
 from kvserve.cache.eviction.evictor import Evictor
@@ -50,6 +57,9 @@ from kvserve.cache.tiers import TieredStore
 KEYS_BEFORE_ROPE = "keys-before-rope"
 # A disk read that has not finished by then is a miss: the request goes on without those blocks.
 TIER_LOAD_TIMEOUT_S = 10.0
+# The table entry of a block out of a request's sliding window that it never held (a prefix hit's
+# block no longer cached, or a tier block not loaded): the pool's null block, never allocated.
+_NOT_HELD = Block(NULL_BLOCK_ID)
 
 
 def root_hash(namespace: str, cache_salt: str | None, keys_before_rope: bool = False) -> bytes:
@@ -136,8 +146,11 @@ class _TierLoad:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, namespace: str = "",
-                 evictor: Evictor | None = None, tiers: TieredStore | None = None):
+                 evictor: Evictor | None = None, tiers: TieredStore | None = None, window: int | None = None):
+        """`window`: the sliding window every layer attends within (None: full attention, or
+        windows that differ between layers, as Gemma's interleaving; then nothing is released)."""
         self.pool = BlockPool(num_blocks)
+        self.window = window
         self.tiers = tiers if enable_prefix_caching else None
         if self.tiers is not None:
             self.pool.on_evict = self.tiers.offload
@@ -156,6 +169,7 @@ class KVCacheManager:
         self._req_block_ids: dict[str, list[int]] = {}  # the same tables as block ids, kept in step
         self._req_hashes: dict[str, list[bytes]] = {}
         self._num_published: dict[str, int] = {}  # a request's leading full blocks already offered to the cache
+        self._num_released: dict[str, int] = {}  # a request's leading blocks out of its sliding window, not held
 
     # ------------------------------------------------------------------ hashing
     def block_hashes(self, request: CachedSequence) -> list[bytes]:
@@ -176,13 +190,29 @@ class KVCacheManager:
         at least the last token is recomputed: its logits are needed to sample."""
         if not self.enable_prefix_caching:
             return []
-        hits = []
-        for block_hash in self.block_hashes(request)[:self._max_prefix_blocks(request)]:
-            block = self.pool.lookup(block_hash)
-            if block is None:
-                break
-            hits.append(block)
-        return hits
+        hashes = self.block_hashes(request)[:self._max_prefix_blocks(request)]
+        if not self._windowed(request):  # a run of cached blocks from the start
+            hits = []
+            for block_hash in hashes:
+                block = self.pool.lookup(block_hash)
+                if block is None:
+                    break
+                hits.append(block)
+            return hits
+        return self._windowed_prefix([self.pool.lookup(h) for h in hashes], request)
+
+    def _windowed_prefix(self, found: list[Block | None], request: CachedSequence) -> list[Block]:
+        """Sliding window: the longest hit whose blocks inside the window of its first query are
+        cached (a chained hash names its whole prefix, so earlier blocks need not be; vLLM looks
+        up sliding-window layers so too). Entries out of the window are placeholders, never taken."""
+        run = 0  # cached blocks in a row ending at index k - 1
+        best = 0
+        for k, block in enumerate(found, start=1):
+            run = run + 1 if block is not None else 0
+            if run >= k - self.out_of_window(request, k * self.block_size):
+                best = k
+        gone = self.out_of_window(request, best * self.block_size)
+        return [_NOT_HELD] * gone + found[gone:best]
 
     def _max_prefix_blocks(self, request: CachedSequence) -> int:
         """Most blocks a prefix hit (pool and tiers together) may cover: the last token is always
@@ -265,13 +295,27 @@ class KVCacheManager:
             pass  # fetch_tier_prefix then treats it as a miss
         return True
 
+    def out_of_window(self, request: CachedSequence, first_query: int) -> int:
+        """Leading blocks no query from position `first_query` on attends to: all their positions
+        are at most first_query - window (one position spare: a failed async step takes one back)."""
+        if not self._windowed(request):
+            return 0
+        return max(0, (first_query - self.window) // self.block_size)
+
+    def _windowed(self, request: CachedSequence) -> bool:
+        return self.window is not None and request.eviction is None
+
     def blocks_needed(self, request: CachedSequence, num_new_tokens: int, cached: list[Block] = (),
                       num_loaded: int = 0) -> int:
-        """Free blocks an allocation would consume (new blocks, tier blocks to load, cached ones to revive)."""
-        have = len(self.req_blocks.get(request.request_id, ())) + len(cached)
-        total_tokens = request.num_kv_tokens + (len(cached) + num_loaded) * self.block_size + num_new_tokens
-        new = max(0, -(-total_tokens // self.block_size) - have)
-        return new + sum(1 for b in cached if b.ref_cnt == 0)
+        """Free blocks an allocation would consume (new blocks, tier blocks to load, cached ones to
+        revive), none for blocks out of the sliding window."""
+        have = len(self.req_blocks.get(request.request_id, ()))
+        first_query = request.num_kv_tokens + (len(cached) + num_loaded) * self.block_size
+        gone = self.out_of_window(request, first_query)
+        skipped = min(max(0, gone - have - len(cached)), num_loaded)  # tier blocks out of the window: not loaded
+        entries = -(-(first_query + num_new_tokens) // self.block_size)
+        new = max(0, entries - have - len(cached) - skipped)
+        return new + sum(1 for b in cached[max(0, gone - have):] if b.ref_cnt == 0)
 
     def allocate(self, request: CachedSequence, num_new_tokens: int, cached: list[Block] = (),
                  loaded: TierHit = NO_TIER_HIT) -> bool:
@@ -284,22 +328,33 @@ class KVCacheManager:
                 return True
             if not self.make_room(request, num_new_tokens):
                 return False
+        rid = request.request_id
+        gone = self.out_of_window(request, request.num_kv_tokens + (len(cached) + loaded.num_blocks) * self.block_size)
+        self._release_out_of_window(rid, gone)  # before the count: the blocks it frees may serve this step
         if self.blocks_needed(request, num_new_tokens, cached, loaded.num_blocks) > self.pool.num_free_blocks:
             return False
-        blocks = self.req_blocks.setdefault(request.request_id, [])
-        block_ids = self._req_block_ids.setdefault(request.request_id, [])
-        self.pool.share(list(cached))
+        blocks = self.req_blocks.setdefault(rid, [])
+        block_ids = self._req_block_ids.setdefault(rid, [])
+        kept = max(0, gone - len(blocks))  # the first cached block still in the window
+        skipped = min(max(0, kept - len(cached)), loaded.num_blocks)  # tier blocks out of the window
+        self.pool.share(list(cached[kept:]))
         blocks.extend(cached)
         block_ids.extend(b.block_id for b in cached)
+        blocks.extend([_NOT_HELD] * skipped)
+        block_ids.extend([NULL_BLOCK_ID] * skipped)
+        if gone:
+            self._num_released[rid] = max(gone, self._num_released.get(rid, 0))
         total_tokens = request.num_kv_tokens + (len(cached) + loaded.num_blocks) * self.block_size + num_new_tokens
         fresh = self.pool.allocate(max(0, -(-total_tokens // self.block_size) - len(blocks)))
-        if loaded.num_blocks:
+        if loaded.num_blocks > skipped:
             # The pool copied out anything it reclaimed for `fresh` already; a compaction's copies
             # planned this step may read from a block it released into `fresh`: they go first.
             if self._moves and self.carry_out_moves is not None:
                 self.carry_out_moves(*self.take_moves())
-            self.tiers.load([b.block_id for b in fresh[:loaded.num_blocks]], loaded.data, loaded.hashes)
-            self._fetched.pop(request.request_id, None)
+            self.tiers.load([b.block_id for b in fresh[:loaded.num_blocks - skipped]], loaded.data[skipped:],
+                            loaded.hashes[skipped:])
+        if loaded.num_blocks:
+            self._fetched.pop(rid, None)
         blocks.extend(fresh)
         block_ids.extend(b.block_id for b in fresh)
         if self.enable_prefix_caching and request.num_evicted_tokens == 0:
@@ -310,9 +365,9 @@ class KVCacheManager:
             full = total_tokens // self.block_size
             hashes = self.block_hashes(request)
             events = self.pool.events is not None
-            first = self._num_published.get(request.request_id, 0)
-            self._num_published[request.request_id] = max(first, min(full, len(blocks), len(hashes)))
-            for i in range(first, min(full, len(blocks), len(hashes))):
+            first = self._num_published.get(rid, 0)
+            self._num_published[rid] = max(first, min(full, len(blocks), len(hashes)))
+            for i in range(max(first, self._num_released.get(rid, 0)), min(full, len(blocks), len(hashes))):
                 block, block_hash = blocks[i], hashes[i]
                 if not events:
                     self.pool.publish(block, block_hash)
@@ -320,6 +375,15 @@ class KVCacheManager:
                     tokens = tuple(request.token_ids[i * self.block_size:(i + 1) * self.block_size])
                     self.pool.publish(block, block_hash, hashes[i - 1] if i else None, tokens)
         return True
+
+    def _release_out_of_window(self, request_id: str, gone: int) -> None:
+        """Give back the request's held blocks among its first `gone` (out of its sliding window),
+        oldest first (the LRU evicts them first)."""
+        released = self._num_released.get(request_id, 0)
+        blocks = self.req_blocks.get(request_id, ())
+        if gone > released and blocks:
+            self.pool.release(blocks[released:min(gone, len(blocks))])
+            self._num_released[request_id] = min(gone, len(blocks))
 
     def _fits(self, request: CachedSequence, num_new_tokens: int) -> bool:
         """True when the request's blocks already hold `num_new_tokens` more and no block fills up:
@@ -393,10 +457,12 @@ class KVCacheManager:
         leave the prefix cache when that step never ran: a request preempted in the step that
         scheduled it (a priority victim) would otherwise leave hashes over unwritten memory."""
         blocks = self.req_blocks.pop(request.request_id, [])
-        for block in blocks[request.num_kv_tokens // self.block_size:self._num_published.get(request.request_id, 0)]:
+        released = self._num_released.pop(request.request_id, 0)  # out of the sliding window: gone already
+        for block in blocks[max(released, request.num_kv_tokens // self.block_size):
+                            self._num_published.get(request.request_id, 0)]:
             self.pool.unpublish(block)
         self._req_block_ids.pop(request.request_id, None)
-        self.pool.release(list(reversed(blocks)))
+        self.pool.release(list(reversed(blocks[released:])))
         self._req_hashes.pop(request.request_id, None)
         self._num_published.pop(request.request_id, None)
         self._moves.pop(request.request_id, None)  # its blocks may be someone else's by now
@@ -423,6 +489,10 @@ class KVCacheManager:
 
     def block_ids(self, request_id: str) -> list[int]:
         return list(self.block_table(request_id))
+
+    def held_block_ids(self, request_id: str) -> list[int]:
+        """The blocks the request holds: its table without the entries out of its sliding window."""
+        return self.block_table(request_id)[self._num_released.get(request_id, 0):]
 
     def block_table(self, request_id: str) -> list[int]:
         """The request's block ids, its own list (no copy, for the step being built; not to be changed).

@@ -144,8 +144,10 @@ class LLMEngine:
         namespace = kv_namespace(self.kv_cache, self.model_config, self.model_path, self.dtype, self.model,
                                  args.deterministic, dummy_weights=args.load_format == "dummy")
         self.tiers = _make_tiers(args, self.kv_cache, namespace)
+        windows = set(self.model_config.sliding_windows)
         self.kv_manager = KVCacheManager(pool.num_blocks, self.kv_spec.block_size, args.enable_prefix_caching,
-                                         namespace=namespace, evictor=self.evictor, tiers=self.tiers)
+                                         namespace=namespace, evictor=self.evictor, tiers=self.tiers,
+                                         window=windows.pop() if len(windows) == 1 else None)
         self.kv_manager.carry_out_moves = self.runner.move_tokens
         speculative = SpeculativeConfig.parse(args.speculative_config)
         self.drafter = None if speculative is None else Drafter(speculative, self.max_model_len)

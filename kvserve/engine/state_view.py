@@ -47,7 +47,7 @@ class EngineState:
 
 
 def _view(engine: LLMEngine, request: Request, status: str, pool: PoolSnapshot) -> RequestView:
-    block_ids = engine.kv_manager.block_ids(request.request_id)
+    block_ids = engine.kv_manager.held_block_ids(request.request_id)  # not those out of a sliding window
     rows = np.asarray(block_ids, dtype=np.int64) - pool.first_block_id
     shared = int(np.count_nonzero(pool.ref_counts[rows] > 1))
     return RequestView(
