@@ -93,3 +93,39 @@ def test_token_ids_reported_are_a_snapshot(tiny_tokenizer):
     [first] = _step(processor, [request], [5])
     _step(processor, [request], [6])
     assert first.outputs[0].token_ids == [5] and request.output_token_ids == [5, 6]
+
+
+def _single(processor, tokenizer, params: SamplingParams) -> Request:
+    request = Request("s", tokenizer.encode("x"), params)
+    request.status = RequestStatus.RUNNING
+    processor.add("s", "x", request.prompt_token_ids, [request])
+    return request
+
+
+def test_a_stop_string_the_last_allowed_token_completes_is_a_stop(tiny_tokenizer):
+    """vLLM: the token that reaches max_tokens and completes a stop string ends with finish reason
+    "stop" and the string as stop_reason, its text cut there (not "length")."""
+    processor, _, _ = _processor(tiny_tokenizer)
+    tokens = tiny_tokenizer.encode(" in want of a wife")
+    request = _single(processor, tiny_tokenizer, SamplingParams(max_tokens=len(tokens), stop=[" wife"]))
+    for i, token in enumerate(tokens):
+        request.append_token(token)
+        if i == len(tokens) - 1:
+            request.status = RequestStatus.FINISHED_LENGTH  # as Scheduler.update's check_stop does
+        [out] = processor.process([ScheduledRequest(request, 1)], SampleResult([token], [None]))
+    [completion] = out.outputs
+    assert (completion.text, completion.finish_reason, completion.stop_reason) == (" in want of a", "stop", " wife")
+
+
+def test_min_tokens_ignores_a_stop_string_its_last_held_token_completes(tiny_tokenizer):
+    """vLLM's rule: stop strings count from the token after the first min_tokens; one completed by
+    the min_tokens-th token does not end the sequence, one completed by the next does."""
+    tokens = tiny_tokenizer.encode(" in want of a wife")
+    for min_tokens, stopped in ((len(tokens) - 1, True), (len(tokens), False)):
+        processor, _, _ = _processor(tiny_tokenizer)
+        request = _single(processor, tiny_tokenizer,
+                          SamplingParams(max_tokens=len(tokens) + 2, min_tokens=min_tokens, stop=[" wife"]))
+        for token in tokens:
+            request.append_token(token)
+            processor.process([ScheduledRequest(request, 1)], SampleResult([token], [None]))
+        assert (request.status == RequestStatus.FINISHED_STOPPED) == stopped, min_tokens

@@ -244,7 +244,7 @@ def test_min_tokens_holds_back_stop_strings(tiny_server, client):
     early = complete(30, stop=[stop])
     assert early.text == full[: full.index(stop)] and early.finish_reason == "stop"
     min_tokens = 8
-    before = complete(min_tokens - 1).text  # the text of the tokens before the min_tokens-th
+    before = complete(min_tokens).text  # the text of the first min_tokens tokens
     later = full.find(stop, len(before) - len(stop) + 1)  # the first occurrence not inside it
     held = complete(30, stop=[stop], extra_body={"min_tokens": min_tokens})
     if later == -1:

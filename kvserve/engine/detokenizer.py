@@ -43,9 +43,9 @@ def ids_decoder(tokenizer: Any) -> Callable[[list[int], bool], str]:
 
 
 class IncrementalDetokenizer:
-    """`min_tokens`: stop strings are not looked for until that many tokens are generated (vLLM's
-    rule: the text of those tokens can no longer end the sequence, a stop string completed later
-    can, even one that began inside it)."""
+    """`min_tokens`: stop strings are looked for once more than that many tokens are generated
+    (vLLM's rule: the text of those tokens cannot end the sequence, a stop string completed by a
+    later token can, even one that began inside it)."""
 
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], stop: list[str],
                  include_stop_str_in_output: bool, skip_special_tokens: bool, min_tokens: int = 0):
@@ -86,7 +86,7 @@ class IncrementalDetokenizer:
             return
         start = max(0, len(self.text) - self.hold_back)
         self.text += new_text
-        if self.generated < self.min_tokens:
+        if self.generated <= self.min_tokens:
             return
         for stop in self.stop:
             index = self.text.find(stop, start)

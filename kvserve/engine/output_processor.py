@@ -192,9 +192,13 @@ class OutputProcessor:
                 child.detokenizer.add_token(token)
             if child.logprobs is not None and logprob is not None:
                 child.logprobs.append(self._ranked(token, *logprob))
-            if child.detokenizer.stop_string is not None and not request.status.finished:
-                request.stop_reason = child.detokenizer.stop_string
-                self._finish(request, RequestStatus.FINISHED_STOPPED)
+            if child.detokenizer.stop_string is not None:
+                if not request.status.finished:
+                    request.stop_reason = child.detokenizer.stop_string
+                    self._finish(request, RequestStatus.FINISHED_STOPPED)
+                elif request.status == RequestStatus.FINISHED_LENGTH:  # the last token allowed completed it
+                    request.stop_reason = child.detokenizer.stop_string  # (vLLM: the stop string's "stop")
+                    request.status = RequestStatus.FINISHED_STOPPED
         return [self._output(parent) for parent in touched.values() if not parent.final_only or parent.finished]
 
     def _stopped_in_drafts(self, child: _Child, drafts: list[int], logprobs: list) -> bool:
