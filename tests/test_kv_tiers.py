@@ -102,6 +102,27 @@ def test_a_restarted_engine_serves_its_prefixes_from_disk(tiny_llama, baseline, 
     second.close()
 
 
+def test_closing_after_a_failed_step_writes_no_block_the_step_never_computed(tiny_llama, tmp_path):
+    """A prefill's blocks are published when it is scheduled; if its forward pass fails and the
+    engine is then closed, the shutdown flush must not write them to disk, where a restarted
+    engine would read them as the prompt's K/V."""
+    options = dict(kv_offloading_disk_path=str(tmp_path / "kv"))
+    engine = engine_for(tiny_llama, **options)
+    prompt = list(range(10, 10 + 4 * BLOCK + 1))
+    real_launch = engine.runner.launch
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("injected fault")
+
+    engine.runner.launch = fail
+    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), "failed")
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.step()
+    engine.runner.launch = real_launch
+    engine.close()
+    assert not list((tmp_path / "kv").rglob("*.kvb"))
+
+
 def test_a_failing_disk_stops_writing_and_serving_goes_on(tiny_llama, baseline, tmp_path, monkeypatch, caplog):
     def no_space(*args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

@@ -465,10 +465,15 @@ class LLMEngine:
         return torch.nn.functional.normalize(pooled, dim=0).cpu()
 
     def close(self) -> None:
-        """Flush the KV tiers (the pool's prefix-cache blocks and the host tier to the disk tier, so
-        a restart finds them) and stop their writer, then stop the tensor-parallel workers, if any.
-        Idempotent (also on an engine whose start-up failed); the engine must not step after."""
+        """With KV tiers: abort what is unfinished, flush the tiers (the pool's prefix-cache blocks
+        and the host tier to the disk tier, so a restart finds them) and stop their writer. Then
+        stop the tensor-parallel workers, if any. Idempotent (also on an engine whose start-up failed); the engine must not step after."""
         if self.tiers is not None:
+            if hasattr(self, "scheduler"):
+                # Unfinished requests end first: blocks published for a step that never ran (it
+                # failed) leave the prefix cache as they are freed, so the flush never writes them.
+                for request in [*self.scheduler.running, *self.scheduler.waiting]:
+                    self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
             start = time.monotonic()
             written = self.kv_manager.flush_tiers() if hasattr(self, "kv_manager") else 0
             has_disk = self.tiers.disk is not None
