@@ -7,6 +7,7 @@ a miss (kv_cache_manager.TIER_LOAD_TIMEOUT_S). A block forged with a recomputed 
 genuine; with a key (--kv-offloading-disk-key) it is a miss."""
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import stat
@@ -180,3 +181,60 @@ def test_the_key_file_is_made_private_and_a_key_others_can_read_is_refused(tmp_p
     link.symlink_to(path)
     with pytest.raises(ValueError, match="cannot use"):
         disk_module.load_key(link)
+
+
+def test_servers_with_no_key_and_with_keys_sharing_a_root_keep_each_others_files(tmp_path, caplog):
+    """Each keeps its blocks in a directory of its own (the key's digest in its name): none reads,
+    refuses or removes another's file."""
+    keys = [None, disk_module.load_key(tmp_path / "a.key"), disk_module.load_key(tmp_path / "b.key")]
+    tiers = [DiskTier(tmp_path / "kv", NAMESPACE, 1 << 30, BLOCK_BYTES, key) for key in keys]
+    assert len({t.dir for t in tiers}) == 3
+    for i, disk in enumerate(tiers):
+        disk.put(bytes(32), block(i))
+    with caplog.at_level(logging.WARNING, logger="kvserve"):
+        for i, disk in enumerate(tiers):
+            assert torch.equal(disk.get(bytes(32)), block(i))
+    assert not caplog.text and len(list((tmp_path / "kv").rglob("*.kvb"))) == 3
+
+
+def test_a_read_that_fails_now_is_a_miss_that_keeps_the_file_and_a_failing_utime_is_no_miss(tmp_path,
+                                                                                            monkeypatch):
+    """An I/O error opening or checking a block file (EIO, EMFILE, ESTALE on NFS) is a miss for
+    now: the file stays for the next read. A touch that fails (a read-only mount) costs nothing."""
+    disk = tier(tmp_path)
+    disk.put(bytes(32), block(5))
+    real_open, real_fstat = os.open, os.fstat
+
+    def failing(errno_code, real):
+        def call(path, *args, **kwargs):
+            if str(path).endswith(".kvb"):
+                raise OSError(errno_code, os.strerror(errno_code))
+            return real(path, *args, **kwargs)
+        return call
+
+    monkeypatch.setattr(os, "open", failing(errno.EIO, real_open))
+    assert disk.get(bytes(32)) is None and disk.path(bytes(32)).exists()
+    monkeypatch.setattr(os, "open", real_open)
+    monkeypatch.setattr(os, "fstat", lambda fd: (_ for _ in ()).throw(OSError(errno.ESTALE, "stale")))
+    assert disk.get(bytes(32)) is None and disk.path(bytes(32)).exists()
+    monkeypatch.setattr(os, "fstat", real_fstat)
+    monkeypatch.setattr(os, "utime", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.EROFS, "read-only")))
+    assert torch.equal(disk.get(bytes(32)), block(5))
+
+
+def test_a_disk_read_that_raises_on_the_loader_thread_is_a_miss(tiny_llama, tmp_path, monkeypatch):
+    """Scheduling goes on: the request computes the blocks it could not read."""
+    from kvserve import LLM, SamplingParams
+
+    llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory="1MiB", kv_offloading_disk_path=str(tmp_path / "kv"),
+              max_model_len=256)
+    prompt = {"prompt_token_ids": list(range(10, 110))}
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    expected = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    llm.engine.close()  # its blocks go to disk
+    again = LLM(str(tiny_llama), dtype="float32", kv_cache_memory="1MiB", max_model_len=256,
+                kv_offloading_disk_path=str(tmp_path / "kv"))
+    monkeypatch.setattr(again.engine.tiers, "_read_disk", lambda hashes: 1 / 0)
+    assert again.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == expected
+    assert again.engine.kv_manager.stats.tier_hits["disk"] == 0
+    again.engine.close()

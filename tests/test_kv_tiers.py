@@ -564,3 +564,78 @@ def test_a_sliding_window_hit_loads_only_the_tier_blocks_inside_its_window():
     kv.free(again)
     assert kv.pool.num_free_blocks == 8
     store.close()
+
+
+def test_the_shutdown_flush_counts_only_the_blocks_it_wrote(tmp_path):
+    cache = random_cache("float32", num_blocks=4)
+    store = TieredStore(TierConfig(disk_path=str(tmp_path)), cache, "ns")
+    store.disk.disable("full")
+    assert store.flush([(1, b"a" * 32), (2, b"b" * 32)]) == 0
+    store.close()
+
+
+@pytest.mark.parametrize("failing", ["offload", "load"])
+def test_a_tier_copy_that_raises_loses_no_pool_block(failing):
+    """A copy down that fails (no pinned memory left) only loses those blocks to the tiers; a load
+    that fails leaves the request holding nothing, as if never admitted. The pool stays whole."""
+    from kvserve.cache.kv_cache_manager import KVCacheManager
+    from kvserve.engine.request import Request
+
+    cache = random_cache("float32", num_blocks=8)
+    store = TieredStore(TierConfig(host_bytes=32 * cache.block_nbytes), cache, "ns")
+    kv = KVCacheManager(8, BLOCK, True, "ns", tiers=store)
+
+    def run(rid: str, tokens: list[int]) -> None:
+        r = Request(rid, tokens, SamplingParams(max_tokens=1, ignore_eos=True))
+        cached = kv.find_cached_prefix(r)
+        hit = kv.fetch_tier_prefix(r, len(cached))
+        try:
+            assert kv.allocate(r, r.num_tokens - (len(cached) + hit.num_blocks) * BLOCK, cached, hit)
+        finally:
+            r.num_computed_tokens = r.num_tokens
+            kv.free(r)
+
+    prompt = list(range(3 * BLOCK + 1))
+    run("first", prompt)
+    if failing == "offload":
+        kv.pool.on_evict = lambda evicted: 1 / 0
+        run("filler", list(range(1000, 1000 + 8 * BLOCK - 1)))  # reclaims the cached blocks
+    else:
+        run("filler", list(range(1000, 1000 + 8 * BLOCK - 1)))
+        store.load = lambda *args: 1 / 0
+        with pytest.raises(ZeroDivisionError):
+            run("again", prompt)
+    assert kv.pool.num_free_blocks == 8 and kv.pool.reset_prefix_cache()
+    store.close()
+
+
+def test_a_disk_read_that_missed_is_looked_up_again_next_time(tmp_path, monkeypatch):
+    """A request whose disk read found nothing (a transient I/O error) asks the tiers again the
+    next time it is considered, instead of holding on to its empty hit."""
+    from kvserve.cache.kv_cache_manager import KVCacheManager
+    from kvserve.engine.request import Request
+
+    cache = random_cache("float32", num_blocks=8)
+    store = TieredStore(TierConfig(disk_path=str(tmp_path)), cache, "ns")
+    kv = KVCacheManager(8, BLOCK, True, "ns", tiers=store)
+    prompt = list(range(3 * BLOCK + 1))
+    first = Request("first", prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+    assert kv.allocate(first, first.num_tokens)
+    first.num_computed_tokens = first.num_tokens
+    kv.free(first)
+    filler = Request("filler", list(range(1000, 1000 + 8 * BLOCK - 1)), SamplingParams(max_tokens=1))
+    assert kv.allocate(filler, filler.num_tokens)  # the cached blocks go down to the disk
+    filler.num_computed_tokens = filler.num_tokens
+    kv.free(filler)
+    store.writer.drain()
+    again = Request("again", prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+    real_get = store.disk.get
+    monkeypatch.setattr(store.disk, "get", lambda *args: None)  # the first read fails
+    assert kv.fetch_tier_prefix(again, 0) is None
+    store.loader.submit(lambda: None).result()
+    assert kv.fetch_tier_prefix(again, 0).num_blocks == 0
+    monkeypatch.setattr(store.disk, "get", real_get)
+    assert kv.fetch_tier_prefix(again, 0) is None  # read again
+    store.loader.submit(lambda: None).result()
+    assert kv.fetch_tier_prefix(again, 0).num_blocks == 3
+    store.close()

@@ -9,11 +9,14 @@ while their contents are still intact, to copy them down.
 """
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvserve.cache.kv_events import KVEventLog
+
+logger = logging.getLogger("kvserve")
 
 
 @dataclass(slots=True, eq=False)
@@ -86,7 +89,10 @@ class BlockPool:
             block.ref_cnt = 1
             taken.append(block)
         if evicted and self.on_evict is not None:
-            self.on_evict(evicted)  # before anyone can write into the blocks
+            try:
+                self.on_evict(evicted)  # before anyone can write into the blocks
+            except Exception:  # (a copy that could not be made: those blocks are only lost to the tiers)
+                logger.warning("KV tiers: %d evicted blocks could not be copied down", len(evicted), exc_info=True)
         return taken
 
     def lookup(self, block_hash: bytes) -> Block | None:

@@ -36,6 +36,7 @@ inside it. The blocks released stay cached, findable by their hashes, until the 
 from __future__ import annotations
 
 import hashlib
+import logging
 import sys
 import time
 from collections.abc import Callable
@@ -52,6 +53,8 @@ from kvserve.cache.eviction.config import EvictionConfig
 from kvserve.cache.eviction.evictor import Evictor
 from kvserve.cache.kv_events import KVEventLog
 from kvserve.cache.tiers import TieredStore
+
+logger = logging.getLogger("kvserve")
 
 # Extra key of the root hash for sequences that store keys before RoPE (evicting sequences).
 KEYS_BEFORE_ROPE = "keys-before-rope"
@@ -140,8 +143,15 @@ class _TierLoad:
     deadline: float = field(default_factory=lambda: time.monotonic() + TIER_LOAD_TIMEOUT_S)
 
     def result(self) -> dict:
-        """The blocks read, or none once the deadline has passed (a stuck read is a miss)."""
-        return self.future.result() if self.future.done() else {}
+        """The blocks read, or none once the deadline has passed (a stuck read is a miss), or when
+        the read raised (logged; a miss too: the request computes those blocks)."""
+        if not self.future.done() or self.future.cancelled():
+            return {}
+        if self.future.exception() is not None:
+            logger.warning("KV disk tier: a read failed; its blocks are computed instead",
+                           exc_info=self.future.exception())
+            return {}
+        return self.future.result()
 
 
 class KVCacheManager:
@@ -245,6 +255,8 @@ class KVCacheManager:
                     fetched.append(("disk", from_disk[block_hash]))
                 else:
                     break
+            if not fetched:  # a miss now (perhaps an I/O error): asked again next time
+                return NO_TIER_HIT
             self._fetched[rid] = TierHit(load.start, load.hashes[:len(fetched)], [d for _, d in fetched],
                                          [t for t, _ in fetched])
         hit = self._fetched.get(rid)
@@ -263,6 +275,8 @@ class KVCacheManager:
             self._loading[rid] = _TierLoad(num_pool_blocks, hashes, self.tiers.read_disk_async(disk), held)
             return None
         fetched = self.tiers.fetch(hashes)
+        if not fetched:
+            return NO_TIER_HIT
         hit = TierHit(num_pool_blocks, hashes[:len(fetched)], [d for _, d in fetched], [t for t, _ in fetched])
         self._fetched[rid] = hit
         return hit
@@ -274,7 +288,7 @@ class KVCacheManager:
         that is not possible (a new lookup is needed)."""
         if num_pool_blocks >= hit.start:
             skip = num_pool_blocks - hit.start
-            if skip > hit.num_blocks or (skip == hit.num_blocks and skip > 0):
+            if skip >= hit.num_blocks:
                 return None  # the pool now covers the whole hit: look again past it
             return TierHit(num_pool_blocks, hit.hashes[skip:], hit.data[skip:], hit.tiers[skip:])
         gap = self.block_hashes(request)[num_pool_blocks:hit.start]
@@ -346,17 +360,21 @@ class KVCacheManager:
             self._num_released[rid] = max(gone, self._num_released.get(rid, 0))
         total_tokens = request.num_kv_tokens + (len(cached) + loaded.num_blocks) * self.block_size + num_new_tokens
         fresh = self.pool.allocate(max(0, -(-total_tokens // self.block_size) - len(blocks)))
+        blocks.extend(fresh)
+        block_ids.extend(b.block_id for b in fresh)
         if loaded.num_blocks > skipped:
             # The pool copied out anything it reclaimed for `fresh` already; a compaction's copies
             # planned this step may read from a block it released into `fresh`: they go first.
             if self._moves and self.carry_out_moves is not None:
                 self.carry_out_moves(*self.take_moves())
-            self.tiers.load([b.block_id for b in fresh[:loaded.num_blocks - skipped]], loaded.data[skipped:],
-                            loaded.hashes[skipped:])
+            try:
+                self.tiers.load([b.block_id for b in fresh[:loaded.num_blocks - skipped]], loaded.data[skipped:],
+                                loaded.hashes[skipped:])
+            except BaseException:
+                self.free(request)  # it holds nothing again, as if never admitted
+                raise
         if loaded.num_blocks:
             self._fetched.pop(rid, None)
-        blocks.extend(fresh)
-        block_ids.extend(b.block_id for b in fresh)
         if self.enable_prefix_caching and request.num_evicted_tokens == 0:
             # Publish blocks that this step fills completely; their K/V are written by this step's
             # forward pass, before any later step can schedule a request that reads them.

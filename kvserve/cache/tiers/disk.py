@@ -13,7 +13,7 @@ A file is written under a temporary name in its final directory and renamed into
 (`os.replace` is atomic), so a reader, or a process killed mid-write, never sees a partial
 file under a block's name; concurrent writers of one block write identical bytes. A file that
 fails any check (short, wrong magic/version/namespace/hash/length/checksum) is a miss with a
-warning, and is removed. The size bound is enforced by whichever process crosses it: it scans the
+warning, and is removed; one that cannot be read now (an I/O error) is a miss and stays. The size bound is enforced by whichever process crosses it: it scans the
 directory and removes the least recently used files (mtime; a hit touches its file) down to 90%
 of the bound; a reader whose file vanishes meanwhile just misses. Files are 0600 and directories
 0700: they hold tenants' KV. A write failing with ENOSPC, EROFS, EACCES (any OSError) stops
@@ -30,7 +30,9 @@ enforces the bound counts regular files only (lstat). CRC-32 catches accidents, 
 recomputes it: where someone else may write the directory (shared or network storage), a key
 (`load_key`: 32 random bytes in a 0600 file of this user, beside the tier or elsewhere) makes every
 block carry an HMAC-SHA256 tag that cannot be forged without it (RFC 2104). It covers the header
-too, so a valid file copied under another block's name fails as well.
+too, so a valid file copied under another block's name fails as well. With a key the namespace
+directory's name carries a digest of it (`directory_name`): servers with no key or another key
+sharing the root write to directories of their own.
 """
 from __future__ import annotations
 
@@ -153,6 +155,16 @@ def check_directory(root: str | os.PathLike) -> None:
                          f"{exc.strerror or exc}") from None
 
 
+def directory_name(namespace: bytes, key: bytes | None) -> str:
+    """The namespace's directory: its hex, and with a key a digest of the key too, so servers
+    sharing a root with no key or another key keep apart instead of refusing (and removing) each
+    other's files. The digest says nothing of the key."""
+    if key is None:
+        return namespace.hex()
+    key_id = hashlib.sha256(b"kvserve disk tier key id\0" + key).digest()
+    return hashlib.sha256(namespace + key_id).hexdigest()
+
+
 class DiskTier(BlockStore):
     name = "disk"
 
@@ -165,7 +177,7 @@ class DiskTier(BlockStore):
         self.key = key
         self.root = Path(root).expanduser()
         self.namespace = namespace
-        self.dir = self.root / namespace.hex()
+        self.dir = self.root / directory_name(namespace, key)
         self.max_bytes = capacity_bytes
         self.block_nbytes = block_nbytes
         self.file_nbytes = HEADER.size + block_nbytes
@@ -232,47 +244,66 @@ class DiskTier(BlockStore):
     def contains(self, block_hash: bytes) -> bool:
         return self.path(block_hash).exists()
 
-    def _open_block(self, block_hash: bytes) -> tuple[int | None, str | None]:
-        """(fd, None) for the block's file, opened through our directory descriptor without
-        following links; (None, None) when absent; (None, why) when something else is there."""
+    def _open_block(self, block_hash: bytes) -> int | str | None:
+        """The block file's descriptor, opened through our directory descriptor without following
+        links; None when absent; why, when something that is no block file sits there (it is
+        removed). Raises OSError when it cannot be opened now (EIO, EMFILE, ESTALE, ...): a miss
+        that keeps the file."""
         name = block_hash.hex()
         try:
             sub = os.open(name[:2], _DIR_FLAGS, dir_fd=self._dir_fd)
         except OSError as exc:
-            return None, None if exc.errno == errno.ENOENT else f"sits in {name[:2]}, which is not a directory"
+            if exc.errno == errno.ENOENT:
+                return None
+            if exc.errno in (errno.ENOTDIR, errno.ELOOP):
+                return f"sits in {name[:2]}, which is not a directory"
+            raise
         try:
             fd = os.open(name + SUFFIX, _READ_FLAGS, dir_fd=sub)
         except OSError as exc:
-            return None, None if exc.errno == errno.ENOENT else "is a symbolic link or cannot be opened"
+            if exc.errno == errno.ENOENT:
+                return None
+            if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
+                return "is a symbolic link or not a regular file"
+            raise
         finally:
             os.close(sub)
-        st = os.fstat(fd)
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            os.close(fd)
+            raise
         if not stat.S_ISREG(st.st_mode) or st.st_size != self.file_nbytes:
             os.close(fd)
-            return None, "is not a regular file" if not stat.S_ISREG(st.st_mode) else "has the wrong length"
-        return fd, None
+            return "is not a regular file" if not stat.S_ISREG(st.st_mode) else "has the wrong length"
+        return fd
 
     def get(self, block_hash: bytes, out: torch.Tensor | None = None) -> torch.Tensor | None:
-        """The block's bytes, read into `out` (a 1-D uint8 CPU tensor of block_nbytes) when given."""
+        """The block's bytes, read into `out` (a 1-D uint8 CPU tensor of block_nbytes) when given.
+        None for a miss: absent, bad (removed), or unreadable now (an I/O error: the file stays)."""
         path = self.path(block_hash)
         if out is None:
             out = torch.empty(self.block_nbytes, dtype=torch.uint8)
         payload = memoryview(out.numpy())
-        fd, problem = self._open_block(block_hash)
         header, got, extra = b"", 0, 0
-        if fd is not None:
-            try:
-                with os.fdopen(fd, "rb") as f:
+        try:
+            opened = self._open_block(block_hash)
+            if isinstance(opened, int):
+                with os.fdopen(opened, "rb") as f:
                     header = f.read(HEADER.size)
                     got = f.readinto(payload) if len(header) == HEADER.size else 0
                     extra = len(f.read(1))
-                    os.utime(f.fileno())  # least recently used goes first
-            except OSError:
-                fd = None
-        if fd is None and problem is None:
+                    try:
+                        os.utime(f.fileno())  # least recently used goes first
+                    except OSError:
+                        pass  # (a read-only mount) the block is still good
+        except OSError as exc:
+            logger.debug("KV disk tier: cannot read %s now (%s); a miss", path, exc.strerror or exc)
+            return None
+        if opened is None:
             self._removed(block_hash)  # absent (perhaps removed by another process sharing the directory)
             return None
-        problem = problem or self._check(header, got, extra, payload, block_hash)
+        problem = opened if isinstance(opened, str) else self._check(header, got, extra, payload, block_hash)
         if problem is not None:
             self.num_bad_files += 1
             logger.warning("KV disk tier: %s %s; treated as a miss and removed", path, problem)
@@ -326,10 +357,11 @@ class DiskTier(BlockStore):
         unchecked = HEADER.pack(MAGIC, FORMAT_VERSION, HMAC_SHA256, self.namespace, block_hash, len(payload), b"")
         return unchecked[:CHECKED] + tag(self.key, unchecked, payload)
 
-    def put(self, block_hash: bytes, data: torch.Tensor) -> None:
-        """Write one block (a CPU uint8 tensor); called by the background writer."""
+    def put(self, block_hash: bytes, data: torch.Tensor) -> bool:
+        """Write one block (a CPU uint8 tensor); called by the background writer. False when not
+        written (writes stopped)."""
         if self.disabled is not None:
-            return
+            return False
         if data.numel() != self.block_nbytes:
             raise ValueError(f"a block is {self.block_nbytes} bytes, got {data.numel()}")
         payload = memoryview(data.contiguous().numpy())
@@ -357,7 +389,7 @@ class DiskTier(BlockStore):
                 except OSError:
                     pass
             self.disable(f"{exc.strerror or exc} ({path.parent})")
-            return
+            return False
         finally:
             if sub is not None:
                 os.close(sub)
@@ -367,6 +399,7 @@ class DiskTier(BlockStore):
             self._used += self.file_nbytes
             if self._used > self.max_bytes:
                 self._enforce_bound()
+        return True
 
     def held_hashes(self) -> list[bytes]:
         """The blocks of this namespace on disk now (written by any process sharing the directory)."""

@@ -229,13 +229,11 @@ class TieredStore:
             data = self.kv_cache.read_blocks([block_id for block_id, _ in chunk], torch.device("cpu"))
             self._wait_for_copies()
             for i, (_, block_hash) in enumerate(chunk):
-                self.disk.put(block_hash, data[i])
-                written += 1
+                written += self.disk.put(block_hash, data[i])
         self._wait_for_copies()  # the host tier's latest copies too
         for block_hash, data in self.host.items() if self.host is not None else ():
             if not self.disk.contains(block_hash):
-                self.disk.put(block_hash, data)
-                written += 1
+                written += self.disk.put(block_hash, data)
         return written
 
     def _wait_for_copies(self) -> None:
