@@ -207,3 +207,45 @@ def test_the_response_store_never_forgets_a_background_response_still_running(mo
     for name in ("running", "old", "new", "newer"):
         serving._store({"id": name}, [])
     assert list(serving.stored) == ["running", "newer"]  # the least recently used finished one went
+
+
+def test_each_sequence_of_an_n_2_request_counts_as_a_request_as_vllms_children_do():
+    """vLLM splits n > 1 into child requests: each has its prompt, first token, inter-token gaps,
+    finish and time per output token counted; n and the longest sequence once per request; an
+    engine step's tokens (prompts whose first token came, and generated ones) once per step."""
+    metrics = ServerMetrics("m", log_interval_s=5.0, max_num_batched_tokens=64)
+
+    def step(now: float, tokens: tuple[int, int], reasons: tuple[str | None, str | None]) -> None:
+        completions = [CompletionOutput(i, "x" * n, list(range(n)), reason)
+                       for i, (n, reason) in enumerate(zip(tokens, reasons))]
+        out = RequestOutput("r", None, [1, 2, 3], completions, all(reasons))
+        out.first_scheduled_time = 0.5
+        metrics.on_outputs([out], now=now)
+
+    metrics.on_arrival("r", arrival_time=0.0, max_tokens=3)
+    step(1.0, (1, 1), (None, None))
+    step(2.0, (2, 2), ("stop", None))
+    step(3.0, (2, 3), ("stop", "length"))
+
+    def value(name: str, **labels) -> float:
+        return metrics.registry.get_sample_value(f"kvserve:{name}", {"model_name": "m", **labels})
+
+    assert value("request_success_total", finished_reason="stop") == 1
+    assert value("request_success_total", finished_reason="length") == 1
+    for name in ("e2e_request_latency_seconds", "time_to_first_token_seconds", "request_prompt_tokens",
+                 "request_generation_tokens", "request_params_max_tokens", "request_time_per_output_token_seconds"):
+        assert value(f"{name}_count") == 2, name
+    assert value("prompt_tokens_total") == 6 and value("generation_tokens_total") == 5
+    assert value("inter_token_latency_seconds_count") == 3
+    assert value("request_params_n_count") == 1 and value("request_max_num_generation_tokens_sum") == 3
+    assert value("iteration_tokens_total_count") == 3 and value("iteration_tokens_total_sum") == 6 + 5
+    assert value("e2e_request_latency_seconds_sum") == 2.0 + 3.0
+
+
+def test_a_one_token_request_observes_a_time_per_output_token_of_0():
+    metrics = ServerMetrics("m", log_interval_s=5.0)
+    metrics.on_arrival("r", arrival_time=0.0)
+    metrics.on_outputs([_output("r", 1, "length")], now=1.0)
+    sample = metrics.registry.get_sample_value
+    assert sample("kvserve:request_time_per_output_token_seconds_count", {"model_name": "m"}) == 1
+    assert sample("kvserve:request_time_per_output_token_seconds_sum", {"model_name": "m"}) == 0

@@ -84,7 +84,8 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     """The app around a loaded engine; the engine thread starts and stops with the app's lifespan."""
     from kvserve import __version__
 
-    metrics = ServerMetrics(config.served_model_names[0], config.log_interval_s, max_model_len=engine.max_model_len)
+    metrics = ServerMetrics(config.served_model_names[0], config.log_interval_s, max_model_len=engine.max_model_len,
+                            max_num_batched_tokens=engine.args.max_num_batched_tokens or 8192)
     async_engine = AsyncEngine(engine, metrics, config.request_log)
     tokens = Tokenization(engine, config.chat_template, config.trust_request_chat_template)
     ctx = ServingContext(async_engine, tokens, list(config.served_model_names), engine.max_model_len,

@@ -451,7 +451,7 @@ class AsyncEngine:
             self._streams.pop(rid, None)
             output = self.engine.abort_request(rid)
             if output is not None and self.metrics is not None:
-                self.metrics.on_outputs([output], time.monotonic())
+                self.metrics.on_outputs([output], time.monotonic(), step=False)
             if output is not None and self.request_log is not None:
                 self.request_log.finished(output)
 
@@ -504,7 +504,7 @@ class AsyncEngine:
             output = self.engine.abort_request(rid, RequestStatus.FINISHED_ERROR)
             if self.metrics is not None:
                 if output is not None:
-                    self.metrics.on_outputs([output], time.monotonic())
+                    self.metrics.on_outputs([output], time.monotonic(), step=False)
                 else:  # it finished inside the failed step; that output was lost with the step
                     self.metrics.forget(rid)
         for stream in victims:
@@ -518,7 +518,7 @@ class AsyncEngine:
             for rid in list(self._streams):
                 output = self.engine.abort_request(rid)
                 if output is not None and self.metrics is not None:
-                    self.metrics.on_outputs([output], time.monotonic())
+                    self.metrics.on_outputs([output], time.monotonic(), step=False)
         self._streams.clear()
         for stream in streams:
             self._post(stream._fail, error)

@@ -10,18 +10,27 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from kvserve.cache.tiers.tiered_store import TierUsage
 from kvserve.engine.speculative import SpeculationStats
-from kvserve.outputs import RequestOutput
+from kvserve.outputs import CompletionOutput, RequestOutput
 
 logger = logging.getLogger("kvserve.server")
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0)
-ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0)
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
                 80.0)
+
+
+def powers_of_two(limit: int) -> tuple[int, ...]:
+    """1, 8, 16, 32, ... up to `limit`, and `limit` (vLLM's iteration_tokens_total buckets)."""
+    values, value = [1], 8
+    while value < limit:
+        values.append(value)
+        value *= 2
+    return tuple(values + [limit]) if limit > 1 else (1,)
 
 
 def one_two_five(limit: int) -> tuple[int, ...]:
@@ -58,12 +67,20 @@ class EngineSnapshot:
 
 
 @dataclass
-class _RequestTimes:
-    arrival: float
-    max_tokens: int | None = None  # the request's, as the engine resolved it
+class _SampleTimes:
+    """One sequence of a request (n > 1: each counts as a request, as vLLM's child requests do)."""
+
     first_token: float | None = None
     last_token: float = 0.0
     num_tokens: int = 0
+    done: bool = False
+
+
+@dataclass
+class _RequestTimes:
+    arrival: float
+    max_tokens: int | None = None  # the request's, as the engine resolved it
+    samples: dict[int, _SampleTimes] = field(default_factory=dict)
 
 
 @dataclass
@@ -82,6 +99,7 @@ class ServerMetrics:
     log_interval_s: float | None = 5.0  # None: no periodic log line (--disable-log-stats); metrics still count
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
     max_model_len: int = 8192  # the token-count histograms' last bucket
+    max_num_batched_tokens: int = 8192  # iteration_tokens_total's last bucket
 
     def __post_init__(self) -> None:
         labels, r = ["model_name"], self.registry
@@ -145,6 +163,11 @@ class ServerMetrics:
         self.max_tokens_param = histogram("request_params_max_tokens", "The max_tokens of each request.",
                                           token_buckets)
         self.n_param = histogram("request_params_n", "The n of each request.", (1, 2, 5, 10, 20))
+        self.max_generation_tokens = histogram("request_max_num_generation_tokens", "The most tokens one "
+                                               "sequence of a request generated.", token_buckets)
+        self.iteration_tokens = histogram("iteration_tokens_total", "Tokens per engine step (prompts whose "
+                                          "first token came, and generated tokens).",
+                                          powers_of_two(self.max_num_batched_tokens))
         self._times: dict[str, _RequestTimes] = {}
         self._last: EngineSnapshot | None = None
         self._interval = _Interval(start=0.0)
@@ -164,57 +187,68 @@ class ServerMetrics:
         self._times[request_id] = _RequestTimes(arrival_time, max_tokens)
         self._mark_active(arrival_time)
 
-    def on_outputs(self, outputs: list[RequestOutput], now: float) -> None:
-        generated = 0  # counted once per step, not per request
+    def on_outputs(self, outputs: list[RequestOutput], now: float, step: bool = True) -> None:
+        """Count what `outputs` report (`step`: one engine step's, else an abort's or a failure's).
+        Each sequence of an n > 1 request counts as a request of its own (vLLM's child requests):
+        its prompt, first token, latencies and finish; n and the longest sequence, once."""
+        generated = prompt = 0
         for out in outputs:
             times = self._times.get(out.request_id)
             if times is None:
                 continue
-            num_tokens = sum(len(c.token_ids) for c in out.outputs)
-            new = num_tokens - times.num_tokens
-            if new > 0:
-                if times.first_token is None:
-                    times.first_token = now
-                    self.ttft.observe(now - times.arrival)
-                    self._count_prompt(len(out.prompt_token_ids))
-                else:
-                    self.itl.observe(now - times.last_token)
-                generated += new
-                times.num_tokens, times.last_token = num_tokens, now
-            if out.finished and times.first_token is None and all(c.finish_reason == "length" for c in out.outputs):
-                # Prefill only (max_tokens 0): its prompt was computed though no token came.
-                self._count_prompt(len(out.prompt_token_ids))
+            for completion in out.outputs:
+                sample = times.samples.setdefault(completion.index, _SampleTimes())
+                if sample.done:
+                    continue
+                new = len(completion.token_ids) - sample.num_tokens
+                if new > 0:
+                    if sample.first_token is None:
+                        sample.first_token = now
+                        self.ttft.observe(now - times.arrival)
+                        prompt += len(out.prompt_token_ids)
+                    else:
+                        self.itl.observe(now - sample.last_token)
+                    generated += new
+                    sample.num_tokens, sample.last_token = len(completion.token_ids), now
+                if completion.finish_reason is not None or out.finished:
+                    sample.done = True
+                    if sample.first_token is None and completion.finish_reason == "length":
+                        prompt += len(out.prompt_token_ids)  # prefill only (max_tokens 0): computed, no token
+                    self._observe_finished(out, completion, times, sample, now)
             if out.finished:
-                self.e2e.observe(now - times.arrival)
-                self._observe_phases(out, times, now)
-                for completion in out.outputs:
-                    self._success.labels(self.model_name, completion.finish_reason or "abort").inc()
+                self.n_param.observe(len(out.outputs))
+                self.max_generation_tokens.observe(max(len(c.token_ids) for c in out.outputs))
                 del self._times[out.request_id]
+        if prompt:
+            self._count_prompt(prompt)
         if generated:
             self.generation_tokens.inc(generated)
             self._generation_tokens_total += generated
             self._interval.generation_tokens += generated
+        if step and prompt + generated:
+            self.iteration_tokens.observe(prompt + generated)
 
-    def _observe_phases(self, out: RequestOutput, times: _RequestTimes, now: float) -> None:
-        """A finished request's phase times and sizes (vLLM's request_* histograms). The phases end
-        at its last token (vLLM's), so an abort's wait after it counts only in e2e."""
+    def _observe_finished(self, out: RequestOutput, completion: CompletionOutput, times: _RequestTimes,
+                          sample: _SampleTimes, now: float) -> None:
+        """A finished sequence's latency, phase times and sizes (vLLM's request_* histograms). The
+        phases end at its last token (vLLM's), so an abort's wait after it counts only in e2e."""
+        self.e2e.observe(now - times.arrival)
+        self._success.labels(self.model_name, completion.finish_reason or "abort").inc()
         scheduled = out.first_scheduled_time
-        end = times.last_token if times.first_token is not None else now
+        end = sample.last_token if sample.first_token is not None else now
         if scheduled is not None:  # else aborted while it waited: no queue time to speak of
             self.queue_time.observe(max(0.0, scheduled - times.arrival))
             self.inference_time.observe(max(0.0, end - scheduled))
-            if times.first_token is not None:
-                self.prefill_time.observe(max(0.0, times.first_token - scheduled))
-        if times.first_token is not None:
-            self.decode_time.observe(end - times.first_token)
-            if len(out.outputs) == 1 and times.num_tokens > 1:
-                self.tpot.observe((times.last_token - times.first_token) / (times.num_tokens - 1))
+            if sample.first_token is not None:
+                self.prefill_time.observe(max(0.0, sample.first_token - scheduled))
+        if sample.first_token is not None:
+            self.decode_time.observe(end - sample.first_token)
+            # (vLLM's: 0 for a sequence of one token)
+            self.tpot.observe((end - sample.first_token) / (sample.num_tokens - 1) if sample.num_tokens > 1 else 0.0)
         self.request_prompt_tokens.observe(len(out.prompt_token_ids))
-        for completion in out.outputs:  # each sample's own length, as vLLM counts n > 1
-            self.request_generation_tokens.observe(len(completion.token_ids))
+        self.request_generation_tokens.observe(len(completion.token_ids))
         if times.max_tokens is not None:
             self.max_tokens_param.observe(times.max_tokens)
-        self.n_param.observe(len(out.outputs))
 
     def _count_prompt(self, tokens: int) -> None:
         """A request's prompt was computed: /metrics' counter, the dashboard's total and the log line's."""
