@@ -94,6 +94,8 @@ class SamplingParams:
     policy, budget, sink_tokens, recent_tokens (or just a policy name, e.g. "none").
     `logit_bias` ({token id: bias}, OpenAI's and vLLM's): added to those tokens' logits before
     penalties, temperature and truncation (the HTTP API clamps biases to [-100, 100] as vLLM does).
+    `truncate_prompt_tokens` (vLLM's): keep only the prompt's last k tokens (left truncation); -1:
+    the last max-model-len.
     `logits_processors` (Python only, not an API field) run in order on this request's logits
     before any other transformation; logprobs stay those of the raw distribution. A processor
     that raises fails its request (finish reason "error"), not the batch. With n > 1 every sample
@@ -124,6 +126,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         self.kv_eviction = EvictionSpec.parse(self.kv_eviction)
@@ -194,6 +197,9 @@ class SamplingParams:
                     raise ValueError(f"logit_bias keys must be token ids, got {token!r}.")
                 if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
                     raise ValueError(f"logit_bias values must be finite numbers, got {bias!r} for token {token}.")
+        k = self.truncate_prompt_tokens
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not (k >= 1 or k == -1)):
+            raise ValueError(f"truncate_prompt_tokens must be an integer >= 1 or -1, got {k!r}")  # vLLM's text
         if any(not callable(p) for p in self.logits_processors):
             raise ValueError("logits_processors must be callables (output_token_ids, logits) -> logits.")
 

@@ -1,6 +1,8 @@
 """The offline `LLM` API given careless input: a one-line ValueError, and nothing half-queued."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from kvserve import LLM, SamplingParams
@@ -148,3 +150,21 @@ def test_embed_gives_vllms_shape_and_the_engines_pooled_vectors(llm):
     with pytest.raises(ValueError, match="out of vocabulary"):
         llm.embed(["fine", [10 ** 9]], use_tqdm=False)
     assert llm.engine.num_free_blocks == llm.engine.num_blocks  # embeddings hold no KV blocks
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm):
+    """vLLM's SamplingParams.truncate_prompt_tokens: left truncation; -1 is max-model-len."""
+    ids = list(range(10, 40))
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    [cut, last] = llm.generate([{"prompt_token_ids": ids}, {"prompt_token_ids": ids[-5:]}],
+                               [dataclasses.replace(params, truncate_prompt_tokens=5), params], use_tqdm=False)
+    assert cut.prompt_token_ids == ids[-5:] and cut.outputs[0].token_ids == last.outputs[0].token_ids
+    [whole] = llm.generate([{"prompt_token_ids": ids}], dataclasses.replace(params, truncate_prompt_tokens=-1),
+                           use_tqdm=False)
+    assert whole.prompt_token_ids == ids
+    for bad in (0, -2, True):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+            SamplingParams(truncate_prompt_tokens=bad)
+    with pytest.raises(ValueError, match="greater than max_model_len"):
+        llm.generate([{"prompt_token_ids": ids}], dataclasses.replace(params, truncate_prompt_tokens=1 << 20),
+                     use_tqdm=False)

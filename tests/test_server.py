@@ -254,6 +254,24 @@ def test_min_tokens_holds_back_stop_strings(tiny_server, client):
     assert full.index(stop) < len(before)  # the held-back occurrence was there to be skipped
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(tiny_server, client):
+    """vLLM's truncate_prompt_tokens on completions and chat: the prompt's last k tokens are the
+    prompt (usage counts them), and a text longer than the context is then no 400."""
+    ids = httpx.post(f"{tiny_server.base_url}/tokenize", json={"prompt": PROMPTS[0]}).json()["tokens"]
+    last = client.completions.create(model="tiny", prompt=ids[-6:], max_tokens=5, **GREEDY)
+    cut = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=5, **GREEDY,
+                                    extra_body={"truncate_prompt_tokens": 6})
+    assert cut.usage.prompt_tokens == 6 and cut.choices[0].text == last.choices[0].text
+    long = client.completions.create(model="tiny", prompt=PROMPTS[0] * 400, max_tokens=2, **GREEDY,
+                                     extra_body={"truncate_prompt_tokens": 100})
+    assert long.usage.prompt_tokens == 100
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPTS[0] * 400}],
+                                          max_tokens=2, extra_body={"truncate_prompt_tokens": 50})
+    assert chat.usage.prompt_tokens == 50
+    with pytest.raises(openai.BadRequestError, match="truncate_prompt_tokens"):
+        client.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body={"truncate_prompt_tokens": 0})
+
+
 def test_logit_bias_forces_and_bans_a_token(tiny_server, client):
     """OpenAI's logit_bias through the openai client: +100 forces a token, -100 bans the greedy one;
     ids are checked against the vocabulary and biases clamped to [-100, 100] (vLLM)."""

@@ -1,6 +1,6 @@
 """`/v1/embeddings` (OpenAI's API, vLLM's pooling of a decoder model): the engine's pooled vectors
 against HF transformers' hidden states, then through the openai client against a real server:
-float and base64 encodings, `dimensions`, the KV pool given back at once, and on the default model
+float and base64 encodings, `dimensions`, `truncate_prompt_tokens`, the KV pool given back at once, and on the default model
 paraphrases closer than unrelated sentences."""
 from __future__ import annotations
 
@@ -55,11 +55,31 @@ def test_embeddings_through_the_openai_client(tiny_server, client):
     ids = httpx.post(f"{tiny_server.base_url}/tokenize", json={"prompt": TEXTS[1]}).json()["tokens"]
     by_ids = client.embeddings.create(model="tiny", input=[ids], encoding_format="float").data[0].embedding
     assert np.allclose(by_ids, vectors[1], atol=1e-6)
-    assert len(client.embeddings.create(model="tiny", input="x", dimensions=64).data[0].embedding) == 64
-    with pytest.raises(openai.BadRequestError, match="does not support matryoshka representation"):
-        client.embeddings.create(model="tiny", input="x", dimensions=32)
+    for dimensions in (64, 32):  # vLLM refuses any for a model without a Matryoshka representation
+        with pytest.raises(openai.BadRequestError, match="does not support matryoshka representation"):
+            client.embeddings.create(model="tiny", input="x", dimensions=dimensions)
     metrics = httpx.get(f"{tiny_server.base_url}/metrics").text
     assert float(re.search(r"^kvserve:kv_cache_usage_perc\S* (\S+)$", metrics, re.M).group(1)) == 0.0
+
+
+def test_truncate_prompt_tokens_embeds_the_inputs_last_tokens(tiny_server, client):
+    """vLLM's left truncation: the last k tokens (-1: max-model-len, 1024 here), so an input longer
+    than the context is embedded instead of refused; 0, or more than max-model-len, is a 400."""
+    ids = [5 + i % 300 for i in range(1100)]
+    truncated = client.embeddings.create(model="tiny", input=[ids], extra_body={"truncate_prompt_tokens": 10})
+    assert truncated.usage.prompt_tokens == 10
+    assert np.allclose(truncated.data[0].embedding,
+                       client.embeddings.create(model="tiny", input=[ids[-10:]]).data[0].embedding, atol=1e-6)
+    whole = client.embeddings.create(model="tiny", input=[ids], extra_body={"truncate_prompt_tokens": -1})
+    assert whole.usage.prompt_tokens == 1024
+    text = client.embeddings.create(model="tiny", input="word " * 5000, extra_body={"truncate_prompt_tokens": 4})
+    assert text.usage.prompt_tokens == 4
+    for bad in (0, 2000):
+        with pytest.raises(openai.BadRequestError, match="truncate_prompt_tokens"):
+            client.embeddings.create(model="tiny", input="x", extra_body={"truncate_prompt_tokens": bad})
+    with pytest.raises(openai.BadRequestError) as empty:
+        client.embeddings.create(model="tiny", input=[])
+    assert empty.value.body["param"] == "input"
 
 
 @pytest.mark.slow

@@ -259,6 +259,7 @@ class LLMEngine:
         if request_id in self.output_processor:
             raise ValueError(f"duplicate request id {request_id!r}")
         text, token_ids = self.tokenize(prompt)
+        token_ids = self.truncated(token_ids, params.truncate_prompt_tokens)
         max_tokens = self.validate(token_ids, params)
         eviction = self.resolve_eviction(params.kv_eviction)
         sequences = []
@@ -275,6 +276,16 @@ class LLMEngine:
         for request in sequences:
             self.scheduler.add(request)
         return request_id
+
+    def truncated(self, token_ids: list[int], keep: int | None) -> list[int]:
+        """The prompt's last `keep` tokens (vLLM's truncate_prompt_tokens; -1: max-model-len; None:
+        all of them). ValueError when `keep` is over max-model-len."""
+        if keep is None:
+            return token_ids
+        if keep > self.max_model_len:  # vLLM's text
+            raise ValueError(f"truncate_prompt_tokens value ({keep}) is greater than max_model_len "
+                             f"({self.max_model_len}). Please, select a smaller truncation size.")
+        return token_ids[-(self.max_model_len if keep == -1 else keep):]
 
     def check_priority(self, priority: object) -> None:
         """A request's priority: an integer (int64, as vLLM's field), and 0 unless the scheduler

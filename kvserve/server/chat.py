@@ -97,7 +97,8 @@ class ChatServing:
         return await self.ctx.tokens.chat_prompt(conversation(body.messages), body.add_generation_prompt,
                                                  plan.tools if plan is not None else None,
                                                  body.continue_final_message, body.chat_template_kwargs,
-                                                 body.chat_template)
+                                                 body.chat_template,
+                                                 truncating=body.truncate_prompt_tokens is not None)
 
     async def create(self, body: ChatCompletionRequest, request: Request, fit_context: bool = False) -> Response:
         """`fit_context` (Anthropic's context rules): a max_tokens past the context is cut to the
@@ -115,7 +116,8 @@ class ChatServing:
         if plan is not None and (constraint := plan.structured_outputs()) is not None:
             params = dataclasses.replace(params, structured_outputs=constraint)
         # A client that leaves while its prompt waits for the tokenizer drops the job.
-        prompt_ids = await unless_disconnected(self.prompt(body, plan), request)
+        prompt_ids = ctx.truncated(await unless_disconnected(self.prompt(body, plan), request),
+                                   body.truncate_prompt_tokens)
         thinks = self.reasoning is not None and self.reasoning.thinks_after(prompt_ids, body.continue_final_message,
                                                                             messages[-1].get("content") or "")
         if thinks and params.structured_outputs is not None:  # the constraint is the answer's

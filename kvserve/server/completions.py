@@ -69,9 +69,12 @@ class CompletionServing:
         ctx.check_fields(body)
         priority = ctx.priority(request, body.priority)
         # A client that leaves while its prompt waits for the tokenizer drops the job.
-        prompts = await unless_disconnected(ctx.tokens.completion_prompts(body.prompt), request)
+        prompts = await unless_disconnected(ctx.tokens.completion_prompts(
+            body.prompt, truncating=body.truncate_prompt_tokens is not None), request)
         if body.suffix:
             await ctx.tokens.fill_in_the_middle(prompts, body.suffix)
+        for prompt in prompts:
+            prompt.token_ids = ctx.truncated(prompt.token_ids, body.truncate_prompt_tokens)
         # As in vLLM: echo with logprobs computes the prompt's logprobs (k = logprobs).
         echo_logprobs = body.echo and body.logprobs is not None
         as_ids = ctx.tokens_as_ids(body)

@@ -3,8 +3,9 @@ generative model's embeddings: the final-normed hidden states pooled (`--pooling
 token's, or the mean) and L2-normalised (LLMEngine.embed). Each input runs on the engine thread
 between two steps, through the paged cache in chunks; its blocks go back to the pool at once, so
 embeddings take no lasting KV memory. `encoding_format` float or base64 (float32 bytes, as
-OpenAI's clients decode them); `dimensions` is refused unless it is the model's own size, since
-a decoder's hidden state is not trained to be cut (no Matryoshka representation)."""
+OpenAI's clients decode them); `dimensions` is refused, as vLLM refuses it for a model without a
+Matryoshka representation (a decoder's hidden state is not trained to be cut);
+`truncate_prompt_tokens` (vLLM's) keeps each input's last k tokens."""
 from __future__ import annotations
 
 import base64
@@ -29,6 +30,7 @@ class EmbeddingRequest(OpenAIModel):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)  # vLLM's: keep the last k (-1: max-model-len)
     # vLLM's; embeddings run between engine steps, never queued, so any priority the policy allows is met
     priority: int = Field(default=0, ge=INT64_MIN, le=INT64_MAX)
 
@@ -61,11 +63,14 @@ class EmbeddingServing:
         self.ctx.check_model(body.model)
         self.ctx.priority(request, body.priority)
         log_ignored_fields(body.unknown_fields())
-        if body.dimensions is not None and body.dimensions != self.hidden_size:  # vLLM's text, and the size
+        if body.dimensions is not None:  # vLLM's text, and the size
             raise APIError(400, f"Model does not support matryoshka representation, changing output dimensions "
                                 f"will lead to poor results (its embeddings have {self.hidden_size} dimensions).",
                            param="dimensions")
-        prompts = await self.tokens.completion_prompts(body.input)
+        prompts = await self.tokens.completion_prompts(body.input, truncating=body.truncate_prompt_tokens is not None,
+                                                       param="input")
+        for prompt in prompts:
+            prompt.token_ids = self.ctx.truncated(prompt.token_ids, body.truncate_prompt_tokens)
         if len(prompts) > MAX_INPUTS:
             raise APIError(400, f"At most {MAX_INPUTS} inputs per request, got {len(prompts)}.", param="input")
         for prompt in prompts:  # ids given by the client index the embedding table

@@ -174,12 +174,15 @@ class Tokenization:
         for executor in (self._small, self._large):
             executor.shutdown(wait=False, cancel_futures=True)
 
-    async def completion_prompts(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[Prompt]:
-        """`prompt` as OpenAI allows it: a string, strings, token ids, or lists of token ids."""
+    async def completion_prompts(self, prompt: str | list[str] | list[int] | list[list[int]],
+                                 truncating: bool = False, param: str = "prompt") -> list[Prompt]:
+        """`prompt` as OpenAI allows it: a string, strings, token ids, or lists of token ids.
+        `truncating` (truncate_prompt_tokens given): a text longer than max-model-len can hold is
+        tokenized anyway (the request's texts stay within the body's budget)."""
         if isinstance(prompt, str):
             items: list = [prompt]
         elif not prompt:
-            raise APIError(400, "prompt must not be empty.", param="prompt")
+            raise APIError(400, f"{param} must not be empty.", param=param)
         elif isinstance(prompt[0], int):
             items = [prompt]
         else:
@@ -187,12 +190,13 @@ class Tokenization:
         chars = 0
         for i, item in enumerate(items):
             if isinstance(item, str):
-                self.check_length(len(item), "prompt" if len(items) == 1 else f"prompt[{i}]")
+                if not truncating:
+                    self.check_length(len(item), param if len(items) == 1 else f"{param}[{i}]")
                 chars += len(item)
         if chars > self.max_body_chars:
             raise APIError(400, f"The prompts of this request have {chars} characters in all, more than one request "
                                 f"may send ({self.max_body_chars}: {BODY_PROMPTS_BUDGET} prompts of the longest "
-                                f"max-model-len can hold). Send them in several requests.", param="prompt")
+                                f"max-model-len can hold). Send them in several requests.", param=param)
         # One tokenizer job per prompt, queued one after the other: another request's job waits
         # behind one of these prompts at most, not behind the whole body.
         prompts = []
@@ -209,7 +213,7 @@ class Tokenization:
     async def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
                           tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
                           template_kwargs: dict[str, Any] | None = None,
-                          chat_template: str | None = None) -> list[int]:
+                          chat_template: str | None = None, truncating: bool = False) -> list[int]:
         """The conversation rendered by the chat template (the request's own, `chat_template`, only
         when trusted) and tokenized; tool definitions, calls and results go where the template puts
         them, or in hermes text (engine/tool_prompts.py)."""
@@ -220,7 +224,8 @@ class Tokenization:
                     for m in messages)
         chars += len(json.dumps(tools or [])) + len(json.dumps(template_kwargs or {})) + len(chat_template or "")
         chat_template = own or self.chat_template  # (an empty one: the server's)
-        self.check_length(chars, "messages")
+        if not truncating:  # (truncate_prompt_tokens: kept to the body's budget only)
+            self.check_length(chars, "messages")
 
         def render() -> list[int]:
             try:

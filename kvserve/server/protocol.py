@@ -173,6 +173,8 @@ class SamplingFields(OpenAIModel):
     request_id: str | None = None  # vLLM's: names the response unless an X-Request-Id header does (request_id.py)
     # vLLM's: lower is served first under --scheduling-policy priority (priority.py); else only 0
     priority: int = Field(default=0, ge=INT64_MIN, le=INT64_MAX)
+    # vLLM's: keep the prompt's last k tokens (-1: max-model-len)
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> "SamplingFields":
@@ -212,7 +214,8 @@ class SamplingFields(OpenAIModel):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             kv_eviction=self.kv_eviction.model_dump(exclude_none=True) if self.kv_eviction else None,
-            structured_outputs=self.structured_outputs_params(), logit_bias=self.logit_bias_ids(), **given)
+            structured_outputs=self.structured_outputs_params(), logit_bias=self.logit_bias_ids(),
+            truncate_prompt_tokens=self.truncate_prompt_tokens, **given)
 
     def logit_bias_ids(self) -> dict[int, float] | None:
         """logit_bias with integer token ids and biases clamped to [-100, 100]; ValueError (a 400)

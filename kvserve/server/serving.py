@@ -67,6 +67,17 @@ class ServingContext:
             raise APIError(400, str(exc), param="priority") from exc
         return priority
 
+    def truncated(self, token_ids: list[int], keep: int | None) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: max-model-len); a 400
+        for 0 or more than max-model-len."""
+        if keep == 0:  # vLLM's text
+            raise APIError(400, "truncate_prompt_tokens must be an integer >= 1 or -1, got 0",
+                           param="truncate_prompt_tokens")
+        try:
+            return self.engine.engine.truncated(token_ids, keep)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="truncate_prompt_tokens") from exc
+
     def stream_usage(self, body: SamplingFields) -> tuple[bool, bool]:
         """(a final usage chunk, usage on every chunk) for a stream: the request's stream_options,
         or both under --enable-force-include-usage (vLLM's)."""
