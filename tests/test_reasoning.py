@@ -243,6 +243,21 @@ def test_an_output_that_opens_its_thinking_is_thinking_after_a_prompt_that_close
         assert "".join(d.get("content") or "" for d in deltas) == ANSWER
 
 
+def test_messages_thinking_disabled_switches_a_qwen3_templates_thinking_off(opening_server):
+    """Anthropic's `thinking: {"type": "disabled"}` reaches a template that can switch thinking off
+    (Qwen3's enable_thinking): its generation prompt closes an empty thinking, as with vLLM's
+    chat_template_kwargs; the request's own chat_template_kwargs win."""
+    url = f"{opening_server.base_url}/v1/messages/count_tokens"
+    body = {"model": "thinker", "messages": MESSAGES}
+
+    def count(**extra) -> int:
+        return httpx.post(url, json={**body, **extra}, timeout=60).json()["input_tokens"]
+
+    closed = len(build_tokenizer().encode("\n\n\n\n", add_special_tokens=False)) + 2  # + <think>, </think>
+    assert count(thinking={"type": "disabled"}) == count() + closed
+    assert count(thinking={"type": "disabled"}, chat_template_kwargs={"enable_thinking": True}) == count()
+
+
 def test_responses_logprobs_leave_out_the_outputs_own_think_tag(opening_server):
     """/v1/responses with the text's logprobs: the output's opening <think> is thinking, not the
     answer's first token, streamed or not."""

@@ -217,6 +217,7 @@ def test_a_prompt_longer_than_the_context_is_refused_in_anthropics_words(client)
     ({"max_tokens": 0, "messages": QUESTION}, 400, "max_tokens"),
     ({"max_tokens": 4, "messages": [{"role": "user", "content": []}]}, 400, "empty"),
     ({"max_tokens": 4, "messages": QUESTION, "min_tokens": 1020}, 400, "min_tokens"),
+    ({"max_tokens": 4, "messages": QUESTION, "temperature": 1.5}, 400, "temperature"),  # Anthropic's is 0..1
 ])
 def test_bad_requests_get_anthropics_error_body(tiny_server, fields, status, words):
     response = httpx.post(f"{tiny_server.base_url}/v1/messages", json={"model": "tiny", **fields}, timeout=60)

@@ -98,8 +98,11 @@ THINKING_TEMPLATE = (
 
 
 # Qwen3's shape of template: the generation prompt does not open <think> (the model does), and an
-# earlier assistant turn's thinking is written back (Qwen3 does so for the turns of a tool loop).
-OPENING_TEMPLATE = THINKING_TEMPLATE.replace("assistant\n<think>\n", "assistant\n")
+# earlier assistant turn's thinking is written back (Qwen3 does so for the turns of a tool loop);
+# enable_thinking false closes an empty thinking in the generation prompt, as Qwen3's does.
+OPENING_TEMPLATE = THINKING_TEMPLATE.replace(
+    "assistant\n<think>\n' }}", "assistant\n' }}{% if enable_thinking is defined and enable_thinking is false %}"
+    "{{ '<think>\n\n</think>\n\n' }}{% endif %}")
 
 
 def build_scripted_reasoning_model(path: Path, reasoning: str, answer: str, opens: bool = False) -> Path:

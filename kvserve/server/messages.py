@@ -15,7 +15,8 @@ models answer; `usage.input_tokens` excludes the prefix-cache hits, which are
 `cache_read_input_tokens`; `cache_control` marks need nothing (every full block is cached);
 `thinking` and `output_config.effort` ask nothing of a model that does not think; a reasoning model
 served with --reasoning-parser answers with a `thinking` block first (its `signature` empty: there
-is nothing to verify), unless `thinking.type` is "disabled", and an earlier turn's thinking block
+is nothing to verify), unless `thinking.type` is "disabled" (then a template that can switch
+thinking off, Qwen3's `enable_thinking`, is told to), and an earlier turn's thinking block
 is that turn's `reasoning_content` for the template; a Claude Code billing-header system block,
 new text every request, is dropped so it does not defeat the prefix cache (vLLM drops it too).
 """
@@ -26,6 +27,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -59,7 +61,7 @@ class MessagesRequest(OpenAIModel):
     messages: list[dict[str, Any]]
     system: str | list[dict[str, Any]] | None = None
     stop_sequences: list[str] | None = None
-    temperature: float | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=1.0)  # Anthropic's range
     top_p: float | None = None
     top_k: int | None = None
     stream: bool = False
@@ -291,6 +293,7 @@ class MessagesServing:
         prefill = is_prefill(messages)
         choice, parallel = chat_tool_choice(body.tool_choice)
         log_ignored_fields(sorted(set(extra) - set(_CHAT_EXTRAS)))
+        thinking_off = (body.thinking or {}).get("type") == "disabled"
         fields = {
             **{name: extra[name] for name in _CHAT_EXTRAS if name in extra},
             "model": body.model, "messages": messages, "tools": chat_tools(body.tools), "tool_choice": choice,
@@ -298,7 +301,11 @@ class MessagesServing:
             "stop": body.stop_sequences, "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
             "user": user, "stream": body.stream,
             "add_generation_prompt": not prefill, "continue_final_message": prefill,
-            "include_reasoning": (body.thinking or {}).get("type") != "disabled",
+            "include_reasoning": not thinking_off,
+            # disabled: templates that can switch thinking off (Qwen3's enable_thinking) do, unless
+            # the request's own chat_template_kwargs say otherwise
+            **({"chat_template_kwargs": {"enable_thinking": False, **(extra.get("chat_template_kwargs") or {})}}
+               if thinking_off else {}),
             **({"stream_options": {"include_usage": True, "continuous_usage_stats": True}} if body.stream else {})}
         return chat_request(fields)
 
