@@ -275,6 +275,8 @@ def check_dataset_args(args: Any) -> None:
     if args.dataset_name == "random":
         for value in (args.random_input_len, args.random_output_len):
             LengthRange.parse(value, args.random_range_ratio)
+        if LengthRange.parse(args.random_input_len, args.random_range_ratio).low + args.random_prefix_len < 1:
+            raise ValueError(f"--random-input-len {args.random_input_len} makes empty prompts: a prompt needs a token")
     elif args.dataset_name == "book":
         for value in (args.book_input_len, args.book_output_len):
             LengthRange.parse(value)

@@ -8,6 +8,7 @@ definitions and JSON key names).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,8 +89,8 @@ def parse_goodput(items: list[str] | None) -> dict[str, float]:
             slos[name] = float(value)
         except ValueError:
             raise ValueError(f"--goodput {item!r}: {value!r} is not a number of milliseconds") from None
-        if slos[name] < 0:
-            raise ValueError(f"--goodput {item!r}: the limit must be non-negative")
+        if not 0 <= slos[name] < math.inf:
+            raise ValueError(f"--goodput {item!r}: the limit must be a non-negative number of milliseconds")
     return slos
 
 

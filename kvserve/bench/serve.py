@@ -53,7 +53,7 @@ class LoadConfig:
             raise ValueError(f"--burstiness must be positive, got {self.burstiness}")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError(f"--max-concurrency must be at least 1, got {self.max_concurrency}")
-        if self.num_warmups < 0 or self.metrics_interval < 0 or self.request_timeout <= 0:
+        if self.num_warmups < 0 or not self.metrics_interval >= 0 or not 0 < self.request_timeout < math.inf:
             raise ValueError("--num-warmups and --metrics-interval must be >= 0, --request-timeout > 0")
 
 

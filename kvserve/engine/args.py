@@ -312,6 +312,8 @@ class EngineArgs:
         _check_int("nnodes", self.nnodes, 1)
         _check_int("node_rank", self.node_rank, 0)
         _check_int("master_port", self.master_port, 1, optional=True)
+        if self.master_port is not None and self.master_port > 65535:
+            raise ValueError(f"--master-port must be a TCP port (1 to 65535), got {self.master_port}")
         if self.node_rank >= self.nnodes:
             raise ValueError(f"--node-rank must be less than --nnodes ({self.nnodes}), got {self.node_rank}")
         if self.tensor_parallel_size % self.nnodes:

@@ -31,7 +31,7 @@ def fetch_state(client, url: str) -> dict:
 
     try:
         response = client.get(url + "/dashboard/state")
-    except httpx.HTTPError as exc:
+    except (httpx.HTTPError, httpx.InvalidURL) as exc:
         raise StateError(f"cannot reach {url} ({type(exc).__name__}: {exc or 'no answer'})") from None
     if response.status_code == 401:
         raise StateError(f"{url} refused the API key: pass the server's key with --api-key or ${API_KEY_ENV}")
@@ -57,8 +57,8 @@ def run(args: argparse.Namespace) -> int:
     from kvserve.cli import UserError
     from kvserve.entrypoints.top_view import TopView
 
-    if args.interval <= 0:
-        raise UserError("--interval must be positive")
+    if not 0 < args.interval < 86400:  # (NaN and inf are neither)
+        raise UserError(f"--interval must be a positive number of seconds under a day, got {args.interval}")
     url = args.url.rstrip("/")
     if "://" not in url:
         url = "http://" + url

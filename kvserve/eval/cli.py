@@ -174,7 +174,7 @@ def run_long_context(args: argparse.Namespace) -> int:
                    "KV dtype, with --long-tokens, --long-chunk-size and a step budget of its own")
     d = LongContextConfig()
     config = LongContextConfig(
-        num_tokens=args.long_tokens, budget=args.kv_budget or d.budget,
+        num_tokens=args.long_tokens, budget=d.budget if args.kv_budget is None else args.kv_budget,
         sink_tokens=d.sink_tokens if args.sink_tokens is None else args.sink_tokens,
         recent_tokens=args.recent_tokens, chunk_size=args.long_chunk_size, segment=args.long_segment,
         configs=args.long_configs, passkey_length=0 if args.no_passkey else args.long_passkey_length,

@@ -1,0 +1,58 @@
+"""The command line given bad input: a one-line error and exit 2, never a traceback, never a run
+that goes wrong later (the review's findings: an abbreviated flag that `serve --data-parallel-size`
+passed on to its replicas, an output path that is a directory, NaN and out-of-range numbers)."""
+from __future__ import annotations
+
+import argparse
+import math
+
+import pytest
+
+import kvserve.plan.cli as plan_cli
+from kvserve.bench.datasets import check_dataset_args
+from kvserve.bench.metrics import parse_goodput
+from kvserve.bench.serve import LoadConfig
+from kvserve.cli import build_parser, main
+from kvserve.engine.args import EngineArgs
+
+
+@pytest.mark.parametrize("argv", [
+    ["serve", "model", "--data-parallel", "2"],  # a replica read it as --data-parallel-size: replicas without end
+    ["serve", "model", "--rout", "round_robin"],
+    ["bench", "serve", "--request-time", "5"],
+])
+def test_abbreviated_flags_are_refused(argv, capsys):
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(argv)
+    assert exited.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
+
+
+def test_an_os_error_is_one_line_and_exit_2(monkeypatch, capsys):
+    def write_into_a_directory(args: argparse.Namespace) -> int:
+        raise IsADirectoryError(21, "Is a directory", "/tmp")
+
+    monkeypatch.setattr(plan_cli, "run_plan", write_into_a_directory)
+    assert main(["plan"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "kvserve plan: error: Is a directory (/tmp)"
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["top", "--interval", "nan", "http://127.0.0.1:9"], "--interval must be a positive number"),
+    (["top", "--interval", "inf", "http://127.0.0.1:9"], "--interval must be a positive number"),
+])
+def test_top_refuses_an_interval_that_is_no_number_of_seconds(argv, words, capsys):
+    assert main(argv) == 2 and words in capsys.readouterr().err
+
+
+def test_numbers_that_are_nan_or_out_of_range_are_refused():
+    with pytest.raises(ValueError, match="--goodput"):
+        parse_goodput(["ttft:nan"])
+    with pytest.raises(ValueError, match="--request-timeout"):
+        LoadConfig(request_timeout=math.nan).validate()
+    with pytest.raises(ValueError, match="--master-port must be a TCP port"):
+        EngineArgs(model="x", master_port=99999).validate()
+    args = argparse.Namespace(num_prompts=4, dataset_name="random", random_input_len="0", random_output_len="4",
+                              random_range_ratio=0.0, random_prefix_len=0)
+    with pytest.raises(ValueError, match="empty prompts"):
+        check_dataset_args(args)
