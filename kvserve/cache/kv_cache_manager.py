@@ -325,11 +325,12 @@ class KVCacheManager:
         revive), none for blocks out of the sliding window."""
         have = len(self.req_blocks.get(request.request_id, ()))
         first_query = request.num_kv_tokens + (len(cached) + num_loaded) * self.block_size
+        new = max(0, -(-(first_query + num_new_tokens) // self.block_size) - have - len(cached))
+        if self.window is None:
+            return new + sum(1 for b in cached if b.ref_cnt == 0)
         gone = self.out_of_window(request, first_query)
         skipped = min(max(0, gone - have - len(cached)), num_loaded)  # tier blocks out of the window: not loaded
-        entries = -(-(first_query + num_new_tokens) // self.block_size)
-        new = max(0, entries - have - len(cached) - skipped)
-        return new + sum(1 for b in cached[max(0, gone - have):] if b.ref_cnt == 0)
+        return max(0, new - skipped) + sum(1 for b in cached[max(0, gone - have):] if b.ref_cnt == 0)
 
     def allocate(self, request: CachedSequence, num_new_tokens: int, cached: list[Block] = (),
                  loaded: TierHit = NO_TIER_HIT) -> bool:
@@ -343,37 +344,43 @@ class KVCacheManager:
             if not self.make_room(request, num_new_tokens):
                 return False
         rid = request.request_id
-        gone = self.out_of_window(request, request.num_kv_tokens + (len(cached) + loaded.num_blocks) * self.block_size)
-        self._release_out_of_window(rid, gone)  # before the count: the blocks it frees may serve this step
-        if self.blocks_needed(request, num_new_tokens, cached, loaded.num_blocks) > self.pool.num_free_blocks:
+        num_loaded = loaded.num_blocks
+        gone = 0  # leading blocks out of the sliding window
+        if self.window is not None:
+            gone = self.out_of_window(request, request.num_kv_tokens + (len(cached) + num_loaded) * self.block_size)
+            self._release_out_of_window(rid, gone)  # before the count: the blocks it frees may serve this step
+        if self.blocks_needed(request, num_new_tokens, cached, num_loaded) > self.pool.num_free_blocks:
             return False
         blocks = self.req_blocks.setdefault(rid, [])
         block_ids = self._req_block_ids.setdefault(rid, [])
-        kept = max(0, gone - len(blocks))  # the first cached block still in the window
-        skipped = min(max(0, kept - len(cached)), loaded.num_blocks)  # tier blocks out of the window
-        self.pool.share(list(cached[kept:]))
-        blocks.extend(cached)
-        block_ids.extend(b.block_id for b in cached)
-        blocks.extend([_NOT_HELD] * skipped)
-        block_ids.extend([NULL_BLOCK_ID] * skipped)
+        kept = skipped = 0  # the first cached block still in the window; tier blocks out of it
         if gone:
+            kept = max(0, gone - len(blocks))
+            skipped = min(max(0, kept - len(cached)), num_loaded)
             self._num_released[rid] = max(gone, self._num_released.get(rid, 0))
-        total_tokens = request.num_kv_tokens + (len(cached) + loaded.num_blocks) * self.block_size + num_new_tokens
+        if cached:
+            self.pool.share(cached[kept:])
+            blocks.extend(cached)
+            block_ids.extend(b.block_id for b in cached)
+        if skipped:
+            blocks.extend([_NOT_HELD] * skipped)
+            block_ids.extend([NULL_BLOCK_ID] * skipped)
+        total_tokens = request.num_kv_tokens + (len(cached) + num_loaded) * self.block_size + num_new_tokens
         fresh = self.pool.allocate(max(0, -(-total_tokens // self.block_size) - len(blocks)))
         blocks.extend(fresh)
         block_ids.extend(b.block_id for b in fresh)
-        if loaded.num_blocks > skipped:
+        if num_loaded > skipped:
             # The pool copied out anything it reclaimed for `fresh` already; a compaction's copies
             # planned this step may read from a block it released into `fresh`: they go first.
             if self._moves and self.carry_out_moves is not None:
                 self.carry_out_moves(*self.take_moves())
             try:
-                self.tiers.load([b.block_id for b in fresh[:loaded.num_blocks - skipped]], loaded.data[skipped:],
+                self.tiers.load([b.block_id for b in fresh[:num_loaded - skipped]], loaded.data[skipped:],
                                 loaded.hashes[skipped:])
             except BaseException:
                 self.free(request)  # it holds nothing again, as if never admitted
                 raise
-        if loaded.num_blocks:
+        if num_loaded:
             self._fetched.pop(rid, None)
         if self.enable_prefix_caching and request.num_evicted_tokens == 0:
             # Publish blocks that this step fills completely; their K/V are written by this step's
@@ -385,7 +392,8 @@ class KVCacheManager:
             events = self.pool.events is not None
             first = self._num_published.get(rid, 0)
             self._num_published[rid] = max(first, min(full, len(blocks), len(hashes)))
-            for i in range(max(first, self._num_released.get(rid, 0)), min(full, len(blocks), len(hashes))):
+            released = self._num_released.get(rid, 0) if self.window is not None else 0
+            for i in range(max(first, released), min(full, len(blocks), len(hashes))):
                 block, block_hash = blocks[i], hashes[i]
                 if not events:
                     self.pool.publish(block, block_hash)
