@@ -196,7 +196,10 @@ def test_bad_flags_are_one_line_errors(capsys):
              (["serve", "--allowed-origins", "https://a.example"], "--allowed-origins must be a JSON list"),
              (["serve", "--override-generation-config", '{"temp": 1}'], "'temp' would do nothing"),
              (["router", "--backend", "http://a:1", "--allowed-headers", '["x", 1]'],
-              "--allowed-headers must be a JSON list of strings")]
+              "--allowed-headers must be a JSON list of strings"),
+             (["router", "--backend", "http://a:1", "--tokenizer", "/nonexistent/tok"], "no such file or directory"),
+             (["router", "--backend", "http://a:1", "--routing-policy", "round_robin", "--tokenizer", "."],
+              "only serve(s) --routing-policy kv_aware")]
     for argv, message in cases:
         assert main(argv) == 2
         err = capsys.readouterr().err.strip()

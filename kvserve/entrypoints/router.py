@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 from kvserve.cli import UserError
 from kvserve.router import DEFAULT_LOAD_COST_TOKENS, POLICIES
@@ -84,6 +85,13 @@ def run_router(args: argparse.Namespace) -> int:
         raise UserError(f"--load-cost-tokens must be >= 0, got {args.load_cost_tokens}")
     if not 0 < args.request_timeout < float("inf"):
         raise UserError(f"--request-timeout must be a positive number of seconds, got {args.request_timeout}")
+    given = [flag for flag, value in (("--tokenizer", args.tokenizer), ("--chat-template", args.chat_template))
+             if value is not None]
+    if given and args.routing_policy != "kv_aware":  # (only kv_aware tokenizes prompts)
+        raise UserError(f"{' and '.join(given)} only serve(s) --routing-policy kv_aware, which tokenizes prompts; "
+                        f"{args.routing_policy} does not")
+    if args.tokenizer is not None and not Path(args.tokenizer).expanduser().exists():
+        raise UserError(f"--tokenizer {args.tokenizer!r}: no such file or directory")
     max_body, in_flight = body_limits(args)
     cors = cors_options(args)
     tls = tls_options(args)
