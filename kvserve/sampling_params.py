@@ -78,6 +78,12 @@ class StructuredOutputsParams:
         return "json_object"
 
 
+def check_truncate_prompt_tokens(keep: object) -> None:
+    """ValueError unless `keep` is None, -1 or an integer >= 1 (vLLM's text)."""
+    if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or not (keep >= 1 or keep == -1)):
+        raise ValueError(f"truncate_prompt_tokens must be an integer >= 1 or -1, got {keep!r}")
+
+
 @dataclass
 class SamplingParams:
     """What to generate for one prompt. Greedy when temperature is 0.
@@ -197,9 +203,7 @@ class SamplingParams:
                     raise ValueError(f"logit_bias keys must be token ids, got {token!r}.")
                 if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
                     raise ValueError(f"logit_bias values must be finite numbers, got {bias!r} for token {token}.")
-        k = self.truncate_prompt_tokens
-        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not (k >= 1 or k == -1)):
-            raise ValueError(f"truncate_prompt_tokens must be an integer >= 1 or -1, got {k!r}")  # vLLM's text
+        check_truncate_prompt_tokens(self.truncate_prompt_tokens)
         if any(not callable(p) for p in self.logits_processors):
             raise ValueError("logits_processors must be callables (output_token_ids, logits) -> logits.")
 

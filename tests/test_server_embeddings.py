@@ -1,7 +1,7 @@
 """`/v1/embeddings` (OpenAI's API, vLLM's pooling of a decoder model): the engine's pooled vectors
 against HF transformers' hidden states, then through the openai client against a real server:
-float and base64 encodings, `dimensions`, `truncate_prompt_tokens`, the KV pool given back at once, and on the default model
-paraphrases closer than unrelated sentences."""
+float and base64 encodings, `dimensions`, `truncate_prompt_tokens`, the KV pool given back at
+once, and on the default model paraphrases closer than unrelated sentences."""
 from __future__ import annotations
 
 import base64

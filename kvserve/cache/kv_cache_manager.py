@@ -328,9 +328,15 @@ class KVCacheManager:
         new = max(0, -(-(first_query + num_new_tokens) // self.block_size) - have - len(cached))
         if self.window is None:
             return new + sum(1 for b in cached if b.ref_cnt == 0)
-        gone = self.out_of_window(request, first_query)
-        skipped = min(max(0, gone - have - len(cached)), num_loaded)  # tier blocks out of the window: not loaded
-        return max(0, new - skipped) + sum(1 for b in cached[max(0, gone - have):] if b.ref_cnt == 0)
+        kept, skipped = self._window_split(self.out_of_window(request, first_query), have, len(cached), num_loaded)
+        return max(0, new - skipped) + sum(1 for b in cached[kept:] if b.ref_cnt == 0)
+
+    @staticmethod
+    def _window_split(gone: int, have: int, num_cached: int, num_loaded: int) -> tuple[int, int]:
+        """With `gone` leading blocks out of the window and `have` table entries already: the index
+        of the first cached block to take, and how many tier blocks are out of the window (not loaded)."""
+        kept = max(0, gone - have)
+        return kept, min(max(0, kept - num_cached), num_loaded)
 
     def allocate(self, request: CachedSequence, num_new_tokens: int, cached: list[Block] = (),
                  loaded: TierHit = NO_TIER_HIT) -> bool:
@@ -355,8 +361,7 @@ class KVCacheManager:
         block_ids = self._req_block_ids.setdefault(rid, [])
         kept = skipped = 0  # the first cached block still in the window; tier blocks out of it
         if gone:
-            kept = max(0, gone - len(blocks))
-            skipped = min(max(0, kept - len(cached)), num_loaded)
+            kept, skipped = self._window_split(gone, len(blocks), len(cached), num_loaded)
             self._num_released[rid] = max(gone, self._num_released.get(rid, 0))
         if cached:
             self.pool.share(cached[kept:])

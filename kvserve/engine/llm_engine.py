@@ -56,7 +56,7 @@ from kvserve.model.batch_invariant import make_batch_invariant
 from kvserve.model.loader import LoadedModel
 from kvserve.model.shape import ModelShape
 from kvserve.outputs import RequestOutput
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import SamplingParams, check_truncate_prompt_tokens
 from kvserve.units import GiB, format_size
 
 logger = logging.getLogger("kvserve")
@@ -279,7 +279,8 @@ class LLMEngine:
 
     def truncated(self, token_ids: list[int], keep: int | None) -> list[int]:
         """The prompt's last `keep` tokens (vLLM's truncate_prompt_tokens; -1: max-model-len; None:
-        all of them). ValueError when `keep` is over max-model-len."""
+        all of them). ValueError when `keep` is none of those, or over max-model-len."""
+        check_truncate_prompt_tokens(keep)
         if keep is None:
             return token_ids
         if keep > self.max_model_len:  # vLLM's text
@@ -478,7 +479,8 @@ class LLMEngine:
     def close(self) -> None:
         """With KV tiers: abort what is unfinished, flush the tiers (the pool's prefix-cache blocks
         and the host tier to the disk tier, so a restart finds them) and stop their writer. Then
-        stop the tensor-parallel workers, if any. Idempotent (also on an engine whose start-up failed); the engine must not step after."""
+        stop the tensor-parallel workers, if any. Idempotent (also on an engine whose start-up
+        failed); the engine must not step after."""
         if self.tiers is not None:
             if hasattr(self, "scheduler"):
                 # Unfinished requests end first: blocks published for a step that never ran (it

@@ -69,10 +69,7 @@ class ServingContext:
 
     def truncated(self, token_ids: list[int], keep: int | None) -> list[int]:
         """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: max-model-len); a 400
-        for 0 or more than max-model-len."""
-        if keep == 0:  # vLLM's text
-            raise APIError(400, "truncate_prompt_tokens must be an integer >= 1 or -1, got 0",
-                           param="truncate_prompt_tokens")
+        for 0 or more than max-model-len (LLMEngine.truncated)."""
         try:
             return self.engine.engine.truncated(token_ids, keep)
         except ValueError as exc:

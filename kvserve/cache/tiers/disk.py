@@ -13,11 +13,12 @@ A file is written under a temporary name in its final directory and renamed into
 (`os.replace` is atomic), so a reader, or a process killed mid-write, never sees a partial
 file under a block's name; concurrent writers of one block write identical bytes. A file that
 fails any check (short, wrong magic/version/namespace/hash/length/checksum) is a miss with a
-warning, and is removed; one that cannot be read now (an I/O error) is a miss and stays. The size bound is enforced by whichever process crosses it: it scans the
-directory and removes the least recently used files (mtime; a hit touches its file) down to 90%
-of the bound; a reader whose file vanishes meanwhile just misses. Files are 0600 and directories
-0700: they hold tenants' KV. A write failing with ENOSPC, EROFS, EACCES (any OSError) stops
-further writes with one warning; reads go on.
+warning, and is removed; one that cannot be read now (an I/O error) is a miss and stays. The
+size bound is enforced by whichever process crosses it: it scans the directory and removes the
+least recently used files (mtime; a hit touches its file) down to 90% of the bound; a reader
+whose file vanishes meanwhile just misses. Files are 0600 and directories 0700: they hold
+tenants' KV. A write failing with ENOSPC, EROFS, EACCES (any OSError) stops further writes with
+one warning; reads go on.
 
 The directory is a trust boundary: whoever can write it chooses what a prefix hit loads. So the
 tier refuses a root owned by another user and makes a group- or world-writable one 0700 (one
