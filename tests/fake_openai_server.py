@@ -9,13 +9,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import threading
 import time
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from server_process import free_port
 
 MODEL = "fake-model"
 
@@ -87,12 +88,6 @@ def make_app(delay: float = 0.002, kv_per_request: float = 0.1) -> FastAPI:
         return await handle(request, chat=True)
 
     return app
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class FakeServer:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import re
 import signal
 import socket
@@ -17,10 +18,30 @@ import httpx
 START_TIMEOUT_S = 120
 
 
+def _ephemeral_ports() -> range:
+    """The range the kernel hands out as clients' source ports (Linux's default when unreadable)."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return range(low, high + 1)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, outside the ephemeral range: a port the kernel picked for a bind to port 0
+    is one it also gives any outgoing connection as its source port, so between this call and the
+    server's bind a client could take it ("Address already in use", seen in CI)."""
+    ephemeral = _ephemeral_ports()
+    candidates = [p for p in range(15000, 32768) if p not in ephemeral] or list(range(1024, 15000))
+    for _ in range(200):
+        port = random.choice(candidates)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port found outside the ephemeral range")
 
 
 def stop_process(process: subprocess.Popen) -> None:
@@ -71,17 +92,28 @@ class ServerProcess:
     @classmethod
     def start(cls, args: list[str], log_dir: Path, env: dict[str, str] | None = None, port: int | None = None,
               wait: bool = True) -> "ServerProcess":
-        port = port or free_port()
+        """A port the caller did not name is chosen here, and chosen again (up to three times) when
+        another process took it before the server bound it."""
+        for attempt in range(3):
+            server = cls._launch(args, log_dir, env, port or free_port())
+            if not wait:
+                return server
+            try:
+                server.wait_healthy()
+                return server
+            except RuntimeError:
+                if port or attempt == 2 or "Address already in use" not in server.log():
+                    raise
+
+    @classmethod
+    def _launch(cls, args: list[str], log_dir: Path, env: dict[str, str] | None, port: int) -> "ServerProcess":
         log_path = log_dir / "server.log"
         command = [sys.executable, "-m", "kvserve.cli", "serve", *args, "--host", "127.0.0.1", "--port", str(port)]
         full_env = {**os.environ, **(env or {})}
         api_key = args[args.index("--api-key") + 1] if "--api-key" in args else full_env.get("KVSERVE_API_KEY")
         with open(log_path, "wb") as log:
             process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=full_env)
-        server = cls(process, port, log_path, api_key)
-        if wait:
-            server.wait_healthy()
-        return server
+        return cls(process, port, log_path, api_key)
 
     def wait_healthy(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
