@@ -133,10 +133,11 @@ def test_synthetic_sharegpt_requests(tiny_tokenizer):
 def test_build_dataset_from_cli_flags(tiny_tokenizer, name):
     parser = argparse.ArgumentParser()
     add_dataset_args(parser)
-    args = parser.parse_args(["--dataset-name", name, "--num-prompts", "5", "--random-input-len", "24",
-                              "--random-output-len", "6", "--prefix-repetition-prefix-len", "16",
-                              "--prefix-repetition-suffix-len", "8", "--prefix-repetition-num-prefixes", "2",
-                              "--book-input-len", "20:40"])
+    own = {"random": ["--random-input-len", "24", "--random-output-len", "6"],
+           "prefix-repetition": ["--prefix-repetition-prefix-len", "16", "--prefix-repetition-suffix-len", "8",
+                                 "--prefix-repetition-num-prefixes", "2"],
+           "sharegpt": [], "book": ["--book-input-len", "20:40"]}[name]
+    args = parser.parse_args(["--dataset-name", name, "--num-prompts", "5", *own])
     reqs = build_dataset(args, tiny_tokenizer)
     assert len(reqs) == 5 and all(r.prompt and r.prompt_len > 0 and r.expected_output_len > 0 for r in reqs)
 

@@ -56,3 +56,49 @@ def test_numbers_that_are_nan_or_out_of_range_are_refused():
                               random_range_ratio=0.0, random_prefix_len=0)
     with pytest.raises(ValueError, match="empty prompts"):
         check_dataset_args(args)
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate", "--model", "m", "--pooling-type", "MEAN"],  # only /v1/embeddings (serve) and LLM.embed pool
+    ["chat", "--model", "m", "--pooling-type", "MEAN"],
+    ["bench", "throughput", "--model", "m", "--pooling-type", "MEAN"],
+])
+def test_a_command_that_never_embeds_does_not_take_the_pooling_type(argv, capsys):
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(argv)
+    assert exited.value.code == 2 and "unrecognized arguments: --pooling-type" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, words", [
+    # flags a run would otherwise accept and never read
+    (["bench", "throughput", "--model", "m", "--dataset-path", "x.json"],
+     "--dataset-path describes the sharegpt and book and multi-turn workloads, not --dataset-name random"),
+    (["bench", "throughput", "--model", "m", "--dataset-name", "sharegpt", "--random-input-len", "64"],
+     "--random-input-len describes the random workload, not --dataset-name sharegpt"),
+    (["bench", "serve", "--model", "m", "--base-url", "http://127.0.0.1:9", "--multi-turn-turns", "3"],
+     "--multi-turn-turns describes the multi-turn workload, not --dataset-name random"),
+    (["bench", "serve", "--model", "m", "--base-url", "http://127.0.0.1:9", "--dataset-name", "multi-turn",
+      "--book-input-len", "64"], "--book-input-len describes the book workload, not --dataset-name multi-turn"),
+    (["bench", "throughput", "--model", "m", "--hf-batch-size", "8"], "--hf-batch-size is the HF backend's"),
+    (["plan", "m", "--gpu-memory-utilization", "0.5"], "--gpu-memory-utilization is the share of --gpu-memory"),
+    (["eval", "--model", "/nonexistent", "--no-passkey", "--passkey-trials", "5"],
+     "--passkey-trials: passkey options, and --no-passkey skips"),
+    (["eval", "--model", "/nonexistent", "--long-context", "--no-passkey", "--long-passkey-length", "500"],
+     "--long-passkey-length: passkey"),
+    (["generate", "--model", "m", "--master-port", "29500", "hi"], "--master-addr and --master-port are where "
+                                                                   "tensor-parallel processes meet"),
+])
+def test_a_flag_the_run_would_not_read_is_refused(argv, words, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert words in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_plot_path_without_a_suffix_is_written_as_png_and_reported_so(tmp_path):
+    from kvserve.figures import pyplot, save_figure
+
+    plt = pyplot()
+    written = save_figure(plt.figure(), tmp_path / "sub" / "chart")
+    assert written == tmp_path / "sub" / "chart.png" and written.read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(ValueError, match="is a directory"):
+        save_figure(plt.figure(), tmp_path)

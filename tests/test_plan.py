@@ -344,7 +344,8 @@ def test_plot(tmp_path, capsys):
                  "--max-model-len", "16384", "--plot", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     capsys.readouterr()
-    assert "cannot write the plot" in plan_error(capsys, "mistral-7b", "--plot", str(tmp_path / "no" / "kv.png"))
+    (tmp_path / "a-file").write_text("")
+    assert "cannot write the plot" in plan_error(capsys, "mistral-7b", "--plot", str(tmp_path / "a-file" / "kv.png"))
 
 
 # --------------------------------------------------------------------------- json schema

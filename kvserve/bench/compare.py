@@ -31,8 +31,8 @@ from kvserve.bench.launcher import ServerCommand, ServerStartError, kvserve_serv
 from kvserve.bench.metrics import METRIC_TITLES, parse_goodput, parse_percentile_args, percentile_key
 from kvserve.bench.multi_turn import MultiTurnWorkload
 from kvserve.bench.report import save_json
-from kvserve.bench.serve import (RunOutput, add_client_args, benchmark, build_workload, client_config, failure_summary,
-                                 load_config_from_args, resolve_endpoint)
+from kvserve.bench.serve import (RunOutput, add_client_args, benchmark, build_workload, check_workload, client_config,
+                                 failure_summary, load_config_from_args, resolve_endpoint)
 
 SERVER_API_KEY_ENV = "KVSERVE_API_KEY"  # what `kvserve serve` reads when no --api-key is given
 
@@ -197,6 +197,7 @@ def run_compare(args: argparse.Namespace, server_command: ServerCommand = kvserv
     selected, percentiles = parse_percentile_args(args.percentile_metrics, args.metric_percentiles)
     if args.goodput:
         parse_goodput(args.goodput)
+    check_workload(args)
     server_args, configs = resolve_configs(args, args.compare_flags)
     common = shlex.split(server_args)
     tokenizer = load_tokenizer(args.tokenizer or _flag_value(common, "--model"))

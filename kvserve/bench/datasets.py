@@ -267,11 +267,21 @@ def synthetic_sharegpt_dataset(tokenizer: Any, num_prompts: int, output_len: int
     return requests
 
 
+def check_workload_flags(args: Any) -> None:
+    """ValueError for a workload flag given with a --dataset-name that does not read it."""
+    for dest, owners in DATASET_FLAGS.items():
+        if getattr(args, f"{dest}_given", False) and args.dataset_name not in owners:
+            flag = "--" + dest.replace("_", "-")
+            raise ValueError(f"{flag} describes the {' and '.join(owners)} workload{'s' if len(owners) > 1 else ''}, "
+                             f"not --dataset-name {args.dataset_name}")
+
+
 def check_dataset_args(args: Any) -> None:
     """ValueError for workload flags that cannot describe a workload, before anything is loaded
     (`build_dataset` needs the tokenizer; `bench throughput` loads the model for it)."""
     if args.num_prompts < 1:
         raise ValueError(f"--num-prompts must be at least 1, got {args.num_prompts}")
+    check_workload_flags(args)
     if args.dataset_name == "random":
         for value in (args.random_input_len, args.random_output_len):
             LengthRange.parse(value, args.random_range_ratio)
@@ -307,7 +317,20 @@ def build_dataset(args: Any, tokenizer: Any) -> list[SampleRequest]:
     raise ValueError(f"unknown dataset {name!r}; choose from {', '.join(DATASET_NAMES)}")
 
 
-class _GivenAction(argparse.Action):
+# Which workloads read each workload flag: a flag given for another workload is refused, not ignored.
+DATASET_FLAGS = {
+    "dataset_path": ("sharegpt", "book", MULTI_TURN),
+    **{f"random_{x}": ("random",) for x in ("input_len", "output_len", "range_ratio", "prefix_len")},
+    **{f"prefix_repetition_{x}": ("prefix-repetition",) for x in ("prefix_len", "suffix_len", "num_prefixes",
+                                                                  "output_len")},
+    "sharegpt_output_len": ("sharegpt",),
+    **{f"book_{x}": ("book",) for x in ("input_len", "output_len")},
+    **{f"multi_turn_{x}": (MULTI_TURN,) for x in ("sessions", "turns", "system_prompt_len", "user_len", "output_len",
+                                                 "think_time")},
+}
+
+
+class GivenAction(argparse.Action):
     """Stores the value and records that the flag was given (`<dest>_given`), so that a workload it
     does not apply to can refuse it rather than ignore it."""
 
@@ -324,26 +347,29 @@ def add_dataset_args(parser: Any, num_prompts: int = 1000, input_len: str = "102
     g = parser.add_argument_group("workload")
     g.add_argument("--dataset-name", default="random",
                    choices=DATASET_NAMES + ((MULTI_TURN,) if multi_turn else ()))
-    g.add_argument("--dataset-path", default=None,
+    g.add_argument("--dataset-path", action=GivenAction, default=None,
                    help="sharegpt: a ShareGPT-format JSON file (default: synthetic ShareGPT-like set); "
                         "book" + (", multi-turn" if multi_turn else "") + ": a text file (default: the bundled novel)")
-    g.add_argument("--num-prompts", type=int, default=num_prompts, action=_GivenAction,
+    g.add_argument("--num-prompts", type=int, default=num_prompts, action=GivenAction,
                    help="requests to send" + (" (not with multi-turn: it sends S x T)" if multi_turn else ""))
     g.add_argument("--seed", type=int, default=0, help="seed of the workload and of the arrival times")
-    g.add_argument("--random-input-len", default=input_len,
+    g.add_argument("--random-input-len", action=GivenAction, default=input_len,
                    help="random: prompt tokens, N (spread by --random-range-ratio) or MIN:MAX")
-    g.add_argument("--random-output-len", default=output_len, help="random: output tokens, N or MIN:MAX")
-    g.add_argument("--random-range-ratio", type=float, default=0.0,
+    g.add_argument("--random-output-len", action=GivenAction, default=output_len,
+                   help="random: output tokens, N or MIN:MAX")
+    g.add_argument("--random-range-ratio", action=GivenAction, type=float, default=0.0,
                    help="random: lengths uniform in [N(1-r), N(1+r)], 0 <= r < 1")
-    g.add_argument("--random-prefix-len", type=int, default=0, help="random: tokens of a prefix shared by all prompts")
-    g.add_argument("--prefix-repetition-prefix-len", type=int, default=256)
-    g.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
-    g.add_argument("--prefix-repetition-num-prefixes", type=int, default=10)
-    g.add_argument("--prefix-repetition-output-len", type=int, default=128)
-    g.add_argument("--sharegpt-output-len", type=int, default=None,
+    g.add_argument("--random-prefix-len", action=GivenAction, type=int, default=0,
+                   help="random: tokens of a prefix shared by all prompts")
+    g.add_argument("--prefix-repetition-prefix-len", action=GivenAction, type=int, default=256)
+    g.add_argument("--prefix-repetition-suffix-len", action=GivenAction, type=int, default=256)
+    g.add_argument("--prefix-repetition-num-prefixes", action=GivenAction, type=int, default=10)
+    g.add_argument("--prefix-repetition-output-len", action=GivenAction, type=int, default=128)
+    g.add_argument("--sharegpt-output-len", action=GivenAction, type=int, default=None,
                    help="sharegpt: fixed output length instead of each reply's length")
-    g.add_argument("--book-input-len", default="512", help="book: span length in tokens, N or MIN:MAX")
-    g.add_argument("--book-output-len", default="128", help="book: output tokens, N or MIN:MAX")
+    g.add_argument("--book-input-len", action=GivenAction, default="512",
+                   help="book: span length in tokens, N or MIN:MAX")
+    g.add_argument("--book-output-len", action=GivenAction, default="128", help="book: output tokens, N or MIN:MAX")
     if multi_turn:
         from kvserve.bench.multi_turn import add_multi_turn_args
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from kvserve.bench.report import save_json
 from kvserve.bench.throughput import parse_backends
-from kvserve.engine.args import EngineArgs
+from kvserve.engine.args import EMBEDDING_ARGS, EngineArgs
 from kvserve.engine.generation_defaults import ENGINE_DEFAULTS, GENERATION_CONFIG_ARGS
 from kvserve.sampling_params import SamplingParams
 
@@ -52,7 +52,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--num-iters-warmup", type=int, default=2)
     p.add_argument("--num-iters", type=int, default=5)
     p.add_argument("--output-json", default=None, metavar="PATH", help="write the results as JSON")
-    EngineArgs.add_cli_args(p, skip=GENERATION_CONFIG_ARGS)  # the workload sets its sampling
+    EngineArgs.add_cli_args(p, skip=(*GENERATION_CONFIG_ARGS, *EMBEDDING_ARGS))  # the workload sets its sampling
     p.set_defaults(func=run_latency_cli, generation_config=ENGINE_DEFAULTS)
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from kvserve.bench.datasets import BookText
+from kvserve.bench.datasets import BookText, GivenAction, check_workload_flags
 
 
 @dataclass(frozen=True)
@@ -115,22 +115,25 @@ def count_prompt_tokens(tokenizer: Any, messages: list[dict[str, str]]) -> int:
 def add_multi_turn_args(parser: argparse.ArgumentParser) -> None:
     defaults = MultiTurnOptions()
     g = parser.add_argument_group("multi-turn workload (--dataset-name multi-turn)")
-    g.add_argument("--multi-turn-sessions", metavar="S", type=int, default=defaults.sessions,
+    g.add_argument("--multi-turn-sessions", action=GivenAction, metavar="S", type=int, default=defaults.sessions,
                    help=f"concurrent chat sessions (default {defaults.sessions})")
-    g.add_argument("--multi-turn-turns", metavar="T", type=int, default=defaults.turns,
+    g.add_argument("--multi-turn-turns", action=GivenAction, metavar="T", type=int, default=defaults.turns,
                    help=f"turns per session (default {defaults.turns})")
-    g.add_argument("--multi-turn-system-prompt-len", metavar="N", type=int, default=defaults.system_prompt_len,
+    g.add_argument("--multi-turn-system-prompt-len", action=GivenAction, metavar="N", type=int,
+                   default=defaults.system_prompt_len,
                    help="tokens of the system prompt all sessions share; 0 = none "
                         f"(default {defaults.system_prompt_len})")
-    g.add_argument("--multi-turn-user-len", metavar="U", type=int, default=defaults.user_len,
+    g.add_argument("--multi-turn-user-len", action=GivenAction, metavar="U", type=int, default=defaults.user_len,
                    help=f"tokens of each user message (default {defaults.user_len})")
-    g.add_argument("--multi-turn-output-len", metavar="A", type=int, default=defaults.output_len,
+    g.add_argument("--multi-turn-output-len", action=GivenAction, metavar="A", type=int, default=defaults.output_len,
                    help=f"tokens of each answer, exactly (ignore_eos; default {defaults.output_len})")
-    g.add_argument("--multi-turn-think-time", metavar="SECONDS", type=float, default=defaults.think_time,
+    g.add_argument("--multi-turn-think-time", action=GivenAction, metavar="SECONDS", type=float,
+                   default=defaults.think_time,
                    help="seconds a session waits after an answer before its next turn (default 0)")
 
 
 def options_from_args(args: argparse.Namespace) -> MultiTurnOptions:
+    check_workload_flags(args)
     if getattr(args, "num_prompts_given", False):
         raise ValueError("--num-prompts does not apply to --dataset-name multi-turn: it sends "
                          "--multi-turn-sessions x --multi-turn-turns requests")

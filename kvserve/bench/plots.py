@@ -9,26 +9,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvserve.figures import pyplot, save_figure
+
 if TYPE_CHECKING:
     from kvserve.bench.serve import RunOutput
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only; no display needed
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def _save(fig: Any, directory: Path, name: str) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / name
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    _pyplot().close(fig)
-    return path
+    return save_figure(fig, directory / name, dpi=110)
 
 
 def _cdf(ax: Any, values_ms: list[float], label: str | None = None) -> None:
@@ -56,7 +45,7 @@ def output_rate(run: "RunOutput", bin_s: float = 1.0) -> tuple[np.ndarray, np.nd
 
 def plot_run(run: "RunOutput", directory: str | os.PathLike, title: str = "") -> list[Path]:
     """latency_cdf.png, throughput.png and (when /metrics was sampled) server_timeline.png."""
-    plt = _pyplot()
+    plt = pyplot()
     out = Path(directory)
     ok = [r for r in run.results if r.success]
     paths = []
@@ -102,7 +91,7 @@ def plot_compare(labels: list[str], ratios: dict[str, list[float]], runs: list["
                  directory: str | os.PathLike) -> list[Path]:
     """compare_bars.png: each metric's value per config as a ratio to the first config;
     compare_kv_cache.png: KV cache usage over time per config (when sampled)."""
-    plt = _pyplot()
+    plt = pyplot()
     out = Path(directory)
     names = list(ratios)
     width = 0.8 / max(len(labels), 1)

@@ -26,7 +26,8 @@ import numpy as np
 from tqdm import tqdm
 
 from kvserve.bench.client import ClientConfig, check_endpoint, http_session, send_request, served_models
-from kvserve.bench.datasets import MULTI_TURN, SampleRequest, add_dataset_args, build_dataset, load_tokenizer
+from kvserve.bench.datasets import (MULTI_TURN, SampleRequest, add_dataset_args, build_dataset, check_dataset_args,
+                                    load_tokenizer)
 from kvserve.bench.metrics import RequestResult, compute_metrics, metrics_to_dict, parse_goodput, parse_percentile_args
 from kvserve.bench.multi_turn import MultiTurnWorkload, build_multi_turn, options_from_args
 from kvserve.bench.report import format_serving_table, save_json
@@ -222,6 +223,14 @@ def resolve_endpoint(args: argparse.Namespace) -> str:
     return endpoint
 
 
+def check_workload(args: argparse.Namespace) -> None:
+    """ValueError for workload flags that cannot describe a workload, before a tokenizer loads."""
+    if args.dataset_name == MULTI_TURN:
+        options_from_args(args)
+    else:
+        check_dataset_args(args)
+
+
 def build_workload(args: argparse.Namespace, tokenizer: Any) -> list[SampleRequest] | MultiTurnWorkload:
     """The request list the dataset flags describe, or the multi-turn sessions' texts."""
     if args.dataset_name != MULTI_TURN:
@@ -275,8 +284,7 @@ def run_serve_cli(args: argparse.Namespace) -> int:
     parse_percentile_args(args.percentile_metrics, args.metric_percentiles)  # fail before any work
     if args.goodput:
         parse_goodput(args.goodput)
-    if args.dataset_name == MULTI_TURN:
-        options_from_args(args)  # fail before any work
+    check_workload(args)  # fail before any work
     model = args.model
     if model is None:
         models = served_models(args.base_url, args.api_key)

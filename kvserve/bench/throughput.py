@@ -13,9 +13,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from kvserve.bench.datasets import add_dataset_args, build_dataset, check_dataset_args
+from kvserve.bench.datasets import GivenAction, add_dataset_args, build_dataset, check_dataset_args
 from kvserve.bench.report import save_json
-from kvserve.engine.args import EngineArgs
+from kvserve.engine.args import EMBEDDING_ARGS, EngineArgs
 from kvserve.engine.generation_defaults import ENGINE_DEFAULTS, GENERATION_CONFIG_ARGS
 from kvserve.sampling_params import SamplingParams
 
@@ -82,14 +82,15 @@ def run_hf(generator: Any, prompts: list[list[int]], output_lens: list[int], bat
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("throughput", help="offline throughput of kvserve (and HF transformers) on one workload")
     p.add_argument("--backend", default="kvserve", help="comma list of kvserve, hf (default: kvserve)")
-    p.add_argument("--hf-batch-size", type=int, default=32, help="static batch size of the HF backend")
+    p.add_argument("--hf-batch-size", type=int, default=32, action=GivenAction,
+                   help="static batch size of the HF backend")
     p.add_argument("--efficiency", action="store_true",
                    help="also measure matmul peak and memory bandwidth, single-stream decode (and HF's), and "
                         "decode FLOP/s at 32 and 128 concurrent sequences as a share of the peak")
     p.add_argument("--output-json", default=None, metavar="PATH", help="write the results as JSON")
     add_dataset_args(p, num_prompts=64, input_len="32:512", output_len="32:256")
     # --seed is the workload's (and the engine's) seed; the workload sets its sampling
-    EngineArgs.add_cli_args(p, skip=("seed", *GENERATION_CONFIG_ARGS))
+    EngineArgs.add_cli_args(p, skip=("seed", *GENERATION_CONFIG_ARGS, *EMBEDDING_ARGS))
     p.set_defaults(func=run_throughput_cli, generation_config=ENGINE_DEFAULTS)
 
 
@@ -100,6 +101,8 @@ def run_throughput_cli(args: argparse.Namespace) -> int:
     backends = parse_backends(args.backend)
     if args.hf_batch_size < 1:
         raise ValueError(f"--hf-batch-size must be at least 1, got {args.hf_batch_size}")
+    if getattr(args, "hf_batch_size_given", False) and "hf" not in backends:
+        raise ValueError("--hf-batch-size is the HF backend's batch size: it needs --backend hf")
     check_dataset_args(args)
     # kvserve is loaded even for `--backend hf` alone: it resolves the device, dtype and tokenizer.
     llm = LLM(**vars(EngineArgs.from_cli_args(args)))

@@ -21,6 +21,8 @@ from kvserve.model.quant_linear import QUANTIZATION_MODES
 
 # A --kv-cache-memory above this (1 PiB) is a typo, not a machine.
 MAX_KV_CACHE_BYTES = 1 << 50
+# Options only the embeddings path reads: commands that never embed do not take them.
+EMBEDDING_ARGS = ("pooling_type",)
 # The disk KV tier's size when --kv-offloading-disk-path is given without --kv-offloading-disk-size.
 DEFAULT_DISK_TIER_GIB = 10.0
 
@@ -321,6 +323,9 @@ class EngineArgs:
                              f"{self.nnodes} (each node runs the same number of processes)")
         if self.master_addr is not None and not isinstance(self.master_addr, str):
             raise ValueError(f"--master-addr must be a host name or address, got {self.master_addr!r}")
+        if self.tensor_parallel_size == 1 and (self.master_addr is not None or self.master_port is not None):
+            raise ValueError("--master-addr and --master-port are where tensor-parallel processes meet: they need "
+                             "--tensor-parallel-size > 1")
         self._check_deterministic()
 
     def _check_deterministic(self) -> None:

@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from kvserve.engine.args import EngineArgs
+from kvserve.engine.args import EMBEDDING_ARGS, EngineArgs
 from kvserve.sampling_params import SamplingParams
 
 
@@ -32,14 +32,14 @@ def sampling_params_from_args(args: argparse.Namespace, defaults: dict[str, Any]
 def register(subparsers) -> None:
     gen = subparsers.add_parser("generate", help="continue a raw text prompt (no chat template)")
     gen.add_argument("prompt", help="the text to continue")
-    EngineArgs.add_cli_args(gen, skip=("seed",))
+    EngineArgs.add_cli_args(gen, skip=("seed", *EMBEDDING_ARGS))
     add_sampling_args(gen, default_max_tokens=64)
     gen.set_defaults(func=run_generate)
 
     chat = subparsers.add_parser("chat", help="answer one message through the chat template, or chat interactively")
     chat.add_argument("message", nargs="?", help="the user message; omit for an interactive session")
     chat.add_argument("--system", default=None, help="system prompt")
-    EngineArgs.add_cli_args(chat, skip=("seed",))
+    EngineArgs.add_cli_args(chat, skip=("seed", *EMBEDDING_ARGS))
     add_sampling_args(chat, default_max_tokens=None)
     chat.set_defaults(func=run_chat)
 

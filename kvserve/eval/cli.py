@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from kvserve.cache.formats import KV_CACHE_DTYPES
-from kvserve.engine.args import EngineArgs
+from kvserve.engine.args import EMBEDDING_ARGS, EngineArgs
 from kvserve.engine.generation_defaults import ENGINE_DEFAULTS, GENERATION_CONFIG_ARGS
 from kvserve.eval.passkey import PasskeyConfig
 from kvserve.eval.perplexity import ScoringConfig
@@ -86,7 +86,7 @@ def register(subparsers) -> None:
     p.add_argument("--output-json", metavar="PATH", default=None, help="also write the results as JSON to this file")
     p.add_argument("--plot", metavar="PNG", default=None, help="save a memory-vs-quality chart to this file")
     add_long_context_args(p)
-    EngineArgs.add_cli_args(p, skip=("kv_cache_dtype", *GENERATION_CONFIG_ARGS))  # greedy scoring
+    EngineArgs.add_cli_args(p, skip=("kv_cache_dtype", *GENERATION_CONFIG_ARGS, *EMBEDDING_ARGS))  # greedy scoring
     # Each configuration only needs room for one scoring window or one batch of passkey prompts.
     p.set_defaults(func=run_eval, kv_cache_memory="1GiB", parser=p, generation_config=ENGINE_DEFAULTS)
 
@@ -106,6 +106,9 @@ def _refuse_unread(args: argparse.Namespace, names: tuple[str, ...], why: str) -
 
 
 def run_eval(args: argparse.Namespace) -> int:
+    if args.no_passkey:
+        _refuse_unread(args, ("passkey_lengths", "passkey_depths", "passkey_trials", "long_passkey_length",
+                              "long_passkey_budgets"), "passkey options, and --no-passkey skips passkey retrieval")
     if args.long_context:
         return run_long_context(args)
     _refuse_unread(args, _LONG_CONTEXT_ONLY, "options of the long-context protocol, which needs --long-context")

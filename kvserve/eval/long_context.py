@@ -37,6 +37,7 @@ from kvserve.engine.args import EngineArgs
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.eval.passkey import PasskeyConfig, make_prompts
 from kvserve.eval.runner import DEFAULT_TEXT, read_text
+from kvserve.figures import pyplot, save_figure
 from kvserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("kvserve.eval")
@@ -240,12 +241,7 @@ def render_tables(report: LongContextReport) -> list:
 
 def plot(report: LongContextReport, path: Path | str) -> Path:
     """Perplexity per segment against position, one line per configuration."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    path = Path(path)
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 4.5))
     seg = report.config.segment
     for c in report.curves:
@@ -260,7 +256,4 @@ def plot(report: LongContextReport, path: Path | str) -> Path:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from kvserve.eval.runner import EvalReport
+from kvserve.figures import pyplot, save_figure
 
 
 def report_dict(report: EvalReport) -> dict[str, Any]:
@@ -57,12 +58,7 @@ def render_table(report: EvalReport):
 
 def plot(report: EvalReport, path: Path | str) -> Path:
     """Save a chart of bytes per token against perplexity change (and passkey accuracy)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    path = Path(path)
+    plt = pyplot()
     panels = 2 if report.passkey is not None else 1
     fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.5), squeeze=False)
     memory = [r.bytes_per_token / 1024 for r in report.results]
@@ -81,7 +77,4 @@ def plot(report: EvalReport, path: Path | str) -> Path:
     axes[0][0].legend(fontsize=9)
     fig.suptitle(f"{Path(report.model).name}: KV-cache memory vs quality")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

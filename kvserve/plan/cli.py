@@ -110,6 +110,9 @@ def run_plan(args: argparse.Namespace) -> int:
         raise ValueError("--kv-cache-dtype: give at least one dtype")
     kv_cache_memory = _size_arg(args.kv_cache_memory, "--kv-cache-memory")
     gpu_memory = _size_arg(args.gpu_memory, "--gpu-memory")
+    if gpu_memory is None and args.gpu_memory_utilization != EngineArgs.gpu_memory_utilization:
+        raise ValueError("--gpu-memory-utilization is the share of --gpu-memory the plan may use: it needs "
+                         "--gpu-memory")
     if args.device == "auto":
         device = torch.device("cuda" if gpu_memory is not None or torch.cuda.is_available() else "cpu")
     else:

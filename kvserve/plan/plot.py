@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from kvserve.figures import pyplot, save_figure
 from kvserve.units import GiB
 from kvserve.plan.calculator import Plan, footprint
 
@@ -12,10 +13,7 @@ NUM_POINTS = 200
 
 
 def plot_plan(plan: Plan, kv_cache_dtypes: list[str], path: str | Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: no display needed
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     inputs = plan.inputs
     top = inputs.max_model_len
@@ -34,11 +32,4 @@ def plot_plan(plan: Plan, kv_cache_dtypes: list[str], path: str | Path) -> Path:
     ax.set_title(f"{plan.arch.name}: KV cache of {inputs.batch_size} sequence(s), block size {inputs.block_size}")
     ax.grid(True, alpha=0.3)
     ax.legend()
-    out = Path(path)
-    try:
-        fig.savefig(out, dpi=120, bbox_inches="tight")
-    except OSError as exc:
-        raise ValueError(f"cannot write the plot to {out}: {exc}") from None
-    finally:
-        plt.close(fig)
-    return out
+    return save_figure(fig, path, bbox_inches="tight")
