@@ -270,3 +270,57 @@ def test_responses_logprobs_leave_out_the_outputs_own_think_tag(opening_server):
     streamed = typed_events(httpx.post(url, json={**body, "stream": True}, timeout=60))
     done = next(e for e in streamed if e["type"] == "response.output_text.done")
     assert "".join(entry["token"] for entry in done["logprobs"]).startswith(ANSWER), done["logprobs"]
+
+
+# ----------------------------------------------------------------------- thinking_token_budget
+def test_a_thinking_token_budget_ends_the_thinking_there_and_the_model_answers(client, server):
+    """vLLM's `thinking_token_budget`: after that many thinking tokens </think> is forced; the scripted
+    model then answers as it would have. A budget past the thinking changes nothing."""
+    tokenizer = build_tokenizer()
+    words = tokenizer.encode(REASONING, add_special_tokens=False)
+    for budget in (0, 2, REASONING_TOKENS + 5):
+        reply = client.chat.completions.create(model="thinker", messages=MESSAGES, max_tokens=30, n=2, **GREEDY,
+                                               extra_body={"thinking_token_budget": budget})
+        kept = min(budget, REASONING_TOKENS)
+        for choice in reply.model_dump()["choices"]:  # each sample counts its own thinking
+            assert (choice["message"]["reasoning"] or "") == tokenizer.decode(words[:kept]), (budget, choice)
+            assert choice["message"]["content"] == ANSWER and choice["finish_reason"] == "stop"
+        assert reply.usage.completion_tokens_details.reasoning_tokens == 2 * kept
+    chunks = [json.loads(e) for e in sse_events(httpx.post(f"{server.base_url}/v1/chat/completions", timeout=60, json={
+        "model": "thinker", "messages": MESSAGES, "max_tokens": 30, "stream": True, "temperature": 0,
+        "thinking_token_budget": 1})) if e != "[DONE]"]
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert "".join(d.get("reasoning") or "" for d in deltas) == tokenizer.decode(words[:1])
+    assert "".join(d.get("content") or "" for d in deltas) == ANSWER
+
+
+def test_a_thinking_budget_counts_after_the_outputs_own_think_tag(opening_server):
+    reply = httpx.post(f"{opening_server.base_url}/v1/chat/completions", timeout=60, json={
+        "model": "thinker", "messages": MESSAGES, "max_tokens": 30, "temperature": 0,
+        "thinking_token_budget": 1}).json()
+    words = build_tokenizer().encode(REASONING, add_special_tokens=False)
+    assert reply["choices"][0]["message"]["reasoning"] == build_tokenizer().decode(words[:1])
+    assert reply["choices"][0]["message"]["content"] == ANSWER
+    assert reply["usage"]["completion_tokens_details"]["reasoning_tokens"] == 1
+
+
+def test_messages_thinking_budget_tokens_caps_the_thinking_block(server):
+    tokenizer = build_tokenizer()
+    words = tokenizer.encode(REASONING, add_special_tokens=False)
+    body = {"model": "thinker", "max_tokens": 30, "messages": MESSAGES, "temperature": 0,
+            "thinking": {"type": "enabled", "budget_tokens": 1}}
+    message = httpx.post(f"{server.base_url}/v1/messages", json=body, timeout=60).json()
+    assert message["content"] == [{"type": "thinking", "thinking": tokenizer.decode(words[:1]), "signature": ""},
+                                  {"type": "text", "text": ANSWER}]
+    bad = httpx.post(f"{server.base_url}/v1/messages", timeout=60,
+                     json={**body, "thinking": {"type": "enabled", "budget_tokens": -1}})
+    assert bad.status_code == 400 and "budget_tokens" in bad.json()["error"]["message"]
+
+
+def test_a_thinking_budget_is_refused_where_nothing_thinks_or_below_zero(server, tiny_server):
+    body = {"messages": MESSAGES, "max_tokens": 4, "thinking_token_budget": 8}
+    refused = httpx.post(f"{tiny_server.base_url}/v1/chat/completions", json={"model": "tiny", **body}, timeout=60)
+    assert refused.status_code == 400 and "--reasoning-parser" in refused.json()["error"]["message"]
+    negative = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=60,
+                          json={"model": "thinker", **body, "thinking_token_budget": -1})
+    assert negative.status_code == 400 and negative.json()["error"]["param"] == "thinking_token_budget"

@@ -21,7 +21,7 @@ from kvserve.server.prompts import Tokenization, conversation
 from kvserve.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                      ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, DeltaMessage,
                                      TokenLogprob, TopLogprob)
-from kvserve.server.reasoning import ReasoningParser
+from kvserve.server.reasoning import ReasoningParser, ThinkingBudget
 from kvserve.server.request_id import request_ids
 from kvserve.server.serving import ServingContext, StreamState, usage
 from kvserve.server.streaming import DONE, EventStreamResponse, sse, sse_error, unless_disconnected
@@ -123,6 +123,8 @@ class ChatServing:
         if thinks and params.structured_outputs is not None:  # the constraint is the answer's
             params = dataclasses.replace(params, structured_outputs=dataclasses.replace(
                 params.structured_outputs, starts_after_token_id=self.reasoning.end_id))
+        if body.thinking_token_budget is not None:
+            params = self._with_thinking_budget(params, body.thinking_token_budget, thinks)
         if fit_context:
             params = self._fit_context(params, len(prompt_ids))
         echoed = echoed_content(body, messages)
@@ -182,6 +184,18 @@ class ChatServing:
         if params.max_tokens is not None and room < params.max_tokens:
             return dataclasses.replace(params, max_tokens=room)
         return params
+
+    def _with_thinking_budget(self, params: SamplingParams, budget: int, thinks: bool) -> SamplingParams:
+        """`thinking_token_budget`: a ThinkingBudget processor after the request's own (its row is
+        the last word on which token comes next)."""
+        if budget < 0:
+            raise APIError(400, f"thinking_token_budget must be at least 0, got {budget}.",
+                           param="thinking_token_budget")
+        if self.reasoning is None:
+            raise APIError(400, "thinking_token_budget needs a reasoning model served with --reasoning-parser "
+                                "(this server does not tell thinking from answer).", param="thinking_token_budget")
+        return dataclasses.replace(params, logits_processors=[*params.logits_processors,
+                                                              ThinkingBudget(self.reasoning, budget, thinks)])
 
     def _thinks(self, thinks: bool, choice: CompletionOutput) -> bool:
         """Whether a choice's output starts as thinking: after a prompt that left it open (`thinks`)

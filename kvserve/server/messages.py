@@ -15,7 +15,8 @@ models answer; `usage.input_tokens` excludes the prefix-cache hits, which are
 `cache_read_input_tokens`; `cache_control` marks need nothing (every full block is cached);
 `thinking` and `output_config.effort` ask nothing of a model that does not think; a reasoning model
 served with --reasoning-parser answers with a `thinking` block first (its `signature` empty: there
-is nothing to verify), unless `thinking.type` is "disabled" (then a template that can switch
+is nothing to verify) of at most `thinking.budget_tokens` tokens (chat's `thinking_token_budget`),
+unless `thinking.type` is "disabled" (then a template that can switch
 thinking off, Qwen3's `enable_thinking`, is told to), and an earlier turn's thinking block
 is that turn's `reasoning_content` for the template; a Claude Code billing-header system block,
 new text every request, is dropped so it does not defeat the prefix cache (vLLM drops it too).
@@ -206,6 +207,17 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
     return result
 
 
+def thinking_budget(thinking: dict[str, Any] | None) -> int | None:
+    """`thinking: {"type": "enabled", "budget_tokens": N}`: N, the thinking's cap (Anthropic's
+    API wants N >= 1024; any N >= 0 is taken, for small local models)."""
+    if not thinking or thinking.get("type") != "enabled" or thinking.get("budget_tokens") is None:
+        return None
+    budget = thinking["budget_tokens"]
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
+        raise APIError(400, f"thinking.budget_tokens must be an integer >= 0, got {budget!r}.", param="thinking")
+    return budget
+
+
 def chat_tool_choice(choice: dict[str, Any] | None) -> tuple[str | dict[str, Any] | None, bool | None]:
     """Anthropic's tool_choice as chat's, and parallel_tool_calls (False with disable_parallel_tool_use)."""
     if choice is None:
@@ -294,6 +306,7 @@ class MessagesServing:
         choice, parallel = chat_tool_choice(body.tool_choice)
         log_ignored_fields(sorted(set(extra) - set(_CHAT_EXTRAS)))
         thinking_off = (body.thinking or {}).get("type") == "disabled"
+        budget = thinking_budget(body.thinking) if self.chat.reasoning is not None else None
         fields = {
             **{name: extra[name] for name in _CHAT_EXTRAS if name in extra},
             "model": body.model, "messages": messages, "tools": chat_tools(body.tools), "tool_choice": choice,
@@ -302,6 +315,7 @@ class MessagesServing:
             "user": user, "stream": body.stream,
             "add_generation_prompt": not prefill, "continue_final_message": prefill,
             "include_reasoning": not thinking_off,
+            **({"thinking_token_budget": budget} if budget is not None else {}),
             # disabled: templates that can switch thinking off (Qwen3's enable_thinking) do, unless
             # the request's own chat_template_kwargs say otherwise
             **({"chat_template_kwargs": {"enable_thinking": False, **(extra.get("chat_template_kwargs") or {})}}

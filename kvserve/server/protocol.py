@@ -365,6 +365,8 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None  # False: at most one call per reply
     include_reasoning: bool = True  # vLLM's: false leaves a reasoning model's thinking out of the reply
+    # vLLM's: at most this many thinking tokens, then </think> is forced (reasoning.ThinkingBudget)
+    thinking_token_budget: int | None = None
 
     unsupported_fields: ClassVar[dict[str, Callable[[Any], bool]]] = UNSUPPORTED_CHAT_FIELDS
 

@@ -16,10 +16,14 @@ vLLM's non-streamed qwen3 parser returns output without `</think>` as content, k
 reasoning, the same streamed or not. The reasoning goes out as vLLM's `reasoning` field, on the message
 and on stream deltas; tool calls are read from the answer only, and a request's structured output
 applies from the token after `</think>` (`StructuredOutputsParams.starts_after_token_id`).
+A request's `thinking_token_budget` (vLLM's field; Anthropic's `thinking.budget_tokens`) caps the
+thinking: once that many thinking tokens are out, `ThinkingBudget` makes `</think>` the only token
+the sampler may pick, and the model answers (vLLM's, SGLang's and llama.cpp's way).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -104,3 +108,34 @@ class ReasoningParser:
             return token_ids.index(self.end_id) - first
         except ValueError:
             return len(token_ids) - first
+
+
+@dataclass
+class ThinkingBudget:
+    """A logits processor (SamplingParams.logits_processors) that ends the thinking at `budget`
+    thinking tokens, counted as `ReasoningParser.reasoning_tokens` counts them: at that point every
+    logit but `</think>`'s is -inf. `thinks`: the prompt left the thinking open; otherwise only an
+    output that opens with `<think>` is thinking. Keeps where it has read up to, so a long thinking
+    costs one look at each new token (n > 1 gives each sample its own copy)."""
+
+    parser: ReasoningParser
+    budget: int
+    thinks: bool
+    _read: int = field(default=0, repr=False)
+    _over: bool = field(default=False, repr=False)
+
+    def __call__(self, output_ids: list[int], logits: Any) -> Any:
+        if self._over:
+            return logits
+        opened = self.parser.opened_by(output_ids)
+        if not self.thinks and not opened:
+            self._over = bool(output_ids)  # the first token decides: an output that did not open <think> answers
+            return logits
+        if self.parser.end_id in output_ids[self._read:]:
+            self._over = True  # the model ended its thinking itself
+            return logits
+        self._read = len(output_ids)
+        if len(output_ids) - int(opened) >= self.budget:
+            logits.fill_(-math.inf)
+            logits[self.parser.end_id] = 0.0
+        return logits
