@@ -158,6 +158,18 @@ def test_tools_no_call_could_be_made_to_are_refused():
         plan("hermes", [WEATHER, {"type": "function", "function": {"name": "get_weather"}}])
 
 
+@pytest.mark.parametrize("parser, call", [("hermes", hermes), ("llama3_json", llama3)])
+def test_without_strict_tools_a_response_format_still_leaves_calls_possible(compiler, tiny_tokenizer, parser, call):
+    """OpenAI's meaning (Anthropic's output_config.format too): the format is the answer's; a tool
+    call stays possible, its arguments any object."""
+    for fields in (ANSWER, {"response_format": {"type": "json_object"}}):
+        spec = constraint(parser, tools=[TIME], **fields)
+        assert accepts(compiler, tiny_tokenizer, spec, '{"answer": "yes"}')
+        assert accepts(compiler, tiny_tokenizer, spec, call("get_time", '{"zone": "UTC", "any": [1]}'))
+        assert not accepts(compiler, tiny_tokenizer, spec, "Yes.")
+    assert not accepts(compiler, tiny_tokenizer, constraint(parser, tools=[TIME], **ANSWER), '{"answer": "maybe"}')
+
+
 def test_no_strict_tool_means_no_grammar_and_other_constraints_are_refused():
     assert constraint("hermes", tools=[TIME]) is None  # auto without strict: the model's own text
     with pytest.raises(APIError, match="a regex constraint cannot share"):

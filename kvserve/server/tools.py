@@ -10,7 +10,8 @@
   the server's `--tool-call-parser` reads; needs `--enable-auto-tool-choice`. When a tool says
   `"strict": true`, a grammar in that format (the parser's `strict_grammar`) leaves text free and
   holds every call to a tool's name and its closed parameters schema (the others' to any object),
-  as vLLM's structural tags do; with response_format's JSON schema, a reply is calls or that JSON.
+  as vLLM's structural tags do; with response_format's JSON schema, a reply is calls or that JSON,
+  strict tools or not (OpenAI's meaning: the format is the answer's, calls stay possible).
 
 Named and required work on any model because the grammar, not the model, guarantees the shape.
 """
@@ -40,7 +41,7 @@ class ToolPlan:
     parser_name: str | None = None  # auto: the server's --tool-call-parser
     parallel: bool = True  # parallel_tool_calls; False keeps one call (required: the grammar allows one)
     strict: bool = False  # auto: some tool is `strict`, so a grammar holds the calls to their schemas
-    final_schema: dict | None = None  # auto and strict: response_format's schema, the reply when no call
+    final_schema: dict | None = None  # auto: response_format's JSON schema, the reply when no call
     cut_stays_length: bool = False  # a token limit's cut is "length" even with calls (ChatCompletionRequest)
 
     def reader(self) -> ToolParser | None:
@@ -59,7 +60,7 @@ class ToolPlan:
             return StructuredOutputsParams(json=self._parameters(self.function_name))
         if self.choice == "required":
             return StructuredOutputsParams(json=required_schema(self.tools, self.parallel))
-        if self.choice == "auto" and self.strict:
+        if self.choice == "auto" and (self.strict or self.final_schema is not None):
             parser = TOOL_PARSERS[self.parser_name]
             call = call_schema(self.tools, parser.argument_key, strict_only=True)
             final = None if self.final_schema is None else _inline_json(self.final_schema)
@@ -167,8 +168,8 @@ def _requested_constraint(body: ChatCompletionRequest) -> StructuredOutputsParam
 
 
 def _final_schema(body: ChatCompletionRequest) -> dict | None:
-    """Under strict auto tools, the JSON schema a reply without calls follows (response_format),
-    if any. Other constraints cannot share the tools' grammar: a 400."""
+    """Under auto tools, the JSON schema a reply without calls follows (response_format), if
+    any. Other constraints cannot share strict tools' grammar: a 400."""
     constraint = _requested_constraint(body)
     if constraint is None:
         return None
@@ -245,7 +246,8 @@ def plan_tools(body: ChatCompletionRequest, auto_parser: str | None) -> ToolPlan
                                 'to be set', param="tool_choice")
         plan.parser_name = auto_parser
         plan.strict = any(t["function"].get("strict") for t in tools)
-        if plan.strict:
+        constraint = _requested_constraint(body)
+        if plan.strict or (constraint is not None and constraint.kind in ("json", "json_object")):
             plan.final_schema = _final_schema(body)
     elif _requested_constraint(body) is not None:
         raise APIError(400, "You can only either use guided decoding or tools, not both.", param="tool_choice")
