@@ -28,9 +28,16 @@ class LogitsProcessor(Protocol):
     padded past the tokenizer's); returns the row, modified in place or a new tensor of the same
     shape. Set -inf to ban a token. Runs before penalties, min_tokens, temperature and top-k/top-p/
     min-p, so a banned token stays banned whatever the other settings (vLLM v0's order).
+    A processor may set an attribute `done = True` once it will leave every later row alone: it is
+    not called again, and speculative decoding may draft for its request from then on.
     """
 
     def __call__(self, output_token_ids: list[int], logits: torch.Tensor) -> torch.Tensor: ...
+
+
+def active_processors(params: "SamplingParams") -> list[LogitsProcessor]:
+    """The request's logits processors that are not `done` (LogitsProcessor)."""
+    return [p for p in params.logits_processors if not getattr(p, "done", False)]
 
 
 @dataclass

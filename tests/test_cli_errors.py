@@ -102,3 +102,9 @@ def test_a_plot_path_without_a_suffix_is_written_as_png_and_reported_so(tmp_path
     assert written == tmp_path / "sub" / "chart.png" and written.read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(ValueError, match="is a directory"):
         save_figure(plt.figure(), tmp_path)
+
+
+@pytest.mark.parametrize("argv", [["eval", "--model", "/nonexistent"], ["plan", "/nonexistent"]])
+def test_a_chart_path_that_is_a_directory_is_refused_before_any_work(argv, tmp_path, capsys):
+    assert main([*argv, "--plot", str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err

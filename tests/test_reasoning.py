@@ -294,6 +294,22 @@ def test_a_thinking_token_budget_ends_the_thinking_there_and_the_model_answers(c
     assert "".join(d.get("content") or "" for d in deltas) == ANSWER
 
 
+def test_a_continued_messages_thinking_counts_against_the_budget(client):
+    """vLLM counts the thinking after the prompt's last <think>: a continued final message that left
+    its thinking open has spent part of the budget already."""
+    words = build_tokenizer().encode(REASONING, add_special_tokens=False)
+    spent = build_tokenizer().decode(words[:1])
+    messages = [*MESSAGES, {"role": "assistant", "content": "<think>" + spent}]
+    for budget, more in ((1, 0), (2, 1)):
+        reply = client.chat.completions.create(model="thinker", messages=messages, max_tokens=30, **GREEDY,
+                                               extra_body={"continue_final_message": True,
+                                                           "add_generation_prompt": False,
+                                                           "thinking_token_budget": budget})
+        message = reply.model_dump()["choices"][0]["message"]
+        assert reply.usage.completion_tokens_details.reasoning_tokens == more, (budget, message)
+        assert message["content"] == ANSWER
+
+
 def test_a_thinking_budget_counts_after_the_outputs_own_think_tag(opening_server):
     reply = httpx.post(f"{opening_server.base_url}/v1/chat/completions", timeout=60, json={
         "model": "thinker", "messages": MESSAGES, "max_tokens": 30, "temperature": 0,
@@ -321,6 +337,7 @@ def test_a_thinking_budget_is_refused_where_nothing_thinks_or_below_zero(server,
     body = {"messages": MESSAGES, "max_tokens": 4, "thinking_token_budget": 8}
     refused = httpx.post(f"{tiny_server.base_url}/v1/chat/completions", json={"model": "tiny", **body}, timeout=60)
     assert refused.status_code == 400 and "--reasoning-parser" in refused.json()["error"]["message"]
-    negative = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=60,
-                          json={"model": "thinker", **body, "thinking_token_budget": -1})
-    assert negative.status_code == 400 and negative.json()["error"]["param"] == "thinking_token_budget"
+    for value in (-1, True, "5", 2.5):
+        refused = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=60,
+                             json={"model": "thinker", **body, "thinking_token_budget": value})
+        assert refused.status_code == 400 and "thinking_token_budget" in refused.text, (value, refused.text)

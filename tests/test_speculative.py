@@ -280,6 +280,19 @@ def test_penalties_min_tokens_and_grammars_apply_at_every_verified_position(tiny
     speculating.generate(loops, processed, use_tqdm=False)
     assert speculating.engine.drafter.stats.num_drafts == before.num_drafts
 
+    class BansOnce:  # bans a token at the first position, then says it is done (LogitsProcessor)
+        done = False
+
+        def __call__(self, output, row):
+            row[3] = float("-inf")
+            self.done = True
+            return row
+
+    def once():
+        return SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logits_processors=[BansOnce()])
+    assert _outputs(speculating, loops[:1], once()) == _outputs(plain, loops[:1], once())
+    assert speculating.engine.drafter.stats.num_drafts > before.num_drafts  # drafts once it is done
+
 
 def test_no_drafts_beside_a_decode_under_eviction(tiny_llama):
     """A decode under KV eviction is packed between the plain decodes and the verifying chunks,

@@ -109,6 +109,20 @@ def test_a_json_reply_with_a_name_key_is_content_not_a_call():
     assert [c.function.name for c in final_message(tool_plan.reader(), call, False).tool_calls] == ["get_weather"]
 
 
+def test_a_json_reply_streams_as_it_comes_once_it_cannot_be_a_call():
+    """Under llama3_json with response_format, an object whose first key is not "name" is the
+    reply's JSON: streamed from that key on, not held back to the end; a "name" key later in it
+    does not make it a call."""
+    tool_plan = plan("llama3_json", tools=[TIME], **ANSWER)
+    for text in ('{"answer": "yes", "name": "get_time"}', "{}"):
+        streamed = ToolDeltas(tool_plan.reader())
+        deltas = [streamed.step(text[:n], n == len(text)) for n in range(1, len(text) + 1)]
+        assert "".join(content for content, _ in deltas) == text and not any(calls for _, calls in deltas)
+        if len(text) > 2:
+            assert "".join(content for content, _ in deltas[:-3]) == text[:-3]  # before the object ends
+        assert final_message(tool_plan.reader(), text, False).content == text
+
+
 def test_without_parallel_calls_a_hermes_reply_ends_with_its_call(compiler, tiny_tokenizer):
     spec = constraint("hermes", parallel_tool_calls=False)
     good = hermes("get_weather", '{"city": "Rome", "days": 3}')

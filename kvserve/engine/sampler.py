@@ -24,6 +24,7 @@ import torch
 
 from kvserve.engine.logprobs import packed_token_logprobs, unpack_token_logprobs
 from kvserve.engine.request import Request
+from kvserve.sampling_params import active_processors
 from kvserve.engine.speculative import DraftRow
 from kvserve.engine.structured_output import GrammarMasks
 from kvserve.transfers import host_to_device
@@ -142,13 +143,14 @@ class Sampler:
         """Each request's logits processors, in order, on a copy of its row (the model's logits
         stay as they were, for logprobs). A processor that raises or returns something else than
         a row fails only its request: `request.error` says why and its row is left unprocessed."""
-        rows = [(i, r) for i, r in enumerate(requests) if r.params.logits_processors and not r.status.finished]
+        rows = [(i, r, active) for i, r in enumerate(requests)
+                if r.params.logits_processors and not r.status.finished and (active := active_processors(r.params))]
         if not rows:
             return logits
         processed = logits.clone()
-        for i, r in rows:
+        for i, r, active in rows:
             row = processed[i]
-            for processor in r.params.logits_processors:
+            for processor in active:
                 try:
                     row = processor(list(r.output_token_ids), row)
                     if not isinstance(row, torch.Tensor) or row.shape != logits[i].shape:

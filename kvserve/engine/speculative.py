@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvserve.engine.request import Request
+from kvserve.sampling_params import active_processors
 
 METHODS = ("ngram",)
 _KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size")
@@ -123,7 +124,7 @@ def can_draft(request: Request) -> bool:
     """Whether the request's next tokens may be drafted (module docstring)."""
     grammar = request.grammar
     return ((grammar is None or grammar.active and request.error is None) and request.eviction is None
-            and not request.params.logits_processors and request.params.max_tokens != 0)
+            and not active_processors(request.params) and request.params.max_tokens != 0)
 
 
 class DraftRow:

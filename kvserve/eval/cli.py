@@ -15,6 +15,7 @@ from typing import Callable
 
 from kvserve.cache.formats import KV_CACHE_DTYPES
 from kvserve.engine.args import EMBEDDING_ARGS, EngineArgs
+from kvserve.figures import check_chart_path
 from kvserve.engine.generation_defaults import ENGINE_DEFAULTS, GENERATION_CONFIG_ARGS
 from kvserve.eval.passkey import PasskeyConfig
 from kvserve.eval.perplexity import ScoringConfig
@@ -106,6 +107,7 @@ def _refuse_unread(args: argparse.Namespace, names: tuple[str, ...], why: str) -
 
 
 def run_eval(args: argparse.Namespace) -> int:
+    check_chart_path(args.plot)
     if args.no_passkey:
         _refuse_unread(args, ("passkey_lengths", "passkey_depths", "passkey_trials", "long_passkey_length",
                               "long_passkey_budgets"), "passkey options, and --no-passkey skips passkey retrieval")

@@ -101,10 +101,12 @@ def run_plan(args: argparse.Namespace) -> int:
 
     from kvserve.cache.sizing import default_cpu_budget
     from kvserve.engine.llm_engine import CapacityError
+    from kvserve.figures import check_chart_path
     from kvserve.plan.calculator import PlanInputs, make_plan
     from kvserve.plan.report import render, to_dict
     from kvserve.plan.source import load_arch
 
+    check_chart_path(args.plot)
     kv_dtypes = [d.strip() for d in args.kv_cache_dtype.split(",") if d.strip()]
     if not kv_dtypes:
         raise ValueError("--kv-cache-dtype: give at least one dtype")

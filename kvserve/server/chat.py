@@ -107,6 +107,7 @@ class ChatServing:
         its clients (Claude Code's context compaction) look for."""
         ctx = self.ctx
         ctx.check_fields(body)
+        self._check_thinking_budget(body)
         priority = ctx.priority(request, body.priority)
         plan = plan_tools(body, self.tool_parser)
         messages = conversation(body.messages)
@@ -124,7 +125,10 @@ class ChatServing:
             params = dataclasses.replace(params, structured_outputs=dataclasses.replace(
                 params.structured_outputs, starts_after_token_id=self.reasoning.end_id))
         if body.thinking_token_budget is not None:
-            params = self._with_thinking_budget(params, body.thinking_token_budget, thinks)
+            continued = thinks and body.continue_final_message  # its open thinking counts too
+            spent = ThinkingBudget.thinking_in(prompt_ids, self.reasoning) if continued else 0
+            params = dataclasses.replace(params, logits_processors=[
+                *params.logits_processors, ThinkingBudget(self.reasoning, body.thinking_token_budget, thinks, spent)])
         if fit_context:
             params = self._fit_context(params, len(prompt_ids))
         echoed = echoed_content(body, messages)
@@ -185,17 +189,12 @@ class ChatServing:
             return dataclasses.replace(params, max_tokens=room)
         return params
 
-    def _with_thinking_budget(self, params: SamplingParams, budget: int, thinks: bool) -> SamplingParams:
-        """`thinking_token_budget`: a ThinkingBudget processor after the request's own (its row is
-        the last word on which token comes next)."""
-        if budget < 0:
-            raise APIError(400, f"thinking_token_budget must be at least 0, got {budget}.",
-                           param="thinking_token_budget")
-        if self.reasoning is None:
+    def _check_thinking_budget(self, body: ChatCompletionRequest) -> None:
+        """`thinking_token_budget` (a ThinkingBudget processor, after the request's own) needs a
+        parser that tells thinking from answer."""
+        if body.thinking_token_budget is not None and self.reasoning is None:
             raise APIError(400, "thinking_token_budget needs a reasoning model served with --reasoning-parser "
                                 "(this server does not tell thinking from answer).", param="thinking_token_budget")
-        return dataclasses.replace(params, logits_processors=[*params.logits_processors,
-                                                              ThinkingBudget(self.reasoning, budget, thinks)])
 
     def _thinks(self, thinks: bool, choice: CompletionOutput) -> bool:
         """Whether a choice's output starts as thinking: after a prompt that left it open (`thinks`)

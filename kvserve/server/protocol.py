@@ -366,7 +366,7 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool | None = None  # False: at most one call per reply
     include_reasoning: bool = True  # vLLM's: false leaves a reasoning model's thinking out of the reply
     # vLLM's: at most this many thinking tokens, then </think> is forced (reasoning.ThinkingBudget)
-    thinking_token_budget: int | None = None
+    thinking_token_budget: int | None = Field(default=None, ge=0, strict=True)
 
     unsupported_fields: ClassVar[dict[str, Callable[[Any], bool]]] = UNSUPPORTED_CHAT_FIELDS
 

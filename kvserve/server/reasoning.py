@@ -113,29 +113,40 @@ class ReasoningParser:
 @dataclass
 class ThinkingBudget:
     """A logits processor (SamplingParams.logits_processors) that ends the thinking at `budget`
-    thinking tokens, counted as `ReasoningParser.reasoning_tokens` counts them: at that point every
-    logit but `</think>`'s is -inf. `thinks`: the prompt left the thinking open; otherwise only an
-    output that opens with `<think>` is thinking. Keeps where it has read up to, so a long thinking
-    costs one look at each new token (n > 1 gives each sample its own copy)."""
+    thinking tokens, counted as `ReasoningParser.reasoning_tokens` counts them, plus `spent` (the
+    thinking of a continued final message, already in the prompt): at that point every logit but
+    `</think>`'s is -inf. `thinks`: the prompt left the thinking open; otherwise only an output
+    that opens with `<think>` is thinking. Once the thinking has ended it is `done` (the sampler
+    stops calling it); until then it keeps where it has read up to, so a long thinking costs one
+    look at each new token (n > 1 gives each sample its own copy)."""
 
     parser: ReasoningParser
     budget: int
     thinks: bool
+    spent: int = 0
+    done: bool = False
     _read: int = field(default=0, repr=False)
-    _over: bool = field(default=False, repr=False)
 
     def __call__(self, output_ids: list[int], logits: Any) -> Any:
-        if self._over:
+        if self.done:
             return logits
         opened = self.parser.opened_by(output_ids)
         if not self.thinks and not opened:
-            self._over = bool(output_ids)  # the first token decides: an output that did not open <think> answers
+            self.done = bool(output_ids)  # the first token decides: an output that did not open <think> answers
             return logits
         if self.parser.end_id in output_ids[self._read:]:
-            self._over = True  # the model ended its thinking itself
+            self.done = True  # the thinking has ended (by itself, or forced)
             return logits
         self._read = len(output_ids)
-        if len(output_ids) - int(opened) >= self.budget:
+        if self.spent + len(output_ids) - int(opened) >= self.budget:
             logits.fill_(-math.inf)
             logits[self.parser.end_id] = 0.0
         return logits
+
+    @staticmethod
+    def thinking_in(prompt_ids: list[int], parser: ReasoningParser) -> int:
+        """The thinking tokens a continued final message holds: those after the prompt's last
+        `<think>` (0 when the start tag is not one token)."""
+        if parser.start_id is None or parser.start_id not in prompt_ids:
+            return 0
+        return prompt_ids[::-1].index(parser.start_id)

@@ -5,7 +5,7 @@ object named after none of the tools where the reply may be response_format's JS
 from __future__ import annotations
 
 from kvserve.server.tool_parsers.base import Parse, ToolParser, read_call
-from kvserve.server.tool_parsers.json_scan import JSONSyntaxError, skip_whitespace
+from kvserve.server.tool_parsers.json_scan import JSONSyntaxError, scan_object, skip_whitespace
 
 PYTHON_TAG = "<|python_tag|>"
 
@@ -34,6 +34,8 @@ class Llama3JsonParser(ToolParser):
             return Parse("")
         if not tagged and (i >= len(text) or text[i] != "{"):
             return Parse(text)
+        if not tagged and self.tool_names is not None and not self._may_be_a_call(text, i):
+            return Parse(text)  # response_format's JSON, streamed as it comes
         calls = []
         try:
             while True:
@@ -59,3 +61,17 @@ class Llama3JsonParser(ToolParser):
         except JSONSyntaxError:
             return Parse("", calls, valid=False)
         return Parse("", calls)
+
+    @staticmethod
+    def _may_be_a_call(text: str, i: int) -> bool:
+        """Whether the object at `text[i]` may still be a call: a call's first key is "name" (the
+        grammar writes it first), so an object whose first key is another, or an empty object, is
+        the reply's JSON from then on."""
+        try:
+            scan = scan_object(text, i)
+        except JSONSyntaxError:
+            return True  # the call reader reports it
+        if scan.members:
+            return scan.members[0].key == "name"
+        return scan.end is None
+
