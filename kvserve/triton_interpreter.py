@@ -12,8 +12,8 @@ over K in order without BLAS. Nothing changes when Triton compiles for a GPU.
 The interpreter also patches `triton.language` again on each call of one `@triton.jit` function
 from another, inside a launch that has already patched it: a large share of an interpreted kernel's
 overhead where helpers are called in loops (BENCHMARKS.md, "CI on a real AVX2-only CPU").
-`skip_repeated_language_patches` leaves such a call to the launch's patch. Both run once per
-process, under the interpreter only.
+`skip_repeated_language_patches` leaves such a call to the launch's patch; `skip_overflow_checks`
+drops the interpreter's integer overflow checks. All run once per process, under the interpreter only.
 """
 from __future__ import annotations
 
@@ -27,6 +27,25 @@ def prepare_interpreter() -> None:
     if triton_interpreting():
         use_row_invariant_dots()
         skip_repeated_language_patches()
+        skip_overflow_checks()
+
+
+def skip_overflow_checks() -> None:
+    """The interpreter checks every 32-bit integer add, subtract and multiply for overflow (in
+    int64, then an assert), a third of an fp8 store kernel's time, where the fp8 conversion does
+    its rounding on integer bit patterns. A compiled kernel makes no such check (Triton asserts
+    only in debug builds), and the tests' tiny pools keep index arithmetic far from 2^31, so
+    kvserve's tests run without it; TRITON_INTERPRET_OVERFLOW_CHECKS=1 keeps it."""
+    import dataclasses
+    import os
+
+    from triton.runtime import interpreter
+
+    builder = getattr(interpreter, "interpreter_builder", None)
+    options = getattr(builder, "options", None)
+    if os.environ.get("TRITON_INTERPRET_OVERFLOW_CHECKS") == "1" or not hasattr(options, "sanitize_overflow"):
+        return
+    builder.options = dataclasses.replace(options, sanitize_overflow=False)
 
 
 def use_row_invariant_dots() -> None:

@@ -36,20 +36,27 @@ def engine(model, **options) -> LLM:
                attention_backend="triton", device=str(DEVICE), **options)
 
 
+GRAPH_TEST_PARAMS = [SamplingParams(temperature=0, max_tokens=6 + 3 * i, ignore_eos=True) for i in range(len(PROMPTS))]
+
+
+@pytest.fixture(scope="module")
+def eager_tokens(tiny_llama_d32) -> list[list[int]]:
+    """PROMPTS under GRAPH_TEST_PARAMS with --enforce-eager: what the graph steps must give."""
+    eager = engine(tiny_llama_d32, enforce_eager=True)
+    assert eager.engine.runner.graphs is None
+    tokens = [o.outputs[0].token_ids for o in eager.generate(PROMPTS, GRAPH_TEST_PARAMS, use_tqdm=False)]
+    eager.close()
+    return tokens
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_decodes_through_the_graph_buffers_give_the_eager_tokens(tiny_llama_d32, async_scheduling):
+def test_decodes_through_the_graph_buffers_give_the_eager_tokens(tiny_llama_d32, eager_tokens, async_scheduling):
     """Six prompts with max 4 sequences per graph: steps of 5-6 decodes run eagerly, later steps
     of 1-4 through the buffers padded to 1, 2 or 4, with prefill chunks in between eager. Under
-    async scheduling the graph steps take their input tokens from the step before on the device."""
-    kv_cache_dtype = "auto"  # the buffers are the same for every KV format
-    params = [SamplingParams(temperature=0, max_tokens=6 + 3 * i, ignore_eos=True) for i in range(len(PROMPTS))]
-    eager = engine(tiny_llama_d32, kv_cache_dtype=kv_cache_dtype, enforce_eager=True)
-    assert eager.engine.runner.graphs is None
-    expected = [o.outputs[0].token_ids for o in eager.generate(PROMPTS, params, use_tqdm=False)]
-    eager.close()
-
-    llm = engine(tiny_llama_d32, kv_cache_dtype=kv_cache_dtype, max_cudagraph_capture_size=4,
-                 async_scheduling=async_scheduling)
+    async scheduling the graph steps take their input tokens from the step before on the device.
+    (The KV format is the default: the buffers are the same for every format.)"""
+    params, expected = GRAPH_TEST_PARAMS, eager_tokens
+    llm = engine(tiny_llama_d32, max_cudagraph_capture_size=4, async_scheduling=async_scheduling)
     runner = llm.engine.runner
     if DEVICE.type == "cuda":
         assert runner.graphs is not None and sorted(runner.graphs.graphs) == [1, 2, 4]

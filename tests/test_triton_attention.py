@@ -104,8 +104,13 @@ def run_steps(backend_name: str, kv_cache_dtype: str, shape: Shape,
     return outputs
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
-@pytest.mark.parametrize("kv_cache_dtype", FORMATS)
+# Every format on two of the three shapes and every shape under at least four formats (the kernels'
+# format code and shape code are separate; all 18 pairs take 40% longer under the interpreter).
+FORMAT_SHAPES = [(fmt, shape) for i, fmt in enumerate(FORMATS)
+                 for j, shape in enumerate(SHAPES) if fmt == "auto" or (i + j) % 3 != 0]
+
+
+@pytest.mark.parametrize("kv_cache_dtype, shape", FORMAT_SHAPES, ids=[f"{f}-{s}" for f, s in FORMAT_SHAPES])
 def test_kernels_match_the_torch_backend(kv_cache_dtype, shape):
     """float32: the torch backend's outputs to float32 rounding. bfloat16: both backends against
     exact (float32) attention over the same pool, the kernels at least as close as torch ops (which
