@@ -138,6 +138,30 @@ def test_a_failing_disk_stops_writing_and_serving_goes_on(tiny_llama, baseline, 
     engine.close()
 
 
+def test_a_full_file_system_lowers_the_bound_and_writing_goes_on(tiny_llama, baseline, tmp_path, monkeypatch,
+                                                                    caplog):
+    """ENOSPC before the bound (a file system smaller than the tier, or filled by others): the
+    least recently used files make room, the bound comes down to what fits, writes go on."""
+    create, limit = disk_module._create_file, 3
+
+    def small_file_system(name, dir_fd):
+        if len(list((tmp_path / "kv").rglob("*.kvb"))) >= limit:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return create(name, dir_fd)
+
+    engine = engine_for(tiny_llama, kv_offloading_disk_path=str(tmp_path / "kv"))
+    monkeypatch.setattr(disk_module, "_create_file", small_file_system)
+    bound = engine.tiers.disk.max_bytes
+    with caplog.at_level(logging.WARNING, logger="kvserve"):
+        assert multi_turn(engine) == baseline
+    disk = engine.tiers.disk
+    assert disk.disabled is None and disk.num_evicted_files > 0 and disk.max_bytes < bound
+    assert any("file system is full" in r.getMessage() for r in caplog.records)
+    assert len(list((tmp_path / "kv").rglob("*.kvb"))) <= limit
+    assert_no_leak(engine)
+    engine.close()
+
+
 def test_an_unusable_disk_directory_fails_at_start_up(tiny_llama, tmp_path):
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("x")

@@ -17,8 +17,10 @@ warning, and is removed; one that cannot be read now (an I/O error) is a miss an
 size bound is enforced by whichever process crosses it: it scans the directory and removes the
 least recently used files (mtime; a hit touches its file) down to 90% of the bound; a reader
 whose file vanishes meanwhile just misses. Files are 0600 and directories 0700: they hold
-tenants' KV. A write failing with ENOSPC, EROFS, EACCES (any OSError) stops further writes with
-one warning; reads go on.
+tenants' KV. A write that finds the file system full (ENOSPC, EDQUOT) lowers the bound to 90% of
+what the directory holds and evicts down to it, as at the bound, then tries once more; a write
+failing otherwise (EROFS, EACCES, any OSError), or still full, stops further writes with one
+warning; reads go on.
 
 The directory is a trust boundary: whoever can write it chooses what a prefix hit loads. So the
 tier refuses a root owned by another user and makes a group- or world-writable one 0700 (one
@@ -366,9 +368,28 @@ class DiskTier(BlockStore):
         if data.numel() != self.block_nbytes:
             raise ValueError(f"a block is {self.block_nbytes} bytes, got {data.numel()}")
         payload = memoryview(data.contiguous().numpy())
-        path = self.path(block_hash)
         header = self._header(block_hash, payload)
-        name = block_hash.hex()
+        try:
+            try:
+                self._write_file(block_hash.hex(), header, payload)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or not self._make_room():
+                    raise
+                self._write_file(block_hash.hex(), header, payload)  # once more, with room made
+        except OSError as exc:
+            self.disable(f"{exc.strerror or exc} ({self.path(block_hash).parent})")
+            return False
+        self.num_writes += 1
+        self._stored(block_hash)
+        with self._lock:
+            self._used += self.file_nbytes
+            if self._used > self.max_bytes:
+                self._enforce_bound()
+        return True
+
+    def _write_file(self, name: str, header: bytes, payload: memoryview) -> None:
+        """The block file `name`, written under a temporary name and renamed into place; OSError
+        (with the temporary file removed) when it cannot be."""
         tmp, sub = None, None
         try:
             try:
@@ -383,24 +404,30 @@ class DiskTier(BlockStore):
                 f.write(payload)
             os.replace(tmp, name + SUFFIX, src_dir_fd=sub, dst_dir_fd=sub)
             tmp = None
-        except OSError as exc:
+        finally:
             if tmp is not None and sub is not None:
                 try:
                     os.unlink(tmp, dir_fd=sub)
                 except OSError:
                     pass
-            self.disable(f"{exc.strerror or exc} ({path.parent})")
-            return False
-        finally:
             if sub is not None:
                 os.close(sub)
-        self.num_writes += 1
-        self._stored(block_hash)
+
+    def _make_room(self) -> bool:
+        """The file system is full before the bound is: the bound comes down to 90% of what the
+        directory holds now (what fits, as far as anyone can tell), and the least recently used
+        files go down to 90% of that, as at the bound. False when there is nothing to remove."""
         with self._lock:
-            self._used += self.file_nbytes
-            if self._used > self.max_bytes:
-                self._enforce_bound()
-        return True
+            files, total = self._scan()
+            if not files:
+                return False
+            lowered = max(self.file_nbytes, int(total * EVICT_TO))
+            logger.warning("KV disk tier: the file system is full at %.2f GiB of blocks: the tier's bound "
+                           "lowered from %.2f to %.2f GiB", total / 2 ** 30, self.max_bytes / 2 ** 30,
+                           lowered / 2 ** 30)
+            self.max_bytes = lowered
+            self._enforce_bound()
+            return self._used < total
 
     def held_hashes(self) -> list[bytes]:
         """The blocks of this namespace on disk now (written by any process sharing the directory)."""
