@@ -37,6 +37,7 @@ SIDE_UNIT_FILES = {
     "test_deterministic.py", "test_kv_tiers_server.py", "test_router.py", "test_router_hardening.py",
     "test_bench_compare.py", "test_reliability_fuzz.py", "test_eviction_engine.py", "test_tensor_parallel_features.py",
     "test_dashboard_browser.py", "test_reliability_shutdown.py", "test_disk_tier_trust.py",
+    "test_reliability_auth.py", "test_reasoning.py", "test_top.py",
     "test_tensor_parallel.py",  # the default model's header only (preflight), weights never
 }
 
