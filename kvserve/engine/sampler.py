@@ -24,9 +24,9 @@ import torch
 
 from kvserve.engine.logprobs import packed_token_logprobs, unpack_token_logprobs
 from kvserve.engine.request import Request
-from kvserve.sampling_params import active_processors
 from kvserve.engine.speculative import DraftRow
 from kvserve.engine.structured_output import GrammarMasks
+from kvserve.sampling_params import active_processors
 from kvserve.transfers import host_to_device
 
 logger = logging.getLogger(__name__)

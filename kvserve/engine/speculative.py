@@ -124,7 +124,8 @@ def can_draft(request: Request) -> bool:
     """Whether the request's next tokens may be drafted (module docstring)."""
     grammar = request.grammar
     return ((grammar is None or grammar.active and request.error is None) and request.eviction is None
-            and not active_processors(request.params) and request.params.max_tokens != 0)
+            and not (request.params.logits_processors and active_processors(request.params))
+            and request.params.max_tokens != 0)
 
 
 class DraftRow:
