@@ -72,7 +72,9 @@ def test_a_command_that_never_embeds_does_not_take_the_pooling_type(argv, capsys
 @pytest.mark.parametrize("argv, words", [
     # flags a run would otherwise accept and never read
     (["bench", "throughput", "--model", "m", "--dataset-path", "x.json"],
-     "--dataset-path describes the sharegpt and book and multi-turn workloads, not --dataset-name random"),
+     "--dataset-path describes the sharegpt and book workloads, not --dataset-name random"),
+    (["bench", "serve", "--model", "m", "--base-url", "http://127.0.0.1:9", "--dataset-path", "x.json"],
+     "--dataset-path describes the sharegpt, book and multi-turn workloads, not --dataset-name random"),
     (["bench", "throughput", "--model", "m", "--dataset-name", "sharegpt", "--random-input-len", "64"],
      "--random-input-len describes the random workload, not --dataset-name sharegpt"),
     (["bench", "serve", "--model", "m", "--base-url", "http://127.0.0.1:9", "--multi-turn-turns", "3"],

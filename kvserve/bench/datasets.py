@@ -269,10 +269,12 @@ def synthetic_sharegpt_dataset(tokenizer: Any, num_prompts: int, output_len: int
 
 def check_workload_flags(args: Any) -> None:
     """ValueError for a workload flag given with a --dataset-name that does not read it."""
+    offered = getattr(args, "dataset_names", DATASET_NAMES + (MULTI_TURN,))  # this command's (add_dataset_args)
     for dest, owners in DATASET_FLAGS.items():
         if getattr(args, f"{dest}_given", False) and args.dataset_name not in owners:
-            flag = "--" + dest.replace("_", "-")
-            raise ValueError(f"{flag} describes the {' and '.join(owners)} workload{'s' if len(owners) > 1 else ''}, "
+            flag, names = "--" + dest.replace("_", "-"), [name for name in owners if name in offered]
+            workloads = " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
+            raise ValueError(f"{flag} describes the {workloads} workload{'s' if len(names) > 1 else ''}, "
                              f"not --dataset-name {args.dataset_name}")
 
 
@@ -345,8 +347,9 @@ def add_dataset_args(parser: Any, num_prompts: int = 1000, input_len: str = "102
     """The workload flags (vLLM's names), shared by `bench serve`, `compare`, `throughput`; with
     `multi_turn`, also the multi-turn chat workload and its flags."""
     g = parser.add_argument_group("workload")
-    g.add_argument("--dataset-name", default="random",
-                   choices=DATASET_NAMES + ((MULTI_TURN,) if multi_turn else ()))
+    names = DATASET_NAMES + ((MULTI_TURN,) if multi_turn else ())
+    g.add_argument("--dataset-name", default="random", choices=names)
+    parser.set_defaults(dataset_names=names)
     g.add_argument("--dataset-path", action=GivenAction, default=None,
                    help="sharegpt: a ShareGPT-format JSON file (default: synthetic ShareGPT-like set); "
                         "book" + (", multi-turn" if multi_turn else "") + ": a text file (default: the bundled novel)")
