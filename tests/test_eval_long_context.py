@@ -46,9 +46,10 @@ def test_protocol_report(tiny_llama, tmp_path):
 
 
 def test_cli_json(tiny_llama, capsys, tmp_path):
+    """--json output; --long-passkey-length 0 (no passkey) agrees with --no-passkey, so it is no error."""
     code = main(["eval", "--long-context", "--model", str(tiny_llama), "--dtype", "float32", "--block-size", "8",
                  "--max-model-len", "128", "--kv-budget", "32", "--long-tokens", "300", "--long-chunk-size", "4",
-                 "--long-configs", "streaming,h2o", "--no-passkey", "--json",
+                 "--long-configs", "streaming,h2o", "--no-passkey", "--long-passkey-length", "0", "--json",
                  "--output-json", str(tmp_path / "long.json")])
     assert code == 0
     data = json.loads(capsys.readouterr().out)

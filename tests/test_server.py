@@ -256,12 +256,17 @@ def test_min_tokens_holds_back_stop_strings(tiny_server, client):
 
 def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(tiny_server, client):
     """vLLM's truncate_prompt_tokens on completions and chat: the prompt's last k tokens are the
-    prompt (usage counts them), and a text longer than the context is then no 400."""
+    prompt (usage counts them, echo repeats them), and a text longer than the context is then no 400."""
     ids = httpx.post(f"{tiny_server.base_url}/tokenize", json={"prompt": PROMPTS[0]}).json()["tokens"]
     last = client.completions.create(model="tiny", prompt=ids[-6:], max_tokens=5, **GREEDY)
     cut = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=5, **GREEDY,
                                     extra_body={"truncate_prompt_tokens": 6})
     assert cut.usage.prompt_tokens == 6 and cut.choices[0].text == last.choices[0].text
+    # echo puts back the prompt the model saw: the kept tokens' text, not the whole prompt (vLLM)
+    kept = httpx.post(f"{tiny_server.base_url}/detokenize", json={"tokens": ids[-6:]}).json()["prompt"]
+    echoed = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=5, echo=True, **GREEDY,
+                                       extra_body={"truncate_prompt_tokens": 6})
+    assert echoed.choices[0].text == kept + last.choices[0].text
     long = client.completions.create(model="tiny", prompt=PROMPTS[0] * 400, max_tokens=2, **GREEDY,
                                      extra_body={"truncate_prompt_tokens": 100})
     assert long.usage.prompt_tokens == 100

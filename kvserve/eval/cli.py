@@ -109,8 +109,9 @@ def _refuse_unread(args: argparse.Namespace, names: tuple[str, ...], why: str) -
 def run_eval(args: argparse.Namespace) -> int:
     check_chart_path(args.plot)
     if args.no_passkey:
-        _refuse_unread(args, ("passkey_lengths", "passkey_depths", "passkey_trials", "long_passkey_length",
-                              "long_passkey_budgets"), "passkey options, and --no-passkey skips passkey retrieval")
+        options = ("passkey_lengths", "passkey_depths", "passkey_trials", "long_passkey_budgets",
+                   *(("long_passkey_length",) if args.long_passkey_length != 0 else ()))  # 0 also means none
+        _refuse_unread(args, options, "passkey options, and --no-passkey skips passkey retrieval")
     if args.long_context:
         return run_long_context(args)
     _refuse_unread(args, _LONG_CONTEXT_ONLY, "options of the long-context protocol, which needs --long-context")

@@ -74,7 +74,10 @@ class CompletionServing:
         if body.suffix:
             await ctx.tokens.fill_in_the_middle(prompts, body.suffix)
         for prompt in prompts:
-            prompt.token_ids = ctx.truncated(prompt.token_ids, body.truncate_prompt_tokens)
+            kept = ctx.truncated(prompt.token_ids, body.truncate_prompt_tokens)
+            if len(kept) < len(prompt.token_ids):
+                prompt.text = None  # echo repeats the tokens the model saw, decoded below
+            prompt.token_ids = kept
         # As in vLLM: echo with logprobs computes the prompt's logprobs (k = logprobs).
         echo_logprobs = body.echo and body.logprobs is not None
         as_ids = ctx.tokens_as_ids(body)
