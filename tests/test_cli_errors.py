@@ -83,6 +83,7 @@ def test_a_command_that_never_embeds_does_not_take_the_pooling_type(argv, capsys
       "--book-input-len", "64"], "--book-input-len describes the book workload, not --dataset-name multi-turn"),
     (["bench", "throughput", "--model", "m", "--hf-batch-size", "8"], "--hf-batch-size is the HF backend's"),
     (["plan", "m", "--gpu-memory-utilization", "0.5"], "--gpu-memory-utilization is the share of --gpu-memory"),
+    (["plan", "m", "--gpu-memory-utilization", "0.9"], "--gpu-memory-utilization is the share of --gpu-memory"),
     (["eval", "--model", "/nonexistent", "--no-passkey", "--passkey-trials", "5"],
      "--passkey-trials: passkey options, and --no-passkey skips"),
     (["eval", "--model", "/nonexistent", "--long-context", "--no-passkey", "--long-passkey-length", "500"],

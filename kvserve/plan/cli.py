@@ -56,7 +56,7 @@ def register(subparsers) -> None:
     group.add_argument("--plot", metavar="PNG", default=None,
                        help="draw KV bytes against context length for the chosen dtypes, with the budget line")
     EngineArgs.add_cli_args(parser, skip=tuple(f.name for f in fields(EngineArgs) if f.name not in _PLANNED_ENGINE_ARGS))
-    parser.set_defaults(func=run_plan)
+    parser.set_defaults(func=run_plan, gpu_memory_utilization=None)  # None: not given (the engine's default)
 
 
 def _planning_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -112,9 +112,11 @@ def run_plan(args: argparse.Namespace) -> int:
         raise ValueError("--kv-cache-dtype: give at least one dtype")
     kv_cache_memory = _size_arg(args.kv_cache_memory, "--kv-cache-memory")
     gpu_memory = _size_arg(args.gpu_memory, "--gpu-memory")
-    if gpu_memory is None and args.gpu_memory_utilization != EngineArgs.gpu_memory_utilization:
+    if gpu_memory is None and args.gpu_memory_utilization is not None:
         raise ValueError("--gpu-memory-utilization is the share of --gpu-memory the plan may use: it needs "
                          "--gpu-memory")
+    utilization = EngineArgs.gpu_memory_utilization if args.gpu_memory_utilization is None \
+        else args.gpu_memory_utilization
     if args.device == "auto":
         device = torch.device("cuda" if gpu_memory is not None or torch.cuda.is_available() else "cpu")
     else:
@@ -129,7 +131,7 @@ def run_plan(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len if args.max_model_len is not None else arch.max_position_embeddings,
         batch_size=args.batch_size, block_size=args.block_size, weight_dtype=_planning_dtype(args.dtype, device),
         tensor_parallel_size=args.tensor_parallel_size, kv_cache_memory=kv_cache_memory, gpu_memory=gpu_memory,
-        gpu_memory_utilization=args.gpu_memory_utilization, quantization=args.quantization,
+        gpu_memory_utilization=utilization, quantization=args.quantization,
         kv_offloading_size=_gib_arg(args.kv_offloading_size, "--kv-offloading-size"),
         kv_offloading_disk_size=_gib_arg(args.kv_offloading_disk_size, "--kv-offloading-disk-size"))
     plan = make_plan(arch, inputs, kv_dtypes, default_cpu_budget() if device.type == "cpu" else None)
