@@ -123,6 +123,35 @@ def test_sliding_window_blocks_go_back_to_the_pool_and_tokens_match_hf(request, 
     assert core.num_free_blocks == core.num_blocks
 
 
+def test_a_sliding_window_model_needs_a_pool_for_its_window_not_for_max_model_len(tiny_model_factory):
+    """Every layer windowed: a sequence holds its window and a step (the blocks behind go back), so
+    the pool need hold only that, not a sequence of max-model-len (vLLM sizes sliding-window layers
+    so): with 5 blocks of 8 (window 8 + a step of 16, a block a boundary splits and a spare) the
+    model starts at its full 1,024 tokens, and a 70-token sequence still gives HF's tokens. One
+    block fewer is refused naming the window; KV eviction (an evicting sequence keeps its budget,
+    not a window) is refused on such a pool."""
+    from transformers import AutoModelForCausalLM
+
+    from kvserve.engine.args import EngineArgs
+    from kvserve.engine.preflight import CapacityError, preflight
+
+    path = tiny_model_factory("mistral", sliding_window=8)
+    options = dict(dtype="float32", max_num_batched_tokens=16, block_size=8, enable_prefix_caching=False)
+    per_block = preflight(EngineArgs(model=str(path), kv_cache_memory="8MiB", **options)).bytes_per_block
+    with pytest.raises(CapacityError, match="its sliding window of 8 tokens and a step of 16"):
+        LLM(str(path), kv_cache_memory=5 * per_block, max_model_len=1024, **options)
+    llm = LLM(str(path), kv_cache_memory=6 * per_block, **options)  # 5 blocks and the null block
+    assert (llm.engine.max_model_len, llm.engine.num_blocks) == (1024, 5)
+    prompt = llm.get_tokenizer().encode(PROMPTS[2])[:30]
+    [out] = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+                         use_tqdm=False)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 40)
+    with pytest.raises(ValueError, match="KV eviction needs a KV pool that holds one sequence of max-model-len"):
+        llm.generate([{"prompt_token_ids": prompt}],
+                     SamplingParams(max_tokens=4, kv_eviction={"policy": "streaming", "budget": 32}), use_tqdm=False)
+
+
 def test_same_shape_chunks_after_a_cached_prefix_match_hf(tiny_llama):
     """Requests sharing a cached prefix, each computing a question of the same length in one step:
     their chunks go through one batched attention call and still give HF's greedy tokens."""

@@ -87,6 +87,27 @@ def test_sliding_window_layers_cache_at_most_the_window(capsys):
     assert sorted(g["sliding_window"] or 0 for g in groups) == [0, 4096]
 
 
+def test_a_window_in_every_layer_holds_the_window_and_a_step(capsys):
+    """Mistral v0.1 (every layer windowed, 4,096): in kvserve's pool a sequence of 32,768 holds its
+    window and a step (the engine's preflight.SequenceHold), so a budget holds more of them and any
+    max-model-len once it holds one; the step is --max-num-batched-tokens, else the CPU's 2,048."""
+    def capacity(*extra):
+        plan = plan_json(capsys, "mistral-7b", "--kv-cache-memory", "4GiB", "--kv-cache-dtype", "bfloat16",
+                         "--dtype", "bfloat16", "--device", "cpu", *extra)
+        return plan["kv_cache"][0]["capacity"], plan["notes"]
+
+    cap, notes = capacity()
+    assert cap["blocks_per_sequence"] == (4096 + 2048) // 16 + 2
+    assert cap["max_concurrent_sequences"] == cap["num_blocks"] // cap["blocks_per_sequence"] > 1
+    assert cap["largest_max_model_len"] == 32768
+    assert any("a sequence holds its window and a step of 2,048 tokens" in n for n in notes)
+    cap, _ = capacity("--max-num-batched-tokens", "8192")
+    assert cap["blocks_per_sequence"] == (4096 + 8192) // 16 + 2
+    cap, notes = capacity("--max-model-len", "4096")  # the window and a step hold the whole sequence
+    assert cap["blocks_per_sequence"] == 4096 // 16
+    assert any("no fewer than its 4,096 tokens" in n for n in notes)
+
+
 def test_window_longer_than_context_changes_nothing(capsys):
     plan = plan_json(capsys, "mistral-7b", "--max-model-len", "2048", "--kv-cache-dtype", "bfloat16")
     assert plan["kv_cache"][0]["value_bytes"] == 2 * 2048 * 32 * 8 * 128 * 2

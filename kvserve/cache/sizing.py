@@ -25,6 +25,19 @@ def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def blocks_per_sequence(max_model_len: int, block_size: int, window: int | None = None,
+                        step_tokens: int | None = None) -> int:
+    """Blocks one sequence of max_model_len holds at most. Under full attention all of them; when
+    every layer attends to the same sliding `window` (Mistral v0.1), the blocks behind the window
+    go back to the pool as the sequence moves on (kv_cache_manager), so it holds the window and one
+    step's `step_tokens`, plus a block a boundary may split and a spare (vLLM sizes its
+    sliding-window layers so too)."""
+    full = blocks_for_tokens(max_model_len, block_size)
+    if window is None or step_tokens is None:
+        return full
+    return min(full, blocks_for_tokens(window + step_tokens, block_size) + 2)
+
+
 def default_cpu_budget() -> int:
     """On CPU, with no --kv-cache-memory: 4 GiB or a quarter of available RAM, whichever is less."""
     return min(4 * GiB, available_ram_bytes() // 4)

@@ -32,6 +32,7 @@ from kvserve.cache.eviction.config import resolve_eviction
 from kvserve.cache.eviction.evictor import Evictor
 from kvserve.cache.kv_cache import KVCache
 from kvserve.cache.kv_cache_manager import KVCacheManager
+from kvserve.cache.sizing import blocks_for_tokens
 from kvserve.cache.tiers import TierConfig, TieredStore
 from kvserve.engine import scoring
 from kvserve.engine.args import DEFAULT_DISK_TIER_GIB, EngineArgs
@@ -121,7 +122,7 @@ class LLMEngine:
         # before the pool is sized: CUDA's profiling pass measures the step that will run (fused ops)
         platform_for(self.device).prepare_model(self.model, self.attention_backend, self.parallel is not None)
         pool = size_kv_pool(args, self.model, self.kv_spec, self.kv_format, self.attention_backend,
-                            built.plan.max_model_len, built.plan.kv_budget)
+                            built.plan.max_model_len, built.plan.kv_budget, built.plan.hold)
         self.max_model_len = pool.max_model_len
         logger.info(self._limits_line)
         if self.parallel is not None:
@@ -140,14 +141,17 @@ class LLMEngine:
         # after calibration: a graph holds the key transforms as they are when it is captured
         platform_for(self.device).capture_decode_graphs(self.runner, args, self.max_model_len)
         self.eviction_defaults = EvictionSpec(args.kv_eviction, args.kv_budget, args.sink_tokens, args.recent_tokens)
+        # A sliding-window model's pool may hold less than a sequence of max-model-len (preflight's
+        # SequenceHold); an evicting sequence keeps its budget instead of its window.
+        self._pool_blocks_short = max(0, blocks_for_tokens(self.max_model_len, self.kv_spec.block_size)
+                                      - pool.num_blocks)
         self.resolve_eviction(None)  # bad --kv-eviction flags fail at start-up
         namespace = kv_namespace(self.kv_cache, self.model_config, self.model_path, self.dtype, self.model,
                                  args.deterministic, dummy_weights=args.load_format == "dummy")
         self.tiers = _make_tiers(args, self.kv_cache, namespace)
-        windows = set(self.model_config.sliding_windows)
         self.kv_manager = KVCacheManager(pool.num_blocks, self.kv_spec.block_size, args.enable_prefix_caching,
                                          namespace=namespace, evictor=self.evictor, tiers=self.tiers,
-                                         window=windows.pop() if len(windows) == 1 else None)
+                                         window=built.plan.shape.sliding_window)
         self.kv_manager.carry_out_moves = self.runner.move_tokens
         speculative = SpeculativeConfig.parse(args.speculative_config)
         self.drafter = None if speculative is None else Drafter(speculative, self.max_model_len)
@@ -186,7 +190,12 @@ class LLMEngine:
     def resolve_eviction(self, spec: EvictionSpec | None) -> EvictionConfig | None:
         """A request's KV eviction settings (its `kv_eviction` over the engine's flags), checked;
         None without eviction. Raises ValueError for bad values."""
-        return resolve_eviction(spec, self.eviction_defaults, self.max_model_len, POLICIES)
+        config = resolve_eviction(spec, self.eviction_defaults, self.max_model_len, POLICIES)
+        if config is not None and self._pool_blocks_short:
+            raise ValueError(f"KV eviction needs a KV pool that holds one sequence of max-model-len "
+                             f"{self.max_model_len}, and this one, sized for the model's sliding window, is "
+                             f"{self._pool_blocks_short} blocks short: raise --kv-cache-memory or lower --max-model-len")
+        return config
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Check a request against the model; returns the resolved max_tokens."""

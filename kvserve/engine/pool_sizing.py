@@ -20,7 +20,7 @@ from kvserve.cache.sizing import blocks_for_tokens, blocks_in_budget, bytes_per_
 from kvserve.engine.args import EngineArgs
 from kvserve.engine.decode_graphs import DecodeGraphs, graphs_unavailable, max_capture_size
 from kvserve.engine.model_runner import ModelRunner
-from kvserve.engine.preflight import CapacityError, fit_max_model_len, lowered_max_model_len_warning
+from kvserve.engine.preflight import CapacityError, SequenceHold, fit_max_model_len, lowered_max_model_len_warning
 from kvserve.engine.request import Request
 from kvserve.engine.scheduler import ScheduledRequest
 from kvserve.model.attention import AttentionBackend
@@ -87,7 +87,8 @@ def budget_after_profile(utilization: float, start: DeviceMemory, end: DeviceMem
 
 
 def size_kv_pool(args: EngineArgs, model: LlamaForCausalLM, kv_spec: KVCacheSpec, kv_format: KVFormat,
-                 backend: AttentionBackend, max_model_len: int, budget: int | None) -> PoolSize:
+                 backend: AttentionBackend, max_model_len: int, budget: int | None,
+                 hold: SequenceHold = SequenceHold()) -> PoolSize:
     """Blocks for `budget` bytes (None: what the CUDA profiling pass leaves). A measured budget
     is checked here like preflight checks a known one: max-model-len is lowered to fit when the
     user gave none, else too small a budget raises CapacityError. Logs the pool's size."""
@@ -95,7 +96,7 @@ def size_kv_pool(args: EngineArgs, model: LlamaForCausalLM, kv_spec: KVCacheSpec
     bs = kv_spec.block_size
     if budget is None:
         budget = profile_cuda_budget(args, model, kv_spec, kv_format, backend, max_model_len)
-        fitted = fit_max_model_len(budget, per_block, bs, max_model_len, args.max_model_len is not None)
+        fitted = fit_max_model_len(budget, per_block, bs, max_model_len, args.max_model_len is not None, hold)
         if fitted < max_model_len:
             logger.warning(lowered_max_model_len_warning(fitted, max_model_len, budget))
             max_model_len = fitted
@@ -104,8 +105,14 @@ def size_kv_pool(args: EngineArgs, model: LlamaForCausalLM, kv_spec: KVCacheSpec
     logger.info("Available KV cache memory: %.2f GiB (%s, %.0f bytes per token)",
                 num_blocks * per_block / GiB, kv_format.name, per_token)
     logger.info("KV cache size: %s tokens (%d blocks of %d)", f"{num_blocks * bs:,}", num_blocks, bs)
-    logger.info("Maximum concurrency for %s tokens per request: %.2fx", f"{max_model_len:,}",
-                num_blocks * bs / max_model_len)
+    per_sequence = hold.blocks(max_model_len, bs)
+    if per_sequence < blocks_for_tokens(max_model_len, bs):
+        logger.info("Maximum concurrency for %s tokens per request: %.2fx (a sequence holds at most %s tokens: "
+                    "its sliding window and a step)", f"{max_model_len:,}", num_blocks / per_sequence,
+                    f"{per_sequence * bs:,}")
+    else:
+        logger.info("Maximum concurrency for %s tokens per request: %.2fx", f"{max_model_len:,}",
+                    num_blocks * bs / max_model_len)
     return PoolSize(num_blocks, max_model_len)
 
 

@@ -13,10 +13,10 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvserve.cache.eviction import POLICIES, EvictionSpec
-from kvserve.cache.eviction.config import resolve_eviction
+from kvserve.cache.eviction.config import NO_EVICTION, resolve_eviction
 from kvserve.cache.formats import make_kv_format
 from kvserve.cache.kv_cache import KVCacheSpec
-from kvserve.cache.sizing import blocks_for_tokens, blocks_in_budget, bytes_per_block
+from kvserve.cache.sizing import blocks_for_tokens, blocks_in_budget, blocks_per_sequence, bytes_per_block
 from kvserve.cache.tiers.disk import check_directory, key_path, load_key
 from kvserve.engine.args import EngineArgs
 from kvserve.engine.generation_defaults import GenerationDefaults, load_generation_defaults
@@ -118,19 +118,47 @@ def resolve_max_model_len(requested: int | None, limit: int) -> int:
     return requested
 
 
-def fit_max_model_len(budget: int, per_block: int, block_size: int, max_model_len: int, given: bool) -> int:
+@dataclass(frozen=True)
+class SequenceHold:
+    """What bounds the blocks one sequence holds (cache.sizing.blocks_per_sequence): the sliding
+    window every layer shares and the most tokens a step gives it; both None: all its tokens."""
+    window: int | None = None
+    step_tokens: int | None = None
+
+    def blocks(self, max_model_len: int, block_size: int) -> int:
+        return blocks_per_sequence(max_model_len, block_size, self.window, self.step_tokens)
+
+
+def sequence_hold(args: EngineArgs, shape: ModelShape, device: torch.device) -> SequenceHold:
+    """A sliding-window model's sequence holds its window and a step (the blocks behind go back to
+    the pool), unless KV eviction is on (an evicting sequence keeps its own budget instead). A
+    step's tokens: --max-num-batched-tokens, or the platform's default where chunked prefill cuts
+    prompts to it (the larger of its serving and offline defaults)."""
+    if shape.sliding_window is None or args.kv_eviction != NO_EVICTION:
+        return SequenceHold()
+    step = args.max_num_batched_tokens
+    if step is None and args.enable_chunked_prefill:
+        platform = platform_for(device)
+        step = max(platform.batch_limits(device, serving).max_num_batched_tokens for serving in (True, False))
+    return SequenceHold(shape.sliding_window, step)
+
+
+def fit_max_model_len(budget: int, per_block: int, block_size: int, max_model_len: int, given: bool,
+                      hold: SequenceHold = SequenceHold()) -> int:
     """max_model_len when one sequence of it fits in `budget`; else, when the user did not give it,
     the longest multiple of block_size that fits. Raises CapacityError when neither works."""
     num_blocks = blocks_in_budget(budget, per_block)
-    needed = blocks_for_tokens(max_model_len, block_size)
+    needed = hold.blocks(max_model_len, block_size)
     if num_blocks >= needed:
         return max_model_len
     if not given and num_blocks > 0:
         return num_blocks * block_size
     fix = f" or use --max-model-len {num_blocks * block_size} or less" if num_blocks > 0 else ""
+    held = "" if needed == blocks_for_tokens(max_model_len, block_size) else \
+        f" (its sliding window of {hold.window} tokens and a step of {hold.step_tokens})"
     raise CapacityError(
         f"the KV cache budget of {budget / GiB:.3f} GiB ({budget} bytes) holds {num_blocks * block_size} tokens, "
-        f"but one sequence of max-model-len {max_model_len} needs {(needed + 1) * per_block} bytes "
+        f"but one sequence of max-model-len {max_model_len} needs {(needed + 1) * per_block} bytes{held} "
         f"({(needed + 1) * per_block / GiB:.3f} GiB, the null block included). Raise --kv-cache-memory{fix}.")
 
 
@@ -161,6 +189,7 @@ class Preflight:
     bytes_per_block: int  # all layers, in the --kv-cache-dtype format
     kv_budget: int | None  # None: measured on CUDA after loading
     generation_defaults: GenerationDefaults  # the model's sampling defaults (--generation-config)
+    hold: SequenceHold  # what one sequence holds at most (a sliding window: the window and a step)
 
 
 def preflight(args: EngineArgs, shape: ModelShape | None = None) -> Preflight:
@@ -184,9 +213,10 @@ def preflight(args: EngineArgs, shape: ModelShape | None = None) -> Preflight:
     if budget is None and tp > 1:
         raise ValueError("--tensor-parallel-size > 1 on CUDA needs --kv-cache-memory (the KV budget of each "
                          "device): the profiling pass that measures it runs in one process")
+    hold = sequence_hold(args, shape, device)
     if budget is not None:
         max_model_len = fit_max_model_len(budget, per_block, args.block_size, max_model_len,
-                                          given=args.max_model_len is not None)
+                                          given=args.max_model_len is not None, hold=hold)
     if not args.enable_chunked_prefill and args.max_num_batched_tokens is not None \
             and args.max_num_batched_tokens < max_model_len:  # vLLM's text
         raise ValueError(f"max_num_batched_tokens ({args.max_num_batched_tokens}) is smaller than max_model_len "
@@ -208,4 +238,5 @@ def preflight(args: EngineArgs, shape: ModelShape | None = None) -> Preflight:
     lowered = args.max_model_len is None and max_model_len < shape.max_position_embeddings
     generation = load_generation_defaults(str(args.generation_config), resolve_model_path(args.model),
                                           args.override_generation_config)
-    return Preflight(device, dtype, reason, shape, max_model_len, lowered, kv_spec, per_block, budget, generation)
+    return Preflight(device, dtype, reason, shape, max_model_len, lowered, kv_spec, per_block, budget, generation,
+                     hold)

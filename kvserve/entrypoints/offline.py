@@ -46,16 +46,16 @@ def register(subparsers) -> None:
 
 def one_sequence_kv_budget(engine_args: EngineArgs) -> int | None:
     """The KV budget for a command that runs one sequence at a time (`generate`, `chat`): one
-    sequence of max-model-len, instead of the default CPU pool (up to 4 GiB) that is sized for a
-    server's many sequences. max-model-len is the model's, or what the default budget holds.
-    None (the engine's default) on CUDA, where the pool comes from a profiling pass."""
-    from kvserve.cache.sizing import blocks_for_tokens
+    sequence of max-model-len (of a sliding-window model: its window and a step), instead of the
+    default CPU pool (up to 4 GiB) that is sized for a server's many sequences. max-model-len is
+    the model's, or what the default budget holds. None (the engine's default) on CUDA, where the
+    pool comes from a profiling pass."""
     from kvserve.engine.preflight import preflight
 
     plan = preflight(engine_args)
     if plan.device.type != "cpu":
         return None
-    return (blocks_for_tokens(plan.max_model_len, engine_args.block_size) + 1) * plan.bytes_per_block  # + the null block
+    return (plan.hold.blocks(plan.max_model_len, engine_args.block_size) + 1) * plan.bytes_per_block  # + the null block
 
 
 def _make_llm(args: argparse.Namespace):

@@ -23,11 +23,15 @@ class ModelShape:
     head_dim: int
     num_heads: int  # query heads and the MLP width: what tensor parallelism splits
     intermediate_size: int
+    # the sliding window every layer attends to (Mistral v0.1); None: full attention, or windows
+    # that differ between layers (the KV manager then releases nothing)
+    sliding_window: int | None = None
 
     @classmethod
     def of(cls, config: ModelConfig) -> "ModelShape":
+        windows = set(config.sliding_windows)
         return cls(config.max_position_embeddings, config.num_layers, config.num_kv_heads, config.head_dim,
-                   config.num_heads, config.intermediate_size)
+                   config.num_heads, config.intermediate_size, windows.pop() if len(windows) == 1 else None)
 
 
 def read_model_shape(model: str | os.PathLike | None) -> ModelShape:
@@ -66,6 +70,8 @@ def _config_json_shape(path: Path) -> ModelShape | None:
     raw = json.loads(path.read_text())
     if not isinstance(raw, dict) or raw.get("model_type") not in SUPPORTED_ARCHITECTURES:
         return None
+    if raw.get("sliding_window") and (raw.get("use_sliding_window") or raw["model_type"] not in ("qwen2", "qwen3")):
+        return None  # which layers the window applies to is ModelConfig's to say
     heads, hidden = raw.get("num_attention_heads"), raw.get("hidden_size")
     head_dim = raw.get("head_dim")
     if head_dim is None and isinstance(hidden, int) and isinstance(heads, int) and heads > 0:

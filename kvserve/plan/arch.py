@@ -85,6 +85,12 @@ class ModelArch:
         return any(layer.sliding_window is not None for layer in self.layers)
 
     @property
+    def uniform_sliding_window(self) -> int | None:
+        """The window when every layer attends to the same one (Mistral v0.1); None otherwise."""
+        windows = {layer.sliding_window for layer in self.layers}
+        return windows.pop() if len(windows) == 1 else None
+
+    @property
     def served_by_kvserve(self) -> bool:
         return self.architecture in SUPPORTED_ARCHITECTURES
 

@@ -22,7 +22,7 @@ import torch
 
 from kvserve.cache.formats import FORMATS, KV_CACHE_DTYPES, make_kv_format
 from kvserve.cache.kv_cache import KVCacheSpec, KVFormat
-from kvserve.cache.sizing import blocks_for_tokens, bytes_per_block, num_blocks_for_budget
+from kvserve.cache.sizing import blocks_for_tokens, blocks_per_sequence, bytes_per_block, num_blocks_for_budget
 from kvserve.engine.llm_engine import CapacityError
 from kvserve.model.quant_linear import served_matrix_bytes
 from kvserve.plan.arch import AttentionLayer, ConfigError, ModelArch
@@ -45,6 +45,9 @@ class PlanInputs:
     kv_offloading_size: int | None = None  # host memory tier
     kv_offloading_disk_size: int | None = None  # disk tier
     quantization: str = "none"  # --quantization: what the weights are held as
+    # the most tokens a step gives a sequence (--max-num-batched-tokens): with a sliding window in
+    # every layer, kvserve's pool holds a sequence's window and one step (cache.sizing)
+    step_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "batch_size", "block_size", "tensor_parallel_size"):
@@ -190,10 +193,10 @@ def kvserve_spec(arch: ModelArch, block_size: int, tp: int) -> KVCacheSpec | str
     return KVCacheSpec(arch.num_layers, kv_heads_per_device(first.num_kv_heads, tp), first.head_dim, block_size)
 
 
-def _layout(spec: KVCacheSpec, kv_format: KVFormat, bits: int, inputs: PlanInputs) -> Layout:
+def _layout(spec: KVCacheSpec, kv_format: KVFormat, bits: int, inputs: PlanInputs, blocks: int) -> Layout:
+    """`blocks`: what one sequence of max-model-len holds at most."""
     per_block = bytes_per_block(spec, kv_format)
     values = spec.num_layers * 2 * spec.num_kv_heads * spec.block_size * spec.head_dim * bits // 8
-    blocks = blocks_for_tokens(inputs.max_model_len, spec.block_size)
     per_device = inputs.batch_size * blocks * per_block
     tp = inputs.tensor_parallel_size
     value_total = tp * inputs.batch_size * blocks * values
@@ -201,12 +204,17 @@ def _layout(spec: KVCacheSpec, kv_format: KVFormat, bits: int, inputs: PlanInput
                   tp * per_device - value_total)
 
 
-def _capacity(layout_name: str, per_block: int, num_blocks: int, inputs: PlanInputs) -> Capacity:
+def _capacity(layout_name: str, per_block: int, num_blocks: int, inputs: PlanInputs,
+              blocks_per_seq: int | None = None, longest: int | None = None) -> Capacity:
+    """`blocks_per_seq`: what one sequence of max-model-len holds at most (default: all its
+    blocks); `longest`: the longest max-model-len once the pool holds that (a sliding-window
+    model's; default: what the pool's blocks hold)."""
     bs = inputs.block_size
-    blocks_per_seq = blocks_for_tokens(inputs.max_model_len, bs)
+    blocks_per_seq = blocks_per_seq or blocks_for_tokens(inputs.max_model_len, bs)
     concurrent = num_blocks // blocks_per_seq
+    largest = longest if longest is not None and concurrent > 0 else num_blocks * bs
     return Capacity(layout_name, per_block, num_blocks, num_blocks * bs, blocks_per_seq, concurrent,
-                    num_blocks * bs, concurrent >= inputs.batch_size)
+                    largest, concurrent >= inputs.batch_size)
 
 
 def offload_tiers(layout_name: str, per_block: int, inputs: PlanInputs) -> list[TierCapacity]:
@@ -231,10 +239,14 @@ def footprint(arch: ModelArch, kv_cache_dtype: str, inputs: PlanInputs, budget: 
     spec = kvserve_spec(arch, inputs.block_size, tp)
     layout, unavailable, capacity = None, spec if isinstance(spec, str) else None, None
     if isinstance(spec, KVCacheSpec):
-        layout = _layout(spec, kv_format, bits, inputs)
+        window = arch.uniform_sliding_window
+        per_seq = blocks_per_sequence(seq, inputs.block_size, window, inputs.step_tokens)
+        layout = _layout(spec, kv_format, bits, inputs, per_seq)
         if budget is not None:  # exactly the engine's sizing (engine/pool_sizing.size_kv_pool)
             num_blocks = num_blocks_for_budget(budget.bytes, spec, kv_format)
-            capacity = _capacity("kvserve", layout.bytes_per_block, num_blocks, inputs)
+            windowed = per_seq < blocks_for_tokens(seq, inputs.block_size)
+            capacity = _capacity("kvserve", layout.bytes_per_block, num_blocks, inputs, per_seq,
+                                 arch.max_position_embeddings if windowed else None)
     if layout is not None:
         pool_bytes = layout.bytes_per_device
         tiers = offload_tiers("kvserve", layout.bytes_per_block, inputs)
@@ -346,8 +358,21 @@ def _notes(arch: ModelArch, inputs: PlanInputs, budget: Budget | None) -> list[s
     if arch.has_sliding_window:
         windows = sorted({layer.sliding_window for layer in arch.layers if layer.sliding_window})
         count = sum(1 for layer in arch.layers if layer.sliding_window)
-        notes.append(f"{count} of {arch.num_layers} layers attend to a sliding window of {windows[0]:,} tokens: "
-                     "the formula caches at most that many there; kvserve's pool keeps every token in every layer")
+        per_seq = blocks_per_sequence(inputs.max_model_len, inputs.block_size, arch.uniform_sliding_window,
+                                      inputs.step_tokens)
+        if per_seq < blocks_for_tokens(inputs.max_model_len, inputs.block_size):
+            notes.append(f"every layer attends to a sliding window of {windows[0]:,} tokens: the formula caches at "
+                         f"most that many; in kvserve's pool a sequence holds its window and a step of "
+                         f"{inputs.step_tokens:,} tokens (--max-num-batched-tokens), {per_seq * inputs.block_size:,} "
+                         "tokens at most (the blocks behind the window go back to the pool)")
+        elif arch.uniform_sliding_window is not None:
+            notes.append(f"every layer attends to a sliding window of {windows[0]:,} tokens: the formula caches at "
+                         f"most that many; in kvserve's pool a sequence's window and a step are no fewer than its "
+                         f"{inputs.max_model_len:,} tokens, so it holds them all")
+        else:
+            notes.append(f"{count} of {arch.num_layers} layers attend to a sliding window of {windows[0]:,} tokens: "
+                         "the formula caches at most that many there; kvserve's pool keeps every token in every "
+                         "layer (it gives blocks back only when every layer shares one window)")
     if not arch.served_by_kvserve:
         layout = isinstance(kvserve_spec(arch, inputs.block_size, inputs.tensor_parallel_size), KVCacheSpec)
         notes.append(f"kvserve itself does not serve {arch.architecture!r} models"

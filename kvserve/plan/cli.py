@@ -9,6 +9,7 @@ from dataclasses import fields
 import torch
 
 from kvserve.engine.args import EngineArgs
+from kvserve.units import GiB
 
 EPILOG = """presets: {presets}
 
@@ -23,7 +24,20 @@ examples:
 # own (a comma-separated list of the engine's formats), MODEL is positional, and plan has its own
 # --tensor-parallel-size (devices to plan for) and offload-tier sizes (it needs no directory).
 _PLANNED_ENGINE_ARGS = ("dtype", "quantization", "device", "block_size", "kv_cache_memory",
-                        "gpu_memory_utilization", "max_model_len")
+                        "gpu_memory_utilization", "max_model_len", "max_num_batched_tokens")
+
+
+def _default_step_tokens(device: torch.device, gpu_memory: int | None) -> int:
+    """The engine's --max-num-batched-tokens where not given (the larger of its serving and offline
+    defaults, as preflight takes it): the CPU's, or vLLM's for a GPU of --gpu-memory (a large
+    one when not given)."""
+    from kvserve.engine.platforms.cpu import CPU_BATCH_LIMITS
+    from kvserve.engine.platforms.cuda import cuda_batch_limits
+
+    if device.type == "cpu":
+        return CPU_BATCH_LIMITS.max_num_batched_tokens
+    memory = gpu_memory if gpu_memory is not None else 80 * GiB
+    return max(cuda_batch_limits(memory, "", serving).max_num_batched_tokens for serving in (True, False))
 
 
 def register(subparsers) -> None:
@@ -126,6 +140,8 @@ def run_plan(args: argparse.Namespace) -> int:
             raise ValueError(f"--device: expected cpu, cuda, cuda:N or auto, got {args.device!r}") from None
     if args.max_model_len is not None and args.max_model_len < 1:
         raise ValueError(f"--max-model-len must be positive, got {args.max_model_len}")
+    if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < 1:
+        raise ValueError(f"--max-num-batched-tokens must be positive, got {args.max_num_batched_tokens}")
     arch = load_arch(args.model)
     inputs = PlanInputs(
         max_model_len=args.max_model_len if args.max_model_len is not None else arch.max_position_embeddings,
@@ -133,7 +149,8 @@ def run_plan(args: argparse.Namespace) -> int:
         tensor_parallel_size=args.tensor_parallel_size, kv_cache_memory=kv_cache_memory, gpu_memory=gpu_memory,
         gpu_memory_utilization=utilization, quantization=args.quantization,
         kv_offloading_size=_gib_arg(args.kv_offloading_size, "--kv-offloading-size"),
-        kv_offloading_disk_size=_gib_arg(args.kv_offloading_disk_size, "--kv-offloading-disk-size"))
+        kv_offloading_disk_size=_gib_arg(args.kv_offloading_disk_size, "--kv-offloading-disk-size"),
+        step_tokens=args.max_num_batched_tokens or _default_step_tokens(device, gpu_memory))
     plan = make_plan(arch, inputs, kv_dtypes, default_cpu_budget() if device.type == "cpu" else None)
 
     if args.json:

@@ -15,6 +15,10 @@ from kvserve.units import GiB
 
 logger = logging.getLogger("kvserve")
 
+# 256 sequences and 2048 tokens a step, served or offline: a CPU step's time grows with its
+# tokens, and a decode waits for the prefill chunks beside it.
+CPU_BATCH_LIMITS = BatchLimits(256, 2048, "the CPU's defaults")
+
 
 class CpuPlatform(Platform):
     name = "cpu"
@@ -29,9 +33,7 @@ class CpuPlatform(Platform):
         return torch.bfloat16, f"native bf16 matmul ({flags})"
 
     def batch_limits(self, device, serving):
-        """256 sequences and 2048 tokens a step, served or offline: a CPU step's time grows with
-        its tokens, and a decode waits for the prefill chunks beside it."""
-        return BatchLimits(256, 2048, "the CPU's defaults")
+        return CPU_BATCH_LIMITS
 
     def kv_budget_before_load(self, args, budget, device):
         if args.gpu_memory_utilization != type(args).gpu_memory_utilization:  # not the default
