@@ -121,9 +121,10 @@ def test_vllm_seed_spellings(tiny_llama):
     unseeded.close()
 
 
-def test_a_special_token_that_ends_the_sequence_is_not_in_its_text(llm):
-    """vLLM: stop tokens are in the output unless they are special tokens, with
-    skip_special_tokens=False too (the token stays in token_ids)."""
+def test_the_token_that_ends_the_sequence_is_not_in_its_text(llm):
+    """vLLM's detokenizer: the stop token (EOS, or one of stop_token_ids, special or not) is not
+    in the text, with skip_special_tokens=False too, unless include_stop_str_in_output (the token
+    stays in token_ids)."""
     tokenizer = llm.get_tokenizer()
     eos = tokenizer.eos_token_id
     ordinary = tokenizer.encode(" the")[-1]
@@ -136,7 +137,9 @@ def test_a_special_token_that_ends_the_sequence_is_not_in_its_text(llm):
         return completion.text, completion.token_ids
     assert first_forced(eos) == ("", [eos])
     assert first_forced(eos, include_stop_str_in_output=True) == (tokenizer.decode([eos]), [eos])
-    assert first_forced(ordinary, stop_token_ids=[ordinary]) == (tokenizer.decode([ordinary]), [ordinary])
+    assert first_forced(ordinary, stop_token_ids=[ordinary]) == ("", [ordinary])
+    assert first_forced(ordinary, stop_token_ids=[ordinary], include_stop_str_in_output=True) == \
+        (tokenizer.decode([ordinary]), [ordinary])
 
 
 def test_embed_gives_vllms_shape_and_the_engines_pooled_vectors(llm):

@@ -136,10 +136,6 @@ class OutputProcessor:
         self._parents: dict[str, _Parent] = {}
         self._children: dict[str, tuple[_Parent, _Child]] = {}
         self._token_texts: dict[int, str] = {}
-        # What decode(skip_special_tokens=True) drops: the named special tokens and added ones marked special.
-        added = getattr(tokenizer, "added_tokens_decoder", None) or {}
-        self._special_ids = frozenset(getattr(tokenizer, "all_special_ids", ())) | \
-            {token_id for token_id, token in added.items() if getattr(token, "special", False)}
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._parents
@@ -221,10 +217,10 @@ class OutputProcessor:
         return False
 
     def _hidden_stop_token(self, request: Request, token: int) -> bool:
-        """A special token that ended the sequence (EOS, a special stop token) is not in the text,
-        with skip_special_tokens=False too, unless include_stop_str_in_output (vLLM's rules); a
-        non-special stop token is (vLLM's documented rule)."""
-        return (request.status == RequestStatus.FINISHED_STOPPED and token in self._special_ids
+        """The token that ended the sequence (EOS, one of stop_token_ids, special or not) is not in
+        the text, with skip_special_tokens=False too, unless include_stop_str_in_output; it stays
+        in token_ids (what vLLM's detokenizer does, whatever SamplingParams' docstring says)."""
+        return (request.status == RequestStatus.FINISHED_STOPPED
                 and (token == request.stop_reason or token in request.eos_token_ids)
                 and not request.params.include_stop_str_in_output)
 
