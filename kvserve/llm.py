@@ -70,7 +70,7 @@ class LLM:
         ids: list[str] = []
         try:
             for prompt, params, rank in zip(prompts, sampling_params, priorities):
-                ids.append(self.engine.add_request(prompt, params, final_only=True, priority=rank))
+                ids.append(self.engine.add_request(prompt, params, final_only=True, priority=rank, up_to_context=True))
         except Exception:
             for request_id in ids:  # all or nothing: no orphans left queued for the next call
                 self.engine.abort_request(request_id)

@@ -155,6 +155,19 @@ def test_embed_gives_vllms_shape_and_the_engines_pooled_vectors(llm):
     assert llm.engine.num_free_blocks == llm.engine.num_blocks  # embeddings hold no KV blocks
 
 
+def test_max_tokens_past_max_model_len_ends_the_sequence_there(llm):
+    """vLLM's offline LLM: a prompt plus max_tokens longer than max-model-len is not refused; the
+    sequence ends at max-model-len with "length" (a batch with such a prompt runs whole). A prompt
+    that leaves no room is still refused (and the server's 400 stays: test_server)."""
+    limit = llm.engine.max_model_len
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    near, short = llm.generate([{"prompt_token_ids": [7] * (limit - 4)}, "hello"], params, use_tqdm=False)
+    assert [(len(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in (near, short)] == \
+        [(4, "length"), (16, "length")]
+    with pytest.raises(ValueError, match="maximum context length"):
+        llm.generate([{"prompt_token_ids": [7] * limit}], params, use_tqdm=False)
+
+
 def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm):
     """vLLM's SamplingParams.truncate_prompt_tokens: left truncation; -1 is max-model-len."""
     ids = list(range(10, 40))

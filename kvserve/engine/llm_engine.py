@@ -197,8 +197,10 @@ class LLMEngine:
                              f"{self._pool_blocks_short} blocks short: raise --kv-cache-memory or lower --max-model-len")
         return config
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        """Check a request against the model; returns the resolved max_tokens."""
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams, up_to_context: bool = False) -> int:
+        """Check a request against the model; returns the resolved max_tokens. `up_to_context`: a
+        max_tokens past max-model-len is cut to it (the sequence ends there, "length": vLLM's
+        offline LLM) instead of refused (its server's 400)."""
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("The prompt cannot be empty.")
@@ -227,6 +229,8 @@ class LLMEngine:
             # No max_tokens: up to the context limit, and at most the generation config's max_new_tokens.
             max_tokens = params.max_tokens if params.max_tokens is not None \
                 else self.generation_defaults.cap(max(self.max_model_len - n, 1))
+            if up_to_context and n < self.max_model_len:
+                max_tokens = min(max_tokens, self.max_model_len - n)
             if n + max_tokens > self.max_model_len:
                 raise ValueError(
                     f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
@@ -251,12 +255,14 @@ class LLMEngine:
         return max_tokens
 
     def add_request(self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str | None = None,
-                    cache_salt: str | None = None, final_only: bool = False, priority: int = 0) -> str:
+                    cache_salt: str | None = None, final_only: bool = False, priority: int = 0,
+                    up_to_context: bool = False) -> str:
         """Queue a prompt (text, token ids or {"prompt_token_ids": [...]}, whose "cache_salt" is
         `cache_salt`'s). Raises ValueError for bad input.
         `final_only`: `step()` reports the request once, when it finishes (vLLM's FINAL_ONLY output
         kind, what offline generation reads), not after every token.
-        `priority`: its place under --scheduling-policy priority (lower first)."""
+        `priority`: its place under --scheduling-policy priority (lower first).
+        `up_to_context`: see `validate`."""
         self.check_priority(priority)
         if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
             if cache_salt is not None and cache_salt != prompt["cache_salt"]:
@@ -269,7 +275,7 @@ class LLMEngine:
             raise ValueError(f"duplicate request id {request_id!r}")
         text, token_ids = self.tokenize(prompt)
         token_ids = self.truncated(token_ids, params.truncate_prompt_tokens)
-        max_tokens = self.validate(token_ids, params)
+        max_tokens = self.validate(token_ids, params, up_to_context)
         eviction = self.resolve_eviction(params.kv_eviction)
         sequences = []
         for index in range(params.n):  # n > 1: one sequence per sample, sharing the prompt
