@@ -100,7 +100,8 @@ class SamplingParams:
     the model's raw distribution (before penalties and temperature), like vLLM v1.
     `prompt_logprobs=k` returns every prompt token's log-probability given the tokens before it,
     plus the k most likely there (RequestOutput.prompt_logprobs); such a request recomputes its
-    whole prompt (no prefix-cache hit). Both are bounded by the engine's --max-logprobs.
+    whole prompt (no prefix-cache hit). Both are bounded by the engine's --max-logprobs; -1 asks
+    for the whole vocabulary (vLLM's), which needs --max-logprobs -1.
     `max_tokens=0` (a kvserve extension; vLLM wants at least 1) computes the prompt only, e.g. for
     its prompt logprobs, and finishes with "length" without sampling a token.
     `kv_eviction` overrides the engine's KV eviction settings for this request: a dict with any of
@@ -192,8 +193,8 @@ class SamplingParams:
         # The upper bound is the engine's (--max-logprobs), checked when the request is added.
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-                raise ValueError(f"{name} must be non-negative, got {value!r}.")
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < -1):
+                raise ValueError(f"{name} must be non-negative, or -1 for the whole vocabulary, got {value!r}.")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}.")
         if any(not isinstance(s, str) or not s for s in self.stop):

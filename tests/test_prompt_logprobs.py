@@ -133,6 +133,16 @@ def test_max_logprobs_bounds_both_kinds(tiny_llama):
     unbounded = LLM(str(tiny_llama), dtype="float32", kv_cache_memory="8MiB", max_logprobs=-1)
     [out] = unbounded.generate("Hello world", SamplingParams(max_tokens=1, prompt_logprobs=100), use_tqdm=False)
     assert all(len(entry) >= 100 for entry in out.prompt_logprobs[1:])
+    # -1: the whole vocabulary (vLLM's), sampled and prompt tokens; over a bound it is refused
+    vocab = unbounded.engine.model_config.vocab_size
+    [out] = unbounded.generate("Hello world", SamplingParams(max_tokens=2, logprobs=-1, prompt_logprobs=-1),
+                               use_tqdm=False)
+    assert [len(entry) for entry in out.outputs[0].logprobs] == [vocab] * 2
+    assert all(len(entry) == vocab for entry in out.prompt_logprobs[1:])
+    with pytest.raises(ValueError, match=f"Requested sample logprobs of {vocab}, which is greater than max allowed: 3"):
+        llm.generate("Hello", SamplingParams(logprobs=-1), use_tqdm=False)
+    with pytest.raises(ValueError, match="or -1 for the whole vocabulary, got -2"):
+        SamplingParams(logprobs=-2)
     with pytest.raises(ValueError, match="--max-logprobs must be at least -1"):
         LLM(str(tiny_llama), max_logprobs=-2)
 

@@ -173,6 +173,10 @@ def test_logprob_limits_and_bad_values_are_400s(client, server_factory, tiny_lla
          "`prompt_logprobs` are not available when `stream=True`."),
         (lambda: completions(model="tiny", prompt="x", extra_body={"prompt_logprobs": -1}),
          "`prompt_logprobs` must be a non-negative value."),
+        # -1 (the whole vocabulary) is the offline API's; the server refuses it, as vLLM's does
+        (lambda: completions(model="tiny", prompt="x", logprobs=-1), "`logprobs` must be a positive value."),
+        (lambda: chat(model="tiny", messages=messages, logprobs=True, top_logprobs=-1),
+         "`top_logprobs` must be a positive value."),
     ]
     for call, message in cases:
         assert message in error_of(call)["message"]

@@ -238,6 +238,7 @@ class LLMEngine:
                     f"Please reduce the length of the messages or completion.")
         limit = self.args.max_logprobs if self.args.max_logprobs >= 0 else vocab
         for kind, wanted in (("sample", params.logprobs), ("prompt", params.prompt_logprobs)):
+            wanted = vocab if wanted == -1 else wanted  # -1: the whole vocabulary (vLLM's)
             if wanted is not None and wanted > limit:  # vLLM's text
                 raise ValueError(f"Requested {kind} logprobs of {wanted}, which is greater than max allowed: {limit}")
         outside = sorted(t for t in (params.logit_bias or {}) if not 0 <= t < vocab)
@@ -281,6 +282,9 @@ class LLMEngine:
         for index in range(params.n):  # n > 1: one sequence per sample, sharing the prompt
             child_params = params.for_child(index)
             child_params.max_tokens = max_tokens
+            vocab = self.model_config.vocab_size  # logprobs -1: the whole vocabulary (validate checked it)
+            child_params.logprobs = vocab if params.logprobs == -1 else params.logprobs
+            child_params.prompt_logprobs = vocab if params.prompt_logprobs == -1 else params.prompt_logprobs
             if index > 0:  # the first sample computes the prompt logprobs for all
                 child_params.prompt_logprobs = None
             child_id = request_id if params.n == 1 else f"{index}_{request_id}"

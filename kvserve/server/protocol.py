@@ -290,6 +290,12 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = None
 
     @model_validator(mode="after")
+    def _logprobs_not_negative(self) -> "CompletionRequest":
+        if self.logprobs is not None and self.logprobs < 0:  # vLLM's text (-1 is the offline API's)
+            raise ValueError("`logprobs` must be a positive value.")
+        return self
+
+    @model_validator(mode="after")
     def _best_of(self) -> "CompletionRequest":
         if self.best_of is None:
             return self
@@ -367,6 +373,12 @@ class ChatCompletionRequest(SamplingFields):
     include_reasoning: bool = True  # vLLM's: false leaves a reasoning model's thinking out of the reply
     # vLLM's: at most this many thinking tokens, then </think> is forced (reasoning.ThinkingBudget)
     thinking_token_budget: int | None = Field(default=None, ge=0, strict=True)
+
+    @model_validator(mode="after")
+    def _top_logprobs_not_negative(self) -> "ChatCompletionRequest":
+        if self.top_logprobs is not None and self.top_logprobs < 0:  # vLLM's text
+            raise ValueError("`top_logprobs` must be a positive value.")
+        return self
 
     unsupported_fields: ClassVar[dict[str, Callable[[Any], bool]]] = UNSUPPORTED_CHAT_FIELDS
 
