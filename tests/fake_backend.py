@@ -3,8 +3,11 @@ It is not kvserve (no event stream), so a router uses it by load and reads its h
 What it does with a completion depends on the prompt:
   "hang"   never answers;
   "die"    exits at once, the connection dropped without an answer;
-  "slow:S" answers after S seconds;
-  anything else is answered at once, echoing the prompt's length (as SSE if "stream" is true)."""
+  "slow:S" answers after S seconds, unless its client leaves first (GET /left lists those prompts);
+  anything else is answered at once, echoing the prompt's length (as SSE if "stream" is true).
+GET /v1/responses/ID answers 401 without the key "right-key", else 404 (it stores none).
+With `--kv-events` it is a replica as a router sees one: GET /v1/kv_events says Hello, then a
+keepalive every second."""
 from __future__ import annotations
 
 import asyncio
@@ -31,7 +34,12 @@ async def completions(request: Request) -> Response:
     if prompt == "die":
         os._exit(1)
     if isinstance(prompt, str) and prompt.startswith("slow:"):
-        await asyncio.sleep(float(prompt[5:]))
+        end = asyncio.get_running_loop().time() + float(prompt[5:])
+        while asyncio.get_running_loop().time() < end:
+            if await request.is_disconnected():
+                LEFT.append(prompt)
+                return Response(status_code=499)
+            await asyncio.sleep(0.1)
     answer = {"object": "text_completion", "choices": [{"index": 0, "text": f"{len(prompt)}", "finish_reason": "stop"}]}
     if body.get("stream"):
         async def events():
@@ -42,7 +50,37 @@ async def completions(request: Request) -> Response:
     return JSONResponse(answer)
 
 
-app = Starlette(routes=[Route("/health", health), Route("/v1/completions", completions, methods=["POST"])])
+LEFT: list[str] = []  # prompts whose client left before their answer
+
+
+async def left(request: Request) -> Response:
+    return JSONResponse(LEFT)
+
+
+async def stored_response(request: Request) -> Response:
+    if request.headers.get("authorization") != "Bearer right-key":
+        return JSONResponse({"error": {"message": "Invalid API key", "type": "authentication_error"}},
+                            status_code=401)
+    return JSONResponse({"error": {"message": "no such response", "type": "invalid_request_error"}}, status_code=404)
+
+
+async def kv_events(request: Request) -> Response:
+    hello = {"type": "Hello", "replica": {"instance_id": f"fake-{os.getpid()}", "namespace": "fake",
+                                          "block_size": 16, "prefix_caching": True}}
+
+    async def events():
+        yield f"data: {json.dumps(hello)}\n\n"
+        while True:
+            await asyncio.sleep(1)
+            yield ": keepalive\n\n"
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+routes = [Route("/health", health), Route("/v1/completions", completions, methods=["POST"]), Route("/left", left),
+          Route("/v1/responses/{response_id}", stored_response)]
+if "--kv-events" in sys.argv:
+    routes.append(Route("/v1/kv_events", kv_events))
+app = Starlette(routes=routes)
 
 if __name__ == "__main__":
     # A "hang" request would hold a graceful shutdown for its hour: stop within a second instead.

@@ -325,6 +325,8 @@ def test_no_reachable_backend_is_a_503_with_an_openai_error(tmp_path):
             assert (preflight.headers.get("access-control-allow-origin") == origin) == allowed
     finally:
         router.stop()
+    log = router.log_path.read_text()  # a backend never up says why, once
+    assert log.count("is not in service: ConnectError") == 1, log[-3000:]
 
 
 def test_the_front_ends_answer_browsers_preflights_without_the_key(cluster):

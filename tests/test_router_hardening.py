@@ -6,6 +6,7 @@ unparseable nesting itself, and tokenizes only a prompt's routing prefix."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
 import re
@@ -29,12 +30,12 @@ HANG_BOUND_S = 30  # an answer slower than this is a hang
 
 
 class FakeBackend:
-    def __init__(self, log_dir: Path):
+    def __init__(self, log_dir: Path, *options: str):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_dir / "backend.log", "wb")
-        self.process = subprocess.Popen([sys.executable, str(Path(__file__).parent / "fake_backend.py"), str(self.port)],
-                                        stdout=self.log, stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen([sys.executable, str(Path(__file__).parent / "fake_backend.py"), str(self.port),
+                                         *options], stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30
         while True:
             try:
@@ -129,6 +130,7 @@ def test_a_backend_that_dies_while_answering_is_a_502(backend, tmp_path):
 
 
 def test_a_frozen_backend_ends_the_request_in_flight_with_a_502_once_it_is_taken_out(backend, tmp_path):
+    """...and the router's own calls to it (its /metrics page, /v1/models) give up on it too."""
     router = start_router(backend, tmp_path)
     try:
         result = {}
@@ -137,13 +139,119 @@ def test_a_frozen_backend_ends_the_request_in_flight_with_a_502_once_it_is_taken
         time.sleep(0.5)
         backend.process.send_signal(signal.SIGSTOP)  # alive, silent: its health checks time out
         frozen_at = time.monotonic()
+        side = {}
+        calls = [threading.Thread(target=lambda p=p: side.update({p: httpx.get(f"{router.base_url}{p}",
+                                                                              timeout=HANG_BOUND_S)}))
+                 for p in ("/metrics", "/v1/models")]
+        for call in calls:
+            call.start()
         thread.join(HANG_BOUND_S)
         assert not thread.is_alive(), "the request on the frozen backend still had no answer"
         assert_openai_error(result["response"], 502, "taken out of service")
         assert router.state()["backends"][0]["up"] is False
         assert time.monotonic() - frozen_at < HANG_BOUND_S
+        for call in calls:
+            call.join(HANG_BOUND_S)
+        assert side["/metrics"].status_code == 200 and side["/v1/models"].status_code == 503, side
     finally:
         router.stop()
+
+
+def test_a_client_that_leaves_a_request_not_streamed_ends_it_on_the_backend(backend, tmp_path):
+    """The client gives up on a non-streamed completion: the router closes its connection to the
+    backend (which aborts the request, as kvserve serve does) instead of waiting out the answer."""
+    router = start_router(backend, tmp_path)
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            post(router, {"prompt": "slow:60"}, timeout=1)
+        deadline = time.monotonic() + 10
+        while "slow:60" not in httpx.get(f"{backend.url}/left", timeout=5).json():
+            assert time.monotonic() < deadline, "the backend still computes the request its client left"
+            time.sleep(0.2)
+        router.wait_until(lambda s: s["backends"][0]["in_flight"] == 0, timeout=10, what="no request in flight")
+    finally:
+        router.stop()
+
+
+def test_a_backend_refusing_the_stored_response_lookup_is_answered_as_it_answered(backend, tmp_path):
+    """previous_response_id makes the router ask the backends which holds it; a 401 (the client's
+    key is wrong) is the client's answer, not a 503 "cannot be asked, retry later"."""
+    router = start_router(backend, tmp_path)
+    try:
+        body = {"model": "m", "input": "hi", "previous_response_id": "resp_x"}
+        refused = httpx.post(f"{router.base_url}/v1/responses", json=body, headers={"Authorization": "Bearer wrong"},
+                             timeout=HANG_BOUND_S)
+        assert refused.status_code == 401 and "Invalid API key" in refused.text, refused.text
+        lookup = httpx.get(f"{router.base_url}/v1/responses/resp_x", headers={"Authorization": "Bearer wrong"},
+                           timeout=HANG_BOUND_S)
+        assert lookup.status_code == 401
+    finally:
+        router.stop()
+
+
+class ListenerProxy:
+    """A TCP relay in front of a backend whose listening socket can be closed and opened again
+    while the connections it relays stay up: a backend that refuses new connections for a moment
+    (a full accept queue, no descriptors) while its event stream lives on."""
+
+    def __init__(self, target_port: int):
+        self.target_port, self.port = target_port, free_port()
+        self.listener: socket.socket | None = None
+        self.listen()
+
+    def listen(self) -> None:
+        self.listener = socket.socket()
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.listener.bind(("127.0.0.1", self.port))
+        self.listener.listen(16)
+        threading.Thread(target=self._accept, args=(self.listener,), daemon=True).start()
+
+    def close_listener(self) -> None:
+        self.listener.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread: the port refuses from now on
+        self.listener.close()
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (source, sink):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+
+def test_a_replica_a_request_could_not_reach_is_back_once_it_accepts_again(tmp_path):
+    """A request that cannot connect takes its backend out; the replica's event stream, which
+    outlived the failure, never says Hello again, so the router follows it afresh: the backend is
+    back within seconds of accepting connections again (it had stayed out for good)."""
+    backend = FakeBackend(tmp_path, "--kv-events")
+    proxy = ListenerProxy(backend.port)
+    router = RouterProcess.start([f"http://127.0.0.1:{proxy.port}"], tmp_path, "--routing-policy", "least_loaded")
+    try:
+        router.wait_until(lambda s: s["backends"][0]["up"], timeout=30, what="the backend up")
+        proxy.close_listener()  # new connections refused; the event stream relayed on
+        assert_openai_error(post(router, {"prompt": "refused"}), 503, "No backend is available")
+        proxy.listen()
+        router.wait_until(lambda s: s["backends"][0]["up"], timeout=15, what="the backend back in service")
+        assert post(router, {"prompt": "accepted"}).status_code == 200
+    finally:
+        router.stop()
+        backend.stop()
+    log = router.log_path.read_text()
+    assert "taken out: connection failed" in log and "Traceback" not in log, log[-3000:]
 
 
 def test_a_request_past_the_request_timeout_is_a_504_and_a_stream_ends_with_an_error_event(backend, tmp_path):

@@ -204,3 +204,22 @@ def test_bad_flags_are_one_line_errors(capsys):
         assert main(argv) == 2
         err = capsys.readouterr().err.strip()
         assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_kv_aware_renders_chat_as_the_replica_does_with_the_requests_template_options(tiny_tokenizer):
+    """The router's prompt for a chat request is the replica's: chat_template_kwargs (which a
+    template may read, e.g. a reasoning switch in its system header) and continue_final_message
+    change the text, so its block hashes, and so which replica holds the prefix."""
+    from kvserve.router.prompt_hashes import PromptTokens
+
+    template = ("{% if thinking %}THINK {% endif %}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}"
+                "{% if not loop.last or not continue_final_message %}</{{ m['role'] }}>{% endif %}{% endfor %}")
+    prompts = PromptTokens(tiny_tokenizer, chat_template=template)
+    messages = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "Sure"}]
+
+    def routed(**options) -> str:
+        ids = prompts.token_ids("chat", {"model": "m", "messages": messages, **options})
+        return tiny_tokenizer.decode(ids)
+    assert routed() == "<user>hello</user><assistant>Sure</assistant>"
+    assert routed(chat_template_kwargs={"thinking": True}).startswith("THINK <user>")
+    assert routed(continue_final_message=True, add_generation_prompt=False).endswith("<assistant>Sure")

@@ -51,11 +51,14 @@ from kvserve.server.cors import CorsOptions, add_cors
 from kvserve.server.errors import TOO_DEEP, dispatched_path, error_body, install_error_handlers, speaks_anthropic
 from kvserve.server.messages import error_event
 from kvserve.server.request_id import RequestIdHeaderMiddleware
-from kvserve.server.streaming import DONE, EventStreamResponse, sse_error
+from kvserve.server.streaming import DONE, ClientDisconnected, EventStreamResponse, sse_error, unless_disconnected
 
 logger = logging.getLogger("kvserve.router")
 
 OWNER_LOOKUP_TIMEOUT_S = 5.0  # asking a backend whether it stored a response
+# The router's own calls (a backend's /metrics, /v1/models, a prefix-cache reset): a hung backend
+# would otherwise hold them, and the client, for as long as it hangs.
+SIDE_CALL_TIMEOUT_S = 10.0
 NO_BACKEND = "No backend is available to serve the request (every replica is down or unreachable)."
 _PASSED_HEADERS = ("authorization", "x-api-key", "content-type", "accept", "x-request-id", "x-vllm-priority")
 ROUTING_PARSE_MAX_BYTES = 4 * 1024 * 1024
@@ -97,6 +100,18 @@ class RouterConfig:
 
 class OwnerUnknown(Exception):
     """No reachable backend holds a stored response, but one could not be asked."""
+
+
+class OwnerLookupRefused(Exception):
+    """A backend refused the lookup itself (401, 403, 400, ...): its answer is the client's."""
+
+    def __init__(self, response: httpx.Response):
+        super().__init__(response.status_code)
+        self.response = response
+
+    def relayed(self) -> Response:
+        return Response(self.response.content, status_code=self.response.status_code,
+                        media_type=self.response.headers.get("content-type"))
 
 
 def _response_path(response_id: str) -> str:
@@ -171,7 +186,8 @@ class RouterService:
         while source is None:
             for backend in self.up_backends():
                 try:
-                    models = (await self.client.get(f"{backend.url}/v1/models", headers=self.own_headers)).json()
+                    models = (await self.client.get(f"{backend.url}/v1/models", headers=self.own_headers,
+                                                    timeout=SIDE_CALL_TIMEOUT_S)).json()
                     root = models["data"][0].get("root")
                 except (httpx.HTTPError, ValueError, KeyError, IndexError):
                     continue
@@ -219,6 +235,8 @@ class RouterService:
                     owner = await self._response_owner(previous, request)
                 except OwnerUnknown as exc:
                     return JSONResponse(error_body(503, str(exc), path=path), status_code=503)
+                except OwnerLookupRefused as exc:
+                    return exc.relayed()
         if route == "invocations":  # SageMaker's one route: read as the body's kind (the replica does the same)
             route = ("chat" if "messages" in body else "completions" if "prompt" in body else "other") \
                 if isinstance(body, dict) else "other"
@@ -236,12 +254,17 @@ class RouterService:
             backend = choice.backend
             ticket = backend.open()
             try:
-                upstream = await self._send(backend, self.client.build_request(
-                    "POST", f"{backend.url}{path}", content=raw, headers=headers), deadline)
+                # A client that leaves while the head is awaited (all of a non-streamed answer's
+                # time) ends the request: the connection closed, the replica aborts it.
+                upstream = await unless_disconnected(self._send(backend, self.client.build_request(
+                    "POST", f"{backend.url}{path}", content=raw, headers=headers), deadline), request)
+            except ClientDisconnected:
+                ticket.close()
+                return Response(status_code=499)  # nginx's "client closed request": only the access log sees it
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                 ticket.close()
                 tried.add(backend.name)
-                self.watchers[backend.name].mark_down(f"connection failed: {type(exc).__name__}")
+                self.watchers[backend.name].take_out(f"connection failed: {type(exc).__name__}")
                 continue
             except BackendGone as exc:
                 ticket.close()
@@ -263,13 +286,18 @@ class RouterService:
                 asyncio.ensure_future(upstream.aclose())
             return EventStreamResponse(self._relay_stream(upstream, ticket, deadline, speaks_anthropic(path)), closed)
         try:
-            content = b"".join([chunk async for chunk in self._relay(upstream, ticket, deadline)])
+            content = await unless_disconnected(self._read_body(upstream, ticket, deadline), request)
         except BackendGone as exc:
             return JSONResponse(error_body(exc.status, str(exc), path=path), status_code=exc.status)
+        except ClientDisconnected:
+            return Response(status_code=499)
         finally:
             await upstream.aclose()
             ticket.close()
         return Response(content, status_code=upstream.status_code, media_type=media_type)
+
+    async def _read_body(self, upstream: httpx.Response, ticket: Ticket, deadline: float) -> bytes:
+        return b"".join([chunk async for chunk in self._relay(upstream, ticket, deadline)])
 
     async def _prompt_tokens(self, route: str, body: dict) -> list[int] | None:
         """The prompt's first tokens, or None (route by load) if the tokenizer is busy too long."""
@@ -369,8 +397,8 @@ class RouterService:
         async def post(backend: Backend) -> httpx.Response | None:
             try:
                 return await self.client.post(f"{backend.url}{dispatched_path(request.scope)}",
-                                              params=request.query_params,
-                                              headers=headers)
+                                              params=request.query_params, headers=headers,
+                                              timeout=SIDE_CALL_TIMEOUT_S)
             except httpx.HTTPError:
                 return None
         failed = []
@@ -398,17 +426,20 @@ class RouterService:
         """The backend that stored a Responses API response (its store is per replica), asking every
         backend that is up at once; None when every one answered that it has none (any of them then
         answers the 404). OwnerUnknown when none has it but one could not say (an error, a timeout,
-        a backend down): a 404 then might be wrong."""
+        a backend down): a 404 then might be wrong. OwnerLookupRefused when one refused the
+        request itself (401, ...)."""
         headers = self._headers(request)
         path = _response_path(response_id)
 
         async def holds(backend: Backend) -> bool | None:
             try:
-                status = (await self.client.get(f"{backend.url}{path}", headers=headers,
-                                                timeout=OWNER_LOOKUP_TIMEOUT_S)).status_code
+                response = await self.client.get(f"{backend.url}{path}", headers=headers,
+                                                 timeout=OWNER_LOOKUP_TIMEOUT_S)
             except httpx.HTTPError:
                 return None
-            return True if status == 200 else False if status == 404 else None
+            if 400 <= response.status_code < 500 and response.status_code != 404:
+                raise OwnerLookupRefused(response)  # a wrong key, say: the answer, not "unreachable"
+            return True if response.status_code == 200 else False if response.status_code == 404 else None
 
         backends = self.up_backends()
         found = await asyncio.gather(*(holds(b) for b in backends))
@@ -427,13 +458,17 @@ class RouterService:
             owner = await self._response_owner(response_id, request)
         except OwnerUnknown as exc:
             return JSONResponse(error_body(503, str(exc)), status_code=503)
+        except OwnerLookupRefused as exc:
+            return exc.relayed()
         backends = [owner] if owner is not None else self.up_backends()[:1]
         if not backends:
             return JSONResponse(error_body(503, NO_BACKEND), status_code=503)
         try:
             url = f"{backends[0].url}{_response_path(response_id)}{action}"
             response = await self.client.request(request.method, url, params=request.query_params,
-                                                 headers=self._headers(request), content=await request.body())
+                                                 headers=self._headers(request), content=await request.body(),
+                                                 timeout=httpx.Timeout(CONNECT_TIMEOUT_S,
+                                                                       read=self.config.request_timeout_s))
         except httpx.HTTPError as exc:
             return JSONResponse(error_body(502, f"The backend failed: {type(exc).__name__}."), status_code=502)
         return Response(response.content, status_code=response.status_code,
@@ -443,7 +478,7 @@ class RouterService:
         headers = self._headers(request)
         for backend in self.up_backends():
             try:
-                response = await self.client.get(f"{backend.url}{path}", headers=headers)
+                response = await self.client.get(f"{backend.url}{path}", headers=headers, timeout=SIDE_CALL_TIMEOUT_S)
             except httpx.HTTPError:
                 continue
             return Response(response.content, status_code=response.status_code,
@@ -457,7 +492,7 @@ class RouterService:
 
         async def page(backend: Backend) -> tuple[str, str | None]:
             try:
-                return backend.name, (await self.client.get(f"{backend.url}/metrics")).text
+                return backend.name, (await self.client.get(f"{backend.url}/metrics", timeout=SIDE_CALL_TIMEOUT_S)).text
             except httpx.HTTPError:
                 return backend.name, None
         pages = await asyncio.gather(*(page(b) for b in self.up_backends()))

@@ -8,7 +8,9 @@ taken out (`down` is set, which ends the requests in flight on it at once) and r
 exponential backoff. A Hello with another
 instance id than before (the replica restarted) drops everything the index held for it; the
 stream then starts with a snapshot. A backend that is not kvserve (no event routes) is still
-used, by load alone, its health read from /health.
+used, by load alone, its health read from /health. A request that cannot connect to a backend
+takes it out too (`take_out`), and its stream is followed afresh: the replica is back with the
+new stream's Hello (a stream that outlived the failure would never say Hello again).
 """
 from __future__ import annotations
 
@@ -102,9 +104,20 @@ class BackendWatcher:
                  headers: dict[str, str]):
         self.backend, self.client, self.index, self.hints, self.headers = backend, client, index, hints, headers
         self._tasks: list[asyncio.Task] = []
+        self._logged_reason: str | None = None  # why a backend not up yet is not: logged once per reason
 
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._follow())]
+
+    def take_out(self, reason: str) -> None:
+        """Out of service on a failure seen elsewhere (a request could not connect): mark it down
+        and follow its events afresh, so that it is back as soon as a new stream says Hello."""
+        self.mark_down(reason)
+        for task in self._tasks:
+            task.cancel()
+        running = [task for task in self._tasks if not task.done()]  # ending: stop() still waits for them
+        self.start()
+        self._tasks += running
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -118,11 +131,15 @@ class BackendWatcher:
             logger.info("backend %s (%s) is up", b.name, b.url)
         b.up = True
         b.down.clear()
+        self._logged_reason = None
 
     def mark_down(self, reason: str) -> None:
         b = self.backend
         if b.up:
             logger.warning("backend %s (%s) taken out: %s", b.name, b.url, reason)
+        elif reason != self._logged_reason:  # never up, or down for a new reason: say why, once
+            logger.warning("backend %s (%s) is not in service: %s", b.name, b.url, reason)
+        self._logged_reason = reason
         b.up = False
         b.down.set()  # requests in flight on it end now
         self.hints.clear(b.name)

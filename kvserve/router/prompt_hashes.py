@@ -56,7 +56,8 @@ class PromptTokens:
                     return None  # its own template: not rendered here (the replica may refuse it)
                 tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
                 text = render_chat_template(self.tokenizer, conversation(request.messages),
-                                            request.add_generation_prompt, tools, chat_template=self.chat_template)
+                                            request.add_generation_prompt, tools, request.continue_final_message,
+                                            request.chat_template_kwargs, chat_template=self.chat_template)
                 return self._prefix_ids(text, add_special_tokens=False)
             if route == "messages":  # Anthropic's, rendered as the replica's chat path renders it
                 anthropic = MessagesRequest.model_validate(body)
