@@ -112,12 +112,18 @@ class LLM:
 
     def _run(self, request_ids: list[str], use_tqdm: bool | Callable[..., tqdm]) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}
-        with _progress(use_tqdm, len(request_ids), "Processed prompts") as bar:
-            while self.engine.has_unfinished_requests():
-                for output in self.engine.step():
-                    if output.finished:
-                        results[output.request_id] = output
-                        bar.update(1)
+        try:
+            with _progress(use_tqdm, len(request_ids), "Processed prompts") as bar:
+                while self.engine.has_unfinished_requests():
+                    for output in self.engine.step():
+                        if output.finished:
+                            results[output.request_id] = output
+                            bar.update(1)
+        except BaseException:  # Ctrl-C, or a progress bar's error: the call's requests go, not left to the next
+            for request_id in request_ids:
+                if request_id not in results:
+                    self.engine.abort_request(request_id)
+            raise
         return [results[i] for i in request_ids]
 
 

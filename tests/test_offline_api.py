@@ -168,6 +168,31 @@ def test_max_tokens_past_max_model_len_ends_the_sequence_there(llm):
         llm.generate([{"prompt_token_ids": [7] * limit}], params, use_tqdm=False)
 
 
+def test_an_interrupted_generate_leaves_nothing_for_the_next_call(llm):
+    """Ctrl-C (here a progress bar that raises after the first prompt) in the middle of generate():
+    its unfinished requests are aborted, so the next call does not first compute them."""
+    class Interrupting:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc) -> None:
+            pass
+
+        def update(self, n: int) -> None:
+            raise KeyboardInterrupt
+
+    long = SamplingParams(max_tokens=500, ignore_eos=True)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(["a", {"prompt_token_ids": [5] * 10}], [SamplingParams(max_tokens=1), long], use_tqdm=Interrupting)
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.num_free_blocks == llm.engine.num_blocks
+    [out] = llm.generate("hello", SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 2
+
+
 def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm):
     """vLLM's SamplingParams.truncate_prompt_tokens: left truncation; -1 is max-model-len."""
     ids = list(range(10, 40))
