@@ -8,7 +8,9 @@ JSON keys (stable; a value is null where it does not apply; byte counts are inte
                 layer_groups: [{layers, num_kv_heads, head_dim, sliding_window, latent_dim}]
     inputs      max_model_len, batch_size, block_size, weight_dtype, tensor_parallel_size,
                 kv_cache_memory, gpu_memory, gpu_memory_utilization, kv_offloading_size,
-                kv_offloading_disk_size (bytes, totals over the devices; null when not given)
+                kv_offloading_disk_size (bytes, totals over the devices; null when not given),
+                step_tokens (--max-num-batched-tokens as the engine would take it: what a sequence
+                holds beside a sliding window)
     weights     num_params, dtype, bytes, bytes_per_device, file_bytes, quantization
     kv_budget   {bytes (one device), source} or null
     kv_cache    one entry per --kv-cache-dtype:
@@ -69,6 +71,7 @@ def to_dict(plan: Plan) -> dict[str, Any]:
             "kv_cache_memory": inputs.kv_cache_memory, "gpu_memory": inputs.gpu_memory,
             "gpu_memory_utilization": inputs.gpu_memory_utilization,
             "kv_offloading_size": inputs.kv_offloading_size, "kv_offloading_disk_size": inputs.kv_offloading_disk_size,
+            "step_tokens": inputs.step_tokens,
         },
         "weights": dataclasses.asdict(plan.weights),
         "kv_budget": dataclasses.asdict(plan.budget) if plan.budget else None,
