@@ -129,7 +129,7 @@ def test_a_sliding_window_model_needs_a_pool_for_its_window_not_for_max_model_le
     so): with 5 blocks of 8 (window 8 + a step of 16, a block a boundary splits and a spare) the
     model starts at its full 1,024 tokens, and a 70-token sequence still gives HF's tokens. One
     block fewer is refused naming the window; KV eviction (an evicting sequence keeps its budget,
-    not a window) is refused on such a pool."""
+    not a window) is refused on such a pool; scoring takes chunks of a step there."""
     from transformers import AutoModelForCausalLM
 
     from kvserve.engine.args import EngineArgs
@@ -147,6 +147,13 @@ def test_a_sliding_window_model_needs_a_pool_for_its_window_not_for_max_model_le
                          use_tqdm=False)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 40)
+    sequence = prompt + out.outputs[0].token_ids  # scored in chunks of at most a step, whatever is asked
+    assert torch.allclose(llm.engine.score(sequence, chunk_size=64), hf_logits(hf, sequence), atol=1e-3)
+    # a KV format that calibrates prefills 1,024 tokens in the pool at start-up: the pool holds them
+    # (what it learns must not depend on the pool's size), so 5 blocks hold a max-model-len of 40
+    int4 = dict(options, kv_cache_dtype="int4")
+    int4_block = preflight(EngineArgs(model=str(path), kv_cache_memory="8MiB", **int4)).bytes_per_block
+    assert preflight(EngineArgs(model=str(path), kv_cache_memory=6 * int4_block, **int4)).max_model_len == 40
     with pytest.raises(ValueError, match="KV eviction needs a KV pool that holds one sequence of max-model-len"):
         llm.generate([{"prompt_token_ids": prompt}],
                      SamplingParams(max_tokens=4, kv_eviction={"policy": "streaming", "budget": 32}), use_tqdm=False)

@@ -463,8 +463,11 @@ class LLMEngine:
                      kv_eviction: EvictionSpec | dict | str | None = None) -> Iterator[torch.Tensor]:
         """`score`, one chunk's logits [chunk tokens, vocab] at a time. With `kv_eviction` (as in
         SamplingParams) the sequence evicts between chunks and may be longer than max-model-len;
-        a chunk is then at most budget - sinks tokens."""
+        a chunk is then at most budget - sinks tokens. On a pool sized for a sliding window and a
+        step (preflight.SequenceHold) a chunk is at most a step."""
         chunk_size = chunk_size or self.args.max_num_batched_tokens
+        if self._pool_blocks_short:
+            chunk_size = min(chunk_size, self.args.max_num_batched_tokens)
         eviction = self.resolve_eviction(EvictionSpec.parse(kv_eviction))
         if eviction is None and len(token_ids) > self.max_model_len:
             raise ValueError(f"cannot score {len(token_ids)} tokens with max-model-len {self.max_model_len}")

@@ -15,10 +15,11 @@ import torch
 from kvserve.cache.eviction import POLICIES, EvictionSpec
 from kvserve.cache.eviction.config import NO_EVICTION, resolve_eviction
 from kvserve.cache.formats import make_kv_format
-from kvserve.cache.kv_cache import KVCacheSpec
+from kvserve.cache.kv_cache import KVCacheSpec, KVFormat
 from kvserve.cache.sizing import blocks_for_tokens, blocks_in_budget, blocks_per_sequence, bytes_per_block
 from kvserve.cache.tiers.disk import check_directory, key_path, load_key
 from kvserve.engine.args import EngineArgs
+from kvserve.engine.calibration import CALIBRATION_TOKENS
 from kvserve.engine.generation_defaults import GenerationDefaults, load_generation_defaults
 from kvserve.engine.platforms import platform_for
 from kvserve.hardware import native_bf16_missing
@@ -121,26 +122,37 @@ def resolve_max_model_len(requested: int | None, limit: int) -> int:
 @dataclass(frozen=True)
 class SequenceHold:
     """What bounds the blocks one sequence holds (cache.sizing.blocks_per_sequence): the sliding
-    window every layer shares and the most tokens a step gives it; both None: all its tokens."""
+    window every layer shares and the most tokens a step gives it; both None: all its tokens.
+    `floor_tokens`: what the pool must hold whatever the window (the start-up calibration of a
+    KV format that calibrates prefills that many tokens in the pool at once)."""
     window: int | None = None
     step_tokens: int | None = None
+    floor_tokens: int = 0
 
     def blocks(self, max_model_len: int, block_size: int) -> int:
-        return blocks_per_sequence(max_model_len, block_size, self.window, self.step_tokens)
+        held = blocks_per_sequence(max_model_len, block_size, self.window, self.step_tokens)
+        return max(held, blocks_for_tokens(min(self.floor_tokens, max_model_len), block_size))
 
 
-def sequence_hold(args: EngineArgs, shape: ModelShape, device: torch.device) -> SequenceHold:
+def sequence_hold(args: EngineArgs, shape: ModelShape, device: torch.device, dtype: torch.dtype) -> SequenceHold:
     """A sliding-window model's sequence holds its window and a step (the blocks behind go back to
     the pool), unless KV eviction is on (an evicting sequence keeps its own budget instead). A
     step's tokens: --max-num-batched-tokens, or the platform's default where chunked prefill cuts
-    prompts to it (the larger of its serving and offline defaults)."""
+    prompts to it (the larger of its serving and offline defaults). A KV format that calibrates
+    (fp8_e4m3's key bases, int4's key centres) keeps its calibration prefill whole, so that what it
+    learns does not depend on the pool's size."""
     if shape.sliding_window is None or args.kv_eviction != NO_EVICTION:
         return SequenceHold()
     step = args.max_num_batched_tokens
     if step is None and args.enable_chunked_prefill:
         platform = platform_for(device)
         step = max(platform.batch_limits(device, serving).max_num_batched_tokens for serving in (True, False))
-    return SequenceHold(shape.sliding_window, step)
+    return SequenceHold(shape.sliding_window, step, calibration_floor(make_kv_format(args.kv_cache_dtype, dtype)))
+
+
+def calibration_floor(kv_format: KVFormat) -> int:
+    """The tokens a KV format's start-up calibration prefills in the pool at once (0: none)."""
+    return CALIBRATION_TOKENS if kv_format.center_keys or kv_format.fit_key_basis else 0
 
 
 def fit_max_model_len(budget: int, per_block: int, block_size: int, max_model_len: int, given: bool,
@@ -213,7 +225,7 @@ def preflight(args: EngineArgs, shape: ModelShape | None = None) -> Preflight:
     if budget is None and tp > 1:
         raise ValueError("--tensor-parallel-size > 1 on CUDA needs --kv-cache-memory (the KV budget of each "
                          "device): the profiling pass that measures it runs in one process")
-    hold = sequence_hold(args, shape, device)
+    hold = sequence_hold(args, shape, device, dtype)
     if budget is not None:
         max_model_len = fit_max_model_len(budget, per_block, args.block_size, max_model_len,
                                           given=args.max_model_len is not None, hold=hold)

@@ -24,6 +24,7 @@ from kvserve.cache.formats import FORMATS, KV_CACHE_DTYPES, make_kv_format
 from kvserve.cache.kv_cache import KVCacheSpec, KVFormat
 from kvserve.cache.sizing import blocks_for_tokens, blocks_per_sequence, bytes_per_block, num_blocks_for_budget
 from kvserve.engine.llm_engine import CapacityError
+from kvserve.engine.preflight import SequenceHold, calibration_floor
 from kvserve.model.quant_linear import served_matrix_bytes
 from kvserve.plan.arch import AttentionLayer, ConfigError, ModelArch
 
@@ -240,7 +241,8 @@ def footprint(arch: ModelArch, kv_cache_dtype: str, inputs: PlanInputs, budget: 
     layout, unavailable, capacity = None, spec if isinstance(spec, str) else None, None
     if isinstance(spec, KVCacheSpec):
         window = arch.uniform_sliding_window
-        per_seq = blocks_per_sequence(seq, inputs.block_size, window, inputs.step_tokens)
+        hold = SequenceHold(window, inputs.step_tokens, calibration_floor(kv_format)) if window else SequenceHold()
+        per_seq = hold.blocks(seq, inputs.block_size)  # the engine's preflight.sequence_hold
         layout = _layout(spec, kv_format, bits, inputs, per_seq)
         if budget is not None:  # exactly the engine's sizing (engine/pool_sizing.size_kv_pool)
             num_blocks = num_blocks_for_budget(budget.bytes, spec, kv_format)
