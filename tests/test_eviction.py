@@ -249,7 +249,7 @@ def test_after_its_first_eviction_a_sequence_publishes_nothing_and_shared_blocks
     sched.add(first)
     step()  # prefill: 3 full blocks published
     assert len(sched.kv.pool.cached) == 3
-    twin = evicting_request("b", 12, 40, h2o(60, 2, 8))  # same prompt and layout: shares 2 blocks
+    twin = evicting_request("b", 12, 40, streaming(60, 2))  # same prompt and layout: shares 2 blocks
     sched.add(twin)
     step()
     assert twin.num_cached_tokens == 8

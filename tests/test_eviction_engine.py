@@ -204,13 +204,34 @@ def test_engine_default_and_per_request_opt_out(tiny_llama, book_ids):
 def test_prefix_cache_shares_blocks_only_within_a_layout(tiny_llama, book_ids):
     eng = engine(tiny_llama)
     prompt = book_ids[:64]
-    evicting = greedy(2, kv_eviction={"policy": "h2o", "budget": 128})
+    evicting = greedy(2, kv_eviction={"policy": "streaming", "budget": 128})
     for rid, params in (("plain", greedy(2)), ("evicting", evicting), ("evicting-again", evicting)):
         eng.add_request(prompt, params, rid)
         outputs, _ = run(eng)
         hits = outputs[rid].num_cached_tokens
         assert hits == {"plain": 0, "evicting": 0, "evicting-again": 56}[rid], rid
     assert eng.scheduler.running == [] and eng.num_free_blocks == eng.num_blocks
+
+
+@pytest.mark.parametrize("policy, hit", [("streaming", 32), ("tova", 32), ("snapkv", 0), ("h2o", 0)])
+def test_a_prefix_hit_or_n_samples_do_not_change_what_an_evicting_request_generates(tiny_llama, book_ids, policy,
+                                                                                     hit):
+    """What a sequence evicts depends on where its chunks end: after a prefix hit (the second of n
+    samples hits the first's prompt) its first chunk ends where an uncached one does, and a hit
+    leaves the policy every row it observes before evicting (SnapKV's last 32, TOVA's last one;
+    H2O sums them all, so takes none): n greedy samples and a later hit give the tokens the request
+    gets alone."""
+    params = dict(max_tokens=40, kv_eviction={"policy": policy, "budget": 40, "sink_tokens": 4})
+    prompt = book_ids[:64]
+    alone = engine(tiny_llama, enable_prefix_caching=False)
+    alone.add_request(prompt, greedy(**params), "alone")
+    expected = run(alone)[0]["alone"].outputs[0].token_ids
+    eng = engine(tiny_llama)
+    eng.add_request(prompt, greedy(n=2, **params), "pair")
+    eng.add_request(prompt, greedy(**params), "later")  # admitted after the pair's first step published its blocks
+    outputs, _ = run(eng)
+    assert [o.token_ids for o in outputs["pair"].outputs] == [expected, expected]
+    assert outputs["later"].outputs[0].token_ids == expected and outputs["later"].num_cached_tokens == hit
 
 
 # ---------------------------------------------------------------------------- other policies

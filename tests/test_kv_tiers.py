@@ -399,7 +399,7 @@ def test_a_request_under_kv_eviction_reuses_its_blocks_from_the_tiers(tiny_llama
     rng = random.Random(1)
     prompt = [rng.randrange(3, 500) for _ in range(5 * BLOCK + 3)]
     evicting = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
-                              kv_eviction={"policy": "h2o", "budget": 256})
+                              kv_eviction={"policy": "streaming", "budget": 256})
 
     def run(rid: str, tokens: list[int], params: SamplingParams):
         engine.add_request(tokens, params, rid)

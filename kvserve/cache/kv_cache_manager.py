@@ -226,10 +226,11 @@ class KVCacheManager:
 
     def _max_prefix_blocks(self, request: CachedSequence) -> int:
         """Most blocks a prefix hit (pool and tiers together) may cover: the last token is always
-        computed, and under KV eviction admission must need no eviction (see max_new_tokens)."""
+        computed, and under KV eviction the sequence must evict as it would have without the hit
+        (Evictor.prefix_hit_room; admission needs no eviction: see max_new_tokens)."""
         max_blocks = (request.num_tokens - 1) // self.block_size
         if request.eviction is not None:
-            max_blocks = min(max_blocks, (request.eviction.max_chunk - 1) // self.block_size)
+            max_blocks = min(max_blocks, self.evictor.prefix_hit_room(request.eviction) // self.block_size)
         return max_blocks
 
     def fetch_tier_prefix(self, request: CachedSequence, num_pool_blocks: int) -> TierHit | None:
@@ -430,12 +431,14 @@ class KVCacheManager:
     def max_new_tokens(self, request: CachedSequence, num_cached_tokens: int | None = None) -> int:
         """Most tokens the request may compute in one step: unbounded (sys.maxsize) without eviction.
         With eviction a step adds at most budget - sinks tokens (make_room evicts for them); on
-        admission (`num_cached_tokens` = its prefix-cache hit) no more than fit without evicting."""
+        admission (`num_cached_tokens` = its prefix-cache hit) no more than fit without evicting,
+        and the first chunk ends where it would without the hit (chunk boundaries decide what is
+        evicted: a hit, or n > 1 samples sharing a prompt, must not change the tokens)."""
         if request.eviction is None:
             return sys.maxsize
         if num_cached_tokens is None:
             return request.eviction.max_chunk
-        return min(request.eviction.max_chunk, self.evictor.limit(request.eviction) - num_cached_tokens)
+        return min(request.eviction.max_chunk, self.evictor.limit(request.eviction)) - num_cached_tokens
 
     def make_room(self, request: CachedSequence, num_new_tokens: int) -> bool:
         """Called by `allocate`: if the request evicts and `num_new_tokens` more would exceed its limit,

@@ -34,6 +34,20 @@ class Evictor:
         """Most tokens a sequence with this config holds at any time."""
         return min(config.budget + self.block_size, self.max_model_len)
 
+    def prefix_hit_room(self, config: EvictionConfig) -> int:
+        """Most prompt tokens a prefix hit may skip for a sequence with this config, so that it
+        evicts as if it had computed them itself: its first chunk after the hit ends where an
+        uncached first chunk ends (KVCacheManager.max_new_tokens), and that chunk holds every row
+        its policy observes before evicting. Streaming observes nothing (a chunk less a token), a
+        policy that observes the last rows needs that many in the chunk, one that sums every row
+        (H2O) takes no hit."""
+        observes = POLICIES[config.policy].observes
+        if observes is None:
+            return config.max_chunk - 1
+        if observes.last is None:
+            return 0
+        return max(0, config.max_chunk - observes.last)
+
     def observed_rows(self, config: EvictionConfig, num_queries: int) -> tuple[int, int, bool] | None:
         """What the model must report for a step of `num_queries` queries of a sequence with this
         config: (first observed query row, rows reported, whether they are summed into one), or
