@@ -22,7 +22,7 @@ def test_defaults_match_vllm():
 @pytest.mark.parametrize("kwargs", [
     dict(temperature=-0.1), dict(temperature=math.nan), dict(top_p=0), dict(top_p=1.5), dict(n=0),
     dict(max_tokens=-1), dict(top_k=-2), dict(min_p=2), dict(presence_penalty=3), dict(repetition_penalty=0),
-    dict(logprobs=-1), dict(prompt_logprobs=-1), dict(stop=[""]), dict(stop=["x"] * 65), dict(seed=2 ** 64), dict(top_k=2 ** 64),
+    dict(logprobs=-2), dict(prompt_logprobs=-2), dict(stop=[""]), dict(stop=["x"] * 65), dict(seed=2 ** 64), dict(top_k=2 ** 64),
     dict(min_tokens=5, max_tokens=2),
 ])
 def test_invalid_values_raise_value_error(kwargs):
@@ -84,8 +84,8 @@ def test_logit_bias_forces_and_bans_tokens_and_logprobs_stay_raw(llm):
 
 
 def test_invalid_request_is_rejected_before_it_is_queued(llm):
-    with pytest.raises(ValueError, match="maximum context length"):
-        llm.generate([PROMPT], SamplingParams(max_tokens=10 ** 6), use_tqdm=False)
+    with pytest.raises(ValueError, match="maximum context length"):  # (a max_tokens past it is cut offline)
+        llm.generate([{"prompt_token_ids": [5] * llm.engine.max_model_len}], SamplingParams(), use_tqdm=False)
     with pytest.raises(ValueError, match="out of vocabulary"):
         llm.generate([{"prompt_token_ids": [10 ** 7]}], SamplingParams(), use_tqdm=False)
     with pytest.raises(ValueError, match="out of vocabulary"):
