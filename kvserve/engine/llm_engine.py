@@ -279,10 +279,10 @@ class LLMEngine:
         max_tokens = self.validate(token_ids, params, up_to_context)
         eviction = self.resolve_eviction(params.kv_eviction)
         sequences = []
+        vocab = self.model_config.vocab_size  # logprobs -1: the whole vocabulary (validate checked it)
         for index in range(params.n):  # n > 1: one sequence per sample, sharing the prompt
             child_params = params.for_child(index)
             child_params.max_tokens = max_tokens
-            vocab = self.model_config.vocab_size  # logprobs -1: the whole vocabulary (validate checked it)
             child_params.logprobs = vocab if params.logprobs == -1 else params.logprobs
             child_params.prompt_logprobs = vocab if params.prompt_logprobs == -1 else params.prompt_logprobs
             if index > 0:  # the first sample computes the prompt logprobs for all
