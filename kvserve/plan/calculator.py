@@ -240,8 +240,7 @@ def footprint(arch: ModelArch, kv_cache_dtype: str, inputs: PlanInputs, budget: 
     spec = kvserve_spec(arch, inputs.block_size, tp)
     layout, unavailable, capacity = None, spec if isinstance(spec, str) else None, None
     if isinstance(spec, KVCacheSpec):
-        window = arch.uniform_sliding_window
-        hold = SequenceHold(window, inputs.step_tokens, calibration_floor(kv_format)) if window else SequenceHold()
+        hold = SequenceHold(arch.uniform_sliding_window, inputs.step_tokens, calibration_floor(kv_format))
         per_seq = hold.blocks(seq, inputs.block_size)  # the engine's preflight.sequence_hold
         layout = _layout(spec, kv_format, bits, inputs, per_seq)
         if budget is not None:  # exactly the engine's sizing (engine/pool_sizing.size_kv_pool)
