@@ -109,9 +109,11 @@ class OwnerLookupRefused(Exception):
         super().__init__(response.status_code)
         self.response = response
 
-    def relayed(self) -> Response:
-        return Response(self.response.content, status_code=self.response.status_code,
-                        media_type=self.response.headers.get("content-type"))
+
+def relayed(response: httpx.Response) -> Response:
+    """A backend's whole answer, as the router's."""
+    return Response(response.content, status_code=response.status_code,
+                    media_type=response.headers.get("content-type"))
 
 
 def _response_path(response_id: str) -> str:
@@ -236,7 +238,7 @@ class RouterService:
                 except OwnerUnknown as exc:
                     return JSONResponse(error_body(503, str(exc), path=path), status_code=503)
                 except OwnerLookupRefused as exc:
-                    return exc.relayed()
+                    return relayed(exc.response)
         if route == "invocations":  # SageMaker's one route: read as the body's kind (the replica does the same)
             route = ("chat" if "messages" in body else "completions" if "prompt" in body else "other") \
                 if isinstance(body, dict) else "other"
@@ -459,7 +461,7 @@ class RouterService:
         except OwnerUnknown as exc:
             return JSONResponse(error_body(503, str(exc)), status_code=503)
         except OwnerLookupRefused as exc:
-            return exc.relayed()
+            return relayed(exc.response)
         backends = [owner] if owner is not None else self.up_backends()[:1]
         if not backends:
             return JSONResponse(error_body(503, NO_BACKEND), status_code=503)
@@ -471,8 +473,7 @@ class RouterService:
                                                                        read=self.config.request_timeout_s))
         except httpx.HTTPError as exc:
             return JSONResponse(error_body(502, f"The backend failed: {type(exc).__name__}."), status_code=502)
-        return Response(response.content, status_code=response.status_code,
-                        media_type=response.headers.get("content-type"))
+        return relayed(response)
 
     async def forward_get(self, path: str, request: Request) -> Response:
         headers = self._headers(request)
@@ -481,8 +482,7 @@ class RouterService:
                 response = await self.client.get(f"{backend.url}{path}", headers=headers, timeout=SIDE_CALL_TIMEOUT_S)
             except httpx.HTTPError:
                 continue
-            return Response(response.content, status_code=response.status_code,
-                            media_type=response.headers.get("content-type"))
+            return relayed(response)
         return JSONResponse(error_body(503, NO_BACKEND), status_code=503)
 
     async def metrics(self) -> bytes:
