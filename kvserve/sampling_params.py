@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     import torch
 
 MAX_STOP_STRINGS = 64
+MAX_BAD_WORDS = 1024  # each is matched against a request's output every step
 # vLLM's --max-logprobs default: the most `logprobs` / `prompt_logprobs` a request may ask for.
 DEFAULT_MAX_LOGPROBS = 20
 # Integers handed to torch (seeds, top_k) must fit in int64.
@@ -110,6 +111,8 @@ class SamplingParams:
     penalties, temperature and truncation (the HTTP API clamps biases to [-100, 100] as vLLM does).
     `truncate_prompt_tokens` (vLLM's): keep only the prompt's last k tokens (left truncation); -1:
     the last max-model-len.
+    `allowed_token_ids` (vLLM's): sample only among these tokens. `bad_words` (vLLM's): words never
+    generated, bare or after a space (kvserve/engine/token_bans.py says how they are matched).
     `logits_processors` (Python only, not an API field) run in order on this request's logits
     before any other transformation; logprobs stay those of the raw distribution. A processor
     that raises fails its request (finish reason "error"), not the batch. With n > 1 every sample
@@ -141,6 +144,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
     truncate_prompt_tokens: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
     def __post_init__(self) -> None:
         self.kv_eviction = EvictionSpec.parse(self.kv_eviction)
@@ -151,6 +156,10 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.allowed_token_ids, (list, tuple)):
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if isinstance(self.bad_words, (list, tuple)):
+            self.bad_words = list(self.bad_words)
         if self.top_k == -1:  # vLLM's older spelling of "off"
             self.top_k = 0
         self.validate()
@@ -212,6 +221,17 @@ class SamplingParams:
                 if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
                     raise ValueError(f"logit_bias values must be finite numbers, got {bias!r} for token {token}.")
         check_truncate_prompt_tokens(self.truncate_prompt_tokens)
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, list) or any(
+                    not isinstance(t, int) or isinstance(t, bool) for t in self.allowed_token_ids):
+                raise ValueError(f"allowed_token_ids must be a list of token ids, got {self.allowed_token_ids!r:.80}")
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty: it would allow no token.")
+        if self.bad_words is not None and (not isinstance(self.bad_words, list) or any(
+                not isinstance(w, str) or not w.strip() for w in self.bad_words)):
+            raise ValueError(f"bad_words must be a list of words (non-blank strings), got {self.bad_words!r:.80}")
+        if self.bad_words is not None and len(self.bad_words) > MAX_BAD_WORDS:
+            raise ValueError(f"at most {MAX_BAD_WORDS} bad_words are allowed, got {len(self.bad_words)}.")
         if any(not callable(p) for p in self.logits_processors):
             raise ValueError("logits_processors must be callables (output_token_ids, logits) -> logits.")
 

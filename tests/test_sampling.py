@@ -83,6 +83,52 @@ def test_logit_bias_forces_and_bans_tokens_and_logprobs_stay_raw(llm):
         SamplingParams(logit_bias={1: math.inf})
 
 
+def test_allowed_token_ids_keep_sampling_among_them_and_only_for_their_request(llm):
+    """vLLM's allowed_token_ids: every token sampled (hot temperature) or picked (greedy) is one of
+    them; the request beside it in the batch is untouched; ids out of the vocabulary and an empty
+    list are refused."""
+    greedy = tokens(llm, temperature=0)
+    allowed = [t for t in range(5, 40) if t not in greedy][:3]
+    hot = tokens(llm, temperature=2.0, seed=5, allowed_token_ids=allowed)
+    assert set(hot) <= set(allowed) and len(set(hot)) > 1
+    outs = llm.generate([PROMPT] * 2, [SamplingParams(max_tokens=12, ignore_eos=True, temperature=0),
+                                       SamplingParams(max_tokens=12, ignore_eos=True, temperature=0,
+                                                      allowed_token_ids=allowed)], use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == greedy and set(outs[1].outputs[0].token_ids) <= set(allowed)
+    with pytest.raises(ValueError, match="allowed_token_ids contains out-of-vocab token ids"):
+        llm.generate([PROMPT], SamplingParams(allowed_token_ids=[5, 10 ** 6]), use_tqdm=False)
+    with pytest.raises(ValueError, match="must not be empty"):
+        SamplingParams(allowed_token_ids=[])
+
+
+def test_bad_words_are_never_generated_bare_or_after_a_space(llm):
+    """vLLM's bad_words: a word of one token is never sampled; a word of several never completed
+    (its last token is banned right after the rest); each also in its spaced form."""
+    from kvserve.engine.token_bans import bad_word_sequences, banned_next
+
+    tokenizer = llm.engine.tokenizer
+    greedy = tokens(llm, temperature=0)
+    word = next(w for w in (tokenizer.decode([t]).strip() for t in greedy)
+                if w and any(len(s) == 1 and s[0] in greedy for s in bad_word_sequences(tokenizer, [w])))
+    singles = {s[0] for s in bad_word_sequences(tokenizer, [word]) if len(s) == 1}
+    assert not singles & set(tokens(llm, temperature=0, bad_words=[word]))
+    # A two-token word: among the two tokens alone (allowed_token_ids), the pair never follows.
+    pair = next(ids for text in (a + b for a in "qxzjkv" for b in "qxzjkv") if len(ids := tokenizer.encode(
+        text, add_special_tokens=False)) == 2 and ids[0] != ids[1])
+    text = tokenizer.decode(pair)
+    hot = llm.generate([PROMPT] * 4, [SamplingParams(max_tokens=40, ignore_eos=True, temperature=3.0, seed=s,
+                                                     allowed_token_ids=pair, bad_words=[text]) for s in range(4)],
+                       use_tqdm=False)
+    for out in hot:
+        ids = out.outputs[0].token_ids
+        assert not any(ids[i:i + 2] == pair for i in range(len(ids) - 1)) and pair[0] in ids
+    assert banned_next([(1, 2, 3), (4,)], [9, 1, 2]) == [3, 4] and banned_next([(1, 2, 3)], [2]) == []
+    with pytest.raises(ValueError, match="ban every token of allowed_token_ids"):
+        llm.generate([PROMPT], SamplingParams(allowed_token_ids=sorted(singles), bad_words=[word]), use_tqdm=False)
+    with pytest.raises(ValueError, match="bad_words must be a list of words"):
+        SamplingParams(bad_words=["ok", "  "])
+
+
 def test_invalid_request_is_rejected_before_it_is_queued(llm):
     with pytest.raises(ValueError, match="maximum context length"):  # (a max_tokens past it is cut offline)
         llm.generate([{"prompt_token_ids": [5] * llm.engine.max_model_len}], SamplingParams(), use_tqdm=False)

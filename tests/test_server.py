@@ -301,6 +301,42 @@ def test_logit_bias_forces_and_bans_a_token(tiny_server, client):
             completion(logit_bias=bias)
 
 
+def test_allowed_token_ids_and_bad_words_reach_the_sampler(tiny_server, client):
+    """vLLM's allowed_token_ids and bad_words on completions and chat (they were logged as ignored
+    fields); bad values are 400s naming the field."""
+    def completion(**extra):
+        return client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=8, logprobs=0, seed=3,
+                                         temperature=2.0, extra_body=extra).choices[0]
+
+    def ids(choice):
+        return [int(t.removeprefix("token_id:")) for t in choice.logprobs.tokens]
+
+    allowed = [40, 41, 42]
+    assert set(ids(completion(allowed_token_ids=allowed, return_tokens_as_token_ids=True))) <= set(allowed)
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=6,
+                                          logprobs=True, temperature=2.0, seed=1,
+                                          extra_body={"allowed_token_ids": allowed, "return_tokens_as_token_ids": True})
+    assert {int(t.token.removeprefix("token_id:")) for t in chat.choices[0].logprobs.content} <= set(allowed)
+    def one_token_forms(word):
+        forms = [httpx.post(f"{tiny_server.base_url}/tokenize", json={"prompt": text, "add_special_tokens": False})
+                 .json()["tokens"] for text in (word, " " + word)]
+        return {form[0] for form in forms if len(form) == 1}
+
+    greedy = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=8, logprobs=0, **GREEDY,
+                                       extra_body={"return_tokens_as_token_ids": True}).choices[0]
+    word = next(w for t in ids(greedy) if (w := httpx.post(f"{tiny_server.base_url}/detokenize",
+                                                         json={"tokens": [t]}).json()["prompt"].strip())
+                and one_token_forms(w) & set(ids(greedy)))
+    banned = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=8, logprobs=0, **GREEDY,
+                                       extra_body={"bad_words": [word], "return_tokens_as_token_ids": True})
+    assert not one_token_forms(word) & set(ids(banned.choices[0]))
+    for extra, param in (({"allowed_token_ids": [10 ** 8]}, "allowed_token_ids"), ({"allowed_token_ids": []}, None),
+                         ({"bad_words": [" "]}, None)):
+        refused = httpx.post(f"{tiny_server.base_url}/v1/completions",
+                             json={"prompt": "x", "max_tokens": 2, **extra})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
+
+
 def test_tokenize_messages_takes_only_the_special_tokens_the_template_writes(tiny_server):
     """/tokenize of messages counts what chat sends the model; add_special_tokens (a `prompt` option)
     is refused there rather than ignored."""

@@ -53,6 +53,7 @@ from kvserve.engine.sampler import SampleResult
 from kvserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
 from kvserve.engine.speculative import Drafter, SpeculativeConfig
 from kvserve.engine.structured_output import GrammarCompiler
+from kvserve.engine.token_bans import bad_word_sequences
 from kvserve.model.batch_invariant import make_batch_invariant
 from kvserve.model.loader import LoadedModel
 from kvserve.model.shape import ModelShape
@@ -245,6 +246,9 @@ class LLMEngine:
         if outside:  # vLLM's text
             raise ValueError(f"token_id(s) {outside} in logit_bias contain out-of-vocab token ids. "
                              f"Vocabulary size: {vocab}")
+        outside = sorted({t for t in params.allowed_token_ids or () if not 0 <= t < vocab})
+        if outside:
+            raise ValueError(f"allowed_token_ids contains out-of-vocab token ids {outside[:8]}. Vocabulary size: {vocab}")
         if params.min_tokens > max_tokens:  # without max_tokens, SamplingParams could not check it
             raise ValueError(f"min_tokens must be less than or equal to max_tokens={max_tokens}, "
                              f"got {params.min_tokens}.")
@@ -278,6 +282,7 @@ class LLMEngine:
         token_ids = self.truncated(token_ids, params.truncate_prompt_tokens)
         max_tokens = self.validate(token_ids, params, up_to_context)
         eviction = self.resolve_eviction(params.kv_eviction)
+        bad_word_ids = self.bad_word_ids(params)
         sequences = []
         vocab = self.model_config.vocab_size  # logprobs -1: the whole vocabulary (validate checked it)
         for index in range(params.n):  # n > 1: one sequence per sample, sharing the prompt
@@ -290,11 +295,24 @@ class LLMEngine:
             child_id = request_id if params.n == 1 else f"{index}_{request_id}"
             grammar = None if params.structured_outputs is None else self.grammars.matcher(params.structured_outputs)
             sequences.append(Request(child_id, token_ids, child_params, self.eos_token_ids, cache_salt,
-                                     priority=priority, eviction=eviction, grammar=grammar))
+                                     priority=priority, eviction=eviction, grammar=grammar,
+                                     bad_word_ids=bad_word_ids))
         self.output_processor.add(request_id, text, token_ids, sequences, final_only)
         for request in sequences:
             self.scheduler.add(request)
         return request_id
+
+    def bad_word_ids(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
+        """The request's bad_words as token sequences (token_bans.py); ValueError when they leave
+        none of its allowed_token_ids."""
+        if not params.bad_words:
+            return ()
+        vocab = self.model_config.vocab_size  # a tokenizer's token past the model's is never sampled
+        sequences = tuple(s for s in bad_word_sequences(self.tokenizer, params.bad_words) if max(s) < vocab)
+        if params.allowed_token_ids is not None and set(params.allowed_token_ids) <= {s[0] for s in sequences
+                                                                                      if len(s) == 1}:
+            raise ValueError("bad_words ban every token of allowed_token_ids: nothing could be generated.")
+        return sequences
 
     def truncated(self, token_ids: list[int], keep: int | None) -> list[int]:
         """The prompt's last `keep` tokens (vLLM's truncate_prompt_tokens; -1: max-model-len; None:

@@ -72,6 +72,8 @@ class Request:
     # Structured outputs: this sequence's place in its grammar (set by the engine on arrival); the
     # sampler masks its logits and advances it with each sampled token.
     grammar: GrammarMatcher | None = None
+    # params.bad_words as token sequences (engine.token_bans; tokenized by the engine on arrival)
+    bad_word_ids: tuple[tuple[int, ...], ...] = ()
 
     @property
     def num_kv_tokens(self) -> int:

@@ -1,5 +1,6 @@
-"""Batched token sampling: logits processors, grammar masks (structured outputs), penalties,
-temperature, top-k, top-p, min-p, greedy, seeds, logprobs.
+"""Batched token sampling: logits processors, logit bias, token bans (allowed_token_ids,
+bad_words), grammar masks (structured outputs), penalties, temperature, top-k, top-p, min-p,
+greedy, seeds, logprobs.
 
 Every transformation is a tensor op over the whole batch; per-request values arrive as
 [batch] tensors. Only seeded requests draw their noise one by one (each owns a generator, seeded
@@ -26,6 +27,7 @@ from kvserve.engine.logprobs import packed_token_logprobs, unpack_token_logprobs
 from kvserve.engine.request import Request
 from kvserve.engine.speculative import DraftRow
 from kvserve.engine.structured_output import GrammarMasks
+from kvserve.engine.token_bans import banned_next
 from kvserve.sampling_params import active_processors
 from kvserve.transfers import host_to_device
 
@@ -119,6 +121,7 @@ class Sampler:
         raw = logits
         logits = self._apply_processors(logits, requests)
         logits = self._apply_logit_bias(logits, requests, cloned=logits is not raw)
+        logits = self._apply_token_bans(logits, requests, cloned=logits is not raw)
         logits = self._apply_grammars(logits, requests, cloned=logits is not raw)
         logits = self._apply_penalties(logits, requests)
         logits = self._mask_min_tokens(logits, requests)
@@ -179,6 +182,36 @@ class Sampler:
             logits = logits.clone()
         where = self._per_row([rows, ids], torch.long)
         logits.index_put_((where[0], where[1]), self._per_row(biases, logits.dtype), accumulate=True)
+        return logits
+
+    def _apply_token_bans(self, logits: torch.Tensor, requests: list[Request | DraftRow],
+                          cloned: bool) -> torch.Tensor:
+        """allowed_token_ids and bad_words (token_bans.py): the tokens a request may not sample
+        next become -inf (on a copy unless `cloned`). A verification row (DraftRow) matches bad
+        words against the output with the drafts before it."""
+        allowed = [(i, r.params.allowed_token_ids) for i, r in enumerate(requests)
+                   if r.params.allowed_token_ids is not None and not r.status.finished]
+        banned: list[list[int]] = [[], []]
+        for i, r in enumerate(requests):
+            if r.bad_word_ids and not r.status.finished:
+                tokens = banned_next(r.bad_word_ids, r.output_token_ids)
+                banned[0] += [i] * len(tokens)
+                banned[1] += tokens
+        if not allowed and not banned[0]:
+            return logits
+        if not cloned:
+            logits = logits.clone()
+        if allowed:
+            rows = [i for i, _ in allowed]
+            where = self._per_row([[k for k, (_, ids) in enumerate(allowed) for _ in ids],
+                                   [t for _, ids in allowed for t in ids]], torch.long)
+            keep = torch.zeros(len(rows), logits.shape[1], dtype=torch.bool, device=logits.device)
+            keep[where[0], where[1]] = True
+            index = self._per_row(rows, torch.long)
+            logits.index_copy_(0, index, logits.index_select(0, index).masked_fill(~keep, float("-inf")))
+        if banned[0]:
+            where = self._per_row(banned, torch.long)
+            logits.index_put_((where[0], where[1]), logits.new_full((), float("-inf")))
         return logits
 
     def _apply_grammars(self, logits: torch.Tensor, requests: list[Request | DraftRow],

@@ -49,7 +49,8 @@ _REFUSED = {
 # keys are logged as ignored (chat-only ones, `echo` or `logprobs`, have no place in a message).
 _CHAT_EXTRAS = ("seed", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos",
                 "min_tokens", "stop_token_ids", "logit_bias", "skip_special_tokens", "include_stop_str_in_output",
-                "cache_salt", "kv_eviction", "chat_template_kwargs", "chat_template", "priority")
+                "cache_salt", "kv_eviction", "chat_template_kwargs", "chat_template", "priority",
+                "allowed_token_ids", "bad_words")
 # Roles Claude Code sends beside user and assistant (vLLM reads them as user turns).
 _USER_ROLES = ("user", "ctx", "msg")
 # The first system block Claude Code sends, different on every request (a per-request hash).

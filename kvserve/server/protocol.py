@@ -175,6 +175,8 @@ class SamplingFields(OpenAIModel):
     priority: int = Field(default=0, ge=INT64_MIN, le=INT64_MAX)
     # vLLM's: keep the prompt's last k tokens (-1: max-model-len)
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    allowed_token_ids: list[int] | None = None  # vLLM's: sample only among these
+    bad_words: list[str] | None = None  # vLLM's: words never generated (engine/token_bans.py)
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> "SamplingFields":
@@ -215,7 +217,8 @@ class SamplingFields(OpenAIModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             kv_eviction=self.kv_eviction.model_dump(exclude_none=True) if self.kv_eviction else None,
             structured_outputs=self.structured_outputs_params(), logit_bias=self.logit_bias_ids(),
-            truncate_prompt_tokens=self.truncate_prompt_tokens, **given)
+            truncate_prompt_tokens=self.truncate_prompt_tokens, allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words, **given)
 
     def logit_bias_ids(self) -> dict[int, float] | None:
         """logit_bias with integer token ids and biases clamped to [-100, 100]; ValueError (a 400)

@@ -116,6 +116,7 @@ class ServingContext:
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
         self.tokens.check_token_ids(list(params.logit_bias or {}), "logit_bias")
+        self.tokens.check_token_ids(params.allowed_token_ids or [], "allowed_token_ids")
         return params
 
     async def submit(self, specs: list[PromptSpec], request_id: str, streaming: bool) -> RequestStream:
