@@ -60,6 +60,25 @@ def test_a_trusted_request_template_renders_that_request_only(templated_server):
     assert "chat template" in broken
 
 
+def test_documents_go_to_a_template_that_reads_them(templated_server):
+    """vLLM's `documents` (retrieval-augmented templates): the template's `documents` variable, in
+    chat and /tokenize alike; a 400 naming them where the template never reads that variable (it
+    was logged as ignored)."""
+    docs = [{"title": "Longbourn", "text": "the Bennets' house"}]
+    template = ("{% for d in documents %}(doc {{ d['title'] }}: {{ d['text'] }}){% endfor %}"
+                "{% for m in messages %}<{{ m['content'] }}>{% endfor %}")
+    assert rendered(templated_server, chat_template=template, documents=docs) == \
+        "(doc Longbourn: the Bennets' house)<Hello>"
+    client = openai.OpenAI(base_url=f"{templated_server.base_url}/v1", api_key="x")
+    reply = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1, temperature=0,
+                                           extra_body={"chat_template": template, "documents": docs})
+    assert reply.usage.prompt_tokens == len(httpx.post(f"{templated_server.base_url}/tokenize", json={
+        "messages": MESSAGES, "chat_template": template, "documents": docs}).json()["tokens"])
+    assert "does not read them" in rendered(templated_server, documents=docs)
+    with pytest.raises(openai.BadRequestError, match="documents: this model's chat template does not read them"):
+        client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1, extra_body={"documents": docs})
+
+
 def test_an_untrusted_request_template_is_refused(tiny_server):
     """vLLM's 400 and text, whichever field carries the template; the model's template otherwise."""
     client = openai.OpenAI(base_url=f"{tiny_server.base_url}/v1", api_key="x")

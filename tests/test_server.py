@@ -337,14 +337,32 @@ def test_allowed_token_ids_and_bad_words_reach_the_sampler(tiny_server, client):
         assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
 
 
-def test_tokenize_messages_takes_only_the_special_tokens_the_template_writes(tiny_server):
-    """/tokenize of messages counts what chat sends the model; add_special_tokens (a `prompt` option)
-    is refused there rather than ignored."""
-    url, messages = f"{tiny_server.base_url}/tokenize", [{"role": "user", "content": "Hi"}]
-    plain = httpx.post(url, json={"messages": messages}).json()["tokens"]
-    assert httpx.post(url, json={"messages": messages, "add_special_tokens": False}).json()["tokens"] == plain
-    refused = httpx.post(url, json={"messages": messages, "add_special_tokens": True})
-    assert refused.status_code == 400 and refused.json()["error"]["param"] == "add_special_tokens", refused.text
+def test_return_token_ids_gives_the_prompt_and_the_generated_ids(tiny_server, client):
+    """vLLM's return_token_ids: the prompt's ids (/tokenize's) and the generated ids, whole in a
+    response; streamed, the prompt's in the first chunk and each chunk's new ids with it."""
+    url = tiny_server.base_url
+    extra = {"return_token_ids": True}
+    prompt_ids = httpx.post(f"{url}/tokenize", json={"prompt": PROMPTS[0]}).json()["tokens"]
+    whole = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=7, **GREEDY, extra_body=extra)
+    choice = whole.choices[0].model_extra
+    assert choice["prompt_token_ids"] == prompt_ids and len(choice["token_ids"]) == whole.usage.completion_tokens == 7
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=7, stream=True, **GREEDY,
+                                            extra_body=extra))
+    assert [c.choices[0].model_extra["prompt_token_ids"] for c in chunks] == [prompt_ids] + [None] * (len(chunks) - 1)
+    assert sum((c.choices[0].model_extra["token_ids"] or [] for c in chunks), []) == choice["token_ids"]
+    assert client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=2).choices[0].model_extra[
+        "token_ids"] is None
+    messages = [{"role": "user", "content": "Hi"}]
+    chat_ids = httpx.post(f"{url}/tokenize", json={"messages": messages}).json()["tokens"]
+    reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, **GREEDY, extra_body=extra)
+    assert reply.model_extra["prompt_token_ids"] == chat_ids
+    assert len(reply.choices[0].model_extra["token_ids"]) == reply.usage.completion_tokens
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, stream=True, **GREEDY,
+                                                 extra_body=extra))
+    assert chunks[0].model_extra["prompt_token_ids"] == chat_ids
+    assert all(c.model_extra["prompt_token_ids"] is None for c in chunks[1:])
+    assert sum((c.choices[0].model_extra["token_ids"] or [] for c in chunks), []) == reply.choices[0].model_extra[
+        "token_ids"]
 
 
 def test_continue_final_message_continues_the_assistant_turn(tiny_server, client):
@@ -407,20 +425,30 @@ def test_best_of_returns_the_candidates_with_the_highest_cumulative_logprob(clie
                                       **{"temperature": 1.0, **extra})
 
 
-def test_suffix_fills_in_the_middle_where_the_model_has_fim_tokens(server_factory, tiny_tokenizer, tmp_path_factory,
-                                                                   client):
-    """A model whose tokenizer has <fim_prefix>/<fim_suffix>/<fim_middle>: the prompt and suffix go
-    around them in prefix-suffix-middle order, as a raw prompt of those ids would. Without FIM
-    tokens (the tiny model) suffix is vLLM's 400."""
+@pytest.fixture(scope="module")
+def fim_bos_server(server_factory, tiny_tokenizer, tmp_path_factory):
+    """A tiny model whose tokenizer has FIM tokens and puts a BOS before every text (as Llama's
+    do): (server, its client, the tokenizer)."""
     import copy
 
     from tiny_models import build_tiny_model
+    from tokenizers import processors
 
     tokenizer = copy.deepcopy(tiny_tokenizer)
     tokenizer.add_special_tokens({"additional_special_tokens": ["<fim_prefix>", "<fim_suffix>", "<fim_middle>"]})
+    bos = (tokenizer.bos_token, tokenizer.bos_token_id)
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos[0]} $A", pair=f"{bos[0]} $A {bos[0]} $B", special_tokens=[bos])
     path = build_tiny_model(tmp_path_factory.mktemp("tiny-fim"), "llama", tokenizer)
     server = server_factory(str(path), "--dtype", "float32", "--kv-cache-memory", "8MiB", "--served-model-name", "fim")
-    fim = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    return server, openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60), tokenizer
+
+
+def test_suffix_fills_in_the_middle_where_the_model_has_fim_tokens(fim_bos_server, client):
+    """A model whose tokenizer has <fim_prefix>/<fim_suffix>/<fim_middle>: the prompt and suffix go
+    around them in prefix-suffix-middle order, as a raw prompt of those ids would. Without FIM
+    tokens (the tiny model) suffix is vLLM's 400."""
+    _, fim, tokenizer = fim_bos_server
     prefix, middle, suffix = (tokenizer.convert_tokens_to_ids(t) for t in ("<fim_prefix>", "<fim_middle>",
                                                                             "<fim_suffix>"))
     ids = [prefix, *tokenizer.encode("Mr. Darcy", add_special_tokens=False), suffix,
@@ -431,6 +459,36 @@ def test_suffix_fills_in_the_middle_where_the_model_has_fim_tokens(server_factor
     assert filled.choices[0].text == raw.choices[0].text and filled.usage.prompt_tokens == len(ids)
     with pytest.raises(openai.BadRequestError, match="suffix is not currently supported for this model"):
         client.completions.create(model="tiny", prompt="Mr. Darcy", suffix=" said Elizabeth.", max_tokens=2)
+
+
+def test_add_special_tokens_as_vllm_on_completions_chat_embeddings_and_tokenize(fim_bos_server):
+    """vLLM's add_special_tokens (it was logged as ignored): a completion's or an embedding's text
+    gets the BOS unless false; chat gets the template's tokens only unless true (then a BOS on top);
+    /tokenize says the same for messages."""
+    server, fim, tokenizer = fim_bos_server
+    bos, text = tokenizer.bos_token_id, "Mr. Darcy"
+    bare = tokenizer.encode(text, add_special_tokens=False)
+
+    def completion_prompt(**extra):
+        return fim.completions.create(model="fim", prompt=text, max_tokens=1, extra_body={
+            "return_token_ids": True, **extra}).choices[0].model_extra["prompt_token_ids"]
+
+    assert completion_prompt() == [bos, *bare] and completion_prompt(add_special_tokens=False) == bare
+    embeddings = [fim.embeddings.create(model="fim", input=text, extra_body=extra).usage.prompt_tokens
+                  for extra in ({}, {"add_special_tokens": False})]
+    assert embeddings == [len(bare) + 1, len(bare)]
+    messages = [{"role": "user", "content": "Hi"}]
+    template = tokenizer.encode(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                                add_special_tokens=False)
+
+    def chat_prompt(**extra):
+        return fim.chat.completions.create(model="fim", messages=messages, max_tokens=1, extra_body={
+            "return_token_ids": True, **extra}).model_extra["prompt_token_ids"]
+
+    assert chat_prompt() == template and chat_prompt(add_special_tokens=True) == [bos, *template]
+    url = f"{server.base_url}/tokenize"
+    assert [httpx.post(url, json={"messages": messages, **extra}).json()["tokens"]
+            for extra in ({}, {"add_special_tokens": True})] == [template, [bos, *template]]
 
 
 def test_logprobs(client):

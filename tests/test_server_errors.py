@@ -94,14 +94,19 @@ def test_unknown_model_is_a_404(tiny_server):
 def test_unsupported_openai_fields_are_refused_unknown_keys_accepted(tiny_server):
     for path, extra in [("/v1/chat/completions", {"functions": [{"name": "f"}]}),
                         ("/v1/chat/completions", {"guided_whitespace_pattern": " *"}),
-                        ("/v1/completions", {"lora_request": {"name": "x"}})]:
+                        ("/v1/completions", {"lora_request": {"name": "x"}}),
+                        ("/v1/completions", {"use_beam_search": True}),
+                        ("/v1/chat/completions", {"length_penalty": 0.8}),
+                        ("/v1/chat/completions", {"logits_processors": ["my.Processor"]}),
+                        ("/v1/completions", {"vllm_xargs": {"k": 1}}),
+                        ("/v1/completions", {"prompt_embeds": "AAAA"})]:
         body = {"messages": [{"role": "user", "content": "x"}]} if "chat" in path else {"prompt": "x"}
         error = assert_error(post(tiny_server, path, json={**body, **extra}), 400, "not supported")
         assert error["param"] == next(iter(extra))
     # Values that ask for nothing kvserve lacks, and keys no API defines, are accepted.
     ok = post(tiny_server, "/v1/chat/completions", json={
         "messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "response_format": {"type": "text"},
-        "tools": [], "my_own_key": {"a": 1}, "priority": 0})
+        "tools": [], "my_own_key": {"a": 1}, "priority": 0, "use_beam_search": False, "length_penalty": 1.0})
     assert ok.status_code == 200, ok.text
 
 

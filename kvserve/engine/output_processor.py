@@ -9,6 +9,7 @@ the same split (its OutputProcessor), so that the engine itself only schedules a
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -84,23 +85,29 @@ _RESERVED_TEMPLATE_KWARGS = ("conversation", "messages", "tools", "documents", "
 
 def apply_chat_template(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True,
                         tools: list[dict] | None = None, continue_final_message: bool = False,
-                        template_kwargs: dict[str, Any] | None = None, chat_template: str | None = None) -> list[int]:
+                        template_kwargs: dict[str, Any] | None = None, chat_template: str | None = None,
+                        add_special_tokens: bool = False, documents: list[dict] | None = None) -> list[int]:
     """Render a conversation with the chat template (render_chat_template), then tokenize it (the
-    template already holds the special tokens, so none are added)."""
+    template already holds the special tokens, so none are added unless `add_special_tokens`, vLLM's
+    request field: a BOS on top of the template's)."""
     text = render_chat_template(tokenizer, messages, add_generation_prompt, tools, continue_final_message,
-                                template_kwargs, chat_template)
-    return tokenizer.encode(text, add_special_tokens=False)
+                                template_kwargs, chat_template, documents)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def render_chat_template(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True,
                          tools: list[dict] | None = None, continue_final_message: bool = False,
-                         template_kwargs: dict[str, Any] | None = None, chat_template: str | None = None) -> str:
+                         template_kwargs: dict[str, Any] | None = None, chat_template: str | None = None,
+                         documents: list[dict] | None = None) -> str:
     """A conversation as the text a chat template makes of it: `chat_template` (Jinja text;
     `template_kwargs["chat_template"]` as vLLM takes it), else the tokenizer's. Tool definitions,
     assistant `tool_calls` and `tool` results go to the template where it renders them, else into
     the turns as hermes text (tool_prompts.py). `continue_final_message` leaves the last message
     open (no end-of-turn after it) for the model to continue; `template_kwargs` are extra variables
-    for the template (vLLM's chat_template_kwargs, e.g. a reasoning switch)."""
+    for the template (vLLM's chat_template_kwargs, e.g. a reasoning switch). `documents` (vLLM's,
+    for retrieval-augmented templates such as Command-R's and Granite's) go to the template as its
+    `documents` variable; a ValueError where the template does not read that variable (vLLM would
+    render without them)."""
     template_kwargs = dict(template_kwargs or {})
     from_kwargs = template_kwargs.pop("chat_template", None)
     chat_template = chat_template or from_kwargs
@@ -116,6 +123,11 @@ def render_chat_template(tokenizer: Any, messages: list[dict], add_generation_pr
         raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}: use the request's own fields")
     messages, tools = render_messages(messages, tools, chat_template or tokenizer.chat_template)
     guard_chat_template(tokenizer, tools, chat_template)
+    if documents is not None:
+        if not re.search(r"\bdocuments\b", tokenizer.get_chat_template(chat_template, tools)):
+            raise ValueError("documents: this model's chat template does not read them (a retrieval-augmented "
+                             "template does, e.g. Command-R's); put them in the messages instead")
+        template_kwargs["documents"] = documents
     return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, chat_template=chat_template,
                                          add_generation_prompt=add_generation_prompt,
                                          continue_final_message=continue_final_message, **template_kwargs)

@@ -57,8 +57,9 @@ class PromptTokens:
                 tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
                 text = render_chat_template(self.tokenizer, conversation(request.messages),
                                             request.add_generation_prompt, tools, request.continue_final_message,
-                                            request.chat_template_kwargs, chat_template=self.chat_template)
-                return self._prefix_ids(text, add_special_tokens=False)
+                                            request.chat_template_kwargs, chat_template=self.chat_template,
+                                            documents=request.documents)
+                return self._prefix_ids(text, add_special_tokens=request.add_special_tokens)
             if route == "messages":  # Anthropic's, rendered as the replica's chat path renders it
                 anthropic = MessagesRequest.model_validate(body)
                 messages = chat_messages(anthropic)
@@ -72,7 +73,7 @@ class PromptTokens:
             if not prompt or not isinstance(prompt, (str, list)):
                 return None
             if isinstance(prompt, str):
-                return self._prefix_ids(prompt, add_special_tokens=True)
+                return self._prefix_ids(prompt, add_special_tokens=body.get("add_special_tokens") is not False)
             return tokenize(self.tokenizer, prompt[:ROUTING_PREFIX_TOKENS])[1]
         except (APIError, ValueError, TypeError, KeyError):
             return None

@@ -229,13 +229,11 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         log_ignored_fields(body.unknown_fields())
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "Give exactly one of `prompt` and `messages`.")
-        if body.messages is not None and body.add_special_tokens:
-            raise APIError(400, "add_special_tokens applies to `prompt`: `messages` get the special tokens their chat "
-                                "template writes, as /v1/chat/completions renders them.", param="add_special_tokens")
-        if body.messages is not None:
+        if body.messages is not None:  # add_special_tokens: false unless asked, as chat renders them
             tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
             ids = await tokens.chat_prompt(conversation(body.messages), body.add_generation_prompt, tools,
-                                           body.continue_final_message, body.chat_template_kwargs, body.chat_template)
+                                           body.continue_final_message, body.chat_template_kwargs, body.chat_template,
+                                           add_special_tokens=body.add_special_tokens is True, documents=body.documents)
         else:
             ids = await tokens.encode(body.prompt, body.add_special_tokens is not False)
         strs = [tokens.token_text(t) for t in ids] if body.return_token_strs else None

@@ -98,7 +98,9 @@ class ChatServing:
                                                  plan.tools if plan is not None else None,
                                                  body.continue_final_message, body.chat_template_kwargs,
                                                  body.chat_template,
-                                                 truncating=body.truncate_prompt_tokens is not None)
+                                                 truncating=body.truncate_prompt_tokens is not None,
+                                                 add_special_tokens=body.add_special_tokens,
+                                                 documents=body.documents)
 
     async def create(self, body: ChatCompletionRequest, request: Request, fit_context: bool = False) -> Response:
         """`fit_context` (Anthropic's context rules): a max_tokens past the context is cut to the
@@ -137,7 +139,7 @@ class ChatServing:
                                   streaming=body.stream)
         created = int(time.time())
         if body.stream:
-            return EventStreamResponse(self._events(body, plan, len(prompt_ids), stream, request_id, created,
+            return EventStreamResponse(self._events(body, plan, prompt_ids, stream, request_id, created,
                                                     echoed, thinks), stream.close)
         try:
             [output] = await ctx.final_outputs(stream, request)
@@ -160,12 +162,14 @@ class ChatServing:
                                       logprobs=chat_logprobs(ctx.tokens, c.logprobs, body.top_logprobs or 0,
                                                              ctx.tokens_as_ids(body))
                                       if c.logprobs is not None else None,
-                                      finish_reason=finish_reason, stop_reason=c.stop_reason))
+                                      finish_reason=finish_reason, stop_reason=c.stop_reason,
+                                      token_ids=list(c.token_ids) if body.return_token_ids else None))
         response = ChatCompletionResponse(
             id=request_id, created=created, model=ctx.model_name, choices=choices,
             usage=usage([len(prompt_ids)], sum(len(c.token_ids) for c in output.outputs), output.num_cached_tokens,
                         self._reasoning_tokens(output.outputs, thinks)),
-            prompt_logprobs=prompt_logprobs_field(output.prompt_logprobs))
+            prompt_logprobs=prompt_logprobs_field(output.prompt_logprobs),
+            prompt_token_ids=prompt_ids if body.return_token_ids else None)
         return Response(response.model_dump_json(), media_type="application/json")
 
     def _fit_context(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
@@ -207,7 +211,7 @@ class ChatServing:
             return None
         return sum(self.reasoning.reasoning_tokens(c.token_ids) for c in outputs if self._thinks(thinks, c))
 
-    async def _events(self, body: ChatCompletionRequest, plan: ToolPlan | None, prompt_len: int,
+    async def _events(self, body: ChatCompletionRequest, plan: ToolPlan | None, prompt_ids: list[int],
                       stream: RequestStream, request_id: str, created: int, echoed: str,
                       thinks: bool = False) -> AsyncIterator[str]:
         ctx = self.ctx
@@ -215,12 +219,12 @@ class ChatServing:
         tool_deltas: dict[int, ToolDeltas] = {}  # choice index -> its tool-call progress
         latest: dict[int, CompletionOutput] = {}  # choice index -> its output so far (reasoning tokens)
 
-        def chunk(choices: list[ChatChunkChoice], with_usage: bool) -> str:
-            u = (usage([prompt_len], state.completion_tokens(), sum(state.cached_tokens.values()),
+        def chunk(choices: list[ChatChunkChoice], with_usage: bool, first: bool = False) -> str:
+            u = (usage([len(prompt_ids)], state.completion_tokens(), sum(state.cached_tokens.values()),
                        self._reasoning_tokens(list(latest.values()), thinks))
                  if with_usage else None)
             return sse(ChatCompletionChunk(id=request_id, created=created, model=ctx.model_name, choices=choices,
-                                           usage=u))
+                                           usage=u, prompt_token_ids=prompt_ids if first else None))
 
         final_usage, continuous = ctx.stream_usage(body)
         opened = False
@@ -233,7 +237,7 @@ class ChatServing:
                         state.record(p, out)
                     for i in range(body.n):
                         yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))],
-                                    continuous)
+                                    continuous, first=bool(body.return_token_ids) and i == 0)
                         if echoed:
                             yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(content=echoed))], continuous)
                     opened = True
@@ -261,10 +265,12 @@ class ChatServing:
                         else:
                             delta = text[choice.chars_sent:]
                         new_logprobs = c.logprobs[choice.tokens_sent:] if c.logprobs is not None else None
+                        new_ids = list(c.token_ids[choice.ids_sent:]) if body.return_token_ids else None
                         finishing = c.finish_reason is not None and not choice.finished
                         choice.chars_sent, choice.num_tokens = len(text), len(c.token_ids)
-                        if not (delta or calls or thinking or new_logprobs or finishing):
+                        if not (delta or calls or thinking or new_logprobs or new_ids or finishing):
                             continue
+                        choice.ids_sent = len(c.token_ids)
                         if c.logprobs is not None:
                             choice.tokens_sent = len(c.logprobs)
                         choice.finished = c.finish_reason is not None
@@ -273,7 +279,8 @@ class ChatServing:
                         message = DeltaMessage(reasoning=thinking or None, tool_calls=calls or None,
                                                content=delta if delta or not (calls or thinking) else None)
                         yield chunk([ChatChunkChoice(index=index, delta=message, logprobs=logprobs,
-                                                     finish_reason=finish_reason, stop_reason=c.stop_reason)],
+                                                     finish_reason=finish_reason, stop_reason=c.stop_reason,
+                                                     token_ids=new_ids)],
                                     continuous)
             if final_usage:
                 yield chunk([], True)

@@ -70,7 +70,8 @@ class CompletionServing:
         priority = ctx.priority(request, body.priority)
         # A client that leaves while its prompt waits for the tokenizer drops the job.
         prompts = await unless_disconnected(ctx.tokens.completion_prompts(
-            body.prompt, truncating=body.truncate_prompt_tokens is not None), request)
+            body.prompt, truncating=body.truncate_prompt_tokens is not None,
+            add_special_tokens=body.add_special_tokens), request)
         if body.suffix:
             await ctx.tokens.fill_in_the_middle(prompts, body.suffix)
         for prompt in prompts:
@@ -117,7 +118,9 @@ class CompletionServing:
                     logprobs = joined(echoed, logprobs or CompletionLogprobs())
                 choices.append(CompletionChoice(index=p * body.n + c.index, text=prefix + c.text, logprobs=logprobs,
                                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                                                prompt_logprobs=prompt_logprobs_field(out.prompt_logprobs)))
+                                                prompt_logprobs=prompt_logprobs_field(out.prompt_logprobs),
+                                                token_ids=list(c.token_ids) if body.return_token_ids else None,
+                                                prompt_token_ids=prompt.token_ids if body.return_token_ids else None))
         response = CompletionResponse(
             id=request_id, created=created, model=ctx.model_name, choices=choices,
             usage=usage([len(p.token_ids) for p in prompts], sum(len(c.token_ids) for o in outputs for c in o.outputs),
@@ -146,16 +149,18 @@ class CompletionServing:
                     state.record(p, out)
                     for c in out.outputs:
                         index, choice = state.choice(p, c.index)
-                        echo = body.echo and not choice.started
+                        echo, first = body.echo and not choice.started, not choice.started
                         if echo and echo_logprobs and out.prompt_logprobs is None and c.finish_reason is None:
                             continue  # the first chunk waits for the prompt's logprobs (another sample computes them)
                         delta = (prompts[p].text if echo else "") + c.text[choice.chars_sent:]
                         choice.started = True
                         new_logprobs = c.logprobs[choice.tokens_sent:] if c.logprobs is not None else None
+                        new_ids = list(c.token_ids[choice.ids_sent:]) if body.return_token_ids else None
                         finishing = c.finish_reason is not None and not choice.finished
                         choice.chars_sent, choice.num_tokens = len(c.text), len(c.token_ids)
-                        if not (delta or new_logprobs or finishing):
+                        if not (delta or new_logprobs or new_ids or finishing):
                             continue
+                        choice.ids_sent = len(c.token_ids)
                         logprobs = None
                         if echo and echo_logprobs:
                             logprobs = echoed_prompt_logprobs(ctx.tokens, prompts[p].token_ids, out.prompt_logprobs,
@@ -170,7 +175,10 @@ class CompletionServing:
                             choice.tokens_sent = len(c.logprobs)
                         choice.finished = c.finish_reason is not None
                         yield chunk([CompletionChoice(index=index, text=delta, logprobs=logprobs,
-                                                      finish_reason=c.finish_reason, stop_reason=c.stop_reason)],
+                                                      finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                                      token_ids=new_ids,
+                                                      prompt_token_ids=prompts[p].token_ids
+                                                      if body.return_token_ids and first else None)],
                                     continuous)
             if final_usage:
                 yield chunk([], True)

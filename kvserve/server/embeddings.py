@@ -33,6 +33,7 @@ class EmbeddingRequest(OpenAIModel):
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)  # vLLM's: keep the last k (-1: max-model-len)
     # vLLM's; embeddings run between engine steps, never queued, so any priority the policy allows is met
     priority: int = Field(default=0, ge=INT64_MIN, le=INT64_MAX)
+    add_special_tokens: bool = True  # vLLM's: a text input gets the tokenizer's special tokens (a BOS)
 
 
 class Embedding(BaseModel):
@@ -68,7 +69,7 @@ class EmbeddingServing:
                                 f"will lead to poor results (its embeddings have {self.hidden_size} dimensions).",
                            param="dimensions")
         prompts = await self.tokens.completion_prompts(body.input, truncating=body.truncate_prompt_tokens is not None,
-                                                       param="input")
+                                                       param="input", add_special_tokens=body.add_special_tokens)
         for prompt in prompts:
             prompt.token_ids = self.ctx.truncated(prompt.token_ids, body.truncate_prompt_tokens)
         if len(prompts) > MAX_INPUTS:

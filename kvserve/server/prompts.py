@@ -175,8 +175,10 @@ class Tokenization:
             executor.shutdown(wait=False, cancel_futures=True)
 
     async def completion_prompts(self, prompt: str | list[str] | list[int] | list[list[int]],
-                                 truncating: bool = False, param: str = "prompt") -> list[Prompt]:
-        """`prompt` as OpenAI allows it: a string, strings, token ids, or lists of token ids.
+                                 truncating: bool = False, param: str = "prompt",
+                                 add_special_tokens: bool = True) -> list[Prompt]:
+        """`prompt` as OpenAI allows it: a string, strings, token ids, or lists of token ids (texts
+        get the tokenizer's special tokens, a BOS, unless `add_special_tokens` is false: vLLM's field).
         `truncating` (truncate_prompt_tokens given): a text longer than max-model-len can hold is
         tokenized anyway (the request's texts stay within the body's budget)."""
         if isinstance(prompt, str):
@@ -202,18 +204,19 @@ class Tokenization:
         prompts = []
         for item in items:
             if isinstance(item, str):
-                prompts.append(Prompt(item, await self._run(len(item), self._tokenize_one, item)))
+                prompts.append(Prompt(item, await self._run(len(item), self._tokenize_one, item, add_special_tokens)))
             else:  # the engine checks the ids against the vocabulary
                 prompts.append(Prompt(None, list(item)))
         return prompts
 
-    def _tokenize_one(self, text: str) -> list[int]:
-        return self._engine.tokenize(text)[1]
+    def _tokenize_one(self, text: str, add_special_tokens: bool) -> list[int]:
+        return self._engine.tokenize(text)[1] if add_special_tokens else self.tokenizer.encode(text, add_special_tokens=False)
 
     async def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
                           tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
                           template_kwargs: dict[str, Any] | None = None,
-                          chat_template: str | None = None, truncating: bool = False) -> list[int]:
+                          chat_template: str | None = None, truncating: bool = False,
+                          add_special_tokens: bool = False, documents: list[dict] | None = None) -> list[int]:
         """The conversation rendered by the chat template (the request's own, `chat_template`, only
         when trusted) and tokenized; tool definitions, calls and results go where the template puts
         them, or in hermes text (engine/tool_prompts.py)."""
@@ -223,6 +226,7 @@ class Tokenization:
         chars = sum(len(str(m.get("content") or "")) + len(json.dumps({k: v for k, v in m.items() if k != "content"}))
                     for m in messages)
         chars += len(json.dumps(tools or [])) + len(json.dumps(template_kwargs or {})) + len(chat_template or "")
+        chars += len(json.dumps(documents or []))
         chat_template = own or self.chat_template  # (an empty one: the server's)
         if not truncating:  # (truncate_prompt_tokens: kept to the body's budget only)
             self.check_length(chars, "messages")
@@ -230,7 +234,8 @@ class Tokenization:
         def render() -> list[int]:
             try:
                 return self._engine.apply_chat_template(messages, add_generation_prompt, tools, continue_final_message,
-                                                        template_kwargs, chat_template)
+                                                        template_kwargs, chat_template, add_special_tokens,
+                                                        documents)
             except ValueError as exc:
                 raise APIError(400, str(exc), param="messages") from exc
             except Exception as exc:  # a Jinja error raised by the template itself

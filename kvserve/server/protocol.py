@@ -30,8 +30,16 @@ _UNSUPPORTED_COMMON: dict[str, Callable[[Any], bool]] = {
     "guided_whitespace_pattern": is_off,
     "guided_decoding_backend": is_off,
     "lora_request": is_off,
+    # vLLM's fields for what kvserve does not build: beam search, logits processors named by the
+    # request, custom extensions' arguments, disaggregated prefill, multimodal processors
+    "use_beam_search": is_off,
+    "length_penalty": lambda v: v is None or v == 1,
+    "logits_processors": is_off,
+    "vllm_xargs": is_off,
+    "kv_transfer_params": is_off,
+    "mm_processor_kwargs": is_off,
 }
-UNSUPPORTED_COMPLETION_FIELDS = dict(_UNSUPPORTED_COMMON)
+UNSUPPORTED_COMPLETION_FIELDS = {**_UNSUPPORTED_COMMON, "prompt_embeds": is_off}
 UNSUPPORTED_CHAT_FIELDS = {
     **_UNSUPPORTED_COMMON,
     "functions": is_off,
@@ -170,6 +178,9 @@ class SamplingFields(OpenAIModel):
     logit_bias: dict[str, float] | None = None
     # vLLM's: logprobs name tokens "token_id:N" (default: --return-tokens-as-token-ids)
     return_tokens_as_token_ids: bool | None = None
+    # vLLM's: the prompt's and each choice's token ids in the response (streamed: the prompt's in
+    # the first chunk, each chunk's new ids with it)
+    return_token_ids: bool | None = None
     request_id: str | None = None  # vLLM's: names the response unless an X-Request-Id header does (request_id.py)
     # vLLM's: lower is served first under --scheduling-policy priority (priority.py); else only 0
     priority: int = Field(default=0, ge=INT64_MIN, le=INT64_MAX)
@@ -288,6 +299,7 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     # Fill in the middle: the text after the insertion (models whose tokenizer has FIM tokens).
     suffix: str | None = None
+    add_special_tokens: bool = True  # vLLM's: a text prompt gets the tokenizer's special tokens (a BOS)
     # OpenAI's (vLLM v0's): sample best_of candidates per prompt, return the n with the highest
     # cumulative logprob.
     best_of: int | None = None
@@ -368,6 +380,8 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template
     chat_template: str | None = None  # vLLM's: this request's Jinja template (--trust-request-chat-template)
     echo: bool = False  # vLLM's: the reply starts with the last message's content when it is the assistant's
+    add_special_tokens: bool = False  # vLLM's: the tokenizer's special tokens on top of the template's
+    documents: list[dict[str, str]] | None = None  # vLLM's: for a retrieval-augmented template's `documents`
     tools: list[ChatTool] | None = None
     # "none", "auto", "required" or {"type": "function", "function": {"name": ...}}; checked in
     # kvserve/server/tools.py with vLLM's messages.
@@ -398,6 +412,7 @@ class TokenizeRequest(OpenAIModel):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None
+    documents: list[dict[str, str]] | None = None
     return_token_strs: bool = False
 
 
@@ -442,7 +457,9 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids: the generated ids (of this chunk, streamed)
     prompt_logprobs: PromptLogprobsField | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids (streamed: in the choice's first chunk)
 
 
 class CompletionResponse(BaseModel):
@@ -492,6 +509,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids: the generated ids
 
 
 class ChatCompletionResponse(BaseModel):
@@ -502,6 +520,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo
     prompt_logprobs: PromptLogprobsField | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids
 
 
 class _Sparse(BaseModel):
@@ -544,6 +563,7 @@ class ChatChunkChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids: this chunk's new ids
 
 
 class ChatCompletionChunk(BaseModel):
@@ -553,6 +573,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: in the first chunk
 
 
 class ModelCard(BaseModel):

@@ -171,6 +171,7 @@ class ChoiceState:
     chars_sent: int = 0
     reasoning_sent: int = 0  # characters of its reasoning (--reasoning-parser)
     tokens_sent: int = 0
+    ids_sent: int = 0  # token ids sent (return_token_ids)
     num_tokens: int = 0
     finished: bool = False
 
