@@ -74,9 +74,30 @@ def test_documents_go_to_a_template_that_reads_them(templated_server):
                                            extra_body={"chat_template": template, "documents": docs})
     assert reply.usage.prompt_tokens == len(httpx.post(f"{templated_server.base_url}/tokenize", json={
         "messages": MESSAGES, "chat_template": template, "documents": docs}).json()["tokens"])
-    assert "does not read them" in rendered(templated_server, documents=docs)
-    with pytest.raises(openai.BadRequestError, match="documents: this model's chat template does not read them"):
+    assert "its chat template does not read it" in rendered(templated_server, documents=docs)
+    with pytest.raises(openai.BadRequestError, match="`documents` is not supported for this model") as caught:
         client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1, extra_body={"documents": docs})
+    assert caught.value.body["param"] == "documents"
+
+
+def test_reasoning_effort_goes_to_a_template_that_reads_it(templated_server, tiny_server):
+    """OpenAI's reasoning_effort (chat) and reasoning.effort (Responses): the template's
+    `reasoning_effort` variable, as vLLM passes it; a 400 where the template never reads it (the
+    reasoning models kvserve serves have no effort setting)."""
+    template = "[{{ reasoning_effort }}]{% for m in messages %}<{{ m['content'] }}>{% endfor %}"
+    assert rendered(templated_server, chat_template=template, reasoning_effort="low") == "[low]<Hello>"
+    client = openai.OpenAI(base_url=f"{templated_server.base_url}/v1", api_key="x")
+    count = len(httpx.post(f"{templated_server.base_url}/tokenize", json={
+        "prompt": "[high]<Hello>", "add_special_tokens": False}).json()["tokens"])
+    reply = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1, reasoning_effort="high",
+                                           extra_body={"chat_template": template})
+    response = client.responses.create(model="tiny", input="Hello", max_output_tokens=1, reasoning={"effort": "high"},
+                                       extra_body={"chat_template": template})
+    assert reply.usage.prompt_tokens == response.usage.input_tokens == count
+    tiny = openai.OpenAI(base_url=f"{tiny_server.base_url}/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="`reasoning_effort` is not supported for this model") as caught:
+        tiny.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1, reasoning_effort="low")
+    assert caught.value.body["param"] == "reasoning_effort"
 
 
 def test_an_untrusted_request_template_is_refused(tiny_server):

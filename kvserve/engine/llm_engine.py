@@ -182,12 +182,12 @@ class LLMEngine:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None, continue_final_message: bool = False,
                             template_kwargs: dict | None = None, chat_template: str | None = None,
-                            add_special_tokens: bool = False, documents: list[dict] | None = None) -> list[int]:
+                            add_special_tokens: bool = False, fields: dict | None = None) -> list[int]:
         """Render a conversation (and tool definitions, for templates that use them) with
         `chat_template` or the tokenizer's, then tokenize it (the template already holds the special
         tokens, so none are added unless asked); output_processor.apply_chat_template says the rest."""
         return apply_chat_template(self.tokenizer, messages, add_generation_prompt, tools, continue_final_message,
-                                   template_kwargs, chat_template, add_special_tokens, documents)
+                                   template_kwargs, chat_template, add_special_tokens, fields)
 
     def resolve_eviction(self, spec: EvictionSpec | None) -> EvictionConfig | None:
         """A request's KV eviction settings (its `kv_eviction` over the engine's flags), checked;

@@ -78,6 +78,24 @@ def tokenize(tokenizer: Any, prompt: str | list[int] | dict) -> tuple[str | None
     return None, list(prompt)
 
 
+# vLLM's request fields that a chat template takes as variables of the same name, and why a
+# template that never reads one is no place for it.
+TEMPLATE_FIELDS = {
+    "documents": "retrieval-augmented templates read them, e.g. Command-R's; put them in the messages instead",
+    "reasoning_effort": "the reasoning models kvserve serves, R1's distills and QwQ, think without an effort "
+                        "setting; a template's own switch goes through chat_template_kwargs",
+}
+
+
+class TemplateFieldError(ValueError):
+    """A request field (TEMPLATE_FIELDS) that the chat template never reads."""
+
+    def __init__(self, field: str):
+        super().__init__(f"`{field}` is not supported for this model: its chat template does not read it "
+                         f"({TEMPLATE_FIELDS[field]}).")
+        self.field = field
+
+
 # Arguments of the template call that chat_template_kwargs may not replace.
 _RESERVED_TEMPLATE_KWARGS = ("conversation", "messages", "tools", "documents", "tokenize", "add_generation_prompt",
                              "continue_final_message", "return_dict", "return_tensors")
@@ -86,28 +104,27 @@ _RESERVED_TEMPLATE_KWARGS = ("conversation", "messages", "tools", "documents", "
 def apply_chat_template(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True,
                         tools: list[dict] | None = None, continue_final_message: bool = False,
                         template_kwargs: dict[str, Any] | None = None, chat_template: str | None = None,
-                        add_special_tokens: bool = False, documents: list[dict] | None = None) -> list[int]:
+                        add_special_tokens: bool = False, fields: dict[str, Any] | None = None) -> list[int]:
     """Render a conversation with the chat template (render_chat_template), then tokenize it (the
     template already holds the special tokens, so none are added unless `add_special_tokens`, vLLM's
     request field: a BOS on top of the template's)."""
     text = render_chat_template(tokenizer, messages, add_generation_prompt, tools, continue_final_message,
-                                template_kwargs, chat_template, documents)
+                                template_kwargs, chat_template, fields)
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def render_chat_template(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True,
                          tools: list[dict] | None = None, continue_final_message: bool = False,
                          template_kwargs: dict[str, Any] | None = None, chat_template: str | None = None,
-                         documents: list[dict] | None = None) -> str:
+                         fields: dict[str, Any] | None = None) -> str:
     """A conversation as the text a chat template makes of it: `chat_template` (Jinja text;
     `template_kwargs["chat_template"]` as vLLM takes it), else the tokenizer's. Tool definitions,
     assistant `tool_calls` and `tool` results go to the template where it renders them, else into
     the turns as hermes text (tool_prompts.py). `continue_final_message` leaves the last message
     open (no end-of-turn after it) for the model to continue; `template_kwargs` are extra variables
-    for the template (vLLM's chat_template_kwargs, e.g. a reasoning switch). `documents` (vLLM's,
-    for retrieval-augmented templates such as Command-R's and Granite's) go to the template as its
-    `documents` variable; a ValueError where the template does not read that variable (vLLM would
-    render without them)."""
+    for the template (vLLM's chat_template_kwargs, e.g. a reasoning switch). `fields`: vLLM's
+    request fields a template takes as variables of the same name (TEMPLATE_FIELDS); a
+    TemplateFieldError where the template never reads one (vLLM would render without it)."""
     template_kwargs = dict(template_kwargs or {})
     from_kwargs = template_kwargs.pop("chat_template", None)
     chat_template = chat_template or from_kwargs
@@ -123,11 +140,10 @@ def render_chat_template(tokenizer: Any, messages: list[dict], add_generation_pr
         raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}: use the request's own fields")
     messages, tools = render_messages(messages, tools, chat_template or tokenizer.chat_template)
     guard_chat_template(tokenizer, tools, chat_template)
-    if documents is not None:
-        if not re.search(r"\bdocuments\b", tokenizer.get_chat_template(chat_template, tools)):
-            raise ValueError("documents: this model's chat template does not read them (a retrieval-augmented "
-                             "template does, e.g. Command-R's); put them in the messages instead")
-        template_kwargs["documents"] = documents
+    for name, value in (fields or {}).items():
+        if not re.search(rf"\b{name}\b", tokenizer.get_chat_template(chat_template, tools)):
+            raise TemplateFieldError(name)
+        template_kwargs[name] = value
     return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, chat_template=chat_template,
                                          add_generation_prompt=add_generation_prompt,
                                          continue_final_message=continue_final_message, **template_kwargs)

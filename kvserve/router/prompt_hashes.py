@@ -25,7 +25,7 @@ from kvserve.server.messages import MessagesRequest, chat_messages, chat_tools, 
 from kvserve.server.responses import ResponsesRequest, input_messages
 from kvserve.server.responses import chat_tools as responses_chat_tools
 from kvserve.server.prompts import conversation
-from kvserve.server.protocol import ChatCompletionRequest
+from kvserve.server.protocol import ChatCompletionRequest, template_fields
 
 ROUTING_PREFIX_CHARS = 256 * 1024
 ROUTING_PREFIX_TOKENS = 64 * 1024
@@ -58,7 +58,7 @@ class PromptTokens:
                 text = render_chat_template(self.tokenizer, conversation(request.messages),
                                             request.add_generation_prompt, tools, request.continue_final_message,
                                             request.chat_template_kwargs, chat_template=self.chat_template,
-                                            documents=request.documents)
+                                            fields=template_fields(request))
                 return self._prefix_ids(text, add_special_tokens=request.add_special_tokens)
             if route == "messages":  # Anthropic's, rendered as the replica's chat path renders it
                 anthropic = MessagesRequest.model_validate(body)

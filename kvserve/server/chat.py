@@ -20,7 +20,7 @@ from kvserve.server.prompt_logprobs import prompt_logprobs_field
 from kvserve.server.prompts import Tokenization, conversation
 from kvserve.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                      ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, DeltaMessage,
-                                     TokenLogprob, TopLogprob)
+                                     TokenLogprob, TopLogprob, template_fields)
 from kvserve.server.reasoning import ReasoningParser, ThinkingBudget
 from kvserve.server.request_id import request_ids
 from kvserve.server.serving import ServingContext, StreamState, usage
@@ -100,7 +100,7 @@ class ChatServing:
                                                  body.chat_template,
                                                  truncating=body.truncate_prompt_tokens is not None,
                                                  add_special_tokens=body.add_special_tokens,
-                                                 documents=body.documents)
+                                                 fields=template_fields(body))
 
     async def create(self, body: ChatCompletionRequest, request: Request, fit_context: bool = False) -> Response:
         """`fit_context` (Anthropic's context rules): a max_tokens past the context is cut to the

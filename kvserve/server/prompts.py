@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.output_processor import TemplateFieldError
 from kvserve.server.errors import APIError
 from kvserve.server.protocol import ChatMessage, ToolCallParam
 
@@ -216,7 +217,7 @@ class Tokenization:
                           tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
                           template_kwargs: dict[str, Any] | None = None,
                           chat_template: str | None = None, truncating: bool = False,
-                          add_special_tokens: bool = False, documents: list[dict] | None = None) -> list[int]:
+                          add_special_tokens: bool = False, fields: dict[str, Any] | None = None) -> list[int]:
         """The conversation rendered by the chat template (the request's own, `chat_template`, only
         when trusted) and tokenized; tool definitions, calls and results go where the template puts
         them, or in hermes text (engine/tool_prompts.py)."""
@@ -226,7 +227,7 @@ class Tokenization:
         chars = sum(len(str(m.get("content") or "")) + len(json.dumps({k: v for k, v in m.items() if k != "content"}))
                     for m in messages)
         chars += len(json.dumps(tools or [])) + len(json.dumps(template_kwargs or {})) + len(chat_template or "")
-        chars += len(json.dumps(documents or []))
+        chars += len(json.dumps(fields or {}))
         chat_template = own or self.chat_template  # (an empty one: the server's)
         if not truncating:  # (truncate_prompt_tokens: kept to the body's budget only)
             self.check_length(chars, "messages")
@@ -235,7 +236,9 @@ class Tokenization:
             try:
                 return self._engine.apply_chat_template(messages, add_generation_prompt, tools, continue_final_message,
                                                         template_kwargs, chat_template, add_special_tokens,
-                                                        documents)
+                                                        fields)
+            except TemplateFieldError as exc:
+                raise APIError(400, str(exc), param=exc.field, code="unsupported_parameter") from exc
             except ValueError as exc:
                 raise APIError(400, str(exc), param="messages") from exc
             except Exception as exc:  # a Jinja error raised by the template itself

@@ -48,7 +48,6 @@ UNSUPPORTED_CHAT_FIELDS = {
     "modalities": lambda v: is_off(v) or v == ["text"],
     "prediction": is_off,
     "web_search_options": is_off,
-    "reasoning_effort": is_off,
     "store": is_off,
 }
 
@@ -70,6 +69,15 @@ def _lone_surrogate(value: Any, where: str) -> str | None:
             if found := _lone_surrogate(key, where) or _lone_surrogate(item, f"{where}.{key}"):
                 return found
     return None
+
+
+# OpenAI's reasoning_effort values (a chat template that reads the variable takes it)
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+
+
+def template_fields(body: ChatCompletionRequest | TokenizeRequest) -> dict[str, Any]:
+    """The request's fields that its chat template takes as variables (documents, reasoning_effort)."""
+    return {name: value for name in ("documents", "reasoning_effort") if (value := getattr(body, name)) is not None}
 
 
 class OpenAIModel(BaseModel):
@@ -381,7 +389,9 @@ class ChatCompletionRequest(SamplingFields):
     chat_template: str | None = None  # vLLM's: this request's Jinja template (--trust-request-chat-template)
     echo: bool = False  # vLLM's: the reply starts with the last message's content when it is the assistant's
     add_special_tokens: bool = False  # vLLM's: the tokenizer's special tokens on top of the template's
-    documents: list[dict[str, str]] | None = None  # vLLM's: for a retrieval-augmented template's `documents`
+    # vLLM's fields a chat template reads as variables (output_processor.TEMPLATE_FIELDS)
+    documents: list[dict[str, str]] | None = None
+    reasoning_effort: ReasoningEffort | None = None
     tools: list[ChatTool] | None = None
     # "none", "auto", "required" or {"type": "function", "function": {"name": ...}}; checked in
     # kvserve/server/tools.py with vLLM's messages.
@@ -413,6 +423,7 @@ class TokenizeRequest(OpenAIModel):
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None
     documents: list[dict[str, str]] | None = None
+    reasoning_effort: ReasoningEffort | None = None
     return_token_strs: bool = False
 
 

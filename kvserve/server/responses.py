@@ -41,9 +41,6 @@ _REFUSED = {
     "conversation": "the Conversations API is not built; continue with previous_response_id",
     "prompt": "stored prompt templates are not built; send instructions and input",
     "context_management": "server-side compaction is not built",
-    "reasoning": "the reasoning models kvserve serves (R1's distills, QwQ) think without an effort or summary "
-                 "setting; their thinking comes back as a reasoning item under --reasoning-parser (as "
-                 "reasoning_effort on chat)",
 }
 
 
@@ -269,6 +266,22 @@ class ResponsesServing:
             del self.stored[oldest]
 
     # ------------------------------------------------------------------ create
+    @staticmethod
+    def _reasoning_effort(reasoning: Any) -> str | None:
+        """OpenAI's `reasoning`: its effort goes to chat's reasoning_effort (a chat template that
+        reads the variable takes it; others refuse it); a summary is refused: kvserve returns the
+        thinking itself as the reasoning item's content (--reasoning-parser), and writes no summary."""
+        if is_off(reasoning):
+            return None
+        if not isinstance(reasoning, dict):
+            raise APIError(400, "`reasoning` must be an object (effort, summary).", param="reasoning")
+        for name in ("summary", "generate_summary"):
+            if not is_off(reasoning.get(name)):
+                raise APIError(400, f"`reasoning.{name}` is not supported by kvserve: it writes no summaries; with "
+                                    f"--reasoning-parser the thinking itself is the reasoning item's content.",
+                               param=f"reasoning.{name}", code="unsupported_parameter")
+        return reasoning.get("effort")
+
     async def create(self, body: ResponsesRequest, request: Request) -> Response:
         if body.background and body.stream:
             raise APIError(400, "`background` with `stream` is not supported by kvserve: create the response "
@@ -277,6 +290,7 @@ class ResponsesServing:
             raise APIError(400, "`background` requires `store` (the response is fetched from the store).",
                            param="background")
         body.refuse_unsupported()
+        effort = self._reasoning_effort(body.reasoning)
         if (body.model_extra or {}).get("n") not in (None, 1):  # a chat field passed through: one output here
             raise APIError(400, "`n` must be 1 on /v1/responses: a response has one output; use "
                                 "/v1/chat/completions for several choices.", param="n")
@@ -304,6 +318,7 @@ class ResponsesServing:
             "temperature": body.temperature, "top_p": body.top_p, "user": body.user, "stream": body.stream,
             **({"stream_options": {"include_usage": True}} if body.stream else {}),
             **({"logprobs": True, "top_logprobs": body.top_logprobs} if body.wants_logprobs() else {}),
+            **({"reasoning_effort": effort} if effort is not None else {}),
             **(body.model_extra or {})}  # vLLM's extra sampling fields (top_k, seed, ...) pass through
         kept = await self._fit_context(fields, system, conversation) if body.truncation == "auto" else conversation
         chat_body = chat_request({**fields, "messages": system + kept})
