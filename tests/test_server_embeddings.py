@@ -1,6 +1,6 @@
 """`/v1/embeddings` (OpenAI's API, vLLM's pooling of a decoder model): the engine's pooled vectors
 against HF transformers' hidden states, then through the openai client against a real server:
-float and base64 encodings, `dimensions`, `truncate_prompt_tokens`, the KV pool given back at
+float and base64 encodings, `dimensions`, `normalize`, `truncate_prompt_tokens`, the KV pool given back at
 once, and on the default model paraphrases closer than unrelated sentences."""
 from __future__ import annotations
 
@@ -58,6 +58,8 @@ def test_embeddings_through_the_openai_client(tiny_server, client):
     for dimensions in (64, 32):  # vLLM refuses any for a model without a Matryoshka representation
         with pytest.raises(openai.BadRequestError, match="does not support matryoshka representation"):
             client.embeddings.create(model="tiny", input="x", dimensions=dimensions)
+    raw = client.embeddings.create(model="tiny", input=TEXTS[0], extra_body={"normalize": False}).data[0].embedding
+    assert abs(np.linalg.norm(raw) - 1) > 1e-3 and np.allclose(raw / np.linalg.norm(raw), vectors[0], atol=1e-5)
     metrics = httpx.get(f"{tiny_server.base_url}/metrics").text
     assert float(re.search(r"^kvserve:kv_cache_usage_perc\S* (\S+)$", metrics, re.M).group(1)) == 0.0
 

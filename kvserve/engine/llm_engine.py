@@ -493,11 +493,11 @@ class LLMEngine:
         request = Request(f"score-{next(self._ids)}", token_ids, SamplingParams(max_tokens=1), eviction=eviction)
         return scoring.score_chunks(self.runner, self.kv_manager, request, chunk_size)
 
-    def embed(self, token_ids: list[int]) -> torch.Tensor:
+    def embed(self, token_ids: list[int], normalize: bool = True) -> torch.Tensor:
         """The sequence's embedding: its final-normed hidden states pooled (--pooling-type: the last
-        token's, or the mean over all tokens) and L2-normalised, float32 [hidden size] (vLLM's
-        pooling of a decoder model). Computed like `score`, through the paged cache in chunks;
-        the blocks go back to the pool as soon as it is done."""
+        token's, or the mean over all tokens) and L2-normalised unless not `normalize`, float32
+        [hidden size] (vLLM's pooling of a decoder model). Computed like `score`, through the paged
+        cache in chunks; the blocks go back to the pool as soon as it is done."""
         if not token_ids:
             raise ValueError("the input to embed must not be empty")
         if not all(0 <= t < self.model_config.vocab_size for t in token_ids):
@@ -515,7 +515,7 @@ class LLMEngine:
         else:
             *_, last = chunks
             pooled = last[-1].float()
-        return torch.nn.functional.normalize(pooled, dim=0).cpu()
+        return (torch.nn.functional.normalize(pooled, dim=0) if normalize else pooled).cpu()
 
     def close(self) -> None:
         """With KV tiers: abort what is unfinished, flush the tiers (the pool's prefix-cache blocks

@@ -4,8 +4,9 @@ token's, or the mean) and L2-normalised (LLMEngine.embed). Each input runs on th
 between two steps, through the paged cache in chunks; its blocks go back to the pool at once, so
 embeddings take no lasting KV memory. `encoding_format` float or base64 (float32 bytes, as
 OpenAI's clients decode them); `dimensions` is refused, as vLLM refuses it for a model without a
-Matryoshka representation (a decoder's hidden state is not trained to be cut);
-`truncate_prompt_tokens` (vLLM's) keeps each input's last k tokens."""
+Matryoshka representation (a decoder's hidden state is not trained to be cut). vLLM's
+`truncate_prompt_tokens` keeps each input's last k tokens, `normalize: false` skips the L2
+normalisation and `add_special_tokens: false` the tokenizer's BOS."""
 from __future__ import annotations
 
 import base64
@@ -34,6 +35,7 @@ class EmbeddingRequest(OpenAIModel):
     # vLLM's; embeddings run between engine steps, never queued, so any priority the policy allows is met
     priority: int = Field(default=0, ge=INT64_MIN, le=INT64_MAX)
     add_special_tokens: bool = True  # vLLM's: a text input gets the tokenizer's special tokens (a BOS)
+    normalize: bool | None = None  # vLLM's: false gives the pooled hidden state as it is (default: L2-normalised)
 
 
 class Embedding(BaseModel):
@@ -79,7 +81,8 @@ class EmbeddingServing:
         data = []
         for index, prompt in enumerate(prompts):
             try:
-                vector = await self.ctx.engine.call(lambda engine, ids=prompt.token_ids: engine.embed(ids))
+                vector = await self.ctx.engine.call(
+                    lambda engine, ids=prompt.token_ids: engine.embed(ids, normalize=body.normalize is not False))
             except ValueError as exc:
                 raise APIError(400, str(exc), param="input") from exc
             values = vector.numpy().astype(np.float32)
