@@ -7,7 +7,8 @@ What it does with a completion depends on the prompt:
   anything else is answered at once, echoing the prompt's length (as SSE if "stream" is true).
 GET /v1/responses/ID answers 401 without the key "right-key", else 404 (it stores none).
 With `--kv-events` it is a replica as a router sees one: GET /v1/kv_events says Hello, then a
-keepalive every second."""
+keepalive every second; after POST /drain (a replica shutting down, which still answers what it
+holds) the stream says Draining and ends, and new streams are refused (503)."""
 from __future__ import annotations
 
 import asyncio
@@ -64,22 +65,33 @@ async def stored_response(request: Request) -> Response:
     return JSONResponse({"error": {"message": "no such response", "type": "invalid_request_error"}}, status_code=404)
 
 
+DRAINING = asyncio.Event()
+
+
+async def drain(request: Request) -> Response:
+    DRAINING.set()
+    return Response(status_code=200)
+
+
 async def kv_events(request: Request) -> Response:
     hello = {"type": "Hello", "replica": {"instance_id": f"fake-{os.getpid()}", "namespace": "fake",
                                           "block_size": 16, "prefix_caching": True}}
+    if DRAINING.is_set():
+        return Response(status_code=503)
 
     async def events():
         yield f"data: {json.dumps(hello)}\n\n"
-        while True:
-            await asyncio.sleep(1)
+        while not DRAINING.is_set():
+            await asyncio.sleep(0.2)
             yield ": keepalive\n\n"
+        yield f"data: {json.dumps({'type': 'Draining'})}\n\n"
     return StreamingResponse(events(), media_type="text/event-stream")
 
 
 routes = [Route("/health", health), Route("/v1/completions", completions, methods=["POST"]), Route("/left", left),
           Route("/v1/responses/{response_id}", stored_response)]
 if "--kv-events" in sys.argv:
-    routes.append(Route("/v1/kv_events", kv_events))
+    routes += [Route("/v1/kv_events", kv_events), Route("/drain", drain, methods=["POST"])]
 app = Starlette(routes=routes)
 
 if __name__ == "__main__":

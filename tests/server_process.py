@@ -91,11 +91,12 @@ class ServerProcess:
 
     @classmethod
     def start(cls, args: list[str], log_dir: Path, env: dict[str, str] | None = None, port: int | None = None,
-              wait: bool = True) -> "ServerProcess":
+              wait: bool = True, new_session: bool = False) -> "ServerProcess":
         """A port the caller did not name is chosen here, and chosen again (up to three times) when
-        another process took it before the server bound it."""
+        another process took it before the server bound it. `new_session`: the server leads a
+        process group of its own (for a signal to the whole group, as a service manager sends it)."""
         for attempt in range(3):
-            server = cls._launch(args, log_dir, env, port or free_port())
+            server = cls._launch(args, log_dir, env, port or free_port(), new_session)
             if not wait:
                 return server
             try:
@@ -106,13 +107,15 @@ class ServerProcess:
                     raise
 
     @classmethod
-    def _launch(cls, args: list[str], log_dir: Path, env: dict[str, str] | None, port: int) -> "ServerProcess":
+    def _launch(cls, args: list[str], log_dir: Path, env: dict[str, str] | None, port: int,
+                new_session: bool = False) -> "ServerProcess":
         log_path = log_dir / "server.log"
         command = [sys.executable, "-m", "kvserve.cli", "serve", *args, "--host", "127.0.0.1", "--port", str(port)]
         full_env = {**os.environ, **(env or {})}
         api_key = args[args.index("--api-key") + 1] if "--api-key" in args else full_env.get("KVSERVE_API_KEY")
         with open(log_path, "wb") as log:
-            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=full_env)
+            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=full_env,
+                                       start_new_session=new_session)
         return cls(process, port, log_path, api_key)
 
     def wait_healthy(self) -> None:

@@ -74,10 +74,32 @@ def refuses_connections(server: ServerProcess) -> bool:
     return False
 
 
+def kv_event_messages(server: ServerProcess, into: list[dict]) -> threading.Thread:
+    """A thread reading the server's KV-event stream's messages into `into` until it ends;
+    returned once the first one (Hello) is in."""
+    first = threading.Event()
+
+    def read() -> None:
+        with httpx.stream("GET", server.base_url + "/v1/kv_events", timeout=60) as response:
+            for line in response.iter_lines():
+                if line.startswith("data:"):
+                    into.append(json.loads(line[5:]))
+                    first.set()
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    assert first.wait(30), "no message on the KV-event stream"
+    return thread
+
+
 def test_sigterm_stops_accepting_lets_streams_finish_and_exits_0(tiny_llama, tmp_path):
+    """...and the KV-event stream ends with Draining (a router then sends nothing new here and
+    lets these streams finish)."""
     server = ServerProcess.start([str(tiny_llama), *TINY, "--shutdown-timeout", "60"], tmp_path)
     try:
         streams = start_streams(server, 3, max_tokens=900)
+        events: list[dict] = []
+        reader = kv_event_messages(server, events)
         server.process.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 10
         while not refuses_connections(server):
@@ -90,6 +112,8 @@ def test_sigterm_stops_accepting_lets_streams_finish_and_exits_0(tiny_llama, tmp
         assert streaming_when_refused > 0  # the refusal came while requests were still streaming
         assert server.process.wait(timeout=30) == 0
         assert "SIGTERM: shutting down" in server.log()
+        reader.join(30)
+        assert events[0]["type"] == "Hello" and events[-1]["type"] == "Draining", events[-2:]
     finally:
         server.stop()
 

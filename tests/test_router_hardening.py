@@ -254,6 +254,31 @@ def test_a_replica_a_request_could_not_reach_is_back_once_it_accepts_again(tmp_p
     assert "taken out: connection failed" in log and "Traceback" not in log, log[-3000:]
 
 
+def test_a_replica_shutting_down_finishes_its_requests_in_flight_and_gets_no_new_ones(tmp_path):
+    """A replica's event stream ends with Draining when it shuts down (a rolling restart): the
+    router sends it nothing new, but the request it is answering finishes there (it was cut with a
+    502, "taken out of service", as for a broken stream)."""
+    backend = FakeBackend(tmp_path, "--kv-events")
+    router = RouterProcess.start([backend.url], tmp_path, "--routing-policy", "least_loaded")
+    try:
+        router.wait_until(lambda s: s["backends"][0]["up"], timeout=30, what="the backend up")
+        result = {}
+        thread = threading.Thread(target=lambda: result.update(response=post(router, {"prompt": "slow:3"})))
+        thread.start()
+        time.sleep(0.5)
+        httpx.post(f"{backend.url}/drain", timeout=5)
+        router.wait_until(lambda s: s["backends"][0]["draining"] and not s["backends"][0]["up"], timeout=10,
+                          what="the backend draining")
+        assert_openai_error(post(router, {"prompt": "new"}), 503, "No backend is available")
+        thread.join(HANG_BOUND_S)
+        assert result["response"].status_code == 200, result["response"].text
+    finally:
+        router.stop()
+        backend.stop()
+    log = router.log_path.read_text()
+    assert "is shutting down: no new requests" in log and "taken out" not in log, log[-3000:]
+
+
 def test_a_request_past_the_request_timeout_is_a_504_and_a_stream_ends_with_an_error_event(backend, tmp_path):
     router = start_router(backend, tmp_path, "--request-timeout", "1")
     try:

@@ -356,3 +356,44 @@ def test_a_worker_lost_while_idle_is_reported_at_once(tiny_llama):
             parallel.step()
     finally:
         parallel.close()
+
+
+def test_no_heartbeat_is_sent_while_a_step_runs(monkeypatch):
+    """The heartbeat keeps an idle group alive, but a worker reads the control group only between
+    steps: one sent during a long forward pass (a big prefill chunk) waited for the whole step and
+    failed it at the group's timeout. Heartbeats wait for the step, and resume once idle."""
+    import time
+    from types import SimpleNamespace
+
+    from kvserve.engine.parallel import executor as tp
+
+    sent: list[tuple[str, float]] = []
+    monkeypatch.setattr(tp.dist, "broadcast_object_list",
+                        lambda objects, src, group=None: sent.append((type(objects[0]).__name__, time.monotonic())))
+    rank0 = object.__new__(tp.TensorParallelExecutor)
+    rank0.__dict__.update(config=SimpleNamespace(timeout_s=0.4), failure=None, on_failure=None,
+                          groups=SimpleNamespace(control=None), _lock=threading.RLock(), _last_send=time.monotonic(),
+                          _closed=threading.Event(), _closing=threading.Event())
+    threading.Thread(target=rank0._heartbeat, daemon=True).start()
+    ids = torch.zeros(1, dtype=torch.long)
+    try:
+        with rank0.step(ids, ids, ids, []):
+            start = time.monotonic()
+            time.sleep(1.0)  # ten heartbeat intervals
+            end = time.monotonic()
+        deadline = time.monotonic() + 10
+        while not any(kind == "Heartbeat" and t > end for kind, t in sent) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        rank0._closed.set()
+    assert [kind for kind, t in sent if start <= t <= end] == []
+    assert any(kind == "Heartbeat" and t > end for kind, t in sent)
+
+
+def test_a_worker_whose_spawner_is_already_gone_exits_at_once():
+    """A worker's imports take seconds; a server stopped meanwhile left it reading init's pid as its
+    parent's and waiting for ever. It is told its spawner's pid, and exits at once if that is gone."""
+    code = ("import time\nfrom kvserve.engine.parallel.worker import _exit_with_parent\n"
+            "_exit_with_parent(2 ** 22 + 12345)\ntime.sleep(30)\n")
+    done = subprocess.run([sys.executable, "-c", code], timeout=60)
+    assert done.returncode == 1

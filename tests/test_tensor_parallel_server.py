@@ -83,13 +83,23 @@ def test_tp2_server_answers_then_fails_cleanly_when_a_worker_dies(tiny_llama, tm
         server.stop()
 
 
-def test_sigterm_stops_every_rank(tiny_llama, tmp_path):
-    """SIGTERM stops the workers too, and the server exits 0."""
+def test_sigterm_to_the_process_group_drains_then_stops_every_rank(tiny_llama, tmp_path):
+    """SIGTERM to every process of the group (systemd's default stop, `kill -TERM -PGID`): the
+    request in flight still finishes (the workers ignore the signal; rank 0 stops them once it is
+    done), the workers stop, and the server exits 0. A worker killed by the signal used to fail it."""
     args = [str(tiny_llama), "--tensor-parallel-size", "2", "--dtype", "float32", "--kv-cache-memory", "8MiB"]
-    server = ServerProcess.start(args, tmp_path)
+    server = ServerProcess.start(args, tmp_path, new_session=True)
     try:
         (worker,) = spawned_workers(server.process.pid)
-        server.process.send_signal(signal.SIGTERM)
+        body = {"prompt": "Once upon a time", "max_tokens": 300, "ignore_eos": True, "stream": True}
+        events = []
+        with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=60) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    events.append(json.loads(line[6:]))
+                    if len(events) == 3:
+                        os.killpg(server.process.pid, signal.SIGTERM)
+        assert events[-1]["choices"][0]["finish_reason"] == "length", events[-1]
         assert server.process.wait(timeout=30) == 0
         assert not alive(worker)
     finally:

@@ -297,12 +297,12 @@ class ModelRunner:
         """final_hidden with every rank: the step plan goes out first, then all ranks run the
         forward pass together (any collective failing is fatal: parallel.lost)."""
         parallel = self.parallel
-        parallel.send_step(inputs.input_ids, inputs.positions, inputs.meta.slot_mapping, inputs.sequences)
-        try:
-            hidden = self.model.final_hidden(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta, rows)
-            parallel.groups.sum_observed([rows for _, _, rows in inputs.observed_attention])
-        except RuntimeError as exc:
-            raise parallel.lost(exc) from exc
+        with parallel.step(inputs.input_ids, inputs.positions, inputs.meta.slot_mapping, inputs.sequences):
+            try:
+                hidden = self.model.final_hidden(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta, rows)
+                parallel.groups.sum_observed([rows for _, _, rows in inputs.observed_attention])
+            except RuntimeError as exc:
+                raise parallel.lost(exc) from exc
         return hidden
 
     def move_tokens(self, src_slots: list[int], dst_slots: list[int]) -> None:

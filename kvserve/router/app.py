@@ -502,7 +502,8 @@ class RouterService:
     def state(self, with_hashes: bool) -> dict:
         return {"policy": self.config.policy, "tokenizer_loaded": self.prompts is not None,
                 "index_entries": len(self.index),
-                "backends": [{"name": b.name, "url": b.url, "up": b.up, "instance_id": b.instance_id,
+                "backends": [{"name": b.name, "url": b.url, "up": b.up, "draining": b.draining,
+                              "instance_id": b.instance_id,
                               "namespace": b.namespace, "block_size": b.block_size, "seq": b.seq,
                               "in_flight": b.in_flight, "prefilling": b.prefilling, "running": b.running, "waiting": b.waiting,
                               "kv_cache_usage": b.kv_usage, "routed": b.routed,

@@ -11,6 +11,10 @@ stream then starts with a snapshot. A backend that is not kvserve (no event rout
 used, by load alone, its health read from /health. A request that cannot connect to a backend
 takes it out too (`take_out`), and its stream is followed afresh: the replica is back with the
 new stream's Hello (a stream that outlived the failure would never say Hello again).
+
+A replica shutting down says Draining before its stream ends: it gets no new requests, but `down`
+stays clear, so that the requests in flight on it finish there (a rolling restart loses none);
+they end on their own when it closes their connections. It is back at a Hello.
 """
 from __future__ import annotations
 
@@ -51,6 +55,7 @@ class Backend:
     kv_usage: float = 0.0
     routed: int = 0
     down: asyncio.Event = field(default_factory=asyncio.Event)  # set while out of service
+    draining: bool = False  # shutting down (its Draining message): no new requests, those in flight go on
 
     def __post_init__(self) -> None:
         self.down.set()
@@ -131,6 +136,7 @@ class BackendWatcher:
             logger.info("backend %s (%s) is up", b.name, b.url)
         b.up = True
         b.down.clear()
+        b.draining = False
         self._logged_reason = None
 
     def mark_down(self, reason: str) -> None:
@@ -142,6 +148,17 @@ class BackendWatcher:
         self._logged_reason = reason
         b.up = False
         b.down.set()  # requests in flight on it end now
+        b.draining = False
+        self.hints.clear(b.name)
+
+    def _drain(self) -> None:
+        """The replica is shutting down: no new requests; those in flight finish there."""
+        b = self.backend
+        if b.up:
+            logger.info("backend %s (%s) is shutting down: no new requests; those in flight finish there",
+                        b.name, b.url)
+        b.up = False
+        b.draining = True
         self.hints.clear(b.name)
 
     # ------------------------------------------------------------------ events
@@ -153,7 +170,8 @@ class BackendWatcher:
                 reason = "its event stream ended"
             except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
                 connected, reason = False, f"{type(exc).__name__}: {exc}"
-            self.mark_down(reason)
+            if not self.backend.draining:  # (a draining one is gone soon: its requests end with it)
+                self.mark_down(reason)
             delay = INITIAL_BACKOFF_S if connected else min(delay * 2, MAX_BACKOFF_S)
             await asyncio.sleep(delay)
 
@@ -184,6 +202,8 @@ class BackendWatcher:
                     self._apply(message["events"])
                 elif kind == "Load":
                     b.running, b.waiting, b.kv_usage = message["running"], message["waiting"], message["kv_cache_usage"]
+                elif kind == "Draining":
+                    self._drain()
             return hello
 
     def _hello(self, replica: dict) -> None:

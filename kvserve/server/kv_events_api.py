@@ -96,6 +96,10 @@ def add_kv_event_routes(app: FastAPI, async_engine: AsyncEngine, log: KVEventLog
                                  headers={"Cache-Control": "no-cache"})
 
     async def _stream(since: int | None) -> AsyncIterator[bytes]:
+        draining = _sse({"type": "Draining", "instance_id": info.instance_id})
+        if stopping():  # a router reconnecting while this server shuts down: no Hello, no new requests
+            yield draining
+            return
         yield _sse({"type": "Hello", "replica": replica, "seq": log.seq})
         seq = since
         quiet, since_load = 0.0, LOAD_EVERY_S
@@ -122,3 +126,4 @@ def add_kv_event_routes(app: FastAPI, async_engine: AsyncEngine, log: KVEventLog
                 if quiet >= KEEPALIVE_S:
                     yield b": keepalive\n\n"
                     quiet = 0.0
+        yield draining  # shutting down: a router sends no new requests, and lets those in flight finish

@@ -3,7 +3,10 @@
 The engine process is rank 0: it spawns this node's other ranks (launch.py), joins the groups
 (group.py), sends the Setup once its pool is sized and calibrated, waits for every worker to
 load, then sends one StepPlan per forward pass (ModelRunner.run) and one MoveTokens per
-compaction. Sends are serialised by a lock: a heartbeat thread sends while the engine is idle.
+compaction. Sends are serialised by a lock, held from a step's plan to the end of its forward
+pass: a heartbeat thread sends while the engine is idle, never during a step (a worker reads the
+control group only between steps, so a heartbeat sent mid-step would wait for the whole step and
+fail a long one, a big prefill chunk, at the timeout).
 
 Failure: a worker that exits (the watchdog sees local ones at once), or a collective that fails
 (a closed connection, or the data group's timeout when a rank hangs) makes every later call
@@ -15,7 +18,8 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -100,9 +104,17 @@ class TensorParallelExecutor:
         threading.Thread(target=self._heartbeat, name="kvserve-tp-heartbeat", daemon=True).start()
 
     # ------------------------------------------------------------------ steps
-    def send_step(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                  sequences: list[StepSequence]) -> None:
-        self.send(StepPlan(input_ids.cpu().numpy(), positions.cpu().numpy(), slot_mapping.cpu().numpy(), sequences))
+    @contextmanager
+    def step(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+             sequences: list[StepSequence]) -> Iterator[None]:
+        """Send the step's plan; the forward pass runs in the `with` block, no heartbeat meanwhile."""
+        with self._lock:
+            self.send(StepPlan(input_ids.cpu().numpy(), positions.cpu().numpy(), slot_mapping.cpu().numpy(),
+                               sequences))
+            try:
+                yield
+            finally:
+                self._last_send = time.monotonic()
 
     def send_moves(self, src_slots: list[int], dst_slots: list[int]) -> None:
         self.send(MoveTokens(list(src_slots), list(dst_slots)))
@@ -148,11 +160,13 @@ class TensorParallelExecutor:
     def _heartbeat(self) -> None:
         interval = self.config.timeout_s / 4
         while not self._closed.wait(interval / 2):
-            if self.failure is None and time.monotonic() - self._last_send > interval:
-                try:
-                    self.send(Heartbeat())
-                except FatalEngineError:
-                    return
+            with self._lock:  # (waits for a step in progress, then finds it just sent)
+                if self.failure is None and not self._closed.is_set() and \
+                        time.monotonic() - self._last_send > interval:
+                    try:
+                        self.send(Heartbeat())
+                    except FatalEngineError:
+                        return
 
     # ------------------------------------------------------------------ shutdown
     def close(self) -> None:

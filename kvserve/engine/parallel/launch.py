@@ -1,13 +1,15 @@
 """Starting this node's worker processes and watching them.
 
 Workers are started with multiprocessing's spawn method (a fresh interpreter: no forked torch
-thread pools, CUDA-safe). They ignore Ctrl-C (the terminal sends it to every process of the
-group; rank 0 stops them in order) and exit when their parent does.
+thread pools, CUDA-safe). They ignore Ctrl-C and SIGTERM (a terminal or a service manager sends
+them to every process of the group; rank 0 stops them in order, once its requests in flight are
+done) and exit when their parent does.
 """
 from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -25,8 +27,10 @@ def spawn_workers(args: EngineArgs, config: DistributedConfig, ranks: list[int])
     context = multiprocessing.get_context("spawn")
     processes = []
     for rank in ranks:
+        # The spawner's pid goes along: the child's imports take seconds, and a parent gone by then
+        # would leave it reading init's pid as its parent's (worker._exit_with_parent).
         process = context.Process(target=worker_main, args=(rank, config, args, logger.getEffectiveLevel()),
-                                  name=f"kvserve-tp-rank{rank}", daemon=True)
+                                  kwargs={"parent_pid": os.getpid()}, name=f"kvserve-tp-rank{rank}", daemon=True)
         process.start()
         processes.append(process)
     return processes

@@ -43,12 +43,18 @@ logger = logging.getLogger("kvserve")
 
 
 def worker_main(rank: int, config: DistributedConfig, args: EngineArgs, log_level: int = logging.INFO,
-                watch_parent: bool = True) -> None:
-    """The worker process's entry point (launch.spawn_workers)."""
+                parent_pid: int | None = None) -> None:
+    """The worker process's entry point (launch.spawn_workers). `parent_pid`: the spawning
+    process, whose end ends this one (None: not watched).
+
+    SIGINT and SIGTERM are ignored: a Ctrl-C or a service manager's stop reaches the whole process
+    group, and the engine (rank 0) stops its workers itself once its requests in flight are done
+    (a Shutdown message, then a kill for one that lingers)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s rank{rank} %(message)s")
-    if watch_parent:
-        _exit_with_parent()
+    if parent_pid is not None:
+        _exit_with_parent(parent_pid)
     try:
         run_worker(rank, config, args)
     except BaseException:
@@ -194,11 +200,9 @@ def sharded_layer_bytes(model: LlamaForCausalLM) -> int:
                               layer.mlp.down_proj))
 
 
-def _exit_with_parent() -> None:
-    """A thread that ends this process when the process that spawned it is gone (kill -9 leaves
-    no chance to stop the workers in order)."""
-    parent = os.getppid()
-
+def _exit_with_parent(parent: int) -> None:
+    """A thread that ends this process when `parent`, the process that spawned it, is gone (kill
+    -9 leaves no chance to stop the workers in order); at once if it went while this one started."""
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(0.5)
