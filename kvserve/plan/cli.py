@@ -151,7 +151,8 @@ def run_plan(args: argparse.Namespace) -> int:
         kv_offloading_size=_gib_arg(args.kv_offloading_size, "--kv-offloading-size"),
         kv_offloading_disk_size=_gib_arg(args.kv_offloading_disk_size, "--kv-offloading-disk-size"),
         step_tokens=args.max_num_batched_tokens or _default_step_tokens(device, gpu_memory))
-    plan = make_plan(arch, inputs, kv_dtypes, default_cpu_budget() if device.type == "cpu" else None)
+    plan = make_plan(arch, inputs, kv_dtypes,
+                     default_cpu_budget(args.tensor_parallel_size) if device.type == "cpu" else None)
 
     if args.json:
         print(json.dumps(to_dict(plan), indent=2))

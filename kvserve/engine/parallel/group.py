@@ -26,6 +26,8 @@ DEFAULT_TIMEOUT_S = 60.0
 STARTUP_TIMEOUT_S = 900.0
 # The cores this engine's ranks share when not the whole machine's (set per data-parallel replica).
 CORES_ENV = "KVSERVE_CPU_CORES"
+# The data-parallel replicas on this machine (set per replica): each takes its share of the RAM.
+REPLICAS_ENV = "KVSERVE_NODE_REPLICAS"
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,14 @@ def distributed_config(args: EngineArgs) -> DistributedConfig:
         port = free_port(addr)
     timeout = float(os.environ.get("KVSERVE_DIST_TIMEOUT_S") or DEFAULT_TIMEOUT_S)
     return DistributedConfig(args.tensor_parallel_size, args.nnodes, args.node_rank, addr, port, timeout)
+
+
+def processes_on_node(args: EngineArgs) -> int:
+    """The engine processes on this machine with a KV pool each: this engine's ranks here (torchrun's
+    LOCAL_WORLD_SIZE, else --tensor-parallel-size over --nnodes) times the data-parallel replicas."""
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or 0) if torchrun_rank() is not None else 0
+    ranks = ranks or max(1, args.tensor_parallel_size // max(1, args.nnodes))
+    return ranks * max(1, int(os.environ.get(REPLICAS_ENV) or 1))
 
 
 def free_port(host: str) -> int:

@@ -7,6 +7,7 @@ import logging
 import torch
 
 from kvserve.cache.sizing import default_cpu_budget
+from kvserve.engine.parallel.group import processes_on_node
 from kvserve.engine.platforms.base import BatchLimits, Platform
 from kvserve.hardware import available_ram_bytes, cpu_flags, native_bf16_missing
 from kvserve.model.lean_decode import LeanDecoder
@@ -38,12 +39,15 @@ class CpuPlatform(Platform):
     def kv_budget_before_load(self, args, budget, device):
         if args.gpu_memory_utilization != type(args).gpu_memory_utilization:  # not the default
             logger.warning("--gpu-memory-utilization concerns CUDA: on CPU the KV pool is --kv-cache-memory, "
-                           "by default min(4GiB, RAM/4)")
+                           "by default min(4GiB, RAM/4 shared by the processes on the machine)")
+        processes = processes_on_node(args)  # each holds a pool of this size
         if budget is None:
-            return default_cpu_budget()
-        if budget > (available := available_ram_bytes()):
-            raise ValueError(f"--kv-cache-memory {args.kv_cache_memory} ({budget / GiB:.2f} GiB) is more than the "
-                             f"memory available now ({available / GiB:.2f} GiB)")
+            return default_cpu_budget(processes)
+        if budget * processes > (available := available_ram_bytes()):
+            times = "" if processes == 1 else (f" x {processes} processes on this machine (tensor-parallel ranks, "
+                                                f"data-parallel replicas: a pool each)")
+            raise ValueError(f"--kv-cache-memory {args.kv_cache_memory} ({budget / GiB:.2f} GiB){times} is more "
+                             f"than the memory available now ({available / GiB:.2f} GiB)")
         return budget
 
     def prepare_model(self, model, backend, tensor_parallel):
