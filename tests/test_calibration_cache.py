@@ -84,6 +84,28 @@ def test_a_changed_option_calibrates_again(tiny_llama, cache_dir, calibrations, 
     assert len(list(cache_dir.glob("calibration-key-bases/*.pt"))) == 2
 
 
+def test_deterministic_mode_keeps_calibrations_of_its_own(tiny_llama, cache_dir):
+    """--deterministic computes the calibration prefill another way (every row as a decode,
+    fixed-order linears), so its fitted transforms differ from the default mode's in more than
+    last bits: an entry the default mode wrote moved a later deterministic engine's logprobs. The
+    mode is part of the key (asked here of the cache itself: a deterministic engine needs the CPU
+    kernel, which a moved cache directory would build again)."""
+    from kvserve.engine.calibration import cached_calibration
+
+    engine = _engine(tiny_llama, "auto")
+    computed: list[bool] = []
+
+    def calibrate(batch_invariant: bool) -> None:
+        engine.model.batch_invariant = batch_invariant
+        cached_calibration("probe", engine.model, engine.runner.kv_cache, tiny_llama / "model.safetensors", {},
+                           lambda: computed.append(batch_invariant) or {"x": torch.zeros(1)}, lambda entry: True)
+
+    for mode in (False, True, False, True):
+        calibrate(mode)
+    assert computed == [False, True]  # each mode computed once, then loaded
+    engine.model.batch_invariant = False
+
+
 def test_key_centres_of_a_shorter_context_are_its_own(tiny_model_factory, cache_dir, calibrations):
     """RoPE is averaged over positions [0, 4096) when computing a key centre, or over the whole
     table when max-model-len is shorter: at 2,048 the centres differ from 8,192's and must not be

@@ -217,6 +217,31 @@ def test_top_p_and_min_p_cut_the_tail():
         assert _sample(logits, temperature=1.0, min_p=0.4, seed=seed) in (0, 1)
 
 
+def test_a_row_is_truncated_and_penalised_the_same_alone_or_beside_rows_that_ask_more():
+    """--deterministic's promise, in the sampler: a row without top_p kept its whole tail only when
+    no other row asked for top_p (float32's cumulative mass rounds to 1 before a peaked row's end,
+    and the mask dropped what followed: a seeded draw could change); a row whose tokens are all
+    masked picked another token when another row had penalties (the clamp made -inf finite)."""
+    vocab = 32000
+    peaked = torch.randn(1, vocab, generator=torch.Generator().manual_seed(0)) * 4.0  # as a model's
+    other = torch.randn(1, vocab, generator=torch.Generator().manual_seed(1))
+    sampler = Sampler(vocab, torch.device("cpu"))
+    plain, nucleus = SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_p=0.9)
+    assert torch.equal(sampler._truncate(torch.cat([peaked, other]), [plain, nucleus])[0], peaked[0])
+    masked = torch.full((1, vocab), float("-inf"))
+    rows = [Request("a", [1, 2, 3], SamplingParams(temperature=0), (0,)),
+            Request("b", [1, 2, 3], SamplingParams(temperature=0, repetition_penalty=1.2), (0,))]
+    assert torch.equal(sampler._apply_penalties(torch.cat([masked, other]), rows)[0], masked[0])
+
+
+def test_a_request_that_could_generate_nothing_is_refused(llm):
+    eos = llm.engine.eos_token_ids[0]
+    with pytest.raises(ValueError, match="min_tokens holds back every token of allowed_token_ids"):
+        llm.generate([PROMPT], SamplingParams(allowed_token_ids=[eos], min_tokens=3), use_tqdm=False)
+    assert llm.generate([PROMPT], SamplingParams(allowed_token_ids=[eos, 7], min_tokens=3, max_tokens=4),
+                        use_tqdm=False)[0].outputs[0].token_ids[:3] == [7, 7, 7]
+
+
 def test_extreme_repetition_penalties_stay_finite():
     """1e-308 is 0 in float32 (a division by zero gave inf logits and NaN probabilities); every
     accepted penalty must still give its meaning: below 1 favours seen tokens, above 1 avoids them."""

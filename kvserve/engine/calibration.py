@@ -81,7 +81,7 @@ def cached_calibration(kind: str, model: LlamaForCausalLM, kv_cache: KVCache, mo
                        valid: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
     """`compute()`'s result (a dict of tensors and numbers), from the disk cache when an entry for
     the same inputs exists. The key: the model file's fingerprint, model dtype, device, KV format,
-    block size, `parameters` (the calibration's token count, steps, ...), the key transforms
+    block size, --deterministic, `parameters` (the calibration's token count, steps, ...), the key transforms
     already set on the model, and the torch version and source of kvserve's model, cache and
     engine code. Without `model_file` nothing is cached. An entry that fails `valid` is ignored with a warning."""
     entry = None
@@ -94,6 +94,9 @@ def cached_calibration(kind: str, model: LlamaForCausalLM, kv_cache: KVCache, mo
             "linears": sorted({repr(m) for m in model.modules() if type(m).__name__.endswith("Linear")}),
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
             "kv_format": kv_cache.format.name, "block_size": kv_cache.spec.block_size, "seed": _SEED,
+            # --deterministic computes the calibration prefill another way (every row as a decode,
+            # fixed-order linears): its keys differ in their last bits, and so do the fitted transforms
+            "batch_invariant": model.batch_invariant,
             "transforms_in_effect": _transforms_digest(model), "parameters": parameters,
             "torch": torch.__version__, "source": disk_cache.source_digest("cache", "model", "engine")}, ".pt")
     cached = disk_cache.load_tensors(entry)

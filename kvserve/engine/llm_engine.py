@@ -304,15 +304,19 @@ class LLMEngine:
         return request_id
 
     def bad_word_ids(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
-        """The request's bad_words as token sequences (token_bans.py); ValueError when they leave
-        none of its allowed_token_ids."""
-        if not params.bad_words:
-            return ()
+        """The request's bad_words as token sequences (token_bans.py); ValueError when they, or
+        min_tokens holding back EOS and stop_token_ids, leave none of its allowed_token_ids (every
+        logit masked: the sampler would pick an arbitrary token)."""
         vocab = self.model_config.vocab_size  # a tokenizer's token past the model's is never sampled
-        sequences = tuple(s for s in bad_word_sequences(self.tokenizer, params.bad_words) if max(s) < vocab)
-        if params.allowed_token_ids is not None and set(params.allowed_token_ids) <= {s[0] for s in sequences
-                                                                                      if len(s) == 1}:
-            raise ValueError("bad_words ban every token of allowed_token_ids: nothing could be generated.")
+        sequences = tuple(s for s in bad_word_sequences(self.tokenizer, params.bad_words or []) if max(s) < vocab)
+        if params.allowed_token_ids is not None:
+            left = set(params.allowed_token_ids) - {s[0] for s in sequences if len(s) == 1}
+            if not left:
+                raise ValueError("bad_words ban every token of allowed_token_ids: nothing could be generated.")
+            held = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+            if params.min_tokens and left <= held:
+                raise ValueError("min_tokens holds back every token of allowed_token_ids (EOS and stop_token_ids) "
+                                 "for its first tokens: nothing could be generated.")
         return sequences
 
     def truncated(self, token_ids: list[int], keep: int | None) -> list[int]:

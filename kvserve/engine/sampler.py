@@ -291,7 +291,8 @@ class Sampler:
         rep = rep.clamp(min=finite.tiny, max=finite.max)
         # Repetition penalty (Keskar et al. 2019, as in HF/vLLM) over prompt and output tokens.
         penalised = torch.where(logits > 0, logits / rep, logits * rep).clamp(min=-finite.max, max=finite.max)
-        logits = torch.where(seen, penalised, logits)
+        # (a masked token, -inf, stays masked: clamped, it could win a row whose tokens are all masked)
+        logits = torch.where(seen & ~logits.isneginf(), penalised, logits)
         # OpenAI's presence/frequency penalties count generated tokens only.
         return logits - freq * out_counts - pres * (out_counts > 0).float()
 
@@ -322,9 +323,12 @@ class Sampler:
             drop = ranks[None, :] >= top_k[:, None]
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
             probs = sorted_logits.softmax(dim=-1)
-            # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+            # Keep the smallest prefix whose mass reaches top_p (the first token always stays). A
+            # row without top_p keeps its tail: float32's cumulative mass can round to 1 before its
+            # end, which would cut a row's tail only when another row asks for top_p.
             mass_before = probs.cumsum(dim=-1) - probs
-            sorted_logits = sorted_logits.masked_fill(mass_before >= top_p[:, None], float("-inf"))
+            sorted_logits = sorted_logits.masked_fill((mass_before >= top_p[:, None]) & (top_p[:, None] < 1),
+                                                      float("-inf"))
             logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
         if any(p.min_p > 0 for p in params):
             min_p = self._per_row([p.min_p for p in params])
