@@ -209,3 +209,14 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm):
     with pytest.raises(ValueError, match="greater than max_model_len"):
         llm.generate([{"prompt_token_ids": ids}], dataclasses.replace(params, truncate_prompt_tokens=1 << 20),
                      use_tqdm=False)
+
+
+def test_a_closed_llm_refuses_work_in_one_line(tiny_llama):
+    """After close() (or a `with` block) the tiers are flushed and the tensor-parallel workers gone:
+    generate/embed/score say so, where a TP engine failed deep in a collective."""
+    with LLM(str(tiny_llama), dtype="float32", kv_cache_memory="4MiB") as llm:
+        assert llm.generate(["Hi"], SamplingParams(max_tokens=1), use_tqdm=False)[0].outputs[0].token_ids
+    for call in (lambda: llm.generate(["Hi"], use_tqdm=False), lambda: llm.embed(["Hi"], use_tqdm=False),
+                 lambda: llm.engine.score([5, 6, 7])):
+        with pytest.raises(RuntimeError, match="this engine is closed"):
+            call()

@@ -5,6 +5,7 @@ down the tiers). The test that kills a replica runs last."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -377,3 +378,32 @@ def test_a_killed_backend_fails_its_requests_quickly_is_routed_around_and_used_a
         assert next(x for x in router.state()["backends"] if x["url"] == victim.base_url)["routed"] > routed
     finally:
         revived.stop()
+
+
+def test_the_data_parallel_front_end_stops_once_every_replica_has_exited(cluster):
+    """A dead replica is routed around, but with none left the front end answered 503 for ever; it
+    now exits 1, as a server whose engine died does, so that a supervisor restarts it. (Last: it
+    ends the cluster's front end.)"""
+    dp = cluster[3]
+    replicas = [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()
+                and _parent(entry) == dp.process.pid and b"kvserve.cli" in _cmdline(entry)]
+    assert len(replicas) == 2
+    os.kill(replicas[0], signal.SIGKILL)
+    assert complete(dp.base_url, "still served", max_tokens=2, key=None)  # routed around the first
+    os.kill(replicas[1], signal.SIGKILL)
+    assert dp.process.wait(timeout=30) == 1
+    assert "every replica has exited" in dp.log()
+
+
+def _parent(entry: Path) -> int | None:
+    try:
+        return int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _cmdline(entry: Path) -> bytes:
+    try:
+        return (entry / "cmdline").read_bytes()
+    except OSError:
+        return b""

@@ -82,6 +82,8 @@ def _make_tiers(args: EngineArgs, kv_cache: KVCache, namespace: str) -> TieredSt
 
 
 class LLMEngine:
+    closed = False  # set by close(): the engine takes no more work
+
     def __init__(self, args: EngineArgs, loaded_model: LoadedModel | None = None, serving: bool = False):
         """`loaded_model`: a checkpoint already read by `load_model(args.model)`, so that several
         engines (e.g. one per KV-cache dtype in `kvserve eval`) share one load; its tensors are
@@ -269,6 +271,7 @@ class LLMEngine:
         kind, what offline generation reads), not after every token.
         `priority`: its place under --scheduling-policy priority (lower first).
         `up_to_context`: see `validate`."""
+        self.check_open()
         self.check_priority(priority)
         if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
             if cache_salt is not None and cache_salt != prompt["cache_salt"]:
@@ -488,6 +491,7 @@ class LLMEngine:
         SamplingParams) the sequence evicts between chunks and may be longer than max-model-len;
         a chunk is then at most budget - sinks tokens. On a pool sized for a sliding window and a
         step (preflight.SequenceHold) a chunk is at most a step."""
+        self.check_open()
         chunk_size = chunk_size or self.args.max_num_batched_tokens
         if self._pool_blocks_short:
             chunk_size = min(chunk_size, self.args.max_num_batched_tokens)
@@ -502,6 +506,7 @@ class LLMEngine:
         token's, or the mean over all tokens) and L2-normalised unless not `normalize`, float32
         [hidden size] (vLLM's pooling of a decoder model). Computed like `score`, through the paged
         cache in chunks; the blocks go back to the pool as soon as it is done."""
+        self.check_open()
         if not token_ids:
             raise ValueError("the input to embed must not be empty")
         if not all(0 <= t < self.model_config.vocab_size for t in token_ids):
@@ -541,6 +546,13 @@ class LLMEngine:
                 logger.info("KV disk tier: wrote %d blocks at shutdown in %.1f s", written, time.monotonic() - start)
         if self.parallel is not None:
             self.parallel.close()
+        self.closed = True
+
+    def check_open(self) -> None:
+        """RuntimeError once the engine is closed (its tiers flushed, its workers stopped: a request
+        would run without them, or fail deep in a collective)."""
+        if self.closed:
+            raise RuntimeError("this engine is closed (LLM.close(), or the end of its `with` block): create a new one")
 
     # ------------------------------------------------------------------ introspection
     @property

@@ -11,7 +11,9 @@ nothing reaches them around the front end's --api-key. The front end routes as `
 does (--routing-policy) and serves one /metrics with every replica's samples labelled
 `replica="i"`. On CPU each replica gets an equal share of the cores (OMP_NUM_THREADS, unless
 set); on CUDA with at least N visible devices, one device each. A replica that dies is routed
-around (not restarted); SIGTERM stops the front end, then the replicas, each with its grace period.
+around (not restarted); once every replica has exited the front end stops with status 1, as a
+server whose engine died does (a supervisor restarts it). SIGTERM stops the front end, then the
+replicas, each with its grace period.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -130,6 +133,19 @@ def _stop(processes: list[subprocess.Popen], grace_s: float) -> None:
             p.wait()
 
 
+def _stop_when_all_exited(processes: list[subprocess.Popen], server, interval_s: float = 0.5) -> None:
+    """Stop the front end (status 1) once every replica has exited: nothing is left to serve."""
+    from kvserve.server.lifecycle import EXIT_ENGINE_DEAD
+
+    while not server.should_exit:
+        if all(p.poll() is not None for p in processes):
+            logger.error("every replica has exited (statuses %s): the front end stops",
+                         ", ".join(str(p.returncode) for p in processes))
+            server.stop(EXIT_ENGINE_DEAD)
+            return
+        time.sleep(interval_s)
+
+
 def run_data_parallel(args: argparse.Namespace, serve_argv: list[str], sock, uvicorn_config_kwargs: dict,
                       body_limits: tuple[int, int], max_connections: int, cors: CorsOptions | None = None,
                       chat_template: str | None = None) -> int:
@@ -173,6 +189,8 @@ def run_data_parallel(args: argparse.Namespace, serve_argv: list[str], sock, uvi
         # uvicorn's re-raised signal, so the replicas are stopped below.
         server = ServingServer(uvicorn.Config(app, **uvicorn_config_kwargs), args.shutdown_timeout,
                                on_grace_expired=lambda: None)
+        threading.Thread(target=_stop_when_all_exited, args=(processes, server), name="kvserve-dp-watch",
+                         daemon=True).start()
         server.run(sockets=[sock])
         return server.exit_code
     finally:
