@@ -281,18 +281,19 @@ class Sampler:
         out_counts = torch.zeros(batch, vocab, device=dev)
         out_counts.index_put_((pairs[0, :num_out], pairs[1, :num_out]), torch.ones(num_out, device=dev),
                               accumulate=True)
-        seen = torch.zeros(batch, vocab, dtype=torch.bool, device=dev)
-        seen[pairs[0, num_out:], pairs[1, num_out:]] = True
         rep, freq, pres = self._per_row([[p.repetition_penalty for p in params], [p.frequency_penalty for p in params],
                                          [p.presence_penalty for p in params]]).unsqueeze(2)
         # float32 turns penalties below its smallest normal number into 0 (a division by zero) and
         # huge ones into overflow; both are clamped so every accepted value stays finite.
         finite = torch.finfo(logits.dtype)
         rep = rep.clamp(min=finite.tiny, max=finite.max)
-        # Repetition penalty (Keskar et al. 2019, as in HF/vLLM) over prompt and output tokens.
-        penalised = torch.where(logits > 0, logits / rep, logits * rep).clamp(min=-finite.max, max=finite.max)
+        # Repetition penalty (Keskar et al. 2019, as in HF/vLLM) over prompt and output tokens: at
+        # the seen (row, token) pairs only (a pair seen twice is written twice with one value).
+        rows, tokens = pairs[0, num_out:], pairs[1, num_out:]
+        seen, row_rep = logits[rows, tokens], rep[rows, 0]
+        penalised = torch.where(seen > 0, seen / row_rep, seen * row_rep).clamp(min=-finite.max, max=finite.max)
         # (a masked token, -inf, stays masked: clamped, it could win a row whose tokens are all masked)
-        logits = torch.where(seen & ~logits.isneginf(), penalised, logits)
+        logits = logits.index_put((rows, tokens), torch.where(seen.isneginf(), seen, penalised))
         # OpenAI's presence/frequency penalties count generated tokens only.
         return logits - freq * out_counts - pres * (out_counts > 0).float()
 
@@ -317,18 +318,19 @@ class Sampler:
         dev, vocab = logits.device, logits.shape[1]
         top_k = [min(p.top_k or vocab, vocab) for p in params]
         if any(k < vocab for k in top_k) or any(p.top_p < 1 for p in params):
-            top_k, top_p = self._per_row(top_k, torch.long), self._per_row([p.top_p for p in params])
+            # A row without top_p gets 2, which no cumulative mass reaches: float32's cumulative
+            # mass can round to 1 before a peaked row's end, which cut its tail whenever another
+            # row of the batch asked for top_p.
+            top_k, top_p = self._per_row(top_k, torch.long), self._per_row([p.top_p if p.top_p < 1 else 2.0
+                                                                             for p in params])
             sorted_logits, order = logits.sort(dim=-1, descending=True)
             ranks = torch.arange(vocab, device=dev)
             drop = ranks[None, :] >= top_k[:, None]
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
             probs = sorted_logits.softmax(dim=-1)
-            # Keep the smallest prefix whose mass reaches top_p (the first token always stays). A
-            # row without top_p keeps its tail: float32's cumulative mass can round to 1 before its
-            # end, which would cut a row's tail only when another row asks for top_p.
+            # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
             mass_before = probs.cumsum(dim=-1) - probs
-            sorted_logits = sorted_logits.masked_fill((mass_before >= top_p[:, None]) & (top_p[:, None] < 1),
-                                                      float("-inf"))
+            sorted_logits = sorted_logits.masked_fill(mass_before >= top_p[:, None], float("-inf"))
             logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
         if any(p.min_p > 0 for p in params):
             min_p = self._per_row([p.min_p for p in params])
