@@ -163,6 +163,8 @@ class SamplingParams:
         if self.top_k == -1:  # vLLM's older spelling of "off"
             self.top_k = 0
         self.validate()
+        if self.allowed_token_ids is not None:  # each id once: the list's length is bounded by the vocabulary
+            self.allowed_token_ids = sorted(set(self.allowed_token_ids))
 
     def validate(self) -> None:
         """Raise ValueError with a message naming the field for any value vLLM would refuse."""

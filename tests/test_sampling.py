@@ -99,6 +99,10 @@ def test_allowed_token_ids_keep_sampling_among_them_and_only_for_their_request(l
         llm.generate([PROMPT], SamplingParams(allowed_token_ids=[5, 10 ** 6]), use_tqdm=False)
     with pytest.raises(ValueError, match="must not be empty"):
         SamplingParams(allowed_token_ids=[])
+    # A long list costs its request once, not every step of the batch: each id kept once, the
+    # sampler's row of the vocabulary made on the first step and dropped when the request ends.
+    assert SamplingParams(allowed_token_ids=[9, 5, 9] * 1000).allowed_token_ids == [5, 9]
+    assert llm.engine.runner.sampler._allowed_rows == {}
 
 
 def test_bad_words_are_never_generated_bare_or_after_a_space(llm):

@@ -90,10 +90,13 @@ class Sampler:
         self.vocab_size = vocab_size
         self.device = device
         self._generators: dict[str, torch.Generator] = {}
+        # allowed_token_ids as a row of the vocabulary (True: allowed), built on a request's first step
+        self._allowed_rows: dict[str, torch.Tensor] = {}
         self._grammar_masks: GrammarMasks | None = None  # made on the first constrained row
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+        self._allowed_rows.pop(request_id, None)
 
     def _generator(self, request: Request | DraftRow) -> torch.Generator:
         """The seeded request's generator, seeded for the output position it samples now."""
@@ -202,17 +205,23 @@ class Sampler:
         if not cloned:
             logits = logits.clone()
         if allowed:
-            rows = [i for i, _ in allowed]
-            where = self._per_row([[k for k, (_, ids) in enumerate(allowed) for _ in ids],
-                                   [t for _, ids in allowed for t in ids]], torch.long)
-            keep = torch.zeros(len(rows), logits.shape[1], dtype=torch.bool, device=logits.device)
-            keep[where[0], where[1]] = True
-            index = self._per_row(rows, torch.long)
+            keep = torch.stack([self._allowed_row(requests[i].request_id, ids, logits.shape[1]) for i, ids in allowed])
+            index = self._per_row([i for i, _ in allowed], torch.long)
             logits.index_copy_(0, index, logits.index_select(0, index).masked_fill(~keep, float("-inf")))
         if banned[0]:
             where = self._per_row(banned, torch.long)
             logits.index_put_((where[0], where[1]), logits.new_full((), float("-inf")))
         return logits
+
+    def _allowed_row(self, request_id: str, ids: list[int], vocab: int) -> torch.Tensor:
+        """A request's allowed_token_ids as a boolean row of the vocabulary, made once (the list
+        may be long: each step then costs a row's copy, not the list's)."""
+        row = self._allowed_rows.get(request_id)
+        if row is None:
+            row = torch.zeros(vocab, dtype=torch.bool, device=self.device)
+            row[self._per_row(ids, torch.long)] = True
+            self._allowed_rows[request_id] = row
+        return row
 
     def _apply_grammars(self, logits: torch.Tensor, requests: list[Request | DraftRow],
                         cloned: bool) -> torch.Tensor:
