@@ -36,6 +36,35 @@ def test_embed_pools_hf_final_hidden_states(tiny_llama, pooling_type):
     assert llm.engine.kv_manager.pool.num_free_blocks == free_before  # the blocks went back at once
 
 
+def test_an_embedding_waits_for_a_busy_pool_instead_of_being_refused(tiny_llama):
+    """With generation holding every block, an embedding was a 400 ("not enough free KV blocks"):
+    now new requests wait (Scheduler.held_for) while the running ones finish and free the blocks,
+    then it is computed; an input that can never fit is still refused at once."""
+    from kvserve import SamplingParams
+
+    llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory="128KiB", max_model_len=200)  # 15 blocks
+    engine = llm.engine
+    ids = engine.tokenize(TEXTS[0])[1] * 8
+    for i in range(3):
+        engine.add_request(list(range(5 + i, 85 + i)), SamplingParams(max_tokens=60, ignore_eos=True), f"gen{i}")
+    while engine.num_free_blocks >= 4:
+        engine.step()
+    assert engine.embed_when_room(ids, True, "w") is None and engine.scheduler.held_for == {"w"}
+    engine.add_request([5, 6, 7], SamplingParams(max_tokens=2), "late")
+    vector = None
+    while vector is None:
+        engine.step()
+        assert not any(r.request_id == "late" for r in engine.scheduler.running)  # held back meanwhile
+        vector = engine.embed_when_room(ids, True, "w")
+    assert engine.scheduler.held_for == set()
+    assert torch.allclose(vector, engine.embed(ids), atol=1e-5)
+    while engine.has_unfinished_requests():  # the held-back request runs afterwards
+        engine.step()
+    with pytest.raises(ValueError, match="maximum context length"):
+        engine.embed_when_room(list(range(5, 205)) * 2, True, "big")
+    assert engine.scheduler.held_for == set()
+
+
 @pytest.fixture(scope="module")
 def client(tiny_server) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{tiny_server.base_url}/v1", api_key="unused", max_retries=0, timeout=60)

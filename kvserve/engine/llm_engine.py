@@ -526,6 +526,30 @@ class LLMEngine:
             pooled = last[-1].float()
         return (torch.nn.functional.normalize(pooled, dim=0) if normalize else pooled).cpu()
 
+    def embed_when_room(self, token_ids: list[int], normalize: bool, waiter: str) -> torch.Tensor | None:
+        """`embed`, or None while running requests hold the blocks the input needs: new requests
+        are then held back for `waiter` (Scheduler.held_for) until the running ones free them, and
+        the caller (the server, between steps) asks again. With nothing running, `embed`'s own
+        CapacityError stands (the input does not fit the pool). `release_waiter` ends the hold."""
+        busy = bool(self.scheduler.running) or self._in_flight is not None
+        needed = min(blocks_for_tokens(len(token_ids), self.kv_spec.block_size), self.num_blocks - 1)
+        if busy and needed > self.num_free_blocks:
+            self.scheduler.held_for.add(waiter)
+            return None
+        try:
+            vector = self.embed(token_ids, normalize)
+        except CapacityError:
+            if not busy:
+                self.release_waiter(waiter)
+                raise
+            self.scheduler.held_for.add(waiter)
+            return None
+        self.release_waiter(waiter)
+        return vector
+
+    def release_waiter(self, waiter: str) -> None:
+        self.scheduler.held_for.discard(waiter)
+
     def close(self) -> None:
         """With KV tiers: abort what is unfinished, flush the tiers (the pool's prefix-cache blocks
         and the host tier to the disk tier, so a restart finds them) and stop their writer. Then

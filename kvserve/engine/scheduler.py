@@ -99,6 +99,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.num_needing_host_tokens = 0  # unfinished requests with `needs_host_tokens` (no overlap while any)
+        # Work outside the queue waiting for free blocks (an embedding, LLMEngine.embed_when_room):
+        # while any waits, no request is admitted, so the running ones free the blocks it needs.
+        self.held_for: set[str] = set()
         if config.policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
                              f"got {config.policy!r}")
@@ -200,7 +203,7 @@ class Scheduler:
         # take blocks the preempted (older) requests need to resume. A request whose prefix blocks
         # are still being read from the disk tier is passed over (others go first) until they are in.
         index, loading = 0, []
-        while (index < len(self.waiting) and not preempted and budget > 0
+        while (index < len(self.waiting) and not preempted and not self.held_for and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[index]
             if request.num_pending_tokens:  # preempted with a token in flight: resumes once it arrives

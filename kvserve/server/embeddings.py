@@ -9,10 +9,14 @@ Matryoshka representation (a decoder's hidden state is not trained to be cut). v
 normalisation and `add_special_tokens: false` the tokenizer's BOS."""
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
+import uuid
 from typing import Literal
 
 import numpy as np
+import torch
 from pydantic import BaseModel, Field
 from starlette.requests import Request
 
@@ -23,6 +27,7 @@ from kvserve.server.protocol import OpenAIModel
 from kvserve.server.serving import ServingContext, log_ignored_fields
 
 MAX_INPUTS = 2048  # OpenAI's limit of inputs per request
+RETRY_S = 0.02  # how often an embedding waiting for free KV blocks asks again
 
 
 class EmbeddingRequest(OpenAIModel):
@@ -80,11 +85,7 @@ class EmbeddingServing:
             self.tokens.check_token_ids(prompt.token_ids, "input")
         data = []
         for index, prompt in enumerate(prompts):
-            try:
-                vector = await self.ctx.engine.call(
-                    lambda engine, ids=prompt.token_ids: engine.embed(ids, normalize=body.normalize is not False))
-            except ValueError as exc:
-                raise APIError(400, str(exc), param="input") from exc
+            vector = await self._embed(prompt.token_ids, body.normalize is not False)
             values = vector.numpy().astype(np.float32)
             encoded = (base64.b64encode(values.tobytes()).decode("ascii") if body.encoding_format == "base64"
                        else values.tolist())
@@ -92,3 +93,21 @@ class EmbeddingServing:
         tokens = sum(len(p.token_ids) for p in prompts)
         return EmbeddingResponse(data=data, model=self.ctx.model_name,
                                  usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
+
+    async def _embed(self, token_ids: list[int], normalize: bool) -> torch.Tensor:
+        """One input's vector, computed between two engine steps once the pool has room for it:
+        while generation holds the blocks, new requests wait (LLMEngine.embed_when_room) and this
+        asks again after later steps, so a busy pool delays an embedding instead of refusing it."""
+        waiter = f"embed-{uuid.uuid4().hex}"
+        try:
+            while True:
+                try:
+                    vector = await self.ctx.engine.call(lambda e: e.embed_when_room(token_ids, normalize, waiter))
+                except ValueError as exc:
+                    raise APIError(400, str(exc), param="input") from exc
+                if vector is not None:
+                    return vector
+                await asyncio.sleep(RETRY_S)
+        finally:
+            with contextlib.suppress(Exception):  # (an engine gone cannot hold anything back)
+                await self.ctx.engine.call(lambda e: e.release_waiter(waiter))
