@@ -389,6 +389,10 @@ def test_the_data_parallel_front_end_stops_once_every_replica_has_exited(cluster
                 and _parent(entry) == dp.process.pid and b"kvserve.cli" in _cmdline(entry)]
     assert len(replicas) == 2
     os.kill(replicas[0], signal.SIGKILL)
+    deadline = time.monotonic() + 30  # (a request sent before the front end knows may be its 502)
+    while sum(b["up"] for b in httpx.get(f"{dp.base_url}/router/state", timeout=10).json()["backends"]) != 1:
+        assert time.monotonic() < deadline, "the killed replica is still in service"
+        time.sleep(0.1)
     assert complete(dp.base_url, "still served", max_tokens=2, key=None)  # routed around the first
     os.kill(replicas[1], signal.SIGKILL)
     assert dp.process.wait(timeout=30) == 1

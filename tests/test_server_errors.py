@@ -124,7 +124,7 @@ def test_the_warning_for_many_unknown_keys_is_one_short_line(tiny_server):
 def test_every_endpoint_logs_the_fields_it_ignores(tiny_server):
     """Embeddings, tokenize, detokenize and the Responses API's `text` warn of keys they do not read,
     as completions and chat do (vLLM's warning), and still answer."""
-    for path, body, key in [("/v1/embeddings", {"input": "x", "normalize": True}, "normalize"),
+    for path, body, key in [("/v1/embeddings", {"input": "x", "my_own_key": True}, "my_own_key"),
                             ("/tokenize", {"prompt": "x", "truncate_prompt_tokens": 3}, "truncate_prompt_tokens"),
                             ("/detokenize", {"tokens": [5], "skip_special": True}, "skip_special"),
                             ("/v1/responses", {"input": "x", "max_output_tokens": 1, "text": {"verbosity": "low"}},

@@ -91,7 +91,7 @@ def test_sigterm_to_the_process_group_drains_then_stops_every_rank(tiny_llama, t
     server = ServerProcess.start(args, tmp_path, new_session=True)
     try:
         (worker,) = spawned_workers(server.process.pid)
-        body = {"prompt": "Once upon a time", "max_tokens": 300, "ignore_eos": True, "stream": True}
+        body = {"prompt": "Once upon a time", "max_tokens": 100, "ignore_eos": True, "stream": True}
         events = []
         with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=60) as response:
             for line in response.iter_lines():
