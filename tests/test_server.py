@@ -441,7 +441,8 @@ def fim_bos_server(server_factory, tiny_tokenizer, tmp_path_factory):
         single=f"{bos[0]} $A", pair=f"{bos[0]} $A {bos[0]} $B", special_tokens=[bos])
     path = build_tiny_model(tmp_path_factory.mktemp("tiny-fim"), "llama", tokenizer)
     server = server_factory(str(path), "--dtype", "float32", "--kv-cache-memory", "8MiB", "--served-model-name", "fim")
-    return server, openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60), tokenizer
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    return server, client, tokenizer
 
 
 def test_suffix_fills_in_the_middle_where_the_model_has_fim_tokens(fim_bos_server, client):

@@ -251,7 +251,8 @@ class LLMEngine:
                              f"Vocabulary size: {vocab}")
         outside = sorted({t for t in params.allowed_token_ids or () if not 0 <= t < vocab})
         if outside:
-            raise ValueError(f"allowed_token_ids contains out-of-vocab token ids {outside[:8]}. Vocabulary size: {vocab}")
+            raise ValueError(f"allowed_token_ids contains out-of-vocab token ids {outside[:8]}. "
+                             f"Vocabulary size: {vocab}")
         if params.min_tokens > max_tokens:  # without max_tokens, SamplingParams could not check it
             raise ValueError(f"min_tokens must be less than or equal to max_tokens={max_tokens}, "
                              f"got {params.min_tokens}.")

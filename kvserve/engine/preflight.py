@@ -182,7 +182,8 @@ def lowered_max_model_len_warning(max_model_len: int, limit: int, budget: int) -
 
 def kv_budget_before_load(args: EngineArgs, device: torch.device) -> int | None:
     """The KV budget in bytes when it is known before the weights load: --kv-cache-memory, or
-    on CPU min(4 GiB, RAM/4 shared by the engine processes on the machine). None on CUDA without it (a profiling pass measures it after)."""
+    on CPU min(4 GiB, RAM/4 shared by the engine processes on the machine). None on CUDA without it
+    (a profiling pass measures it after)."""
     budget = None if args.kv_cache_memory is None else parse_size(args.kv_cache_memory)
     return platform_for(device).kv_budget_before_load(args, budget, device)
 

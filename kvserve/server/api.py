@@ -233,7 +233,8 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
             tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
             ids = await tokens.chat_prompt(conversation(body.messages), body.add_generation_prompt, tools,
                                            body.continue_final_message, body.chat_template_kwargs, body.chat_template,
-                                           add_special_tokens=body.add_special_tokens is True, fields=template_fields(body))
+                                           add_special_tokens=body.add_special_tokens is True,
+                                           fields=template_fields(body))
         else:
             ids = await tokens.encode(body.prompt, body.add_special_tokens is not False)
         strs = [tokens.token_text(t) for t in ids] if body.return_token_strs else None

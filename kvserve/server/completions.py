@@ -149,18 +149,20 @@ class CompletionServing:
                     state.record(p, out)
                     for c in out.outputs:
                         index, choice = state.choice(p, c.index)
-                        echo, first = body.echo and not choice.started, not choice.started
+                        echo = body.echo and not choice.started
                         if echo and echo_logprobs and out.prompt_logprobs is None and c.finish_reason is None:
                             continue  # the first chunk waits for the prompt's logprobs (another sample computes them)
                         delta = (prompts[p].text if echo else "") + c.text[choice.chars_sent:]
                         choice.started = True
                         new_logprobs = c.logprobs[choice.tokens_sent:] if c.logprobs is not None else None
                         new_ids = list(c.token_ids[choice.ids_sent:]) if body.return_token_ids else None
+                        send_prompt = body.return_token_ids and not choice.prompt_ids_sent  # (in its first chunk)
+                        prompt_ids = prompts[p].token_ids if send_prompt else None
                         finishing = c.finish_reason is not None and not choice.finished
                         choice.chars_sent, choice.num_tokens = len(c.text), len(c.token_ids)
-                        if not (delta or new_logprobs or new_ids or finishing):
+                        if not (delta or new_logprobs or new_ids or prompt_ids or finishing):
                             continue
-                        choice.ids_sent = len(c.token_ids)
+                        choice.ids_sent, choice.prompt_ids_sent = len(c.token_ids), True
                         logprobs = None
                         if echo and echo_logprobs:
                             logprobs = echoed_prompt_logprobs(ctx.tokens, prompts[p].token_ids, out.prompt_logprobs,
@@ -176,9 +178,7 @@ class CompletionServing:
                         choice.finished = c.finish_reason is not None
                         yield chunk([CompletionChoice(index=index, text=delta, logprobs=logprobs,
                                                       finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                                                      token_ids=new_ids,
-                                                      prompt_token_ids=prompts[p].token_ids
-                                                      if body.return_token_ids and first else None)],
+                                                      token_ids=new_ids, prompt_token_ids=prompt_ids)],
                                     continuous)
             if final_usage:
                 yield chunk([], True)

@@ -211,7 +211,9 @@ class Tokenization:
         return prompts
 
     def _tokenize_one(self, text: str, add_special_tokens: bool) -> list[int]:
-        return self._engine.tokenize(text)[1] if add_special_tokens else self.tokenizer.encode(text, add_special_tokens=False)
+        if add_special_tokens:
+            return self._engine.tokenize(text)[1]
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     async def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
                           tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,

@@ -172,6 +172,7 @@ class ChoiceState:
     reasoning_sent: int = 0  # characters of its reasoning (--reasoning-parser)
     tokens_sent: int = 0
     ids_sent: int = 0  # token ids sent (return_token_ids)
+    prompt_ids_sent: bool = False  # its prompt's ids sent (return_token_ids, completions)
     num_tokens: int = 0
     finished: bool = False
 
