@@ -388,6 +388,9 @@ def test_the_data_parallel_front_end_stops_once_every_replica_has_exited(cluster
     replicas = [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()
                 and _parent(entry) == dp.process.pid and b"kvserve.cli" in _cmdline(entry)]
     assert len(replicas) == 2
+    # their private key reaches them in their environment, not on their command line (which every
+    # local user can read)
+    assert not any(b"--api-key" in _cmdline(Path(f"/proc/{pid}")) for pid in replicas)
     os.kill(replicas[0], signal.SIGKILL)
     deadline = time.monotonic() + 30  # (a request sent before the front end knows may be its 502)
     while sum(b["up"] for b in httpx.get(f"{dp.base_url}/router/state", timeout=10).json()["backends"]) != 1:

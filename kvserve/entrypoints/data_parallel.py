@@ -74,11 +74,15 @@ def _cuda_devices() -> list[str]:
     return [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
 
 
-def _replica_env(index: int, count: int, devices: list[str], ranks: int = 1) -> dict[str, str]:
+def _replica_env(index: int, count: int, devices: list[str], ranks: int = 1, key: str | None = None) -> dict[str, str]:
     """Replica `index` of `count`, each with `ranks` tensor-parallel ranks: its share of the cores
-    (split again among its ranks, kvserve/engine/parallel/group.py) and its own `ranks` GPUs."""
+    (split again among its ranks, kvserve/engine/parallel/group.py) and its own `ranks` GPUs. `key`:
+    the private API key, as $KVSERVE_API_KEY (a process's environment is readable by its user only,
+    its command line by every local user)."""
     env = dict(os.environ)
     env.pop("KVSERVE_API_KEY", None)
+    if key is not None:
+        env["KVSERVE_API_KEY"] = key
     env.pop("MASTER_PORT", None)  # each replica's ranks meet on a port of their own
     cores = max(1, (os.cpu_count() or 1) // count)
     env.setdefault(CORES_ENV, str(cores))
@@ -167,10 +171,9 @@ def run_data_parallel(args: argparse.Namespace, serve_argv: list[str], sock, uvi
     try:
         for i, port in enumerate(ports):
             command = [sys.executable, "-m", "kvserve.cli", "--log-level", args.log_level, "serve", *child,
-                       # `=`: a random key may start with "-", which argparse would take for an option
-                       "--host", "127.0.0.1", "--port", str(port), f"--api-key={key}"]
-            processes.append(subprocess.Popen(command, env=_replica_env(i, count, devices, args.tensor_parallel_size),
-                                              preexec_fn=_die_with_parent))
+                       "--host", "127.0.0.1", "--port", str(port)]
+            env = _replica_env(i, count, devices, args.tensor_parallel_size, key)
+            processes.append(subprocess.Popen(command, env=env, preexec_fn=_die_with_parent))
         policy = args.routing_policy or "kv_aware"
         model_path = str(resolve_model_path(args.model))
         # Loaded while the replicas load their models, so that kv_aware routes from the first request.
