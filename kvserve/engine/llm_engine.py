@@ -534,19 +534,18 @@ class LLMEngine:
         CapacityError stands (the input does not fit the pool). `release_waiter` ends the hold."""
         busy = bool(self.scheduler.running) or self._in_flight is not None
         needed = min(blocks_for_tokens(len(token_ids), self.kv_spec.block_size), self.num_blocks - 1)
-        if busy and needed > self.num_free_blocks:
-            self.scheduler.held_for.add(waiter)
-            return None
-        try:
-            vector = self.embed(token_ids, normalize)
-        except CapacityError:
-            if not busy:
+        if not busy or needed <= self.num_free_blocks:
+            try:
+                vector = self.embed(token_ids, normalize)
+            except CapacityError:
+                if not busy:
+                    self.release_waiter(waiter)
+                    raise
+            else:
                 self.release_waiter(waiter)
-                raise
-            self.scheduler.held_for.add(waiter)
-            return None
-        self.release_waiter(waiter)
-        return vector
+                return vector
+        self.scheduler.held_for.add(waiter)
+        return None
 
     def release_waiter(self, waiter: str) -> None:
         self.scheduler.held_for.discard(waiter)

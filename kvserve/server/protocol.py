@@ -14,6 +14,7 @@ from typing import Any, Callable, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_serializer, model_validator
 
 from kvserve.cache.eviction import POLICY_CHOICES
+from kvserve.engine.output_processor import TEMPLATE_FIELDS
 from kvserve.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, StructuredOutputsParams
 from kvserve.server.json_schemas import closed_schema
 
@@ -77,7 +78,7 @@ ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
 
 def template_fields(body: ChatCompletionRequest | TokenizeRequest) -> dict[str, Any]:
     """The request's fields that its chat template takes as variables (documents, reasoning_effort)."""
-    return {name: value for name in ("documents", "reasoning_effort") if (value := getattr(body, name)) is not None}
+    return {name: value for name in TEMPLATE_FIELDS if (value := getattr(body, name)) is not None}
 
 
 class OpenAIModel(BaseModel):
